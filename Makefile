@@ -1,0 +1,33 @@
+# Two commands do all the set-up: `make serve` and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: serve test bench bench-quick model clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(PY) -m gateway serve $(ARGS)
+
+model: $(STAMP)
+	$(PY) -m engine.model.default_model
+
+test: $(STAMP)
+	bash scripts/ensure_test_deps.sh
+	$(PY) -m pytest $(ARGS)
+
+bench: $(STAMP)
+	$(PY) -m bench $(ARGS)
+
+bench-quick: $(STAMP)
+	$(PY) -m bench --quick $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

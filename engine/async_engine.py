@@ -1,0 +1,174 @@
+"""The engine behind asyncio: the step loop runs on its own thread; deltas come back through queues."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.outputs import RequestOutput
+from engine.request import Request
+from engine.sampling import SamplingParams
+from engine.stats import SchedulerStats, StepStats
+
+logger = logging.getLogger("prefixgate.engine")
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.config = core.config
+        self.tokenizer = core.tokenizer
+        self.max_model_len = core.max_model_len
+        self.model_name = _served_name(core)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", Request) | ("abort", id), from any thread
+        self._wake = threading.Event()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._listeners: list[Callable[[StepStats], None]] = []
+        self._stats = core.scheduler_stats()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._failed: BaseException | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        return cls(EngineCore(config))
+
+    # ---- lifecycle
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="prefixgate-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Let running requests finish for up to `timeout` seconds, abort the rest, stop the thread."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._queues and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._queues):
+            self.abort(request_id)
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._failed is None and not self._stopping
+
+    # ---- requests
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       cache_salt: str | None = None, tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+        self.core.validate(prompt_token_ids, params)
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if not self.is_alive():
+            raise RuntimeError("the engine is not running")
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request_id] = outputs
+        self._send(("add", Request(request_id, prompt_token_ids, params, cache_salt=cache_salt, tenant=tenant)))
+        finished = False
+        try:
+            while not finished:
+                output = await outputs.get()
+                finished = output.finished
+                yield output
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # the consumer went away (disconnect, cancel): release the blocks now
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def add_stats_listener(self, fn: Callable[[StepStats], None]) -> None:
+        self._listeners.append(fn)
+
+    def scheduler_stats(self) -> SchedulerStats:
+        return self._stats
+
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    @property
+    def step_hook(self) -> Callable[[], None] | None:
+        return self.core.step_hook
+
+    @step_hook.setter
+    def step_hook(self, hook: Callable[[], None] | None) -> None:
+        self.core.step_hook = hook
+
+    def check_blocks_released(self) -> None:
+        """For leak tests: with no request left, no block may be referenced and every block must be free."""
+        pool = self.core.kv.pool
+        assert not self.core.requests, f"{len(self.core.requests)} requests still in the engine"
+        referenced = [b.block_id for b in pool.blocks if b.ref_cnt != 0]
+        assert not referenced, f"blocks still referenced: {referenced[:10]}"
+        assert pool.num_free_blocks == len(pool.blocks), "free queue lost blocks"
+
+    # ---- the engine thread
+
+    def _send(self, message: tuple) -> None:
+        self._inbox.put(message)
+        self._wake.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not self.core.has_unfinished():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                outputs, stats = self.core.step()
+                self._stats = stats.scheduler
+                self._deliver(outputs)
+                for listener in self._listeners:
+                    listener(stats)
+        except BaseException as exc:  # the loop itself broke (not a step): /health turns red
+            self._failed = exc
+            logger.exception("engine loop died")
+            raise
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.core.add_request(payload)
+                except ValueError as exc:
+                    self._deliver([_rejected(payload, str(exc))])
+            else:
+                output = self.core.abort(payload)
+                if output is not None:
+                    self._deliver([output])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if outputs and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            q = self._queues.get(output.request_id)
+            if q is not None:
+                q.put_nowait(output)
+
+
+def _rejected(request: Request, message: str) -> RequestOutput:
+    return RequestOutput(request.request_id, [], "", None, request.num_prompt_tokens, 0, 0,
+                         finished=True, finish_reason="error", error=message)
+
+
+def _served_name(core: EngineCore) -> str:
+    if core.config.model in ("", "default"):
+        from engine.model.default_model import DEFAULT_MODEL_NAME
+        return DEFAULT_MODEL_NAME
+    return core.model_path.name

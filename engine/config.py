@@ -1,0 +1,64 @@
+"""Engine settings: one frozen dataclass, checked once at start-up."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+
+class SchedulingPolicy(str, enum.Enum):
+    FCFS = "fcfs"
+    LPM = "lpm"  # longest prefix match first (SGLang's `lpm`)
+
+
+class HashAlgo(str, enum.Enum):
+    SHA256 = "sha256"
+    XXHASH = "xxhash"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "default"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: size the pool from kv_cache_memory_mb
+    kv_cache_memory_mb: int = 1024
+    max_num_batched_tokens: int = 512  # token budget of one step (the prefill chunk size)
+    max_num_seqs: int = 32
+    max_model_len: int | None = None  # None: the model's own context length
+    enable_prefix_caching: bool = True
+    hash_algo: HashAlgo = HashAlgo.SHA256
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.LPM
+    max_reorder_wait_s: float = 2.0  # lpm may delay a request at most this long past FCFS
+    lpm_max_queue: int = 256  # above this many waiting requests lpm falls back to FCFS
+    min_shared_prefix_tokens: int = 0  # side-channel hardening: no hit shorter than this
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    model_cache_dir: str | None = None  # where the default model is converted to
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hash_algo", HashAlgo(self.hash_algo))
+        object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
+        _check(self.block_size >= 1, "block_size must be >= 1")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks must be >= 2")
+        _check(self.kv_cache_memory_mb > 0, "kv_cache_memory_mb must be > 0")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
+        _check(self.max_reorder_wait_s >= 0, "max_reorder_wait_s must be >= 0")
+        _check(self.min_shared_prefix_tokens >= 0, "min_shared_prefix_tokens must be >= 0")
+        _check(self.device in ("auto", "cpu", "cuda"), f"unknown device {self.device!r}")
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype!r}")
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,227 @@
+"""The step loop: schedule, run one forward pass, sample, register full blocks, emit deltas."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import GenerationConfig
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.model.loader import load_config, load_model, resolve_model_path
+from engine.outputs import FinishReason, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.runner import ModelRunner
+from engine.sampling import Sampler, SamplingParams
+from engine.scheduler import ScheduledChunk, Scheduler
+from engine.stats import FinishedRequestStats, PrefixCacheStats, SchedulerStats, StepStats
+from engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger("prefixgate.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineCore:
+    """Single-threaded engine: everything here runs on the thread that calls step()."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = _resolve_device(config.device)
+        dtype = _resolve_dtype(config.dtype, self.device)
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        path = resolve_model_path(config.model, config.model_cache_dir)
+        hf_config = load_config(path)
+        self.model_path = path
+        self.model = load_model(path, hf_config, dtype, self.device)
+        self.tokenizer = load_tokenizer(path, _eos_token_ids(path, hf_config))
+        self.vocab_size = hf_config.vocab_size
+        self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
+        kv_cache = _allocate_kv_cache(config, hf_config, dtype, self.device)
+        self.num_blocks = kv_cache.shape[2]
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
+                                 hash_algo=config.hash_algo, min_shared_prefix_tokens=config.min_shared_prefix_tokens)
+        self.scheduler = Scheduler(config, self.kv)
+        self.runner = ModelRunner(self.model, kv_cache, self.kv, self.device)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.step_hook: Callable[[], None] | None = None  # test hook: raising fails the step
+        self.num_steps = 0
+        self._tenant_counts: dict[str, tuple[int, int]] = {}
+
+    # ---- requests in and out
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds the context length ({self.max_model_len})")
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        self.validate(request.prompt_token_ids, request.params)
+        self.requests[request.request_id] = request
+        self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.params.stop)
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        return self._finish(request, FinishReason.ABORT)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step
+
+    def step(self) -> tuple[list[RequestOutput], StepStats]:
+        sched = self.scheduler.schedule()
+        self.num_steps += 1
+        if not sched.chunks:
+            return [], self._step_stats(0, 0, [])
+        num_prompt_tokens = sum(_prompt_tokens_in(c) for c in sched.chunks)
+        try:
+            if self.step_hook is not None:
+                self.step_hook()
+            logits, sampled = self.runner.execute(sched.chunks)
+            tokens = self.sampler(logits, [c.request.params for c in sampled], [c.request.generator for c in sampled])
+        except Exception as exc:  # a failed step fails its requests, not the engine
+            logger.exception("engine step failed; failing its %d requests", len(sched.chunks))
+            outputs = [self._finish(c.request, FinishReason.ERROR, error=f"engine step failed: {exc!r}")
+                       for c in sched.chunks]
+            return outputs, self._step_stats(0, 0, [self._finished_stats(c.request) for c in sched.chunks])
+        now = time.monotonic()
+        for chunk in sched.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+        outputs, finished = [], []
+        for chunk, token in zip(sampled, tokens):
+            request = chunk.request
+            request.append_token(token, now)
+            self.kv.cache_full_blocks(request)
+            outputs.append(self._emit(request, token))
+            if request.is_finished:
+                finished.append(self._finished_stats(request))
+        for chunk in (c for c in sched.chunks if c not in sampled):
+            self.kv.cache_full_blocks(chunk.request)  # a prefill chunk's full blocks hit from the next step on
+        return outputs, self._step_stats(num_prompt_tokens, len(tokens), finished)
+
+    def _emit(self, request: Request, token) -> RequestOutput:
+        detok = self.detokenizers[request.request_id]
+        reason = self._stop_reason(request, detok)
+        if reason is not None:
+            return self._finish(request, reason, new_tokens=[token])
+        return self._output(request, [token], detok.take(finished=False))
+
+    def _stop_reason(self, request: Request, detok: IncrementalDetokenizer) -> str | None:
+        token_id, params = request.output_token_ids[-1], request.params
+        if detok.update(request.output_token_ids):
+            return FinishReason.STOP
+        if (token_id in self.tokenizer.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: str, new_tokens=(), error: str | None = None) -> RequestOutput:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.scheduler.remove(request)
+        del self.requests[request.request_id]
+        detok = self.detokenizers.pop(request.request_id)
+        return self._output(request, list(new_tokens), detok.take(finished=True), error)
+
+    def _output(self, request: Request, new_tokens, text: str, error: str | None = None) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[t.token_id for t in new_tokens],
+            new_text=text,
+            new_logprobs=list(new_tokens) if request.params.logprobs is not None else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_output_tokens=len(request.output_token_ids),
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            error=error,
+        )
+
+    # ---- stats
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        pool = self.kv.pool
+        return PrefixCacheStats(queries=self.kv.num_queried_tokens, hits=self.kv.num_hit_tokens,
+                                requests=self.kv.num_lookups, evictions_capacity=pool.num_evictions,
+                                evictions_preemption=self.kv.num_preemption_evictions,
+                                cached_blocks=len(pool.cached), usage=pool.usage())
+
+    def scheduler_stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                              num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
+                              num_blocks=self.num_blocks, prefix_cache=self.prefix_cache_stats())
+
+    def _step_stats(self, num_prompt_tokens: int, num_generation_tokens: int,
+                    finished: list[FinishedRequestStats]) -> StepStats:
+        return StepStats(self.scheduler_stats(), num_prompt_tokens, num_generation_tokens, finished,
+                         dict(self.kv.tenant_lookups))
+
+    def _finished_stats(self, r: Request) -> FinishedRequestStats:
+        end = time.monotonic()
+        first_token = r.first_token_time or end
+        scheduled = r.first_scheduled_time or end
+        return FinishedRequestStats(
+            request_id=r.request_id, tenant=r.tenant, finish_reason=r.finish_reason or FinishReason.ABORT,
+            num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=max(r.num_cached_tokens, 0),
+            num_output_tokens=len(r.output_token_ids), queue_time=scheduled - r.arrival_time,
+            prefill_time=first_token - scheduled, ttft=first_token - r.arrival_time,
+            e2e_latency=end - r.arrival_time, inter_token_latencies=list(r.inter_token_latencies))
+
+
+def _prompt_tokens_in(chunk: ScheduledChunk) -> int:
+    start = chunk.request.num_computed_tokens
+    return max(0, min(start + chunk.num_tokens, chunk.request.num_prompt_tokens) - start)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # fp32 on CPU: these CPUs have no fast bf16 matmul
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def _eos_token_ids(path, hf_config) -> set[int]:
+    ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
+    except OSError:
+        eos = None
+    eos = eos if eos is not None else hf_config.eos_token_id
+    if eos is not None:
+        ids.update(eos if isinstance(eos, list) else [eos])
+    return ids
+
+
+def _allocate_kv_cache(config: EngineConfig, hf_config, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    kv_heads = hf_config.num_key_value_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    layers = hf_config.num_hidden_layers
+    num_blocks = config.num_kv_blocks
+    if num_blocks is None:
+        bytes_per_block = 2 * layers * config.block_size * kv_heads * head_dim * dtype.itemsize
+        num_blocks = max(2, config.kv_cache_memory_mb * 2**20 // bytes_per_block)
+    # NOTE: one tensor for the whole pool, allocated once; a token's slot is block_id * block_size + offset
+    return torch.zeros(2, layers, num_blocks, config.block_size, kv_heads, head_dim, dtype=dtype, device=device)

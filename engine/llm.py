@@ -1,0 +1,43 @@
+"""Offline API for tests and notebooks: `LLM(model).generate(prompts, params)`."""
+from __future__ import annotations
+
+import itertools
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.outputs import CompletionOutput
+from engine.request import Request
+from engine.sampling import SamplingParams
+from engine.stats import PrefixCacheStats
+
+
+class LLM:
+    def __init__(self, model: str = "default", **engine_overrides) -> None:
+        self.core = EngineCore(EngineConfig(model=model, **engine_overrides))
+        self.tokenizer = self.core.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | list[int] | list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None, *,
+                 cache_salt: str | None = None) -> list[CompletionOutput]:
+        """Runs all prompts together (continuous batching) and returns their results in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        requests = []
+        for prompt, p in zip(prompts, params_list, strict=True):
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request = Request(f"llm-{next(self._ids)}", token_ids, p, cache_salt=cache_salt)
+            self.core.add_request(request)
+            requests.append(request)
+        texts = {r.request_id: [] for r in requests}
+        while self.core.has_unfinished():
+            outputs, _ = self.core.step()
+            for out in outputs:
+                texts[out.request_id].append(out.new_text)
+        return [CompletionOutput(r.request_id, r.prompt_token_ids, r.output_token_ids, "".join(texts[r.request_id]),
+                                 max(r.num_cached_tokens, 0), r.finish_reason,
+                                 r.logprobs if r.params.logprobs is not None else None) for r in requests]
+
+    def stats(self) -> PrefixCacheStats:
+        return self.core.prefix_cache_stats()

@@ -1,0 +1,48 @@
+"""Loads a Hugging Face model directory (config.json + *.safetensors) into our decoder."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, PretrainedConfig
+
+from engine.model.llama import LlamaForCausalLM
+
+
+def resolve_model_path(model: str, cache_dir: str | None = None) -> Path:
+    """`default` (or empty) means the built-in default model, converted on first use."""
+    if model in ("", "default"):
+        from engine.model.default_model import ensure_default_model
+        return ensure_default_model(Path(cache_dir) if cache_dir else None)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{model!r} is not a model directory (no config.json)")
+    return path
+
+
+def load_config(path: Path) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state = {}
+    for file in files:
+        state.update(load_file(file))
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks weights: {missing[:5]}")
+    # buffers (rotary frequencies) are not in the checkpoint: build them for real
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    model.model.rotary_emb = type(model.model.rotary_emb)(config, head_dim)
+    return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,42 @@
+"""What the engine hands back: one delta per request per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling import SampledToken
+
+
+class FinishReason:
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+    ERROR = "error"  # the engine step that ran this request failed
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """New tokens and text of one request since its previous output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[SampledToken] | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int  # all tokens generated so far
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """The whole result of one request (offline API)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    num_cached_tokens: int
+    finish_reason: str | None
+    logprobs: list[SampledToken] | None = field(default=None)

@@ -1,0 +1,35 @@
+"""Admission order of waiting requests: FCFS, or longest cached prefix first with a bounded wait."""
+from __future__ import annotations
+
+from collections import Counter
+
+from engine.config import SchedulingPolicy
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.request import Request
+
+
+class AdmissionOrder:
+    def __init__(self, policy: SchedulingPolicy, max_reorder_wait_s: float, max_queue: int,
+                 kv: KVCacheManager) -> None:
+        self.policy = policy
+        self.max_reorder_wait_s = max_reorder_wait_s
+        self.max_queue = max_queue
+        self.kv = kv
+
+    def __call__(self, waiting: list[Request], now: float) -> list[Request]:
+        # sorting by prefix match is not free: above max_queue waiting requests fall back to FCFS
+        if self.policy is SchedulingPolicy.FCFS or len(waiting) > self.max_queue or not self.kv.enable_caching:
+            return list(waiting)
+        # a request that has waited max_reorder_wait_s is never passed again (aging bounds the delay)
+        overdue = [r for r in waiting if now - r.arrival_time >= self.max_reorder_wait_s]
+        rest = [r for r in waiting if now - r.arrival_time < self.max_reorder_wait_s]
+        for r in rest:
+            r.update_block_hashes(self.kv.block_size, self.kv.hash_algo)
+        sharers = Counter(r.block_hashes[0] for r in rest if r.block_hashes)
+        cached = {r.request_id: len(self.kv.find_cached_prefix(r).blocks) for r in rest}
+
+        def key(r: Request):
+            shared = sharers[r.block_hashes[0]] - 1 if r.block_hashes else 0
+            return (-cached[r.request_id], -shared, r.arrival_time)
+
+        return overdue + sorted(rest, key=key)

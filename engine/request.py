@@ -1,0 +1,79 @@
+"""A request's state inside the engine: its tokens, progress, block hashes and timings."""
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from engine.config import HashAlgo
+from engine.kv.hashing import BlockHash, hash_full_blocks
+from engine.sampling import SampledToken, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                 cache_salt: str | None = None, tenant: str | None = None,
+                 arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.cache_salt = cache_salt
+        self.tenant = tenant
+        self.all_token_ids = list(prompt_token_ids)  # prompt + output
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[SampledToken] = []
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V sit in the cache
+        self.num_cached_tokens = -1  # prompt tokens served by the prefix cache (set when first scheduled)
+        self.num_preemptions = 0
+        self.block_hashes: list[BlockHash] = []
+        self.finish_reason: str | None = None
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.inter_token_latencies: list[float] = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def block_tokens(self, index: int, block_size: int) -> tuple[int, ...]:
+        return tuple(self.all_token_ids[index * block_size:(index + 1) * block_size])
+
+    def update_block_hashes(self, block_size: int, algo: HashAlgo) -> None:
+        """Hash every full block not hashed yet (prompt and generated tokens alike)."""
+        parent = self.block_hashes[-1] if self.block_hashes else b""
+        self.block_hashes += hash_full_blocks(self.all_token_ids, block_size, start_block=len(self.block_hashes),
+                                              parent=parent, cache_salt=self.cache_salt, algo=algo)
+
+    def append_token(self, sampled: SampledToken, now: float) -> None:
+        self.output_token_ids.append(sampled.token_id)
+        self.all_token_ids.append(sampled.token_id)
+        if self.params.logprobs is not None:
+            self.logprobs.append(sampled)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        else:
+            self.inter_token_latencies.append(now - self.last_token_time)
+        self.last_token_time = now

@@ -1,0 +1,128 @@
+"""Continuous batching: each step fills a token budget with decodes first, then prefill chunks."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv.hashing import BlockHash
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.policy import AdmissionOrder
+from engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `request`, starting at its first uncomputed token."""
+
+    request: Request
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.kv = kv
+        self.clock = clock
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.order = AdmissionOrder(config.scheduling_policy, config.max_reorder_wait_s,
+                                    config.lpm_max_queue, kv)
+        self.waiting: list[Request] = []  # arrival order; preempted requests go back to the front
+        self.running: list[Request] = []  # admission order; the newest is preempted first
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Drop a finished or aborted request from the queues and release its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for request in sorted(self.running, key=lambda r: r.is_prefilling):  # decodes first
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request, num_tokens):
+                victim = self.running.pop()  # the newest running request gives way
+                budget += self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(request, num_tokens))
+                budget -= num_tokens
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        pending = self._pending_block_hashes()
+        admitted = []
+        for request in self.order(self.waiting, self.clock()):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            prefix = self.kv.find_cached_prefix(request)
+            num_hit_blocks = len(prefix.blocks)
+            if num_hit_blocks < len(request.block_hashes) and request.block_hashes[num_hit_blocks] in pending:
+                continue  # a running prefill is computing this prefix now: wait and hit it next step
+            num_tokens = min(request.num_tokens - prefix.num_tokens, budget)
+            if not self.kv.allocate(request, num_tokens, prefix):
+                break
+            self.kv.record_lookup(request, prefix)
+            request.num_computed_tokens = prefix.num_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = prefix.num_tokens
+                request.first_scheduled_time = self.clock()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            admitted.append(request)
+            pending.update(request.block_hashes[num_hit_blocks:])
+            out.chunks.append(ScheduledChunk(request, num_tokens))
+            budget -= num_tokens
+        for request in admitted:
+            self.waiting.remove(request)
+
+    def _pending_block_hashes(self) -> set[BlockHash]:
+        """Hashes of prompt blocks that running prefills have not computed yet."""
+        if not self.kv.enable_caching:
+            return set()
+        bs = self.kv.block_size
+        return {h for r in self.running if r.is_prefilling
+                for h in r.block_hashes[r.num_computed_tokens // bs:r.num_prompt_tokens // bs]}
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> int:
+        """Returns the budget a chunk already scheduled for `request` this step gave back."""
+        # NOTE: preemption is by recompute; the request's full blocks stay cached for its return
+        self.kv.free(request, preempted=True)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.insert(0, request)
+        self.num_preemptions += 1
+        out.preempted.append(request)
+        refund = sum(c.num_tokens for c in out.chunks if c.request is request)
+        out.chunks = [c for c in out.chunks if c.request is not request]
+        return refund

@@ -1,0 +1,61 @@
+"""Plain stats the engine hands out; metrics/ turns them into Prometheus series."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Cumulative counters of the prefix cache since start-up."""
+
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # prompt tokens found cached
+    requests: int = 0  # lookups (one per admitted request)
+    evictions_capacity: int = 0  # cached blocks dropped to make room
+    evictions_preemption: int = 0  # blocks released by preemption whose hash was lost later
+    cached_blocks: int = 0  # blocks currently holding a registered hash
+    usage: float = 0.0  # fraction of blocks referenced by running requests
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """A snapshot taken after each engine step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0  # cumulative
+    num_steps: int = 0  # cumulative
+    num_blocks: int = 0
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+
+
+@dataclass(slots=True)
+class FinishedRequestStats:
+    """Timings and counts of one finished request, in seconds since arrival."""
+
+    request_id: str
+    tenant: str | None
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    queue_time: float  # arrival -> first scheduled
+    prefill_time: float  # first scheduled -> first token
+    ttft: float  # arrival -> first token
+    e2e_latency: float  # arrival -> finished
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What one engine step did, for per-step metrics."""
+
+    scheduler: SchedulerStats
+    num_prompt_tokens: int = 0  # prefill tokens computed this step
+    num_generation_tokens: int = 0
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+    tenant_cache: dict[str, tuple[int, int]] = field(default_factory=dict)  # tenant -> cumulative (queries, hits) tokens

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs the real server parts the end-to-end tests use (Prometheus, promtool)
+# when they are missing and we may install them (root). Tests fail when CI is set
+# and a part is still missing.
+set -u
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing prometheus (Debian package) for the metrics tests"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
+      || echo "warning: could not install prometheus"
+  else
+    echo "warning: prometheus is not installed; the metrics end-to-end tests will fail under CI"
+  fi
+fi

