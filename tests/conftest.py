@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny random-weight models built once per test session."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from tests.tiny_models import build_tiktoken_model, build_tiny_model
+
+IN_CI = bool(os.environ.get("CI"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_tiktoken_dir(tmp_path_factory):
+    return build_tiktoken_model(tmp_path_factory.mktemp("tiny-tiktoken"))
+
+
+def require_binary(name: str) -> str:
+    """Path of a real server part; fails under CI when it is missing, skips elsewhere."""
+    path = shutil.which(name)
+    if path is None:
+        message = f"{name} is not installed (make test installs it)"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return path

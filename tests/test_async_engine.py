@@ -1,0 +1,78 @@
+"""AsyncEngine: deltas over asyncio, aborts release blocks, a failed step fails only its requests."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import AsyncEngine, EngineConfig, SamplingParams
+
+
+@pytest.fixture
+async def engine(tiny_llama_dir):
+    engine = AsyncEngine.from_config(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64,
+                                                  max_num_batched_tokens=16))
+    engine.start()
+    yield engine
+    await engine.shutdown(timeout=1)
+
+
+async def _collect(engine, request_id, prompt, params, **kw):
+    return [out async for out in engine.generate(request_id, prompt, params, **kw)]
+
+
+async def test_generate_streams_deltas_and_finishes(engine):
+    prompt = engine.tokenizer.encode("the capital of France is Paris and the world is good")
+    outs = await _collect(engine, "a", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert [len(o.new_token_ids) for o in outs] == [1] * 8
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert outs[-1].num_output_tokens == 8 and outs[-1].num_prompt_tokens == len(prompt)
+    assert not any(o.finished for o in outs[:-1])
+    engine.check_blocks_released()
+
+
+async def test_consumer_leaving_aborts_and_releases_blocks(engine):
+    prompt = list(range(3, 60))
+    gen = engine.generate("b", prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    await anext(gen)
+    await gen.aclose()  # what a client disconnect does to the handler's generator
+    for _ in range(100):
+        if not engine.core.requests:
+            break
+        await asyncio.sleep(0.01)
+    engine.check_blocks_released()
+    assert engine.core.kv.pool.cached  # the prompt's full blocks stay cached for the next request
+
+
+async def test_failed_step_fails_its_requests_and_the_engine_keeps_serving(engine):
+    def explode():
+        engine.step_hook = None
+        raise RuntimeError("injected")
+
+    engine.step_hook = explode
+    outs = await _collect(engine, "c", list(range(3, 40)), SamplingParams(max_tokens=4, temperature=0))
+    assert outs[-1].finish_reason == "error" and "injected" in outs[-1].error
+    ok = await _collect(engine, "d", list(range(3, 40)), SamplingParams(max_tokens=4, temperature=0,
+                                                                       ignore_eos=True))
+    assert ok[-1].finish_reason == "length"
+    assert engine.is_alive()
+    engine.check_blocks_released()
+
+
+async def test_invalid_prompts_raise_before_anything_runs(engine):
+    with pytest.raises(ValueError, match="empty"):
+        await _collect(engine, "e", [], SamplingParams())
+    with pytest.raises(ValueError, match="token ids"):
+        await _collect(engine, "f", [10**9], SamplingParams())
+    with pytest.raises(ValueError, match="context length"):
+        await _collect(engine, "g", [5], SamplingParams(max_tokens=10**6))
+
+
+async def test_concurrent_requests_share_the_prefix(engine):
+    system = list(range(3, 67))  # 64 tokens: four full blocks
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    results = await asyncio.gather(*[_collect(engine, f"u{i}", system + [100 + i, 200 + i], params)
+                                     for i in range(4)])
+    cached = sorted(r[-1].num_cached_tokens for r in results)
+    assert cached == [0, 64, 64, 64]  # computed once, hit by the three others
+    engine.check_blocks_released()

@@ -1,0 +1,108 @@
+"""Sampler and request options: seeds, top-k/top-p, logprobs, stop tokens and stop strings."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling import Sampler, _filtered_probs
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), num_kv_blocks=128)
+
+
+def _prompt(llm) -> list[int]:
+    return llm.tokenizer.encode("the capital of France is Paris. what is the capital of France?")
+
+
+def test_same_seed_same_output_different_seed_differs(llm):
+    params = [SamplingParams(max_tokens=24, temperature=1.0, seed=s, ignore_eos=True) for s in (7, 7, 8)]
+    a, b, c = llm.generate([_prompt(llm)] * 3, params)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_top_k_one_is_greedy(llm):
+    greedy = llm.generate(_prompt(llm), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    top1 = llm.generate(_prompt(llm), SamplingParams(max_tokens=16, temperature=1.5, top_k=1, seed=3,
+                                                     ignore_eos=True))[0]
+    assert top1.token_ids == greedy.token_ids
+
+
+def test_filtered_probs_top_p_keeps_smallest_head():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    probs = _filtered_probs(logits, top_k=0, top_p=0.8)
+    assert probs.tolist() == pytest.approx([0.5, 0.3, 0.0, 0.0])
+    assert _filtered_probs(logits, top_k=2, top_p=1.0).tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0])
+
+
+def test_logprobs_are_those_of_the_chosen_tokens():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    out = Sampler()(logits, [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0)], [None, None])
+    expected = torch.log_softmax(logits[0], -1)
+    assert out[0].token_id == 1 and out[0].logprob == pytest.approx(expected[1].item())
+    assert [t for t, _ in out[0].top_logprobs] == [1, 2]
+    assert out[1].logprob is None
+
+
+def test_logprobs_through_the_engine(llm):
+    out = llm.generate(_prompt(llm), SamplingParams(max_tokens=5, temperature=0, logprobs=3, ignore_eos=True))[0]
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    for lp in out.logprobs:
+        assert lp.top_logprobs[0][0] == lp.token_id  # greedy picks the top token
+        assert lp.logprob <= 0 and math.isclose(lp.logprob, lp.top_logprobs[0][1])
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    free = llm.generate(_prompt(llm), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 12
+    stop_at = free.token_ids[4]
+    first = free.token_ids.index(stop_at)
+    stopped = llm.generate(_prompt(llm), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                        stop_token_ids=[stop_at]))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[:first + 1]
+
+
+def test_stop_string_cuts_the_text(llm):
+    free = llm.generate(_prompt(llm), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    stop = free.text[5:8]
+    out = llm.generate(_prompt(llm), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[:free.text.index(stop)]
+
+
+class _CharTokenizer:
+    """One character per token id (ord), to drive the detokenizer exactly."""
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_detokenizer_holds_back_a_possible_stop_string():
+    detok = IncrementalDetokenizer(_CharTokenizer(), ["STOP"])
+    ids, released = [], []
+    for ch in "abcSTO":
+        ids.append(ord(ch))
+        assert not detok.update(ids)
+        released.append(detok.take(finished=False))
+    assert "".join(released) == "abc"  # "STO" may still become "STOP"
+    ids.append(ord("P"))
+    assert detok.update(ids)
+    assert detok.take(finished=True) == ""
+    assert detok.text == "abc"
+
+
+def test_tiktoken_backend_round_trips_and_generates(tiny_tiktoken_dir):
+    llm = LLM(str(tiny_tiktoken_dir), num_kv_blocks=32)
+    text = "Hello, world! The capital of France is Paris."
+    ids = llm.tokenizer.encode(text)
+    assert llm.tokenizer.decode(ids) == text
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat.endswith("<|im_start|>assistant\n")
+    out = llm.generate(text, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
