@@ -37,17 +37,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)
     for seq in meta.prefills:
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
-        keys = k_cache[seq.context_slots].transpose(0, 1).unsqueeze(0)
-        values = v_cache[seq.context_slots].transpose(0, 1).unsqueeze(0)
+        keys = k_cache.index_select(0, seq.context_slots).transpose(0, 1).unsqueeze(0)
+        values = v_cache.index_select(0, seq.context_slots).transpose(0, 1).unsqueeze(0)
         query = q[rows].transpose(0, 1).unsqueeze(0)
         attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=seq.mask,
                                               is_causal=seq.mask is None, scale=scale, enable_gqa=True)
         out[rows] = attn[0].transpose(0, 1)
     if meta.decode_token_idx is not None:
         query = q[meta.decode_token_idx].unsqueeze(2)  # [B, H, 1, D]
-        keys = k_cache[meta.decode_slots].transpose(1, 2)  # [B, KVH, max_ctx, D]
-        values = v_cache[meta.decode_slots].transpose(1, 2)
+        keys = _gather(k_cache, meta.decode_slots).transpose(1, 2)  # [B, KVH, max_ctx, D]
+        values = _gather(v_cache, meta.decode_slots).transpose(1, 2)
         attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask,
                                               scale=scale, enable_gqa=True)
         out[meta.decode_token_idx] = attn.squeeze(2)
     return out
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for a 2-D slot matrix; index_select copies whole rows, far faster than advanced indexing."""
+    return cache.index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[1:])

