@@ -122,18 +122,22 @@ class AsyncEngine:
             while not self._stopping:
                 self._drain_inbox()
                 if not self.core.has_unfinished():
+                    self._publish(self.core.take_stats())  # aborts leave no step behind: report them now
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
                 outputs, stats = self.core.step()
-                self._stats = stats.scheduler
+                self._publish(stats)  # before the outputs, so a client never sees its answer before /metrics does
                 self._deliver(outputs)
-                for listener in self._listeners:
-                    listener(stats)
         except BaseException as exc:  # the loop itself broke (not a step): /health turns red
             self._failed = exc
             logger.exception("engine loop died")
             raise
+
+    def _publish(self, stats: StepStats) -> None:
+        self._stats = stats.scheduler
+        for listener in self._listeners:
+            listener(stats)
 
     def _drain_inbox(self) -> None:
         while True:

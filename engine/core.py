@@ -52,7 +52,7 @@ class EngineCore:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.step_hook: Callable[[], None] | None = None  # test hook: raising fails the step
         self.num_steps = 0
-        self._tenant_counts: dict[str, tuple[int, int]] = {}
+        self._finished: list[FinishedRequestStats] = []  # since the last stats handed out
 
     # ---- requests in and out
 
@@ -88,7 +88,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         self.num_steps += 1
         if not sched.chunks:
-            return [], self._step_stats(0, 0, [])
+            return [], self.take_stats(0, 0)
         num_prompt_tokens = sum(_prompt_tokens_in(c) for c in sched.chunks)
         try:
             if self.step_hook is not None:
@@ -99,21 +99,19 @@ class EngineCore:
             logger.exception("engine step failed; failing its %d requests", len(sched.chunks))
             outputs = [self._finish(c.request, FinishReason.ERROR, error=f"engine step failed: {exc!r}")
                        for c in sched.chunks]
-            return outputs, self._step_stats(0, 0, [self._finished_stats(c.request) for c in sched.chunks])
+            return outputs, self.take_stats(0, 0)
         now = time.monotonic()
         for chunk in sched.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
-        outputs, finished = [], []
+        outputs = []
         for chunk, token in zip(sampled, tokens):
             request = chunk.request
             request.append_token(token, now)
             self.kv.cache_full_blocks(request)
             outputs.append(self._emit(request, token))
-            if request.is_finished:
-                finished.append(self._finished_stats(request))
         for chunk in (c for c in sched.chunks if c not in sampled):
             self.kv.cache_full_blocks(chunk.request)  # a prefill chunk's full blocks hit from the next step on
-        return outputs, self._step_stats(num_prompt_tokens, len(tokens), finished)
+        return outputs, self.take_stats(num_prompt_tokens, len(tokens))
 
     def _emit(self, request: Request, token) -> RequestOutput:
         detok = self.detokenizers[request.request_id]
@@ -137,6 +135,7 @@ class EngineCore:
         request.finish_reason = reason
         self.scheduler.remove(request)
         del self.requests[request.request_id]
+        self._finished.append(self._finished_stats(request))
         detok = self.detokenizers.pop(request.request_id)
         return self._output(request, list(new_tokens), detok.take(finished=True), error)
 
@@ -168,10 +167,11 @@ class EngineCore:
                               num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
                               num_blocks=self.num_blocks, prefix_cache=self.prefix_cache_stats())
 
-    def _step_stats(self, num_prompt_tokens: int, num_generation_tokens: int,
-                    finished: list[FinishedRequestStats]) -> StepStats:
+    def take_stats(self, num_prompt_tokens: int = 0, num_generation_tokens: int = 0) -> StepStats:
+        """Stats of the step just run, with every request finished since the last call."""
+        finished, self._finished = self._finished, []
         return StepStats(self.scheduler_stats(), num_prompt_tokens, num_generation_tokens, finished,
-                         dict(self.kv.tenant_lookups))
+                         self.kv.take_tenant_lookups(), self.kv.pool.take_tenant_evictions())
 
     def _finished_stats(self, r: Request) -> FinishedRequestStats:
         end = time.monotonic()

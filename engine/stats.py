@@ -12,7 +12,7 @@ class PrefixCacheStats:
     hits: int = 0  # prompt tokens found cached
     requests: int = 0  # lookups (one per admitted request)
     evictions_capacity: int = 0  # cached blocks dropped to make room
-    evictions_preemption: int = 0  # blocks released by preemption whose hash was lost later
+    evictions_preemption: int = 0  # computed blocks (no hash, no other holder) dropped by preemption
     cached_blocks: int = 0  # blocks currently holding a registered hash
     usage: float = 0.0  # fraction of blocks referenced by running requests
 
@@ -58,4 +58,5 @@ class StepStats:
     num_prompt_tokens: int = 0  # prefill tokens computed this step
     num_generation_tokens: int = 0
     finished: list[FinishedRequestStats] = field(default_factory=list)
-    tenant_cache: dict[str, tuple[int, int]] = field(default_factory=dict)  # tenant -> cumulative (queries, hits) tokens
+    tenant_cache: dict[str, tuple[int, int]] = field(default_factory=dict)  # tenant -> (queries, hits) tokens this step
+    tenant_evictions: dict[str, int] = field(default_factory=dict)  # tenant whose block was evicted -> blocks this step

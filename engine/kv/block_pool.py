@@ -5,13 +5,14 @@ from engine.kv.hashing import BlockHash
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "tenant", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
         self.token_ids: tuple[int, ...] | None = None  # kept to reject hash collisions
+        self.tenant: str | None = None  # whose request cached it (per-tenant eviction counts)
         self.prev: KVCacheBlock | None = None
         self.next: KVCacheBlock | None = None
 
@@ -67,6 +68,7 @@ class BlockPool:
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.enable_caching = enable_caching
         self.num_evictions = 0
+        self._tenant_evictions: dict[str, int] = {}  # since last taken
 
     @property
     def num_free_blocks(self) -> int:
@@ -105,12 +107,13 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...],
+                    tenant: str | None = None) -> None:
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:
             return  # another block already holds these tokens; this one stays private
-        block.block_hash, block.token_ids = block_hash, token_ids
+        block.block_hash, block.token_ids, block.tenant = block_hash, token_ids, tenant
         self.cached[block_hash] = block
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -118,8 +121,14 @@ class BlockPool:
         if block.block_hash is None:
             return
         del self.cached[block.block_hash]
-        block.block_hash = block.token_ids = None
+        if block.tenant is not None:
+            self._tenant_evictions[block.tenant] = self._tenant_evictions.get(block.tenant, 0) + 1
+        block.block_hash = block.token_ids = block.tenant = None
         self.num_evictions += 1
+
+    def take_tenant_evictions(self) -> dict[str, int]:
+        taken, self._tenant_evictions = self._tenant_evictions, {}
+        return taken
 
     def reset_cache(self) -> None:
         """Forget every cached hash of a free block (used between benchmark runs)."""

@@ -29,7 +29,7 @@ class KVCacheManager:
         self.num_hit_tokens = 0
         self.num_lookups = 0
         self.num_preemption_evictions = 0
-        self.tenant_lookups: dict[str, tuple[int, int]] = {}  # tenant -> (queried, hit) tokens
+        self._tenant_lookups: dict[str, tuple[int, int]] = {}  # tenant -> (queried, hit) tokens since last taken
 
     def find_cached_prefix(self, request: Request) -> CachedPrefix:
         """Longest run of cached full blocks, covering at most num_tokens - 1 tokens."""
@@ -53,8 +53,12 @@ class KVCacheManager:
         self.num_queried_tokens += request.num_tokens
         self.num_hit_tokens += prefix.num_tokens
         if request.tenant is not None:
-            queried, hit = self.tenant_lookups.get(request.tenant, (0, 0))
-            self.tenant_lookups[request.tenant] = (queried + request.num_tokens, hit + prefix.num_tokens)
+            queried, hit = self._tenant_lookups.get(request.tenant, (0, 0))
+            self._tenant_lookups[request.tenant] = (queried + request.num_tokens, hit + prefix.num_tokens)
+
+    def take_tenant_lookups(self) -> dict[str, tuple[int, int]]:
+        taken, self._tenant_lookups = self._tenant_lookups, {}
+        return taken
 
     def allocate(self, request: Request, num_new_tokens: int, prefix: CachedPrefix | None = None) -> bool:
         """Room for `num_new_tokens` more tokens after the computed (and newly hit) ones; False if none."""
@@ -87,7 +91,8 @@ class KVCacheManager:
             return
         request.update_block_hashes(self.block_size, self.hash_algo)
         for i in range(start, num_full):
-            self.pool.cache_block(table[i], request.block_hashes[i], request.block_tokens(i, self.block_size))
+            self.pool.cache_block(table[i], request.block_hashes[i], request.block_tokens(i, self.block_size),
+                                  request.tenant)
         self._num_registered[request.request_id] = num_full
 
     def free(self, request: Request, preempted: bool = False) -> None:

@@ -1,0 +1,279 @@
+"""Prometheus series built from the engine's stats dataclasses and the gateway's HTTP timings.
+
+One small class per group of series; `Metrics` owns them and the registry. Every
+engine series carries `model_name`, bound once at construction, so `on_step` only
+does dict-free arithmetic and `inc`/`set`/`observe` calls (prometheus_client is
+thread-safe; our own last-seen values are touched under one lock).
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+
+from engine.stats import FinishedRequestStats, PrefixCacheStats, SchedulerStats, StepStats
+
+PREFIX = "prefixgate_"
+OTHER_TENANT = "other"
+FINISH_REASONS = ("stop", "length", "abort", "error")
+EVICTION_REASONS = ("capacity", "preemption")
+
+# Seconds: from a cached short prompt's TTFT on a GPU to a long CPU generation.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+)
+INTER_TOKEN_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+    0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)
+HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to and including max_value (token counts)."""
+    buckets: list[int] = []
+    magnitude = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * magnitude
+            if value > max_value:
+                return tuple(buckets)
+            buckets.append(value)
+        magnitude *= 10
+
+
+TOKEN_BUCKETS = one_two_five_buckets(2**15)
+
+
+class _Delta:
+    """Turns a cumulative value into counter increments (keeps the last value seen)."""
+
+    __slots__ = ("_counter", "_last")
+
+    def __init__(self, counter: Counter) -> None:
+        self._counter = counter
+        self._last = 0
+
+    def update(self, cumulative: int) -> None:
+        delta = cumulative - self._last
+        if delta < 0:  # the source restarted from zero: its whole value is new
+            delta = cumulative
+        if delta:
+            self._counter.inc(delta)
+        self._last = cumulative
+
+
+class PrefixCacheMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+        queries = Counter(f"{PREFIX}prefix_cache_queries_tokens_total",
+                          "Prompt tokens looked up in the prefix cache.", labels, registry=registry)
+        hits = Counter(f"{PREFIX}prefix_cache_hits_tokens_total",
+                       "Prompt tokens found in the prefix cache (not computed).", labels, registry=registry)
+        lookups = Counter(f"{PREFIX}prefix_cache_lookups_total",
+                          "Prefix cache lookups (one per admitted request).", labels, registry=registry)
+        evictions = Counter(f"{PREFIX}prefix_cache_evictions_blocks_total",
+                            "Cached blocks whose hash was dropped, by reason.", ["model_name", "reason"],
+                            registry=registry)
+        self.cached_blocks = Gauge(f"{PREFIX}prefix_cache_cached_blocks",
+                                   "Blocks currently holding a registered block hash.", labels,
+                                   registry=registry).labels(model_name)
+        self.usage = Gauge(f"{PREFIX}kv_cache_usage_ratio",
+                           "Fraction of KV blocks referenced by running requests.", labels,
+                           registry=registry).labels(model_name)
+        self._queries = _Delta(queries.labels(model_name))
+        self._hits = _Delta(hits.labels(model_name))
+        self._lookups = _Delta(lookups.labels(model_name))
+        self._evicted_capacity = _Delta(evictions.labels(model_name, "capacity"))
+        self._evicted_preemption = _Delta(evictions.labels(model_name, "preemption"))
+
+    def update(self, stats: PrefixCacheStats) -> None:
+        self._queries.update(stats.queries)
+        self._hits.update(stats.hits)
+        self._lookups.update(stats.requests)
+        self._evicted_capacity.update(stats.evictions_capacity)
+        self._evicted_preemption.update(stats.evictions_preemption)
+        self.cached_blocks.set(stats.cached_blocks)
+        self.usage.set(stats.usage)
+
+
+class SchedulerMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+        self.running = Gauge(f"{PREFIX}requests_running", "Requests in the running batch.", labels,
+                             registry=registry).labels(model_name)
+        self.waiting = Gauge(f"{PREFIX}requests_waiting", "Requests waiting to be scheduled.", labels,
+                             registry=registry).labels(model_name)
+        self.num_blocks = Gauge(f"{PREFIX}kv_cache_blocks", "KV blocks in the pool.", labels,
+                                registry=registry).labels(model_name)
+        self._preemptions = _Delta(Counter(f"{PREFIX}preemptions_total",
+                                           "Running requests preempted (by recompute) to free blocks.",
+                                           labels, registry=registry).labels(model_name))
+        self._steps = _Delta(Counter(f"{PREFIX}engine_steps_total", "Engine steps run.", labels,
+                                     registry=registry).labels(model_name))
+
+    def update(self, stats: SchedulerStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.num_blocks.set(stats.num_blocks)
+        self._preemptions.update(stats.num_preemptions)
+        self._steps.update(stats.num_steps)
+
+
+class TokenMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+        self.prompt_computed = Counter(f"{PREFIX}prompt_tokens_computed_total",
+                                       "Prompt tokens prefilled by the model (recomputation included).",
+                                       labels, registry=registry).labels(model_name)
+        self.generation = Counter(f"{PREFIX}generation_tokens_total", "Tokens generated.", labels,
+                                  registry=registry).labels(model_name)
+        self.prompt = Counter(f"{PREFIX}prompt_tokens_total",
+                              "Prompt tokens of finished requests (usage.prompt_tokens).", labels,
+                              registry=registry).labels(model_name)
+        self.prompt_cached = Counter(f"{PREFIX}prompt_tokens_cached_total",
+                                     "Prompt tokens of finished requests served from the prefix cache "
+                                     "(usage.prompt_tokens_details.cached_tokens).", labels,
+                                     registry=registry).labels(model_name)
+
+    def on_step(self, stats: StepStats) -> None:
+        if stats.num_prompt_tokens:
+            self.prompt_computed.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation.inc(stats.num_generation_tokens)
+
+    def on_finished(self, request: FinishedRequestStats) -> None:
+        self.prompt.inc(request.num_prompt_tokens)
+        self.prompt_cached.inc(request.num_cached_tokens)
+
+
+class RequestMetrics:
+    """Per finished request: outcome, latencies and lengths."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+        finished = Counter(f"{PREFIX}requests_finished_total",
+                           "Finished requests by finish_reason (stop and length are successes).",
+                           ["model_name", "finish_reason"], registry=registry)
+        self.finished = {reason: finished.labels(model_name, reason) for reason in FINISH_REASONS}
+
+        def histogram(name: str, doc: str, buckets: Iterable[float]):
+            return Histogram(f"{PREFIX}{name}", doc, labels, buckets=tuple(buckets),
+                             registry=registry).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first output token.", LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             INTER_TOKEN_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first output token.",
+                                 LATENCY_BUCKETS)
+        self.prompt_len = histogram("request_prompt_length_tokens", "Prompt length of finished requests.",
+                                    TOKEN_BUCKETS)
+        self.generation_len = histogram("request_generation_length_tokens",
+                                        "Output tokens of finished requests.", TOKEN_BUCKETS)
+
+    def on_finished(self, request: FinishedRequestStats) -> None:
+        counter = self.finished.get(request.finish_reason)
+        if counter is not None:
+            counter.inc()
+        self.e2e.observe(request.e2e_latency)
+        self.queue.observe(request.queue_time)
+        self.prompt_len.observe(request.num_prompt_tokens)
+        self.generation_len.observe(request.num_output_tokens)
+        if request.num_output_tokens:  # TTFT and prefill time exist only once a token came out
+            self.ttft.observe(request.ttft)
+            self.prefill.observe(request.prefill_time)
+        for latency in request.inter_token_latencies:
+            self.itl.observe(latency)
+
+
+class TenantMetrics:
+    """Per-tenant cache counters; unconfigured tenants share one `other` label (bounded cardinality)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, tenants: Iterable[str]) -> None:
+        labels = ["model_name", "tenant"]
+        queries = Counter(f"{PREFIX}tenant_prefix_cache_queries_tokens_total",
+                          "Prompt tokens looked up in the prefix cache, by tenant.", labels, registry=registry)
+        hits = Counter(f"{PREFIX}tenant_prefix_cache_hits_tokens_total",
+                       "Prompt tokens found in the prefix cache, by tenant.", labels, registry=registry)
+        evictions = Counter(f"{PREFIX}tenant_prefix_cache_evictions_blocks_total",
+                            "Cached blocks evicted, by the tenant that cached them.", labels, registry=registry)
+        names = [*dict.fromkeys(tenants), OTHER_TENANT]
+        self._queries = {t: queries.labels(model_name, t) for t in names}
+        self._hits = {t: hits.labels(model_name, t) for t in names}
+        self._evictions = {t: evictions.labels(model_name, t) for t in names}
+
+    def bucket(self, tenant: str | None) -> str:
+        return tenant if tenant in self._queries else OTHER_TENANT
+
+    def on_step(self, stats: StepStats) -> None:
+        for tenant, (queries, hits) in stats.tenant_cache.items():
+            name = self.bucket(tenant)
+            if queries:
+                self._queries[name].inc(queries)
+            if hits:
+                self._hits[name].inc(hits)
+        # NOTE: StepStats has no per-tenant evictions yet; read them once the engine hands them out.
+        for tenant, blocks in stats.tenant_evictions.items():
+            if blocks:
+                self._evictions[self.bucket(tenant)].inc(blocks)
+
+
+class HttpMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(f"{PREFIX}http_requests_total", "HTTP requests by route, method and status.",
+                                ["route", "method", "status"], registry=registry)
+        self.duration = Histogram(f"{PREFIX}http_request_duration_seconds",
+                                  "HTTP request handling time (to the end of the response body).",
+                                  ["route", "method"], buckets=HTTP_BUCKETS, registry=registry)
+
+    def observe(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.requests.labels(route, method, str(status)).inc()
+        self.duration.labels(route, method).observe(seconds)
+
+
+class Metrics:
+    """All of prefixgate's series in one registry (its own by default, so apps in one process don't clash)."""
+
+    def __init__(self, model_name: str, tenants: list[str], registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        self.prefix_cache = PrefixCacheMetrics(self.registry, model_name)
+        self.scheduler = SchedulerMetrics(self.registry, model_name)
+        self.tokens = TokenMetrics(self.registry, model_name)
+        self.requests = RequestMetrics(self.registry, model_name)
+        self.tenants = TenantMetrics(self.registry, model_name, tenants)
+        self.http = HttpMetrics(self.registry)
+        if registry is None:  # process_* series (memory, CPU, fds) only in a registry we own
+            ProcessCollector(registry=self.registry)
+        self._lock = threading.Lock()  # the _Delta last-seen values, if steps ever come from two threads
+
+    def on_step(self, stats: StepStats) -> None:
+        """Called on the engine thread after every step."""
+        with self._lock:
+            self.scheduler.update(stats.scheduler)
+            self.prefix_cache.update(stats.scheduler.prefix_cache)
+        self.tokens.on_step(stats)
+        self.tenants.on_step(stats)
+        for request in stats.finished:
+            self.tokens.on_finished(request)
+            self.requests.on_finished(request)
+
+    def on_http(self, route: str, method: str, status: int, seconds: float) -> None:
+        """route is the route template (e.g. "/v1/chat/completions"), never the raw path: bounded labels."""
+        self.http.observe(route, method, status, seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition body and its Content-Type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

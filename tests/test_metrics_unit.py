@@ -1,0 +1,199 @@
+"""metrics.Metrics fed with synthetic engine stats: exact values in the exposition text."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.stats import FinishedRequestStats, PrefixCacheStats, SchedulerStats, StepStats
+from metrics import Metrics
+from metrics.prometheus import TOKEN_BUCKETS, one_two_five_buckets
+
+MODEL = "tiny-llama"
+
+
+def scrape(metrics: Metrics) -> dict[tuple[str, frozenset], float]:
+    body, content_type = metrics.render()
+    assert content_type.startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return samples
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples[(name, frozenset({"model_name": MODEL, **labels}.items()))]
+
+
+def step(queries=0, hits=0, lookups=0, ev_cap=0, ev_pre=0, cached_blocks=0, usage=0.0, running=0, waiting=0,
+         preemptions=0, steps=0, num_blocks=64, **step_fields) -> StepStats:
+    cache = PrefixCacheStats(queries=queries, hits=hits, requests=lookups, evictions_capacity=ev_cap,
+                             evictions_preemption=ev_pre, cached_blocks=cached_blocks, usage=usage)
+    scheduler = SchedulerStats(num_running=running, num_waiting=waiting, num_preemptions=preemptions,
+                               num_steps=steps, num_blocks=num_blocks, prefix_cache=cache)
+    return StepStats(scheduler=scheduler, **step_fields)
+
+
+def finished(request_id="r", *, reason="stop", prompt=64, cached=48, output=4, tenant=None) -> FinishedRequestStats:
+    return FinishedRequestStats(
+        request_id=request_id, tenant=tenant, finish_reason=reason, num_prompt_tokens=prompt,
+        num_cached_tokens=cached, num_output_tokens=output, queue_time=0.003, prefill_time=0.02, ttft=0.023,
+        e2e_latency=0.4, inter_token_latencies=[0.1] * max(output - 1, 0))
+
+
+def test_one_two_five_buckets():
+    assert one_two_five_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert TOKEN_BUCKETS[-1] == 20000 and len(TOKEN_BUCKETS) == 14
+
+
+def test_cumulative_scheduler_stats_become_counter_increments():
+    metrics = Metrics(MODEL, tenants=[])
+    metrics.on_step(step(queries=64, hits=0, lookups=1, steps=1))
+    metrics.on_step(step(queries=128, hits=48, lookups=2, steps=2, cached_blocks=4, usage=0.25, running=1,
+                         waiting=3))
+    metrics.on_step(step(queries=128, hits=48, lookups=2, ev_cap=3, ev_pre=1, preemptions=2, steps=3,
+                         cached_blocks=2, usage=0.5, running=2, waiting=1))
+    s = scrape(metrics)
+    assert value(s, "prefixgate_prefix_cache_queries_tokens_total") == 128
+    assert value(s, "prefixgate_prefix_cache_hits_tokens_total") == 48
+    assert value(s, "prefixgate_prefix_cache_lookups_total") == 2
+    assert value(s, "prefixgate_prefix_cache_evictions_blocks_total", reason="capacity") == 3
+    assert value(s, "prefixgate_prefix_cache_evictions_blocks_total", reason="preemption") == 1
+    assert value(s, "prefixgate_preemptions_total") == 2
+    assert value(s, "prefixgate_engine_steps_total") == 3
+    # gauges hold the last snapshot
+    assert value(s, "prefixgate_prefix_cache_cached_blocks") == 2
+    assert value(s, "prefixgate_kv_cache_usage_ratio") == 0.5
+    assert value(s, "prefixgate_requests_running") == 2
+    assert value(s, "prefixgate_requests_waiting") == 1
+    assert value(s, "prefixgate_kv_cache_blocks") == 64
+
+
+def test_cumulative_counter_that_restarts_counts_its_new_value():
+    metrics = Metrics(MODEL, tenants=[])
+    metrics.on_step(step(queries=100))
+    metrics.on_step(step(queries=30))  # a restarted source: 30 new tokens, counters never go down
+    assert value(scrape(metrics), "prefixgate_prefix_cache_queries_tokens_total") == 130
+
+
+def test_token_counters_per_step_and_per_finished_request():
+    metrics = Metrics(MODEL, tenants=[])
+    metrics.on_step(step(num_prompt_tokens=64))
+    metrics.on_step(step(num_prompt_tokens=16, num_generation_tokens=1))
+    metrics.on_step(step(num_generation_tokens=2, finished=[finished(prompt=64, cached=48, output=3)]))
+    s = scrape(metrics)
+    assert value(s, "prefixgate_prompt_tokens_computed_total") == 80
+    assert value(s, "prefixgate_generation_tokens_total") == 3
+    assert value(s, "prefixgate_prompt_tokens_total") == 64
+    assert value(s, "prefixgate_prompt_tokens_cached_total") == 48
+
+
+def test_histograms_count_every_finished_request():
+    metrics = Metrics(MODEL, tenants=[])
+    requests = [finished("a", output=4), finished("b", reason="length", output=1, prompt=3000),
+                finished("c", reason="abort", output=0), finished("d", reason="error", output=0)]
+    metrics.on_step(step(finished=requests[:2]))
+    metrics.on_step(step(finished=requests[2:]))
+    s = scrape(metrics)
+    for reason in ("stop", "length", "abort", "error"):
+        assert value(s, "prefixgate_requests_finished_total", finish_reason=reason) == 1
+    assert value(s, "prefixgate_e2e_request_latency_seconds_count") == 4
+    assert value(s, "prefixgate_e2e_request_latency_seconds_sum") == pytest.approx(1.6)
+    assert value(s, "prefixgate_request_queue_time_seconds_count") == 4
+    assert value(s, "prefixgate_request_prompt_length_tokens_count") == 4
+    assert value(s, "prefixgate_request_generation_length_tokens_count") == 4
+    # TTFT and prefill time only for requests that produced a token
+    assert value(s, "prefixgate_time_to_first_token_seconds_count") == 2
+    assert value(s, "prefixgate_request_prefill_time_seconds_count") == 2
+    assert value(s, "prefixgate_inter_token_latency_seconds_count") == 3
+    assert value(s, "prefixgate_inter_token_latency_seconds_sum") == pytest.approx(0.3)
+    # bucket placement of the prompt lengths 64, 3000, 64, 64: cumulative counts per upper bound
+    bucket = "prefixgate_request_prompt_length_tokens_bucket"
+    assert [value(s, bucket, le=le) for le in ("50.0", "100.0", "2000.0", "5000.0", "+Inf")] == [0, 3, 3, 4, 4]
+
+
+def test_tenant_label_only_for_configured_tenants():
+    metrics = Metrics(MODEL, tenants=["acme", "globex"])
+    metrics.on_step(step(tenant_cache={"acme": (64, 48), "mallory-1": (10, 0), "mallory-2": (20, 16)}))
+    metrics.on_step(step(tenant_cache={"acme": (16, 0), "": (5, 0)}))
+    s = scrape(metrics)
+    queries = "prefixgate_tenant_prefix_cache_queries_tokens_total"
+    hits = "prefixgate_tenant_prefix_cache_hits_tokens_total"
+    assert value(s, queries, tenant="acme") == 80
+    assert value(s, hits, tenant="acme") == 48
+    assert value(s, queries, tenant="globex") == 0  # configured tenants exist from the start
+    assert value(s, queries, tenant="other") == 35
+    assert value(s, hits, tenant="other") == 16
+    tenants = {dict(labels)["tenant"] for name, labels in s if name == queries}
+    assert tenants == {"acme", "globex", "other"}
+
+
+def test_tenant_evictions_when_the_engine_reports_them():
+    class StatsWithTenantEvictions:  # duck-typed: StepStats plus a per-tenant evictions dict
+        def __init__(self, base: StepStats, tenant_evictions: dict[str, int]):
+            self.scheduler, self.finished, self.tenant_cache = base.scheduler, base.finished, base.tenant_cache
+            self.num_prompt_tokens, self.num_generation_tokens = base.num_prompt_tokens, base.num_generation_tokens
+            self.tenant_evictions = tenant_evictions
+
+    metrics = Metrics(MODEL, tenants=["acme"])
+    metrics.on_step(StatsWithTenantEvictions(step(), {"acme": 2, "x": 1, "y": 3}))
+    s = scrape(metrics)
+    evictions = "prefixgate_tenant_prefix_cache_evictions_blocks_total"
+    assert value(s, evictions, tenant="acme") == 2
+    assert value(s, evictions, tenant="other") == 4
+
+
+def test_http_requests_by_route_method_status():
+    metrics = Metrics(MODEL, tenants=[])
+    metrics.on_http("/v1/chat/completions", "POST", 200, 0.5)
+    metrics.on_http("/v1/chat/completions", "POST", 200, 0.25)
+    metrics.on_http("/v1/chat/completions", "POST", 400, 0.001)
+    metrics.on_http("/health", "GET", 200, 0.001)
+    s = scrape(metrics)
+
+    def http(name, **labels):
+        return s[(name, frozenset(labels.items()))]
+
+    assert http("prefixgate_http_requests_total", route="/v1/chat/completions", method="POST", status="200") == 2
+    assert http("prefixgate_http_requests_total", route="/v1/chat/completions", method="POST", status="400") == 1
+    assert http("prefixgate_http_requests_total", route="/health", method="GET", status="200") == 1
+    duration = "prefixgate_http_request_duration_seconds"
+    assert http(f"{duration}_count", route="/v1/chat/completions", method="POST") == 3
+    assert http(f"{duration}_sum", route="/v1/chat/completions", method="POST") == pytest.approx(0.751)
+
+
+def test_each_metrics_has_its_own_registry_and_series_names_are_prefixed():
+    first, second = Metrics(MODEL, tenants=[]), Metrics(MODEL, tenants=[])  # no duplicate-series error
+    first.on_step(step(queries=10))
+    assert value(scrape(second), "prefixgate_prefix_cache_queries_tokens_total") == 0
+    names = {name for name, _ in scrape(first)}
+    assert all(name.startswith(("prefixgate_", "process_")) for name in names)
+    shared = CollectorRegistry()
+    Metrics(MODEL, tenants=[], registry=shared)  # a registry given by the caller gets our series only
+    assert shared.get_sample_value("prefixgate_prefix_cache_queries_tokens_total", {"model_name": MODEL}) == 0
+    assert shared.get_sample_value("process_cpu_seconds_total") is None
+
+
+def test_on_step_from_many_threads_loses_nothing():
+    metrics = Metrics(MODEL, tenants=[])
+    per_thread, threads = 500, 4
+
+    def work():
+        for _ in range(per_thread):
+            metrics.on_step(step(num_prompt_tokens=1, num_generation_tokens=2, tenant_cache={"x": (1, 1)},
+                                 finished=[finished()]))
+
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    s = scrape(metrics)
+    total = per_thread * threads
+    assert value(s, "prefixgate_prompt_tokens_computed_total") == total
+    assert value(s, "prefixgate_generation_tokens_total") == 2 * total
+    assert value(s, "prefixgate_e2e_request_latency_seconds_count") == total
+    assert value(s, "prefixgate_tenant_prefix_cache_hits_tokens_total", tenant="other") == total
