@@ -224,7 +224,6 @@ class TenantMetrics:
                 self._queries[name].inc(queries)
             if hits:
                 self._hits[name].inc(hits)
-        # NOTE: StepStats has no per-tenant evictions yet; read them once the engine hands them out.
         for tenant, blocks in stats.tenant_evictions.items():
             if blocks:
                 self._evictions[self.bucket(tenant)].inc(blocks)
