@@ -86,7 +86,9 @@ class Scheduler:
                 break
             prefix = self.kv.find_cached_prefix(request)
             num_hit_blocks = len(prefix.blocks)
-            if num_hit_blocks < len(request.block_hashes) and request.block_hashes[num_hit_blocks] in pending:
+            # only blocks a hit may cover count: the one holding the last prompt token is always computed
+            num_hittable = min(len(request.block_hashes), (request.num_tokens - 1) // self.kv.block_size)
+            if num_hit_blocks < num_hittable and request.block_hashes[num_hit_blocks] in pending:
                 continue  # a running prefill is computing this prefix now: wait and hit it next step
             num_tokens = min(request.num_tokens - prefix.num_tokens, budget)
             if not self.kv.allocate(request, num_tokens, prefix):
