@@ -132,12 +132,25 @@ class AsyncEngine:
         except BaseException as exc:  # the loop itself broke (not a step): /health turns red
             self._failed = exc
             logger.exception("engine loop died")
+            self._fail_all(f"engine loop died: {exc!r}")
             raise
 
     def _publish(self, stats: StepStats) -> None:
         self._stats = stats.scheduler
         for listener in self._listeners:
-            listener(stats)
+            try:
+                listener(stats)
+            except Exception:  # a broken listener (metrics) must not take the engine down
+                logger.exception("stats listener failed")
+
+    def _fail_all(self, message: str) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_waiting, message)
+
+    def _fail_waiting(self, message: str) -> None:
+        for request_id, q in list(self._queues.items()):
+            q.put_nowait(RequestOutput(request_id, [], "", None, 0, 0, 0, finished=True,
+                                       finish_reason="error", error=message))
 
     def _drain_inbox(self) -> None:
         while True:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Protocol
 
@@ -46,15 +47,21 @@ class HFTokenizer:
             self.eos_token_ids.add(self._tok.eos_token_id)
         if not self._tok.chat_template:
             self._tok.chat_template = CHATML_TEMPLATE
+        # the gateway encodes on the event loop while the engine thread decodes: fast tokenizers are not
+        # safe to share across threads ("Already borrowed")
+        self._lock = threading.Lock()
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False)
+        with self._lock:
+            return self._tok.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+        with self._lock:
+            return self._tok.decode(token_ids, skip_special_tokens=True)
 
     def token_text(self, token_id: int) -> str:
-        return self._tok.decode([token_id])
+        with self._lock:
+            return self._tok.decode([token_id])
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         _check_messages(messages)

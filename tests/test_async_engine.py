@@ -76,3 +76,13 @@ async def test_concurrent_requests_share_the_prefix(engine):
     cached = sorted(r[-1].num_cached_tokens for r in results)
     assert cached == [0, 64, 64, 64]  # computed once, hit by the three others
     engine.check_blocks_released()
+
+
+async def test_a_broken_stats_listener_does_not_stop_the_engine(engine):
+    def broken(stats):
+        raise RuntimeError("metrics bug")
+
+    engine.add_stats_listener(broken)
+    outs = await _collect(engine, "h", list(range(3, 30)), SamplingParams(max_tokens=3, temperature=0,
+                                                                         ignore_eos=True))
+    assert outs[-1].finish_reason == "length" and engine.is_alive()

@@ -1,0 +1,1 @@
+"""prefixgate's HTTP face: the OpenAI API over aiohttp on uvloop."""

@@ -1,0 +1,175 @@
+"""`python -m gateway serve`: every engine and gateway knob is a flag; flags override the YAML file."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import enum
+import inspect
+import logging
+import re
+import signal
+import sys
+import types
+import typing
+from typing import Any
+
+from aiohttp import web
+
+from engine.config import EngineConfig
+from gateway.app import IN_FLIGHT, RequestIdFilter, create_app
+from gateway.settings import DEFAULT_CONFIG_PATH, GatewaySettings, Settings, field_types, load_settings, parse_value
+
+log = logging.getLogger("gateway")
+_SPECIAL = {"api_keys_file"}  # gateway fields with a hand-written flag
+_ENGINE_HELP = {  # engine fields without a comment in engine/config.py
+    "model": "model directory (Hugging Face layout), or 'default' for SmolLM2-135M-Instruct",
+    "block_size": "tokens per KV block (the prefix cache's unit)",
+    "kv_cache_memory_mb": "KV pool size when num_kv_blocks is none",
+    "max_num_seqs": "most sequences in one running batch",
+    "enable_prefix_caching": "reuse cached KV blocks of earlier prompts",
+    "hash_algo": "block hash function",
+    "scheduling_policy": "order of waiting requests (lpm: cached prefixes first)",
+    "seed": "engine seed for unseeded sampling",
+    "num_kv_blocks": "KV blocks in the pool (none: size it from kv_cache_memory_mb)",
+    "max_model_len": "context length (none: the model's own)",
+    "num_threads": "torch intra-op threads on CPU (none: torch's default)",
+    "model_cache_dir": "where the default model is converted to on first use",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gateway", description="prefixgate: OpenAI-compatible server")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve the OpenAI API")
+    serve.add_argument("--config", default=None,
+                       help=f"YAML settings file (default: {DEFAULT_CONFIG_PATH}, if it exists)")
+    engine = serve.add_argument_group("engine (configs/default.yaml `engine:`)")
+    _add_flags(engine, EngineConfig, set())
+    gateway = serve.add_argument_group("gateway (configs/default.yaml `gateway:`)")
+    _add_flags(gateway, GatewaySettings, {"api_keys"} | _SPECIAL)
+    gateway.add_argument("--api-key", action="append", dest="api_key", default=argparse.SUPPRESS,
+                         metavar="KEY[:TENANT]", help="an accepted API key (repeatable); tenant 'default' if none")
+    gateway.add_argument("--api-keys-file", dest="gateway.api_keys_file", default=argparse.SUPPRESS,
+                         metavar="PATH", help="YAML: key -> {tenant, salt?, max_concurrent?, share_public_salt?}")
+    return parser
+
+
+def _add_flags(group: argparse._ArgumentGroup, cls: type, skip: set[str]) -> None:
+    """One flag per dataclass field; only flags given on the command line override the YAML."""
+    section = "engine" if cls is EngineConfig else "gateway"
+    types_ = field_types(cls)
+    comments = _field_comments(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        hint, flag = types_[f.name], "--" + f.name.replace("_", "-")
+        base = _base_type(hint)
+        help_text = f.metadata.get("help") or _ENGINE_HELP.get(f.name) or comments.get(f.name, "")
+        common: dict[str, Any] = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
+                                      help=f"{help_text} (default: {_show(f.default)})".lstrip())
+        if base is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
+        elif typing.get_origin(hint) is tuple:
+            group.add_argument(flag, nargs="*", metavar="NAME", **common)
+        else:
+            choices = [m.value for m in base] if isinstance(base, type) and issubclass(base, enum.Enum) else None
+            group.add_argument(flag, type=_converter(hint), choices=choices, metavar=_metavar(base, hint), **common)
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """The `# ...` comment after each field in the class source: the flag's help text."""
+    comments = {}
+    for line in inspect.getsource(cls).splitlines():
+        match = re.match(r"\s+(\w+): [^#]*#\s*(.+)$", line)
+        if match:
+            comments[match.group(1)] = match.group(2)
+    return comments
+
+
+def _converter(hint: Any):
+    def convert(text: str) -> Any:
+        try:
+            return parse_value(hint, text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = getattr(_base_type(hint), "__name__", "value")
+    return convert
+
+
+def _base_type(hint: Any) -> Any:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
+
+
+def _metavar(base: Any, hint: Any) -> str:
+    name = "CHOICE" if isinstance(base, type) and issubclass(base, enum.Enum) else base.__name__.upper()
+    return f"{name}|none" if base is not hint else name
+
+
+def _show(default: Any) -> Any:
+    if default is None:
+        return "none"
+    if isinstance(default, tuple):
+        return " ".join(default) or "[]"
+    return default.value if isinstance(default, enum.Enum) else default
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    given = vars(args)
+    engine = {k.split(".", 1)[1]: v for k, v in given.items() if k.startswith("engine.")}
+    gateway = {k.split(".", 1)[1]: v for k, v in given.items() if k.startswith("gateway.")}
+    config = args.config or (DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.is_file() else None)
+    return load_settings(config, engine, gateway, given.get("api_key", []))
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+async def serve(settings: Settings) -> None:
+    """Stops accepting on SIGTERM/SIGINT, lets in-flight requests finish within shutdown_timeout_s,
+    cancels the rest (their engine requests are aborted), then shuts the engine down."""
+    gw = settings.gateway
+    app = create_app(settings)
+    # in-flight requests get shutdown_timeout_s from InFlight.drain; aiohttp's own wait is a backstop
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0,
+                           handler_cancellation=True)
+    await runner.setup()  # loads the model and starts the engine
+    site = web.TCPSite(runner, gw.host, gw.port)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    host, port = runner.addresses[0][:2]  # the real port when --port 0
+    log.info("listening on http://%s:%d/v1 (auth %s)", host, port, "on" if gw.api_keys else "off")
+    await stop.wait()
+    log.info("shutting down: waiting up to %.1fs for in-flight requests", gw.shutdown_timeout_s)
+    await site.stop()  # stop accepting; kept-alive connections get 503 while draining
+    cancelled = await app[IN_FLIGHT].drain(gw.shutdown_timeout_s)
+    if cancelled:
+        log.info("aborted %d requests still running after %.1fs", cancelled, gw.shutdown_timeout_s)
+    await runner.cleanup()  # closes connections, then the engine shuts down (cleanup_ctx)
+    log.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings.gateway.log_level)
+    import uvloop
+
+    uvloop.run(serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

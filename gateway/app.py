@@ -1,0 +1,136 @@
+"""The aiohttp application: routes, middlewares, and the engine's life in cleanup_ctx."""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any
+
+from aiohttp import web
+
+from gateway import routes
+from gateway.admission import Admission
+from gateway.auth import Authenticator
+from gateway.errors import APIError, error_middleware, error_response
+from gateway.settings import Settings
+from gateway.state import STATE, GatewayState
+
+log = logging.getLogger("gateway")
+
+REQUEST_ID = contextvars.ContextVar("request_id", default="-")  # for log lines (see RequestIdFilter)
+REQUEST_ID_KEY = web.RequestKey("request_id", str)
+
+
+class InFlight:
+    """The handler tasks now running, so shutdown can wait for them, then cancel the rest."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task] = set()
+        self.draining = False
+
+    async def drain(self, timeout: float) -> int:
+        """Refuse new requests, wait up to `timeout` for running ones, cancel the rest (their
+        engine requests are aborted). Returns how many were cancelled."""
+        self.draining = True
+        pending: set[asyncio.Task] = set()
+        if self.tasks:
+            _, pending = await asyncio.wait(set(self.tasks), timeout=timeout)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=5)
+        return len(pending)
+
+
+IN_FLIGHT = web.AppKey("in_flight", InFlight)
+_CLIENT_REQUEST_ID = re.compile(r"[\w.:/+=@-]{1,128}")
+_QUIET_ROUTES = frozenset({"/health", "/metrics"})  # probes and scrapes: access lines at DEBUG only
+
+
+def create_app(settings: Settings, engine: Any = None) -> web.Application:
+    """`engine`: an AsyncEngine not yet started (tests); None builds one from settings.engine.
+    Either way the app starts it on startup and shuts it down on cleanup."""
+    auth = Authenticator(settings.gateway)  # bad key settings fail here, before the model loads
+    app = web.Application(client_max_size=settings.gateway.max_body_bytes,
+                          middlewares=[observe_middleware, error_middleware])
+    app[IN_FLIGHT] = InFlight()
+    app.on_response_prepare.append(_add_request_id)
+    app.cleanup_ctx.append(partial(_engine_ctx, settings, engine, auth))
+    app.router.add_post("/v1/chat/completions", routes.chat_completions)
+    app.router.add_post("/v1/completions", routes.completions)
+    app.router.add_get("/v1/models", routes.models)
+    app.router.add_get("/health", routes.health)
+    app.router.add_get("/metrics", routes.metrics)
+    return app
+
+
+async def _engine_ctx(settings: Settings, engine: Any, auth: Authenticator,
+                      app: web.Application) -> AsyncIterator[None]:
+    from metrics.prometheus import Metrics
+
+    if engine is None:
+        from engine.async_engine import AsyncEngine
+
+        log.info("loading model %s", settings.engine.model)
+        engine = await asyncio.to_thread(AsyncEngine.from_config, settings.engine)
+    metrics = Metrics(engine.model_name, auth.tenant_names)
+    engine.add_stats_listener(metrics.on_step)
+    admission = Admission(engine.config.max_num_seqs, settings.gateway.max_waiting_requests,
+                          settings.gateway.retry_after_s)
+    names = frozenset({engine.model_name, settings.engine.model})
+    app[STATE] = GatewayState(settings, engine, auth, admission, metrics, names)
+    engine.start()
+    log.info("serving model %s (context %d tokens)", engine.model_name, engine.max_model_len)
+    yield
+    # `serve` has already drained the HTTP requests (InFlight.drain); this lets whatever the
+    # engine still holds finish or aborts it, then stops the engine thread
+    await engine.shutdown(timeout=settings.gateway.shutdown_timeout_s)
+
+
+@web.middleware
+async def observe_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Request id (echoed or generated), one access log line, and the HTTP metrics."""
+    given = request.headers.get("X-Request-Id", "")
+    request_id = given if _CLIENT_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+    request[REQUEST_ID_KEY] = request_id
+    REQUEST_ID.set(request_id)
+    start = time.perf_counter()
+    status = 499  # stays so if the client goes away and the handler is cancelled
+    in_flight = request.app[IN_FLIGHT]
+    task = asyncio.current_task()
+    in_flight.tasks.add(task)
+    try:
+        if in_flight.draining:
+            response = error_response(APIError(503, "the server is shutting down", code="shutting_down",
+                                               headers={"Connection": "close"}))
+        else:
+            response = await handler(request)
+        status = response.status
+        return response
+    finally:
+        in_flight.tasks.discard(task)
+        seconds = time.perf_counter() - start
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"  # bounded label set
+        request.app[STATE].metrics.on_http(route, request.method, status, seconds)
+        level = logging.DEBUG if route in _QUIET_ROUTES and status < 400 else logging.INFO
+        log.log(level, "%s %s %d %.3fs", request.method, request.path, status, seconds)
+
+
+async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    request_id = request.get(REQUEST_ID_KEY)
+    if request_id is not None:
+        response.headers["X-Request-Id"] = request_id
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds `request_id` to every log record (from the handler's context; "-" elsewhere)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = REQUEST_ID.get()
+        return True

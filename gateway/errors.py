@@ -1,0 +1,75 @@
+"""OpenAI error objects: one exception type, one middleware that renders every failure."""
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+log = logging.getLogger("gateway")
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """A failure the client sees as `{"error": {...}}` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, _TYPE_BY_STATUS.get(self.status, "server_error"),
+                          self.param, self.code)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def invalid(message: str, param: str | None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def error_response(err: APIError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+def _from_http_exception(exc: web.HTTPException) -> APIError:
+    if exc.status == 404:
+        return APIError(404, "not found", code="not_found")
+    if exc.status == 405:
+        return APIError(405, "method not allowed", code="method_not_allowed",
+                        headers={"Allow": exc.headers.get("Allow", "")})
+    if exc.status == 413:
+        return APIError(413, "request body is too large", code="request_too_large")
+    return APIError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Turns every exception into an OpenAI error object; never a traceback."""
+    try:
+        return await handler(request)
+    except APIError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:  # redirects and the like pass through
+            raise
+        return error_response(_from_http_exception(exc))
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(APIError(500, "internal server error", code="internal_error"))

@@ -1,0 +1,124 @@
+"""Drives the engine for one HTTP request: every choice of every prompt, merged into one stream.
+
+With n > 1 all choices go to the engine at once, first choice first; the engine's scheduler
+holds back a request whose next prompt block a running prefill is computing, so the other
+n - 1 choices hit the first one's blocks instead of prefilling the same tokens again.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.outputs import FinishReason, RequestOutput
+from engine.sampling import SampledToken, SamplingParams
+from gateway.errors import APIError
+
+LIVENESS_CHECK_S = 1.0  # how often a request waiting on the engine checks that the engine loop still runs
+
+
+@dataclass(slots=True)
+class Choice:
+    """One engine request: choice `index` of the response, for prompt `prompt_index`."""
+
+    index: int
+    prompt_index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    # filled in as outputs arrive
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[SampledToken] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.new_text)
+        self.token_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.new_logprobs or ())
+        self.num_cached_tokens = out.num_cached_tokens
+        self.num_output_tokens = out.num_output_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+def check_output(out: RequestOutput) -> None:
+    """An engine failure or an abort ends the HTTP request with an error object."""
+    if out.finish_reason == FinishReason.ERROR:
+        raise APIError(500, f"the engine failed while generating: {out.error or 'unknown error'}",
+                       code="engine_error")
+    if out.finish_reason == FinishReason.ABORT:
+        raise APIError(503, "the request was aborted (the server is shutting down)", code="aborted")
+
+
+def usage(choices: list[Choice]) -> dict[str, Any]:
+    """Each prompt counted once; cached tokens are those of the prompt's first choice (what a
+    single request would see; the other choices also hit the blocks the first one computed)."""
+    leaders = {}
+    for choice in choices:
+        leaders.setdefault(choice.prompt_index, choice)
+    prompt_tokens = sum(len(c.prompt_ids) for c in leaders.values())
+    completion_tokens = sum(c.num_output_tokens for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in leaders.values())},
+    }
+
+
+async def run_choices(engine: Any, choices: list[Choice], *, cache_salt: str,
+                      tenant: str) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """Yields (choice, delta) as the engine produces them. Closing this generator (a client
+    disconnect cancels the handler) cancels every engine request, which releases its blocks."""
+    queue: asyncio.Queue[tuple[Choice, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def run_one(choice: Choice) -> None:
+        gen = engine.generate(choice.request_id, choice.prompt_ids, choice.params,
+                              cache_salt=cache_salt, tenant=tenant)
+        async with contextlib.aclosing(gen):
+            async for out in gen:
+                queue.put_nowait((choice, out))
+
+    async def run_all() -> None:
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                for choice in choices:  # in index order: the first choice of a prompt arrives first
+                    tasks.create_task(run_one(choice))
+        except BaseExceptionGroup as group_error:
+            queue.put_nowait(_first_leaf(group_error))
+        finally:
+            queue.put_nowait(None)
+
+    runner = asyncio.create_task(run_all())
+    try:
+        while (item := await _next(queue, engine)) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        runner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await runner
+
+
+async def _next(queue: asyncio.Queue, engine: Any) -> Any:
+    """The next queued item; a 503 if the engine loop died meanwhile (its requests would never finish)."""
+    while True:
+        try:
+            async with asyncio.timeout(LIVENESS_CHECK_S):
+                return await queue.get()
+        except TimeoutError:
+            if not engine.is_alive():
+                raise APIError(503, "the engine stopped while generating", code="engine_dead") from None
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc

@@ -1,0 +1,183 @@
+"""Request bodies -> validated dataclasses. Unknown fields are ignored; a wrong one is a 400 naming it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import invalid
+from gateway.render import normalize_messages
+from gateway.settings import GatewaySettings
+
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    model: str
+    max_tokens: int | None  # None: the route's default
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    n: int
+    logprobs: int | None  # the engine's: None none, 0 the chosen token's, k also the top k
+    stream: bool
+    include_usage: bool
+    user: str | None
+    cache_salt: str | None
+    ignore_eos: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest(GenerationRequest):
+    messages: list[dict[str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest(GenerationRequest):
+    prompts: list[str | list[int]]
+
+
+def parse_chat(body: Any, limits: GatewaySettings) -> ChatRequest:
+    fields = _Fields(body)
+    want_logprobs = fields.boolean("logprobs", False)
+    top = fields.integer("top_logprobs", None, 0, limits.max_top_logprobs)
+    if top is not None and not want_logprobs:
+        raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+    max_tokens = fields.integer("max_completion_tokens", None, 1)
+    if max_tokens is None:
+        max_tokens = fields.integer("max_tokens", None, 1)
+    common = _common(fields, limits, max_tokens, (top or 0) if want_logprobs else None)
+    messages = normalize_messages(fields.body.get("messages"), limits.max_messages)
+    return ChatRequest(**common, messages=messages)
+
+
+def parse_completion(body: Any, limits: GatewaySettings) -> CompletionRequest:
+    fields = _Fields(body)
+    logprobs = fields.integer("logprobs", None, 0, limits.max_top_logprobs)
+    common = _common(fields, limits, fields.integer("max_tokens", None, 1), logprobs)
+    return CompletionRequest(**common, prompts=_prompts(fields.body.get("prompt"), limits.max_prompts))
+
+
+def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None,
+            logprobs: int | None) -> dict[str, Any]:
+    model = fields.string("model", None)
+    if not model:
+        raise invalid("model is required", "model")
+    if max_tokens is not None and limits.max_tokens_limit is not None and max_tokens > limits.max_tokens_limit:
+        raise invalid(f"max_tokens must be <= {limits.max_tokens_limit}", "max_tokens")
+    stream_options = fields.body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise invalid("stream_options must be an object", "stream_options")
+    include_usage = _Fields(stream_options or {}, "stream_options.").boolean("include_usage", False)
+    return dict(
+        model=model,
+        max_tokens=max_tokens,
+        temperature=fields.number("temperature", 1.0, 0.0, 2.0),
+        top_p=fields.number("top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=fields.integer("top_k", 0, -1),
+        seed=fields.integer("seed", None, 0, MAX_SEED),
+        stop=_stop(fields.body.get("stop"), limits.max_stop_sequences),
+        n=fields.integer("n", 1, 1, limits.max_n),
+        logprobs=logprobs,
+        stream=fields.boolean("stream", False),
+        include_usage=include_usage,
+        user=fields.string("user", None),
+        cache_salt=fields.string("cache_salt", None),
+        ignore_eos=fields.boolean("ignore_eos", False),
+    )
+
+
+def _stop(raw: Any, max_stop: int) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    stops = [raw] if isinstance(raw, str) else raw
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise invalid("stop must be a non-empty string or an array of non-empty strings", "stop")
+    if len(stops) > max_stop:
+        raise invalid(f"at most {max_stop} stop sequences are allowed", "stop")
+    return tuple(stops)
+
+
+def _prompts(raw: Any, max_prompts: int) -> list[str | list[int]]:
+    """A string, a list of strings, a token id list, or a list of token id lists."""
+    if isinstance(raw, str):
+        prompts: list[Any] = [raw]
+    elif isinstance(raw, list) and raw and all(_is_token_id(t) for t in raw):
+        prompts = [raw]
+    elif isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw):
+        prompts = raw
+    elif isinstance(raw, list) and raw and all(_is_token_list(p) for p in raw):
+        prompts = raw
+    else:
+        raise invalid("prompt must be a string, an array of strings, an array of token ids, "
+                      "or an array of token id arrays", "prompt")
+    if any(len(p) == 0 for p in prompts):
+        raise invalid("prompt must not be empty", "prompt")
+    if len(prompts) > max_prompts:
+        raise invalid(f"at most {max_prompts} prompts are allowed per request", "prompt")
+    return prompts
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_token_id(t) for t in value)
+
+
+class _Fields:
+    """Typed reads of a JSON object; null counts as absent."""
+
+    def __init__(self, body: Any, prefix: str = "") -> None:
+        if not isinstance(body, dict):
+            raise invalid("the request body must be a JSON object", prefix.rstrip(".") or None)
+        self.body = body
+        self.prefix = prefix
+
+    def integer(self, name: str, default: int | None, low: int | None = None,
+                high: int | None = None) -> int | None:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not _is_token_id(value):
+            raise invalid(f"{name} must be an integer", self.prefix + name)
+        self._range(name, value, low, high)
+        return value
+
+    def number(self, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise invalid(f"{name} must be a number", self.prefix + name)
+        if value < low or value > high or (low_open and value == low):
+            bracket = "(" if low_open else "["
+            raise invalid(f"{name} must be in {bracket}{low}, {high}]", self.prefix + name)
+        return float(value)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise invalid(f"{name} must be a boolean", self.prefix + name)
+        return value
+
+    def string(self, name: str, default: str | None) -> str | None:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise invalid(f"{name} must be a string", self.prefix + name)
+        return value
+
+    def _range(self, name: str, value: int, low: int | None, high: int | None) -> None:
+        if low is not None and value < low:
+            raise invalid(f"{name} must be >= {low}", self.prefix + name)
+        if high is not None and value > high:
+            raise invalid(f"{name} must be <= {high}", self.prefix + name)

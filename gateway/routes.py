@@ -1,0 +1,124 @@
+"""HTTP handlers: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from engine.sampling import SamplingParams
+from gateway.auth import Tenant
+from gateway.errors import APIError, invalid
+from gateway.formats import ChatFormat, CompletionFormat
+from gateway.generate import Choice, check_output, run_choices, usage
+from gateway.protocol import GenerationRequest, parse_chat, parse_completion
+from gateway.render import encode, render_chat
+from gateway.state import STATE, GatewayState
+from gateway.streaming import stream_response
+
+log = logging.getLogger("gateway")
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    tenant = state.auth.authenticate(request)
+    req = parse_chat(await read_json(request), state.settings.gateway)
+    state.check_model(req.model)
+    with state.admission.admit(tenant, req.n):
+        prompt = await render_chat(state.engine.tokenizer, req.messages)
+        fmt = ChatFormat(_new_id("chatcmpl-"), state.model_name, state.engine.tokenizer)
+        return await _generate(request, state, tenant, req, [prompt], fmt, "messages", None)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    tenant = state.auth.authenticate(request)
+    req = parse_completion(await read_json(request), state.settings.gateway)
+    state.check_model(req.model)
+    with state.admission.admit(tenant, req.n * len(req.prompts)):
+        tokenizer = state.engine.tokenizer
+        prompts = [await encode(tokenizer, p) if isinstance(p, str) else p for p in req.prompts]
+        if any(not p for p in prompts):
+            raise invalid("prompt must not be empty", "prompt")
+        if any(not 0 <= t < tokenizer.vocab_size for p in prompts for t in p):
+            raise invalid(f"token ids must be in [0, {tokenizer.vocab_size})", "prompt")
+        fmt = CompletionFormat(_new_id("cmpl-"), state.model_name, tokenizer)
+        return await _generate(request, state, tenant, req, prompts, fmt, "prompt",
+                               COMPLETIONS_DEFAULT_MAX_TOKENS)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.auth.authenticate(request)
+    return web.json_response({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "prefixgate",
+        "max_model_len": state.engine.max_model_len}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    if not request.app[STATE].engine.is_alive():
+        raise APIError(503, "the engine is not running", code="engine_dead")
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body, content_type = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def read_json(request: web.Request) -> Any:
+    body = await request.read()  # over max_body_bytes: aiohttp raises 413, errors.py renders it
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise invalid("the request body is not valid JSON", None) from None
+
+
+async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, req: GenerationRequest,
+                    prompts: list[list[int]], fmt: ChatFormat, prompt_param: str,
+                    default_max_tokens: int | None) -> web.StreamResponse:
+    if not state.engine.is_alive():
+        raise APIError(503, "the engine is not running", code="engine_unavailable")
+    choices = []
+    for prompt_index, prompt in enumerate(prompts):
+        max_tokens = state.check_lengths(len(prompt), req.max_tokens or default_max_tokens, prompt_param)
+        for i in range(req.n):
+            params = _sampling_params(req, max_tokens, i)
+            choices.append(Choice(len(choices), prompt_index, f"{fmt.response_id}-{len(choices)}", prompt, params))
+    outputs = run_choices(state.engine, choices, cache_salt=tenant.cache_salt(req.cache_salt), tenant=tenant.name)
+    async with contextlib.aclosing(outputs):
+        try:
+            if req.stream:
+                resp = await stream_response(request, fmt, choices, outputs, req.include_usage)
+                _log_done(fmt.response_id, tenant, choices)
+                return resp
+            async for choice, out in outputs:
+                check_output(out)
+                choice.add(out)
+        except ValueError as exc:  # the engine's own checks, before any output
+            raise invalid(str(exc), prompt_param) from None
+    _log_done(fmt.response_id, tenant, choices)
+    return web.json_response(fmt.response(choices, usage(choices)))
+
+
+def _sampling_params(req: GenerationRequest, max_tokens: int, choice: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                          top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
+                          stop=list(req.stop), ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+
+
+def _log_done(response_id: str, tenant: Tenant, choices: list[Choice]) -> None:
+    u = usage(choices)
+    log.info("%s done: tenant=%s choices=%d prompt_tokens=%d cached_tokens=%d completion_tokens=%d finish=%s",
+             response_id, tenant.name, len(choices), u["prompt_tokens"],
+             u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"],
+             ",".join(sorted({str(c.finish_reason) for c in choices})))
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex

@@ -1,0 +1,210 @@
+"""Gateway settings: YAML read once, CLI overrides merged, frozen dataclasses out."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import EngineConfig
+
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+ANONYMOUS_TENANT = "anonymous"
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """One API key and the tenant it names."""
+
+    key: str = field(repr=False)
+    tenant: str
+    salt: str | None = field(default=None, repr=False)  # None: derived from the tenant name
+    max_concurrent: int | None = None  # None: the gateway's max_concurrent_per_tenant
+    share_public_salt: bool = False
+
+
+def _knob(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    host: str = _knob("127.0.0.1", "address to listen on")
+    port: int = _knob(8000, "TCP port to listen on")
+    max_waiting_requests: int = _knob(
+        256, "sequences that may wait beyond the engine's max_num_seqs running ones; more -> 429")
+    max_concurrent_per_tenant: int | None = _knob(
+        None, "default concurrent requests per tenant (None: unlimited); a key may set its own")
+    retry_after_s: int = _knob(1, "Retry-After seconds sent with a 429")
+    max_body_bytes: int = _knob(4 * 1024 * 1024, "largest request body accepted (413 above)")
+    max_prompt_tokens: int | None = _knob(None, "longest prompt in tokens (None: the model's context length)")
+    max_tokens_limit: int | None = _knob(None, "largest max_tokens a request may ask for (None: no cap but the context)")
+    max_n: int = _knob(8, "largest n (choices per prompt)")
+    max_prompts: int = _knob(64, "largest number of prompts in one /v1/completions request")
+    max_stop_sequences: int = _knob(4, "most stop strings per request")
+    max_messages: int = _knob(1024, "most chat messages per request")
+    max_top_logprobs: int = _knob(20, "largest top_logprobs (chat) / logprobs (completions)")
+    shutdown_timeout_s: float = _knob(10.0, "on SIGTERM/SIGINT, how long in-flight requests may finish")
+    public_salt_tenants: tuple[str, ...] = _knob((), "tenants that share one cache salt on purpose")
+    salt_secret: str | None = field(default=None, repr=False, metadata={
+        "help": "secret that derives tenant salts (None: random per start)"})
+    api_keys_file: str | None = _knob(None, "YAML file: key -> {tenant, salt?, max_concurrent?, share_public_salt?}")
+    log_level: str = _knob("info", "debug | info | warning | error")
+    api_keys: tuple[ApiKey, ...] = field(default=(), repr=False)  # from --api-key and api_keys_file
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.port <= 65535 or self.port == 0, "port must be in 0..65535")
+        _check(self.max_waiting_requests >= 0, "max_waiting_requests must be >= 0")
+        _check(self.max_concurrent_per_tenant is None or self.max_concurrent_per_tenant >= 1,
+               "max_concurrent_per_tenant must be >= 1")
+        _check(self.retry_after_s >= 0, "retry_after_s must be >= 0")
+        _check(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
+        _check(self.max_prompt_tokens is None or self.max_prompt_tokens >= 1, "max_prompt_tokens must be >= 1")
+        _check(self.max_tokens_limit is None or self.max_tokens_limit >= 1, "max_tokens_limit must be >= 1")
+        for name in ("max_n", "max_prompts", "max_stop_sequences", "max_messages"):
+            _check(getattr(self, name) >= 1, f"{name} must be >= 1")
+        _check(self.max_top_logprobs >= 0, "max_top_logprobs must be >= 0")
+        _check(self.shutdown_timeout_s >= 0, "shutdown_timeout_s must be >= 0")
+        _check(self.log_level in ("debug", "info", "warning", "error"), f"unknown log_level {self.log_level!r}")
+
+    def replace(self, **changes: Any) -> "GatewaySettings":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name != "api_keys"]
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
+
+
+def load_settings(config_path: str | Path | None = DEFAULT_CONFIG_PATH,
+                  engine_overrides: dict[str, Any] | None = None,
+                  gateway_overrides: dict[str, Any] | None = None,
+                  api_keys: list[str] | None = None) -> Settings:
+    """Defaults < YAML file < overrides (the command line). Unknown keys are an error."""
+    sections = _read_yaml(config_path) if config_path else {}
+    engine_values = _typed_section("engine", EngineConfig, sections.get("engine") or {})
+    gateway_values = _typed_section("gateway", GatewaySettings, sections.get("gateway") or {})
+    engine_values.update(_typed_section("engine", EngineConfig, engine_overrides or {}))
+    gateway_values.update(_typed_section("gateway", GatewaySettings, gateway_overrides or {}))
+    keys_file = gateway_values.get("api_keys_file")
+    keys = _keys_from_flags(api_keys or []) + (_read_keys_file(keys_file) if keys_file else ())
+    _check(len({k.key for k in keys}) == len(keys), "an API key is configured twice")
+    return Settings(EngineConfig(**engine_values), GatewaySettings(**gateway_values, api_keys=keys))
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def parse_value(hint: Any, value: Any) -> Any:
+    """Converts a YAML or command-line value to the field's type; raises ValueError."""
+    if _is_optional(hint):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        hint = _strip_optional(hint)
+    if typing.get_origin(hint) is tuple:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(f"expected a list, got {value!r}")
+        return tuple(parse_value(typing.get_args(hint)[0], item) for item in items)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint(value)
+    if hint is bool:
+        return _parse_bool(value)
+    if hint is int and not isinstance(value, bool):
+        if isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit()):
+            return int(value)
+    if hint is float and not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        return float(value)
+    if hint is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ValueError(f"expected {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def _typed_section(name: str, cls: type, raw: Any) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ValueError(f"config section {name!r} must be a mapping")
+    types_ = field_types(cls)
+    types_.pop("api_keys", None)
+    unknown = sorted(set(raw) - set(types_))
+    _check(not unknown, f"unknown key(s) in config section {name!r}: {', '.join(map(str, unknown))}")
+    values = {}
+    for key, value in raw.items():
+        try:
+            values[key] = parse_value(types_[key], value)
+        except ValueError as exc:
+            raise ValueError(f"config {name}.{key}: {exc}") from None
+    return values
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    _check(isinstance(data, dict), f"{path}: the top level must be a mapping")
+    unknown = sorted(set(data) - {"engine", "gateway"})
+    _check(not unknown, f"{path}: unknown section(s): {', '.join(map(str, unknown))}")
+    return data
+
+
+def _keys_from_flags(flags: list[str]) -> tuple[ApiKey, ...]:
+    """`--api-key KEY` (tenant "default") or `--api-key KEY:TENANT`."""
+    keys = []
+    for flag in flags:
+        key, _, tenant = flag.partition(":")
+        _check(bool(key), "--api-key needs a non-empty key")
+        keys.append(ApiKey(key=key, tenant=tenant or "default"))
+    return tuple(keys)
+
+
+_KEY_FIELDS = {"tenant": str, "salt": str | None, "max_concurrent": int | None, "share_public_salt": bool}
+
+
+def _read_keys_file(path: str) -> tuple[ApiKey, ...]:
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    _check(isinstance(data, dict), f"{path}: expected a mapping key -> {{tenant, ...}}")
+    keys = []
+    for key, entry in data.items():
+        entry = {"tenant": entry} if isinstance(entry, str) else entry
+        _check(isinstance(entry, dict) and "tenant" in entry, f"{path}: every key needs a tenant")
+        unknown = sorted(set(entry) - set(_KEY_FIELDS))
+        _check(not unknown, f"{path}: unknown field(s) {', '.join(unknown)}")
+        try:
+            values = {name: parse_value(_KEY_FIELDS[name], value) for name, value in entry.items()}
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        _check(values.get("max_concurrent") is None or values["max_concurrent"] >= 1,
+               f"{path}: max_concurrent must be >= 1")
+        keys.append(ApiKey(key=str(key), **values))
+    return tuple(keys)
+
+
+def _is_optional(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+
+
+def _strip_optional(hint: Any) -> Any:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0]
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
+        return value.lower() in ("true", "yes", "1", "on")
+    raise ValueError(f"expected a bool, got {value!r}")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

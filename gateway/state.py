@@ -1,0 +1,54 @@
+"""What the handlers share: settings, engine, tenants, admission, metrics (one typed app key)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from gateway.admission import Admission
+from gateway.auth import Authenticator
+from gateway.errors import APIError, invalid
+from gateway.settings import Settings
+
+
+@dataclass(slots=True)
+class GatewayState:
+    settings: Settings
+    engine: Any  # engine.AsyncEngine (or a stand-in with the same interface)
+    auth: Authenticator
+    admission: Admission
+    metrics: Any  # metrics.prometheus.Metrics
+    model_names: frozenset[str]  # the served name and the --model value both select the model
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    def check_model(self, model: str) -> None:
+        if model not in self.model_names:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> int:
+        """The request's max_tokens (default: the rest of the context); 400 when it cannot fit."""
+        context = self.engine.max_model_len
+        limit = self.settings.gateway.max_prompt_tokens or context
+        if num_prompt_tokens > min(limit, context - 1):
+            raise invalid(f"the prompt has {num_prompt_tokens} tokens; the limit is {min(limit, context - 1)} "
+                          f"(context length {context}, one token left to generate)", prompt_param,
+                          "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = context - num_prompt_tokens
+            if self.settings.gateway.max_tokens_limit is not None:
+                max_tokens = min(max_tokens, self.settings.gateway.max_tokens_limit)
+        if num_prompt_tokens + max_tokens > context:
+            raise invalid(f"this model's maximum context length is {context} tokens; the prompt has "
+                          f"{num_prompt_tokens} tokens and max_tokens is {max_tokens}", "max_tokens",
+                          "context_length_exceeded")
+        return max_tokens
+
+
+STATE = web.AppKey("state", GatewayState)

@@ -1,0 +1,260 @@
+"""Gateway pieces without a model: settings and CLI, keys and salts, admission, request parsing."""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import yaml
+
+from engine.config import EngineConfig, HashAlgo
+from gateway.__main__ import build_parser, main, settings_from_args
+from gateway.admission import Admission
+from gateway.auth import Authenticator, Tenant
+from gateway.errors import APIError
+from gateway.protocol import parse_chat, parse_completion
+from gateway.settings import DEFAULT_CONFIG_PATH, ApiKey, GatewaySettings, load_settings
+
+
+# ---- settings and CLI
+
+def test_default_yaml_lists_every_field_with_its_default():
+    data = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    assert list(data) == ["engine", "gateway"]
+    assert set(data["engine"]) == set(EngineConfig.field_names())
+    assert set(data["gateway"]) == set(GatewaySettings.field_names())
+    settings = load_settings(DEFAULT_CONFIG_PATH)
+    assert settings.engine == EngineConfig()
+    assert settings.gateway == GatewaySettings()
+
+
+def test_default_yaml_comments_every_key():
+    for line in DEFAULT_CONFIG_PATH.read_text().splitlines():
+        if line.startswith("  ") and ":" in line:
+            assert "#" in line, f"no comment: {line!r}"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("engine:\n  block_sise: 16\n", "block_sise"),
+    ("gateway:\n  prot: 1\n", "prot"),
+    ("engines: {}\n", "engines"),
+    ("engine:\n  block_size: sixteen\n", "engine.block_size"),
+    ("gateway:\n  max_n: true\n", "gateway.max_n"),
+])
+def test_bad_yaml_is_an_error_at_startup(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_settings(path)
+
+
+def test_every_engine_field_is_a_flag():
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    flags = {opt for action in serve._actions for opt in action.option_strings}
+    for name in EngineConfig.field_names() + GatewaySettings.field_names():
+        assert "--" + name.replace("_", "-") in flags
+    assert {"--no-enable-prefix-caching", "--api-key", "--api-keys-file", "--config"} <= flags
+
+
+def test_flags_override_yaml_which_overrides_defaults(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("engine:\n  block_size: 32\n  max_num_seqs: 4\ngateway:\n  port: 9000\n  max_n: 2\n")
+    args = build_parser().parse_args([
+        "serve", "--config", str(config), "--block-size", "8", "--no-enable-prefix-caching",
+        "--num-kv-blocks", "64", "--hash-algo", "xxhash", "--max-model-len", "none", "--port", "9100",
+        "--public-salt-tenants", "a", "b", "--max-concurrent-per-tenant", "3", "--model", "/m"])
+    settings = settings_from_args(args)
+    assert settings.engine == EngineConfig(model="/m", block_size=8, max_num_seqs=4, num_kv_blocks=64,
+                                           enable_prefix_caching=False, hash_algo=HashAlgo.XXHASH)
+    assert settings.gateway == GatewaySettings(port=9100, max_n=2, public_salt_tenants=("a", "b"),
+                                               max_concurrent_per_tenant=3)
+
+
+def test_bad_flag_value_exits(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--block-size", "x"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--hash-algo", "md5"])
+
+
+def test_main_reports_a_bad_config_and_exits_2(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("gateway:\n  nope: 1\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_api_keys_from_flags_and_file(tmp_path):
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("k-alice: {tenant: alice, max_concurrent: 2}\n"
+                    "k-bob: {tenant: bob, salt: bobsalt, share_public_salt: false}\n"
+                    "k-carol: carol\n")
+    settings = load_settings(None, {}, {"api_keys_file": str(keys)}, ["k-dan:dan", "k-anon"])
+    assert {(k.key, k.tenant) for k in settings.gateway.api_keys} == {
+        ("k-alice", "alice"), ("k-bob", "bob"), ("k-carol", "carol"), ("k-dan", "dan"), ("k-anon", "default")}
+    assert "k-alice" not in repr(settings)  # keys and salts never end up in logs of the settings
+
+
+@pytest.mark.parametrize("text", ["k: {tenant: a, colour: red}\n", "k: {salt: x}\n", "k: {tenant: a, max_concurrent: 0}\n",
+                                  "- a\n"])
+def test_bad_keys_file_is_an_error(tmp_path, text):
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(text)
+    with pytest.raises(ValueError):
+        load_settings(None, {}, {"api_keys_file": str(keys)})
+
+
+# ---- tenants and salts
+
+def _auth(*keys: ApiKey, **settings) -> Authenticator:
+    return Authenticator(GatewaySettings(api_keys=keys, salt_secret="s3cret", **settings))
+
+
+def test_each_tenant_gets_its_own_salt_and_public_tenants_share_one():
+    auth = _auth(ApiKey("ka", "alice"), ApiKey("ka2", "alice"), ApiKey("kb", "bob"), ApiKey("kp", "pub1"),
+                 ApiKey("kq", "pub2"), ApiKey("kr", "pub3", share_public_salt=True), ApiKey("ks", "sam", salt="fixed"),
+                 public_salt_tenants=("pub1", "pub2"))
+    t = {key: auth._lookup(key) for key in ("ka", "ka2", "kb", "kp", "kq", "kr", "ks")}
+    assert t["ka"] == t["ka2"] and t["ka"].name == "alice"
+    assert t["ka"].salt != t["kb"].salt
+    assert t["kp"].salt == t["kq"].salt == t["kr"].salt != t["ka"].salt
+    assert t["ks"].salt == "fixed"
+    assert auth._lookup("nope") is None and auth._lookup("") is None
+    assert auth.tenant_names == ["alice", "bob", "pub1", "pub2", "pub3", "sam"]
+
+
+def test_salts_are_stable_for_one_secret_and_differ_across_secrets():
+    a1 = Authenticator(GatewaySettings(api_keys=(ApiKey("k", "alice"),), salt_secret="x"))._lookup("k")
+    a2 = Authenticator(GatewaySettings(api_keys=(ApiKey("k", "alice"),), salt_secret="x"))._lookup("k")
+    a3 = Authenticator(GatewaySettings(api_keys=(ApiKey("k", "alice"),), salt_secret="y"))._lookup("k")
+    assert a1.salt == a2.salt != a3.salt
+
+
+def test_body_salt_only_narrows():
+    alice, bob = Tenant("alice", "sa"), Tenant("bob", "sb")
+    assert alice.cache_salt(None) == alice.cache_salt("") == "sa"
+    assert alice.cache_salt("x") == hashlib.sha256(b"sa\0x").hexdigest()
+    assert alice.cache_salt("x") != bob.cache_salt("x")
+    assert bob.cache_salt("sa") != alice.cache_salt(None)  # copying the salt value gets nowhere
+
+
+def test_conflicting_keys_of_one_tenant_fail_at_startup():
+    with pytest.raises(ValueError, match="alice"):
+        _auth(ApiKey("k1", "alice", max_concurrent=1), ApiKey("k2", "alice", max_concurrent=2))
+
+
+def test_without_keys_everyone_is_anonymous():
+    auth = Authenticator(GatewaySettings())
+    assert not auth.enabled and auth.tenant_names == ["anonymous"]
+
+
+# ---- admission
+
+def test_admission_bounds_sequences_and_tenants():
+    adm = Admission(max_num_seqs=2, max_waiting_requests=1, retry_after_s=3)
+    alice, bob = Tenant("alice", max_concurrent=1), Tenant("bob")
+    with adm.admit(bob, 2):
+        with pytest.raises(APIError) as err:
+            with adm.admit(bob, 2):
+                pass
+        assert err.value.status == 429 and err.value.headers == {"Retry-After": "3"}
+        assert "max_waiting_requests" in err.value.message and err.value.code == "max_waiting_requests_exceeded"
+        with adm.admit(alice, 1):
+            with pytest.raises(APIError) as err:
+                with adm.admit(alice, 0):
+                    pass
+            assert err.value.code == "max_concurrent_exceeded" and "alice" in err.value.message
+    assert adm.in_flight == 0 and adm.tenant_in_flight("alice") == 0
+
+
+def test_admission_refuses_what_could_never_fit_with_400():
+    with pytest.raises(APIError) as err:
+        with Admission(2, 1, 1).admit(Tenant("a"), 4):
+            pass
+    assert err.value.status == 400 and err.value.param == "n"
+
+
+def test_admission_releases_on_error():
+    adm = Admission(1, 0, 1)
+    with pytest.raises(RuntimeError):
+        with adm.admit(Tenant("a"), 1):
+            raise RuntimeError
+    assert adm.in_flight == 0
+
+
+# ---- request parsing
+
+LIMITS = GatewaySettings(max_n=4, max_stop_sequences=2, max_messages=3, max_tokens_limit=100)
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_chat_defaults_and_fields():
+    req = parse_chat({**CHAT, "max_completion_tokens": 5, "max_tokens": 9, "temperature": 0, "top_p": 0.5,
+                      "top_k": 3, "seed": 7, "stop": "x", "n": 2, "logprobs": True, "top_logprobs": 2,
+                      "stream": True, "stream_options": {"include_usage": True}, "user": "u",
+                      "cache_salt": "s", "ignore_eos": True, "frequency_penalty": 0.0, "whatever": [1]}, LIMITS)
+    assert (req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed, req.stop, req.n) == (
+        5, 0.0, 0.5, 3, 7, ("x",), 2)
+    assert (req.logprobs, req.stream, req.include_usage, req.cache_salt, req.ignore_eos) == (2, True, True, "s", True)
+    plain = parse_chat({**CHAT, "temperature": None}, LIMITS)
+    assert (plain.max_tokens, plain.temperature, plain.n, plain.logprobs, plain.stop) == (None, 1.0, 1, None, ())
+    assert parse_chat({**CHAT, "logprobs": True}, LIMITS).logprobs == 0
+
+
+def test_chat_content_parts_and_roles():
+    req = parse_chat({"model": "m", "messages": [
+        {"role": "developer", "content": "sys"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None}]}, LIMITS)
+    assert req.messages == [{"role": "system", "content": "sys"}, {"role": "user", "content": "a\nb"},
+                            {"role": "assistant", "content": ""}]
+
+
+@pytest.mark.parametrize("change, param", [
+    ({"model": None}, "model"), ({"model": 3}, "model"),
+    ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user", "content": "a"}] * 4}, "messages"),
+    ({"messages": [{"role": "tool", "content": "a"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages[0].content[0].text"),
+    ({"temperature": "hot"}, "temperature"), ({"temperature": True}, "temperature"), ({"temperature": 2.5}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"),
+    ({"n": 0}, "n"), ({"n": 5}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 101}, "max_tokens"),
+    ({"max_completion_tokens": "5"}, "max_completion_tokens"),
+    ({"seed": -1}, "seed"), ({"seed": "1"}, "seed"),
+    ({"stop": 3}, "stop"), ({"stop": ["a", "b", "c"]}, "stop"), ({"stop": [""]}, "stop"),
+    ({"logprobs": 1}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"stream": "yes"}, "stream"), ({"stream_options": 1}, "stream_options"),
+    ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"user": 1}, "user"), ({"cache_salt": 1}, "cache_salt"), ({"ignore_eos": 1}, "ignore_eos"),
+])
+def test_chat_rejects_wrong_fields_naming_them(change, param):
+    with pytest.raises(APIError) as err:
+        parse_chat({**CHAT, **change}, LIMITS)
+    assert err.value.status == 400 and err.value.param == param
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("hi", ["hi"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]])])
+def test_completion_prompt_forms(prompt, expected):
+    assert parse_completion({"model": "m", "prompt": prompt}, LIMITS).prompts == expected
+
+
+@pytest.mark.parametrize("change, param", [
+    ({"prompt": None}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": ""}, "prompt"), ({"prompt": [[1], []]}, "prompt"), ({"prompt": [True]}, "prompt"),
+    ({"prompt": {"a": 1}}, "prompt"), ({"logprobs": True}, "logprobs"), ({"logprobs": 21}, "logprobs"),
+    ({"prompt": ["a"] * 65}, "prompt"),
+])
+def test_completion_rejects_wrong_fields(change, param):
+    with pytest.raises(APIError) as err:
+        parse_completion({"model": "m", "prompt": "x", **change}, GatewaySettings())
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_body_must_be_an_object():
+    with pytest.raises(APIError) as err:
+        parse_chat([1], LIMITS)
+    assert err.value.status == 400
