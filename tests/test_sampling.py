@@ -9,6 +9,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling import Sampler, _filtered_probs
+from tests.tiny_models import build_llama3_tiktoken_model
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +100,26 @@ def test_detokenizer_holds_back_a_possible_stop_string():
 
 def test_tiktoken_backend_round_trips_and_generates(tiny_tiktoken_dir):
     llm = LLM(str(tiny_tiktoken_dir), num_kv_blocks=32)
+    assert llm.tokenizer.encode("<|endoftext|>") != [100257]  # user text never smuggles in a special token
     text = "Hello, world! The capital of France is Paris."
     ids = llm.tokenizer.encode(text)
     assert llm.tokenizer.decode(ids) == text
     chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert chat.endswith("<|im_start|>assistant\n")
     out = llm.generate(text, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+
+
+def test_llama3_tiktoken_file_backend(tmp_path):
+    llm = LLM(str(build_llama3_tiktoken_model(tmp_path)), num_kv_blocks=32)
+    tok = llm.tokenizer
+    text = "Paris is the capital."
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and len(ids) < len(text.encode())  # merges applied
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    chat_ids = tok.encode(chat)
+    assert chat_ids[0] == 256 + 11  # <|begin_of_text|> is one special token, right after the 267 ranks
+    assert tok.decode(chat_ids) == "user\n\nhiassistant\n\n"  # special tokens are not output text
+    assert tok.eos_token_ids == {267 + 1, 267 + 9}  # <|end_of_text|>, <|eot_id|>
+    out = llm.generate(chat_ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 4

