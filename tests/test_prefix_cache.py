@@ -195,6 +195,20 @@ def test_min_shared_prefix_tokens_drops_short_hits(tiny_llama_dir):
     assert_released(llm)
 
 
+def record_prefill_tokens(llm: LLM) -> list[int]:
+    """The prompt tokens each engine step computes, appended as the steps run."""
+    prefill_tokens = []
+    step = llm.core.step
+
+    def counting_step():
+        outputs, stats = step()
+        prefill_tokens.append(stats.num_prompt_tokens)
+        return outputs, stats
+
+    llm.core.step = counting_step
+    return prefill_tokens
+
+
 @pytest.mark.parametrize("budget", [32, 64, 256])
 def test_concurrent_prompts_compute_a_shared_prefix_once(tiny_llama_dir, budget):
     """Four prompts sharing 96 tokens, submitted together: the prefix is computed by the first only.
@@ -205,15 +219,7 @@ def test_concurrent_prompts_compute_a_shared_prefix_once(tiny_llama_dir, budget)
     admitted earlier in the same step.
     """
     llm = make_llm(tiny_llama_dir, max_num_batched_tokens=budget)
-    prefill_tokens = []
-    step = llm.core.step
-
-    def counting_step():
-        outputs, stats = step()
-        prefill_tokens.append(stats.num_prompt_tokens)
-        return outputs, stats
-
-    llm.core.step = counting_step
+    prefill_tokens = record_prefill_tokens(llm)
     shared = tokens(96, seed=22)
     prompts = [shared + tokens(16, seed=23 + i) for i in range(4)]
     outs = llm.generate(prompts, greedy(2))
@@ -244,15 +250,7 @@ def test_identical_block_aligned_prompts_are_admitted_together(tiny_llama_dir):
     compute block 5 gains nothing: all three should be admitted in step 2.
     """
     llm = make_llm(tiny_llama_dir, max_num_batched_tokens=512)
-    prefill_tokens = []
-    step = llm.core.step
-
-    def counting_step():
-        outputs, stats = step()
-        prefill_tokens.append(stats.num_prompt_tokens)
-        return outputs, stats
-
-    llm.core.step = counting_step
+    prefill_tokens = record_prefill_tokens(llm)
     prompt = tokens(96, seed=31)
     outs = llm.generate([prompt] * 4, greedy(2))
     assert [o.num_cached_tokens for o in outs] == [0, 80, 80, 80]
