@@ -5,6 +5,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# below this temperature sampling is greedy: dividing float32 logits by less overflows them to inf
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -32,7 +35,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(slots=True)
@@ -84,6 +87,7 @@ def _filtered_probs(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
         sorted_probs, order = probs.sort(descending=True)
         # keep the smallest head whose mass reaches top_p (the first token always stays)
         drop = sorted_probs.cumsum(0) - sorted_probs >= top_p
+        drop[0] = False  # a top_p that rounds to 0 in float32 still keeps the most likely token
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return probs

@@ -66,6 +66,7 @@ def create_app(settings: Settings, engine: Any = None) -> web.Application:
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/metrics", routes.metrics)
+    app.router.add_get("/openapi.json", routes.openapi)
     return app
 
 

@@ -52,7 +52,8 @@ def check_output(out: RequestOutput) -> None:
         raise APIError(500, f"the engine failed while generating: {out.error or 'unknown error'}",
                        code="engine_error")
     if out.finish_reason == FinishReason.ABORT:
-        raise APIError(503, "the request was aborted (the server is shutting down)", code="aborted")
+        raise APIError(503, "the request was aborted (the server is shutting down, or an operator aborted it)",
+                       code="aborted")
 
 
 def usage(choices: list[Choice]) -> dict[str, Any]:

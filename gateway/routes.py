@@ -1,4 +1,4 @@
-"""HTTP handlers: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
+"""HTTP handlers: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, /openapi.json."""
 from __future__ import annotations
 
 import contextlib
@@ -14,6 +14,7 @@ from gateway.auth import Tenant
 from gateway.errors import APIError, invalid
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.generate import Choice, check_output, run_choices, usage
+from gateway.openapi import build_openapi
 from gateway.protocol import GenerationRequest, parse_chat, parse_completion
 from gateway.render import encode, render_chat
 from gateway.state import STATE, GatewayState
@@ -71,6 +72,12 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response(build_openapi(state.model_name, state.engine.tokenizer.vocab_size,
+                                           state.settings.gateway))
+
+
 async def read_json(request: web.Request) -> Any:
     body = await request.read()  # over max_body_bytes: aiohttp raises 413, errors.py renders it
     try:
@@ -86,7 +93,7 @@ async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, r
         raise APIError(503, "the engine is not running", code="engine_unavailable")
     choices = []
     for prompt_index, prompt in enumerate(prompts):
-        max_tokens = state.check_lengths(len(prompt), req.max_tokens or default_max_tokens, prompt_param)
+        max_tokens = state.check_lengths(len(prompt), req.max_tokens, prompt_param, default_max_tokens)
         for i in range(req.n):
             params = _sampling_params(req, max_tokens, i)
             choices.append(Choice(len(choices), prompt_index, f"{fmt.response_id}-{len(choices)}", prompt, params))
@@ -94,7 +101,8 @@ async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, r
     async with contextlib.aclosing(outputs):
         try:
             if req.stream:
-                resp = await stream_response(request, fmt, choices, outputs, req.include_usage)
+                resp = await stream_response(request, fmt, choices, outputs, req.include_usage,
+                                             state.settings.gateway.stream_write_timeout_s)
                 _log_done(fmt.response_id, tenant, choices)
                 return resp
             async for choice, out in outputs:

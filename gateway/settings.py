@@ -50,6 +50,8 @@ class GatewaySettings:
     max_messages: int = _knob(1024, "most chat messages per request")
     max_top_logprobs: int = _knob(20, "largest top_logprobs (chat) / logprobs (completions)")
     shutdown_timeout_s: float = _knob(10.0, "on SIGTERM/SIGINT, how long in-flight requests may finish")
+    stream_write_timeout_s: float = _knob(
+        30.0, "a streaming client that reads nothing for this long is dropped (its request aborted)")
     public_salt_tenants: tuple[str, ...] = _knob((), "tenants that share one cache salt on purpose")
     salt_secret: str | None = field(default=None, repr=False, metadata={
         "help": "secret that derives tenant salts (None: random per start)"})
@@ -70,6 +72,7 @@ class GatewaySettings:
             _check(getattr(self, name) >= 1, f"{name} must be >= 1")
         _check(self.max_top_logprobs >= 0, "max_top_logprobs must be >= 0")
         _check(self.shutdown_timeout_s >= 0, "shutdown_timeout_s must be >= 0")
+        _check(self.stream_write_timeout_s > 0, "stream_write_timeout_s must be > 0")
         _check(self.log_level in ("debug", "info", "warning", "error"), f"unknown log_level {self.log_level!r}")
 
     def replace(self, **changes: Any) -> "GatewaySettings":

@@ -32,8 +32,10 @@ class GatewayState:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> int:
-        """The request's max_tokens (default: the rest of the context); 400 when it cannot fit."""
+    def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str,
+                      default_max_tokens: int | None = None) -> int:
+        """The request's max_tokens (default: the route's default, else the rest of the context; either
+        capped by max_tokens_limit); 400 when it cannot fit."""
         context = self.engine.max_model_len
         limit = self.settings.gateway.max_prompt_tokens or context
         if num_prompt_tokens > min(limit, context - 1):
@@ -41,7 +43,7 @@ class GatewayState:
                           f"(context length {context}, one token left to generate)", prompt_param,
                           "context_length_exceeded")
         if max_tokens is None:
-            max_tokens = context - num_prompt_tokens
+            max_tokens = default_max_tokens or context - num_prompt_tokens
             if self.settings.gateway.max_tokens_limit is not None:
                 max_tokens = min(max_tokens, self.settings.gateway.max_tokens_limit)
         if num_prompt_tokens + max_tokens > context:

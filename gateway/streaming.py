@@ -1,6 +1,7 @@
 """Server-sent events in OpenAI's chunk format, ending in `data: [DONE]`."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -25,16 +26,17 @@ def encode_event(payload: dict[str, Any]) -> bytes:
 
 async def stream_response(request: web.Request, fmt: ChatFormat, choices: list[Choice],
                           outputs: AsyncIterator[tuple[Choice, RequestOutput]],
-                          include_usage: bool) -> web.StreamResponse:
+                          include_usage: bool, write_timeout_s: float) -> web.StreamResponse:
     """Headers go out with the first engine output, so a failure before it is a plain error response.
-    A failure after it is one `data: {"error": ...}` event, then the stream ends."""
-    resp: web.StreamResponse | None = None
+    A failure after it is one `data: {"error": ...}` event, then the stream ends. A client that stops
+    reading for write_timeout_s is dropped, so it cannot hold its admission slot and output forever."""
+    resp: _Stream | None = None
     text_len = {c.index: 0 for c in choices}
     try:
         async for choice, out in outputs:
             check_output(out)
             if resp is None:
-                resp = await _start(request, fmt, choices)
+                resp = await _start(request, fmt, choices, write_timeout_s)
             offset = text_len[choice.index]
             choice.add(out)
             text_len[choice.index] += len(out.new_text)
@@ -43,29 +45,47 @@ async def stream_response(request: web.Request, fmt: ChatFormat, choices: list[C
             if out.finished:
                 await resp.write(encode_event(fmt.finish_chunk(choice)))
         if resp is None:
-            resp = await _start(request, fmt, choices)
+            resp = await _start(request, fmt, choices, write_timeout_s)
         if include_usage:
             await resp.write(encode_event(fmt.chunk([], usage(choices))))
         await resp.write(b"data: [DONE]\n\n")
     except ConnectionResetError:
         log.info("client disconnected mid-stream")
-        return resp or web.StreamResponse()
+        return resp.response if resp else web.StreamResponse()
+    except TimeoutError:
+        log.info("client read nothing for %.0fs; dropping its stream", write_timeout_s)
+        if request.transport is not None:
+            request.transport.close()
+        return resp.response if resp else web.StreamResponse()
     except Exception as exc:
         if resp is None:
             raise
         err = exc if isinstance(exc, APIError) else APIError(500, "internal server error", code="internal_error")
         if not isinstance(exc, APIError):
             log.exception("error while streaming")
-        with contextlib.suppress(ConnectionResetError):
+        with contextlib.suppress(ConnectionResetError, TimeoutError):
             await resp.write(encode_event(err.body()))
-    with contextlib.suppress(ConnectionResetError):
-        await resp.write_eof()
-    return resp
+    with contextlib.suppress(ConnectionResetError, TimeoutError):
+        await resp.response.write_eof()
+    return resp.response
 
 
-async def _start(request: web.Request, fmt: ChatFormat, choices: list[Choice]) -> web.StreamResponse:
-    resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
-    await resp.prepare(request)
+class _Stream:
+    """A prepared SSE response whose writes give up after a timeout (a client that stopped reading)."""
+
+    def __init__(self, response: web.StreamResponse, timeout_s: float) -> None:
+        self.response = response
+        self.timeout_s = timeout_s
+
+    async def write(self, data: bytes) -> None:
+        async with asyncio.timeout(self.timeout_s):
+            await self.response.write(data)
+
+
+async def _start(request: web.Request, fmt: ChatFormat, choices: list[Choice], write_timeout_s: float) -> _Stream:
+    response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    await response.prepare(request)
+    resp = _Stream(response, write_timeout_s)
     if (first := fmt.first_chunk(choices)) is not None:
         await resp.write(encode_event(first))
     return resp

@@ -1,0 +1,152 @@
+"""The OpenAPI 3 description of our endpoints, built from the live limits (served at /openapi.json).
+
+The schemas state what the gateway accepts, bounds included, so a fuzzer's valid requests are
+valid here and its invalid ones are invalid for a reason the schema names. Rules that span
+fields (top_logprobs needs logprobs, prompt + max_tokens within the context, prompts x n within
+admission capacity) are in the descriptions only: they are 400s, not schema violations.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.protocol import MAX_SEED
+from gateway.settings import GatewaySettings
+
+OPENAPI_VERSION = "3.0.3"
+_JSON = "application/json"
+
+
+def build_openapi(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[str, Any]:
+    return {
+        "openapi": OPENAPI_VERSION,
+        "info": {"title": "prefixgate", "version": "0.1.0",
+                 "description": "OpenAI-compatible API with automatic prefix caching"},
+        "paths": {
+            "/v1/chat/completions": _generation(_chat_request(model_name, limits), "ChatCompletion",
+                                                "Create a chat completion"),
+            "/v1/completions": _generation(_completion_request(model_name, vocab_size, limits), "Completion",
+                                           "Create a text completion"),
+            "/v1/models": {"get": _operation("List the served model", _ref("ModelList"), secured=True)},
+            "/health": {"get": _operation("Liveness of the engine loop", {"type": "object"}, errors=(503,))},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
+                "description": "exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/openapi.json": {"get": {"summary": "This document", "responses": {
+                "200": {"description": "OpenAPI 3 document", "content": {_JSON: {"schema": {"type": "object"}}}}}}},
+        },
+        "components": {"schemas": _schemas(), "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }
+
+
+def _generation(body: dict[str, Any], response: str, summary: str) -> dict[str, Any]:
+    op = _operation(summary, _ref(response), secured=True, errors=(400, 401, 404, 413, 429, 500, 503))
+    op["requestBody"] = {"required": True, "content": {_JSON: {"schema": body}}}
+    op["responses"]["200"]["content"]["text/event-stream"] = {
+        "schema": {"type": "string", "description": "with stream: true, `data: {chunk}` events, then `data: [DONE]`"}}
+    return {"post": op}
+
+
+def _operation(summary: str, ok: dict[str, Any], *, secured: bool = False,
+               errors: tuple[int, ...] = ()) -> dict[str, Any]:
+    responses = {"200": {"description": "success", "content": {_JSON: {"schema": ok}}}}
+    for status in errors + ((401,) if secured and 401 not in errors else ()):
+        responses[str(status)] = {"description": "an OpenAI error object",
+                                  "content": {_JSON: {"schema": _ref("Error")}}}
+    op: dict[str, Any] = {"summary": summary, "responses": responses}
+    if secured:  # no key needed when the server runs without keys
+        op["security"] = [{"bearer": []}, {}]
+    return op
+
+
+def _common(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
+    max_tokens: dict[str, Any] = {"type": "integer", "minimum": 1, "nullable": True}
+    if limits.max_tokens_limit is not None:
+        max_tokens["maximum"] = limits.max_tokens_limit
+    text = {"type": "string", "minLength": 1}
+    return {
+        "model": {"type": "string", "enum": [model_name]},
+        "max_tokens": max_tokens,
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
+        "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1, "nullable": True},
+        "top_k": {"type": "integer", "minimum": -1, "nullable": True},
+        "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED, "nullable": True},
+        "stop": {"nullable": True, "oneOf": [
+            text, {"type": "array", "items": text, "maxItems": limits.max_stop_sequences}]},
+        "n": {"type": "integer", "minimum": 1, "maximum": limits.max_n, "nullable": True},
+        "stream": {"type": "boolean", "nullable": True},
+        "stream_options": {"type": "object", "nullable": True,
+                           "properties": {"include_usage": {"type": "boolean", "nullable": True}}},
+        "user": {"type": "string", "nullable": True},
+        "cache_salt": {"type": "string", "nullable": True,
+                       "description": "narrows the caller's prefix cache; never widens it"},
+        "ignore_eos": {"type": "boolean", "nullable": True},
+    }
+
+
+def _chat_request(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": part}]}}}
+    properties = _common(model_name, limits)
+    properties.update({
+        "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": limits.max_messages},
+        "max_completion_tokens": properties["max_tokens"],
+        "logprobs": {"type": "boolean", "nullable": True},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": limits.max_top_logprobs, "nullable": True,
+                         "description": "needs logprobs: true"},
+    })
+    return {"type": "object", "required": ["model", "messages"], "properties": properties}
+
+
+def _completion_request(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[str, Any]:
+    token = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
+    tokens = {"type": "array", "items": token, "minItems": 1}
+    prompt = {"oneOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": limits.max_prompts},
+        tokens,
+        {"type": "array", "items": tokens, "minItems": 1, "maxItems": limits.max_prompts},
+    ]}
+    properties = _common(model_name, limits)
+    properties.update({
+        "prompt": prompt,
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": limits.max_top_logprobs, "nullable": True},
+    })
+    return {"type": "object", "required": ["model", "prompt"], "properties": properties}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _schemas() -> dict[str, Any]:
+    nullable_str = {"type": "string", "nullable": True}
+    usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
+        "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+        "total_tokens": {"type": "integer"},
+        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
+    finish = {"type": "string", "nullable": True, "enum": ["stop", "length", None]}
+    head = {"id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
+            "model": {"type": "string"}}
+    return {
+        "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+                "message": {"type": "string"}, "type": {"type": "string"}, "param": nullable_str,
+                "code": nullable_str}}}},
+        "Usage": usage,
+        "ChatCompletion": {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
+            **head, "usage": _ref("Usage"), "choices": {"type": "array", "items": {
+                "type": "object", "required": ["index", "message", "finish_reason"], "properties": {
+                    "index": {"type": "integer"}, "finish_reason": finish,
+                    "message": {"type": "object", "properties": {"role": {"type": "string"},
+                                                                 "content": {"type": "string"}}}}}}}},
+        "Completion": {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
+            **head, "usage": _ref("Usage"), "choices": {"type": "array", "items": {
+                "type": "object", "required": ["index", "text", "finish_reason"], "properties": {
+                    "index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": finish}}}}},
+        "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
+            "object": {"type": "string"}, "data": {"type": "array", "items": {
+                "type": "object", "required": ["id", "object"], "properties": {
+                    "id": {"type": "string"}, "object": {"type": "string"}}}}}},
+    }
