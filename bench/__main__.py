@@ -1,0 +1,84 @@
+"""`python -m bench [--quick] [--model PATH] [--workloads a,b] [--out DIR] [--peers]`."""
+from __future__ import annotations
+
+import os
+
+# Before torch loads OpenMP: on a shared 2-core machine, spinning OpenMP threads burn the time slices
+# the other thread needs (measured here: 5-10x slower steps under load); passive waiting does not.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import resource  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from bench import report  # noqa: E402
+from bench.suite import ALL_WORKLOADS, Options, Suite  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer requests (< 5 minutes on 2 cores)")
+    parser.add_argument("--model", default="default", help="model directory, or 'default' (SmolLM2-135M-Instruct)")
+    parser.add_argument("--workloads", default=",".join(ALL_WORKLOADS),
+                        help=f"comma-separated subset of {','.join(ALL_WORKLOADS)}")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="where results go")
+    parser.add_argument("--peers", action="store_true",
+                        help="also run `transformers serve --continuous-batching` on the chatbot workload")
+    parser.add_argument("--no-http", action="store_true", help="skip the rows measured through the HTTP gateway")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for the engine and transformers alike (default: torch's own)")
+    parser.add_argument("--no-micro", action="store_true", help="skip the hash and prefill micro-benchmarks")
+    args = parser.parse_args(argv)
+    names = tuple(n.strip() for n in args.workloads.split(",") if n.strip())
+    unknown = [n for n in names if n not in ALL_WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; choose from {list(ALL_WORKLOADS)}")
+    args.workloads = names
+    return args
+
+
+def run(args: argparse.Namespace, **options) -> dict:
+    """`options`: further Options fields (the smoke test shrinks the workloads and the KV pool)."""
+    start = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    suite = Suite(Options(model=args.model, workloads=args.workloads, quick=args.quick, peers=args.peers,
+                          http=not args.no_http, out=out, **options))
+    suite.run_workloads()
+    if "chatbot" in args.workloads:
+        suite.log("chatbot bar: cold, warm, 8 concurrent")
+        suite.chatbot_bar()
+        suite.checkpoint()
+    if not args.no_micro:
+        suite.log("micro-benchmarks: block hash + lookup, prefill efficiency")
+        suite.micro()
+        suite.checkpoint()
+    suite.optional_http()
+    results = {"environment": suite.environment(), "rows": suite.rows, "extra": suite.extra}
+    results["targets"] = report.evaluate_targets(suite.rows, suite.extra)
+    results["environment"]["wall_s"] = time.perf_counter() - start
+    results["environment"]["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    results["plots"] = [str(p) for p in report.plot(results, out)]
+    report.write_json(results, out)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = run(args)
+    print()
+    print(report.render(results))
+    print(f"\nwall time {results['environment']['wall_s']:.0f} s; results in {args.out}/results.json; "
+          f"plots: {', '.join(Path(p).name for p in results['plots'])}")
+    print("Note: a shared 2-core machine; timings are noisy (other processes compete for the cores).")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Targets (met / missed), the printed table, results.json and the plots."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def find(rows: list[dict], workload: str, variant: str) -> dict | None:
+    for row in rows:
+        if row["workload"] == workload and row["variant"] == variant and row.get("status") == "ok":
+            return row
+    return None
+
+
+def _target(name: str, goal: str, figure: str, met: bool | None) -> dict:
+    return {"target": name, "goal": goal, "figure": figure,
+            "status": "not run" if met is None else ("met" if met else "missed")}
+
+
+def evaluate_targets(rows: list[dict], extra: dict) -> list[dict]:
+    out = []
+    on, off = find(rows, "chatbot", "cache-on"), find(rows, "chatbot", "cache-off")
+    if on:
+        ratio = on["computed_over_oracle"]
+        out.append(_target("chatbot prefill vs oracle", "computed prefill tokens within 2% of the oracle",
+                           f"{on['prefill_computed']} computed vs {on['oracle']} oracle ({ratio:.4f}x)",
+                           abs(ratio - 1) <= 0.02))
+    else:
+        out.append(_target("chatbot prefill vs oracle", "within 2% of the oracle", "-", None))
+    if on and off:
+        speedup = off["ttft_p50_s"] / on["ttft_p50_s"]
+        out.append(_target("chatbot TTFT p50 cache on vs off", ">= 10x lower with the cache",
+                           f"{on['ttft_p50_s']:.3f} s vs {off['ttft_p50_s']:.3f} s ({speedup:.1f}x)", speedup >= 10))
+    else:
+        out.append(_target("chatbot TTFT p50 cache on vs off", ">= 10x lower", "-", None))
+    on, off = find(rows, "nosharing", "cache-on"), find(rows, "nosharing", "cache-off")
+    if on and off:
+        ratio = on["output_tok_s"] / off["output_tok_s"]
+        out.append(_target("no-sharing throughput on vs off", "cache on >= 0.98x cache off (output tok/s)",
+                           f"{on['output_tok_s']:.1f} vs {off['output_tok_s']:.1f} tok/s ({ratio:.3f}x)",
+                           ratio >= 0.98))
+    else:
+        out.append(_target("no-sharing throughput on vs off", ">= 0.98x", "-", None))
+    hashes = {h["algo"]: h for h in extra.get("hash_lookup", [])}
+    if hashes:
+        sha, xx = hashes["sha256"]["hash_lookup_us"], hashes["xxhash"]["hash_lookup_us"]
+        out.append(_target("block hash + lookup (sha256, the default)", "<= 2 us per 16-token block",
+                           f"sha256 {sha:.2f} us, xxhash {xx:.2f} us per block", sha <= 2.0))
+    else:
+        out.append(_target("block hash + lookup", "<= 2 us per block", "-", None))
+    mixed = find(rows, "mixed", "cache-on")
+    hf = [r for r in (find(rows, "mixed", "hf-b1"), find(rows, "mixed", "hf-b8")) if r]
+    if mixed and hf:
+        best = max(hf, key=lambda r: r["output_tok_s"])
+        ratio = mixed["output_tok_s"] / best["output_tok_s"]
+        out.append(_target("mixed 32 clients vs plain transformers", ">= 3x output tok/s of the best transformers run",
+                           f"{mixed['output_tok_s']:.1f} vs {best['output_tok_s']:.1f} tok/s ({best['variant']}) "
+                           f"= {ratio:.2f}x", ratio >= 3))
+    else:
+        out.append(_target("mixed 32 clients vs plain transformers", ">= 3x", "-", None))
+    stub = extra.get("gateway_stub")
+    if stub and stub.get("status") == "ok":
+        out.append(_target("gateway alone (instant engine stub), 64 clients", "report req/s and added latency",
+                           f"{stub['requests_per_s']:.0f} req/s; latency at 64 clients p50 {stub['latency_p50_ms']:.1f} ms"
+                           f" / p99 {stub['latency_p99_ms']:.1f} ms; added latency (1 client) p50 "
+                           f"{stub['alone_latency_p50_ms']:.2f} ms / p99 {stub['alone_latency_p99_ms']:.2f} ms", True))
+    else:
+        out.append(_target("gateway alone (instant engine stub)", "report req/s and added latency",
+                           (stub or {}).get("status", "-"), None))
+    bar = extra.get("chatbot_bar")
+    if bar:
+        peer = bar["peer"]
+        for key, peer_key, label in (("warm_ttft_s", "warm_s", "warm request TTFT"),
+                                     ("cold_ttft_s", "cold_s", "cold request TTFT"),
+                                     ("concurrent8_cold_ttft_p90_s", "concurrent8_ttft_p90_s",
+                                      "8 concurrent users TTFT p90 (cold cache)")):
+            out.append(_target(f"chatbot bar: {label}", f"<= peer's {peer[peer_key]} s",
+                               f"{bar[key]:.3f} s", bar[key] <= peer[peer_key]))
+    return out
+
+
+COLUMNS = (("workload", "{}", 10), ("variant", "{}", 14), ("requests", "{}", 4), ("hit_rate", "{:.1%}", 6),
+           ("prefill_computed", "{}", 7), ("oracle", "{}", 7), ("computed_over_oracle", "{:.3f}", 6),
+           ("ttft_p50_s", "{:.3f}", 7), ("ttft_p99_s", "{:.3f}", 7), ("itl_p50_s", "{:.3f}", 6),
+           ("output_tok_s", "{:.1f}", 6), ("max_queue_s", "{:.2f}", 6), ("evictions", "{}", 5),
+           ("preemptions", "{}", 5), ("peak_rss_mb", "{:.0f}", 6))
+HEADERS = ("workload", "variant", "reqs", "hit", "prefill", "oracle", "c/orac", "ttft50", "ttft99", "itl50",
+           "out/s", "maxq", "evict", "preem", "rssMB")
+
+
+def table(rows: list[dict]) -> str:
+    lines = [" ".join(h.rjust(w) if i > 1 else h.ljust(w) for i, (h, (_, _, w)) in enumerate(zip(HEADERS, COLUMNS)))]
+    for row in rows:
+        if row.get("status") != "ok":
+            lines.append(f"{row['workload']:<10} {row['variant']:<14} {row.get('status')}")
+            continue
+        cells = []
+        for i, (key, fmt, width) in enumerate(COLUMNS):
+            value = row.get(key)
+            text = "-" if value is None else fmt.format(value)
+            cells.append(text.ljust(width) if i < 2 else text.rjust(width))
+        line = " ".join(cells)
+        if row.get("note"):
+            line += f"  ({row['note']})"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def render(results: dict) -> str:
+    parts = ["Times in seconds; hit = prompt tokens served by the cache / looked up; prefill = prompt tokens "
+             "computed; oracle = an infinite cache computing each distinct block once.", table(results["rows"]), ""]
+    bar = results["extra"].get("chatbot_bar")
+    if bar:
+        parts.append(f"chatbot bar ({bar['prompt_tokens']}-token prompt, 16 output tokens): cold TTFT "
+                     f"{bar['cold_ttft_s']:.3f} s (e2e {bar['cold_e2e_s']:.2f} s), warm TTFT {bar['warm_ttft_s']:.3f} s "
+                     f"(e2e {bar['warm_e2e_s']:.2f} s), 8 concurrent TTFT p90 {bar['concurrent8_cold_ttft_p90_s']:.2f} s "
+                     f"cold cache" + (f" / {bar['concurrent8_warm_ttft_p90_s']:.2f} s warm"
+                                      if bar["concurrent8_warm_ttft_p90_s"] is not None else "") +
+                     "; peer (transformers serve, from the brief): warm 0.17 s, cold 2.8 s, 8 concurrent p90 10 s")
+    for h in results["extra"].get("hash_lookup", []):
+        parts.append(f"block hash {h['algo']}: {h['hash_us']:.2f} us/block, hash + lookup {h['hash_lookup_us']:.2f} "
+                     f"us/block ({h['blocks']} blocks)")
+    for p in results["extra"].get("prefill_efficiency", []):
+        parts.append(f"prefill {p['tokens']} tokens: {p['tokens_per_s']:.0f} tok/s = {p['achieved_gflops']:.1f} GFLOP/s "
+                     f"= {p['efficiency']:.0%} of measured fp32 matmul {p['matmul_gflops']:.1f} GFLOP/s")
+    for key in ("http", "gateway_stub", "peers"):
+        info = results["extra"].get(key)
+        if info:
+            parts.append(f"{key}: {info.get('summary') or info.get('status')}")
+    parts.append("")
+    parts.append("Targets:")
+    for t in results["targets"]:
+        parts.append(f"  [{t['status']:>7}] {t['target']}: {t['figure']}  (goal: {t['goal']})")
+    return "\n".join(parts)
+
+
+def write_json(results: dict, out_dir: Path) -> Path:
+    path = out_dir / "results.json"
+    path.write_text(json.dumps(results, indent=2, default=str))
+    return path
+
+
+def plot(results: dict, out_dir: Path) -> list[Path]:
+    rows = [r for r in results["rows"] if r.get("status") == "ok"]
+    paths = [_grouped(rows, "ttft_p50_s", "TTFT p50 (s, log)", "TTFT p50 per workload", out_dir / "ttft_p50.png",
+                      log=True),
+             _prefill(rows, out_dir / "prefill_vs_oracle.png")]
+    mix = [r for r in rows if r["workload"] == "prefix_mix"]
+    if mix:
+        paths.append(_policy(mix, out_dir / "fcfs_vs_lpm.png"))
+    return paths
+
+
+def _grouped(rows: list[dict], key: str, ylabel: str, title: str, path: Path, log: bool = False) -> Path:
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / max(len(variants), 1)
+    for j, variant in enumerate(variants):
+        xs, ys = [], []
+        for i, w in enumerate(workloads):
+            row = find(rows, w, variant)
+            if row and row.get(key):
+                xs.append(i + j * width)
+                ys.append(row[key])
+        ax.bar(xs, ys, width, label=variant)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))], workloads)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if log:
+        ax.set_yscale("log")
+    ax.legend(fontsize=8, ncol=len(variants), loc="upper center", bbox_to_anchor=(0.5, -0.08))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _prefill(rows: list[dict], path: Path) -> Path:
+    workloads = [w for w in dict.fromkeys(r["workload"] for r in rows)
+                 if find(rows, w, "cache-on") or find(rows, w, "lpm")]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    series = {"oracle": [], "cache on (lpm)": [], "no cache (every prompt token)": []}
+    for w in workloads:
+        on = find(rows, w, "cache-on") or find(rows, w, "lpm")
+        series["oracle"].append(on["oracle"])
+        series["cache on (lpm)"].append(on["prefill_computed"])
+        series["no cache (every prompt token)"].append(on["prompt_tokens"])
+    width = 0.27
+    for j, (label, values) in enumerate(series.items()):
+        ax.bar([i + j * width for i in range(len(workloads))], values, width, label=label)
+    ax.set_xticks([i + width for i in range(len(workloads))], workloads)
+    ax.set_ylabel("prefill tokens computed")
+    ax.set_title("Prefill tokens computed vs the oracle (an infinite cache)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _policy(rows: list[dict], path: Path) -> Path:
+    metrics = [("hit_rate", "hit rate"), ("ttft_p50_s", "TTFT p50 s"), ("ttft_p99_s", "TTFT p99 s"),
+               ("max_queue_s", "max queue s")]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(12, 3.5))
+    for ax, (key, label) in zip(axes, metrics):
+        ax.bar([r["variant"] for r in rows], [r.get(key) or 0 for r in rows], color=["tab:gray", "tab:green"][:len(rows)])
+        ax.set_title(label)
+    fig.suptitle("prefix_mix: fcfs vs lpm (KV pool smaller than the working set)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
