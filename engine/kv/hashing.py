@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from functools import lru_cache
 from typing import NewType
 
 import xxhash
@@ -14,10 +15,18 @@ BlockHash = NewType("BlockHash", bytes)
 ROOT_PARENT = b""  # parent of block 0
 
 
+_HEADER = struct.Struct("<III")
+
+
+@lru_cache(maxsize=64)
+def _tokens_struct(num_tokens: int) -> struct.Struct:
+    return struct.Struct(f"<{num_tokens}q")  # compiled once per block size: parsing the format dominated
+
+
 def _encode(parent: bytes, token_ids: tuple[int, ...], extra_keys: tuple[str, ...]) -> bytes:
     # canonical bytes: lengths first, so no two inputs share an encoding
-    header = struct.pack("<III", len(parent), len(token_ids), len(extra_keys))
-    tokens = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    header = _HEADER.pack(len(parent), len(token_ids), len(extra_keys))
+    tokens = _tokens_struct(len(token_ids)).pack(*token_ids)
     extras = b"".join(struct.pack("<I", len(k)) + k.encode() for k in extra_keys)
     return header + parent + tokens + extras
 
