@@ -44,9 +44,21 @@ def hash_full_blocks(token_ids: list[int], block_size: int, *, start_block: int 
                      algo: HashAlgo = HashAlgo.SHA256) -> list[BlockHash]:
     """Hashes of the full blocks of `token_ids` from `start_block` on, chained from `parent`."""
     hashes = []
-    for i in range(start_block, len(token_ids) // block_size):
+    first = start_block
+    if first == 0 and cache_salt and len(token_ids) >= block_size:
         # NOTE: the salt enters block 0 only; the chain carries it to every later block.
-        extra = (cache_salt,) if i == 0 and cache_salt else ()
-        parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra, algo)
+        parent = hash_block(parent, tuple(token_ids[:block_size]), (cache_salt,), algo)
+        hashes.append(parent)
+        first = 1
+    # the hot path (every admitted request): _encode inlined for blocks without extra keys
+    digest = xxhash.xxh3_128_digest if algo is HashAlgo.XXHASH else _sha256_digest
+    pack_tokens = _tokens_struct(block_size).pack
+    for i in range(first, len(token_ids) // block_size):
+        tokens = pack_tokens(*token_ids[i * block_size:(i + 1) * block_size])
+        parent = BlockHash(digest(_HEADER.pack(len(parent), block_size, 0) + parent + tokens))
         hashes.append(parent)
     return hashes
+
+
+def _sha256_digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
