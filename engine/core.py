@@ -40,9 +40,9 @@ class EngineCore:
         self.model = load_model(path, hf_config, dtype, self.device)
         self.tokenizer = load_tokenizer(path, _eos_token_ids(path, hf_config))
         self.vocab_size = hf_config.vocab_size
-        self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
         kv_cache = _allocate_kv_cache(config, hf_config, dtype, self.device)
         self.num_blocks = kv_cache.shape[2]
+        self.max_model_len = _context_length(config, hf_config, self.num_blocks)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
                                  hash_algo=config.hash_algo, min_shared_prefix_tokens=config.min_shared_prefix_tokens)
         self.scheduler = Scheduler(config, self.kv)
@@ -183,6 +183,16 @@ class EngineCore:
             num_output_tokens=len(r.output_token_ids), queue_time=scheduled - r.arrival_time,
             prefill_time=first_token - scheduled, ttft=first_token - r.arrival_time,
             e2e_latency=end - r.arrival_time, inter_token_latencies=list(r.inter_token_latencies))
+
+
+def _context_length(config: EngineConfig, hf_config, num_blocks: int) -> int:
+    """The model's context, capped by what the KV pool holds: a longer request could never finish."""
+    wanted = config.max_model_len or hf_config.max_position_embeddings
+    # the last sampled token is never fed back, so a request of N tokens holds K/V for N - 1
+    capacity = num_blocks * config.block_size + 1
+    if wanted > capacity:
+        logger.warning("context length %d exceeds the KV pool; serving %d tokens", wanted, capacity)
+    return min(wanted, capacity)
 
 
 def _prompt_tokens_in(chunk: ScheduledChunk) -> int:

@@ -86,3 +86,13 @@ async def test_a_broken_stats_listener_does_not_stop_the_engine(engine):
     outs = await _collect(engine, "h", list(range(3, 30)), SamplingParams(max_tokens=3, temperature=0,
                                                                          ignore_eos=True))
     assert outs[-1].finish_reason == "length" and engine.is_alive()
+
+
+def test_context_length_is_capped_by_the_kv_pool(tiny_llama_dir):
+    """A request longer than the pool could never finish (it would preempt itself forever)."""
+    from engine.core import EngineCore
+    core = EngineCore(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=8, block_size=16))
+    assert core.max_model_len == 8 * 16 + 1  # the last sampled token needs no slot
+    with pytest.raises(ValueError, match="context length"):
+        core.validate(list(range(3, 100)), SamplingParams(max_tokens=33))
+    core.validate(list(range(3, 100)), SamplingParams(max_tokens=32))

@@ -22,7 +22,8 @@ SYSTEM = ("You are a helpful assistant. Answer the question about the capital of
 @pytest.fixture
 def make_client(aiohttp_client, tiny_llama_dir):
     async def make(keys: tuple[ApiKey, ...] = (), engine: dict | None = None, **gateway):
-        config = EngineConfig(model=str(tiny_llama_dir), block_size=BLOCK, num_kv_blocks=128, **(engine or {}))
+        # 320 blocks hold the tiny model's whole 4,096-token context
+        config = EngineConfig(model=str(tiny_llama_dir), block_size=BLOCK, num_kv_blocks=320, **(engine or {}))
         settings = Settings(config, GatewaySettings(api_keys=keys, salt_secret="test", **gateway))
         return await aiohttp_client(create_app(settings))
     return make
