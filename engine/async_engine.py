@@ -56,6 +56,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        self._fail_waiting("the engine stopped")  # nobody may wait on a stopped engine
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._failed is None and not self._stopping
@@ -129,6 +130,7 @@ class AsyncEngine:
                 outputs, stats = self.core.step()
                 self._publish(stats)  # before the outputs, so a client never sees its answer before /metrics does
                 self._deliver(outputs)
+            self._drain_inbox()  # aborts sent by shutdown() while the last step ran
         except BaseException as exc:  # the loop itself broke (not a step): /health turns red
             self._failed = exc
             logger.exception("engine loop died")

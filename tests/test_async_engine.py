@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -96,3 +97,16 @@ def test_context_length_is_capped_by_the_kv_pool(tiny_llama_dir):
     with pytest.raises(ValueError, match="context length"):
         core.validate(list(range(3, 100)), SamplingParams(max_tokens=33))
     core.validate(list(range(3, 100)), SamplingParams(max_tokens=32))
+
+
+async def test_shutdown_aborts_what_is_left_and_ends_every_stream(tiny_llama_dir):
+    engine = AsyncEngine.from_config(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64))
+    engine.start()
+    engine.step_hook = lambda: time.sleep(0.005)  # keep the engine inside a step most of the time
+    gen = engine.generate("long", list(range(3, 40)), SamplingParams(max_tokens=900, temperature=0,
+                                                                     ignore_eos=True))
+    await anext(gen)
+    await engine.shutdown(timeout=0)
+    rest = [out async for out in gen]  # ends instead of waiting forever
+    assert rest[-1].finished and rest[-1].finish_reason == "abort"
+    engine.check_blocks_released()
