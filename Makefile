@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: serve test bench bench-quick model clean
+.PHONY: serve test bench bench-quick bench-peers model clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) -m bench --quick $(ARGS)
+
+bench-peers: $(STAMP)
+	$(PY) -m pip install -q -e '.[peers]'
+	$(PY) -m bench --quick --workloads chatbot --peers $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
