@@ -151,8 +151,7 @@ class AsyncEngine:
 
     def _fail_waiting(self, message: str) -> None:
         for request_id, q in list(self._queues.items()):
-            q.put_nowait(RequestOutput(request_id, [], "", None, 0, 0, 0, finished=True,
-                                       finish_reason="error", error=message))
+            q.put_nowait(_error_output(request_id, message))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -164,7 +163,7 @@ class AsyncEngine:
                 try:
                     self.core.add_request(payload)
                 except ValueError as exc:
-                    self._deliver([_rejected(payload, str(exc))])
+                    self._deliver([_error_output(payload.request_id, str(exc), payload.num_prompt_tokens)])
             else:
                 output = self.core.abort(payload)
                 if output is not None:
@@ -181,9 +180,10 @@ class AsyncEngine:
                 q.put_nowait(output)
 
 
-def _rejected(request: Request, message: str) -> RequestOutput:
-    return RequestOutput(request.request_id, [], "", None, request.num_prompt_tokens, 0, 0,
-                         finished=True, finish_reason="error", error=message)
+def _error_output(request_id: str, message: str, num_prompt_tokens: int = 0) -> RequestOutput:
+    """The final output of a request that ends without running: rejected, or its engine stopped."""
+    return RequestOutput(request_id, [], "", None, num_prompt_tokens, 0, 0, finished=True,
+                         finish_reason="error", error=message)
 
 
 def _served_name(core: EngineCore) -> str:
