@@ -161,19 +161,17 @@ class _Fields:
         return float(value)
 
     def boolean(self, name: str, default: bool) -> bool:
-        value = self.body.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise invalid(f"{name} must be a boolean", self.prefix + name)
-        return value
+        return self._typed(name, default, bool, "a boolean")
 
     def string(self, name: str, default: str | None) -> str | None:
+        return self._typed(name, default, str, "a string")
+
+    def _typed(self, name: str, default: Any, kind: type, what: str) -> Any:
         value = self.body.get(name)
         if value is None:
             return default
-        if not isinstance(value, str):
-            raise invalid(f"{name} must be a string", self.prefix + name)
+        if not isinstance(value, kind):
+            raise invalid(f"{name} must be {what}", self.prefix + name)
         return value
 
     def _range(self, name: str, value: int, low: int | None, high: int | None) -> None:
