@@ -31,11 +31,11 @@ class Request:
         self.logprobs: list[SampledToken] = []
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V sit in the cache
-        self.num_cached_tokens = -1  # prompt tokens served by the prefix cache (set when first scheduled)
+        self.num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache; None until admitted
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
         self.finish_reason: str | None = None
-        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self._generator: torch.Generator | None = None  # built on the logits' device at the first sampled token
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -57,6 +57,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """The seeded generator of this request, on `device` (a CPU generator cannot sample CUDA logits)."""
+        if self.params.seed is None:
+            return None
+        if self._generator is None:
+            self._generator = torch.Generator(device=device).manual_seed(self.params.seed)
+        return self._generator
 
     def block_tokens(self, index: int, block_size: int) -> tuple[int, ...]:
         return tuple(self.all_token_ids[index * block_size:(index + 1) * block_size])
