@@ -36,9 +36,18 @@ class IncrementalDetokenizer:
         if not self._tail.endswith("\ufffd"):  # a clean boundary: the window moves on
             self._final += self._tail
             self._tail = ""
-            self._prefix_offset, self._read_offset = self._read_offset, len(output_token_ids)
-            self._prefix_len = len(self.tokenizer.decode(output_token_ids[self._prefix_offset:self._read_offset]))
+            self._move_window(output_token_ids, window)
         return False
+
+    def _move_window(self, token_ids: list[int], window: str) -> None:
+        """The new tokens become the context of the next ones; while they show no text (a special token,
+        a lone leading space) the older context stays, or the next word would lose its space."""
+        context = self.tokenizer.decode(token_ids[self._read_offset:])
+        if context:
+            self._prefix_offset, self._prefix_len = self._read_offset, len(context)
+        else:
+            self._prefix_len = len(window)
+        self._read_offset = len(token_ids)
 
     def _cut_at_stop(self) -> bool:
         search_from = max(0, self.num_sent - self.holdback)  # text released earlier cannot start a stop string

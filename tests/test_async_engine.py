@@ -70,13 +70,43 @@ async def test_invalid_prompts_raise_before_anything_runs(engine):
         await _collect(engine, "g", [5], SamplingParams(max_tokens=10**6))
 
 
-async def test_concurrent_requests_share_the_prefix(engine):
+async def test_concurrent_requests_share_the_prefix(tiny_llama_dir):
+    """The others wait for the prefix the first one is computing, instead of computing it again.
+
+    A 48-token budget: step 1 prefills the first request's blocks 0-2, step 2 its block 3 and its last
+    two tokens with 30 tokens of budget to spare. The others could be admitted in step 2 and hit blocks
+    0-2, but block 3 is in flight: they wait one step and hit all four blocks.
+    """
+    engine = AsyncEngine.from_config(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64,
+                                                  max_num_batched_tokens=48, max_num_seqs=16))
+    engine.start()
+    first_step = iter([True])
+    set_step_hook(engine, lambda: next(first_step, False) and time.sleep(0.2))  # all four arrive by step 2
     system = list(range(3, 67))  # 64 tokens: four full blocks
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     results = await asyncio.gather(*[_collect(engine, f"u{i}", system + [100 + i, 200 + i], params)
                                      for i in range(4)])
     cached = sorted(r[-1].num_cached_tokens for r in results)
     assert cached == [0, 64, 64, 64]  # computed once, hit by the three others
+    assert_blocks_released(engine)
+    await engine.shutdown(timeout=1)
+
+
+async def test_a_caller_id_reused_right_after_an_abort_gets_only_its_own_outputs(engine):
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    new_prompt = list(range(100, 140))
+    expected = [t for o in await _collect(engine, "fresh", new_prompt, params) for t in o.new_token_ids]
+    old = engine.generate("x", list(range(3, 60)), SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+    await anext(old)
+    await old.aclose()  # sends the old request's abort; its abort output is still to come
+    outs = await _collect(engine, "x", new_prompt, params)  # the same caller id at once
+    assert [t for o in outs for t in o.new_token_ids] == expected
+    assert [o.finish_reason for o in outs] == [None] * 5 + ["length"]
+    assert all(o.request_id == "x" for o in outs)
+    for _ in range(100):
+        if not engine.core.requests:
+            break
+        await asyncio.sleep(0.01)
     assert_blocks_released(engine)
 
 
