@@ -29,7 +29,7 @@ class EngineConfig:
     hash_algo: HashAlgo = HashAlgo.SHA256
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.LPM
     max_reorder_wait_s: float = 2.0  # lpm may delay a request at most this long past FCFS
-    lpm_max_queue: int = 4096  # above this many waiting requests lpm falls back to FCFS
+    lpm_max_queue: int = 2048  # above this many waiting requests lpm falls back to FCFS
     min_shared_prefix_tokens: int = 0  # side-channel hardening: no hit shorter than this
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16

@@ -25,10 +25,11 @@ class AdmissionOrder:
         if self.policy is SchedulingPolicy.FCFS or len(waiting) > self.max_queue or not self.kv.enable_caching:
             return list(waiting)
         # a request that has waited max_reorder_wait_s is never passed again (aging bounds the delay)
-        overdue = [r for r in waiting if self.is_overdue(r, now)]
-        rest = [r for r in waiting if not self.is_overdue(r, now)]
+        overdue, rest = [], []
+        for r in waiting:
+            (overdue if self.is_overdue(r, now) else rest).append(r)
         # the KV cache manager remembers each request's hit between steps: this is one dict lookup each
-        cached = {r.request_id: len(self.kv.find_cached_prefix(r).blocks) for r in rest}
+        cached = {r.request_id: self.kv.num_cached_blocks(r) for r in rest}
         sharers = Counter(r.block_hashes[0] for r in rest if r.block_hashes)
 
         def key(r: Request):

@@ -71,6 +71,8 @@ class Request:
 
     def update_block_hashes(self, block_size: int, algo: HashAlgo) -> None:
         """Hash every full block not hashed yet (prompt and generated tokens alike)."""
+        if len(self.all_token_ids) // block_size == len(self.block_hashes):
+            return  # the common case in a waiting queue that is ordered every step
         parent = self.block_hashes[-1] if self.block_hashes else b""
         self.block_hashes += hash_full_blocks(self.all_token_ids, block_size, start_block=len(self.block_hashes),
                                               parent=parent, cache_salt=self.cache_salt, algo=algo)

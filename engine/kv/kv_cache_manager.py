@@ -46,12 +46,16 @@ class KVCacheManager:
 
     def find_cached_prefix(self, request: Request) -> CachedPrefix:
         """Longest run of cached full blocks, covering at most num_tokens - 1 tokens."""
+        num_blocks = self.num_cached_blocks(request)
+        return CachedPrefix(self._hits[request.request_id].blocks[:num_blocks] if num_blocks else [],
+                            num_blocks * self.block_size)
+
+    def num_cached_blocks(self, request: Request) -> int:
+        """Blocks find_cached_prefix would hit (it remembers a waiting request's hit between calls)."""
         if not self.enable_caching:
-            return CachedPrefix([], 0)
-        blocks = self._longest_hit(request)
-        if len(blocks) * self.block_size < self.min_shared_prefix_tokens:
-            return CachedPrefix([], 0)
-        return CachedPrefix(list(blocks), len(blocks) * self.block_size)
+            return 0
+        num_blocks = len(self._longest_hit(request))
+        return num_blocks if num_blocks * self.block_size >= self.min_shared_prefix_tokens else 0
 
     def _longest_hit(self, request: Request) -> list[KVCacheBlock]:
         # NOTE: registering a block never takes one out of the hash map, only an eviction does: while the
