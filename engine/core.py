@@ -107,29 +107,29 @@ class EngineCore:
         for chunk in sched.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
         outputs: list[RequestOutput] = []
-        num_generated = 0
         for chunk, token in zip(sampled, tokens):
             if isinstance(token, Exception):
                 outputs += self._fail([chunk.request], "sampling failed", token)
-                continue
-            try:
-                outputs.append(self._append(chunk.request, token, now))
-                num_generated += 1
-            except Exception as exc:
-                logger.exception("request %s failed after its step", chunk.request.request_id)
-                outputs += self._fail([chunk.request], "engine step failed", exc)
+            else:
+                outputs += self._guarded(chunk.request, self._append, token, now)
         sampled_ids = {id(c) for c in sampled}
         for chunk in sched.chunks:
-            if id(chunk) in sampled_ids or chunk.request.is_finished:
-                continue
-            try:
-                self.kv.cache_full_blocks(chunk.request)  # a prefill chunk's full blocks hit from the next step on
-            except Exception as exc:
-                logger.exception("caching the blocks of %s failed", chunk.request.request_id)
-                outputs += self._fail([chunk.request], "engine step failed", exc)
+            if id(chunk) not in sampled_ids and not chunk.request.is_finished:
+                # a prefill chunk's full blocks hit from the next step on
+                outputs += self._guarded(chunk.request, self.kv.cache_full_blocks)
+        num_generated = sum(1 for t in tokens if not isinstance(t, Exception))
         return outputs, self.take_stats(num_prompt_tokens, num_generated)
 
-    def _sample(self, logits, sampled: list[ScheduledChunk]) -> list[SampledToken | Exception]:
+    def _guarded(self, request: Request, work, *args) -> list[RequestOutput]:
+        """`work(request, *args)`, one request's share of the step: if it raises, that request alone fails."""
+        try:
+            output = work(request, *args)
+        except Exception as exc:
+            logger.exception("request %s failed in its step", request.request_id)
+            return self._fail([request], "engine step failed", exc)
+        return [output] if output is not None else []
+
+    def _sample(self, logits: torch.Tensor, sampled: list[ScheduledChunk]) -> list[SampledToken | Exception]:
         """One token per sampled chunk, or the exception that sampling its row raised."""
         try:
             return self.sampler(logits, [c.request.params for c in sampled],
@@ -137,7 +137,7 @@ class EngineCore:
         except Exception:  # one bad row must not fail the batch: sample row by row to find it
             return [self._sample_row(logits[i:i + 1], c.request) for i, c in enumerate(sampled)]
 
-    def _sample_row(self, logits, request: Request) -> SampledToken | Exception:
+    def _sample_row(self, logits: torch.Tensor, request: Request) -> SampledToken | Exception:
         try:
             return self.sampler(logits, [request.params], [request.generator(logits.device)])[0]
         except Exception as exc:
