@@ -1,6 +1,7 @@
 """Sampling parameters of one request and the batched sampler."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: also the top k
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):  # NaN passes every range check below
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         if self.temperature < 0:
