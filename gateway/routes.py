@@ -39,7 +39,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         prompt = await render_chat(state.engine.tokenizer, req.messages, tools, tool_template)
         fmt = ChatFormat(_new_id("chatcmpl-"), state.model_name, state.engine.tokenizer,
                          fingerprint=_fingerprint(state), tool_parser=parser_for(req.tools, tool_template.parser),
-                         max_tool_calls=None if req.tools is None or req.tools.parallel else 1)
+                         max_tool_calls=req.tools.max_calls if req.tools else None)
         return await _generate(request, state, tenant, req, [prompt], fmt, "messages", None)
 
 

@@ -33,6 +33,10 @@ class ToolRequest:
         return self.choice != "none"
 
     @property
+    def max_calls(self) -> int | None:
+        return None if self.parallel else 1
+
+    @property
     def forced(self) -> bool:
         return self.choice in ("required", "function")
 
