@@ -14,6 +14,9 @@ MAX_TOOLS = 128  # OpenAI's limit
 _FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _CHOICES = ("none", "auto", "required")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+# fields that constrain the output too (OpenAI's, and vLLM's extras)
+_OUTPUT_CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                       "guided_grammar")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +99,11 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
     tools = _tools(raw_tools)
     names = [t["function"]["name"] for t in tools]
     choice, function_name = _tool_choice(raw_choice, names)
-    if choice in ("required", "function") and body.get("response_format") not in (None, {"type": "text"}):
-        raise invalid("a forced tool_choice cannot be combined with response_format", "tool_choice")
+    constraint = next((k for k in _OUTPUT_CONSTRAINTS if body.get(k) is not None), None)
+    if constraint == "response_format" and body["response_format"] == {"type": "text"}:
+        constraint = None
+    if choice in ("required", "function") and constraint is not None:  # one grammar per request
+        raise invalid(f"a forced tool_choice cannot be combined with {constraint}", "tool_choice")
     return ToolRequest(tools, choice, function_name, parallel is not False)
 
 

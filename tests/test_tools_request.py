@@ -18,6 +18,7 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time"}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 HISTORY = [{"role": "user", "content": "Weather in Paris?"},
            {"role": "assistant", "content": None, "tool_calls": [CALL]},
@@ -37,6 +38,8 @@ def test_parse_chat_carries_tools():
     auto = parse_tools({"tools": [WEATHER]})
     assert auto.choice == "auto" and auto.parallel and auto.parses_calls and not auto.forced
     assert auto.structured_output() is None and not parse_tools({"tools": [WEATHER], "tool_choice": "none"}).parses_calls
+    text_format = parse_tools({"tools": [WEATHER], "tool_choice": NAMED, "response_format": {"type": "text"}})
+    assert text_format.forced and text_format.max_calls is None
 
 
 BAD = [
@@ -58,6 +61,7 @@ BAD = [
     ({"functions": [WEATHER["function"]]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": NAMED, "guided_regex": "a+"}, "tool_choice"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "assistant", "tool_calls": {}}]}, "messages[0].tool_calls"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function"}]}]}, "messages[0].tool_calls[0]"),
