@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.structured import StructuredOutput
+
 # below this temperature sampling is greedy: dividing float32 logits by less overflows them to inf
 GREEDY_TEMPERATURE = 1e-5
 
@@ -21,6 +23,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: also the top k
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p"):  # NaN passes every range check below

@@ -13,7 +13,7 @@ CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class Tokenizer(Protocol):
@@ -28,7 +28,8 @@ class Tokenizer(Protocol):
 
     def token_text(self, token_id: int) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str: ...
 
 
 def _check_messages(messages: list[dict]) -> None:
@@ -63,9 +64,10 @@ class HFTokenizer:
         with self._lock:
             return self._tok.decode([token_id])
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         _check_messages(messages)
-        return self._tok.apply_chat_template(messages, tokenize=False,
+        return self._tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
 
 
@@ -132,9 +134,11 @@ class TiktokenTokenizer:
     def token_text(self, token_id: int) -> str:
         return self._enc.decode([token_id], errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         _check_messages(messages)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     tools=tools)
 
 
 def _is_tiktoken_bpe_file(path: Path) -> bool:

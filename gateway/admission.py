@@ -47,13 +47,12 @@ class Admission:
         if self.in_flight + num_seqs > self.capacity:
             raise self._too_many(
                 f"the server is at capacity: {self.in_flight} sequences in flight, limit max_num_seqs "
-                f"({self.max_num_seqs}) + max_waiting_requests ({self.max_waiting_requests}); retry later",
-                "max_waiting_requests")
+                f"({self.max_num_seqs}) + max_waiting_requests ({self.max_waiting_requests}); retry later")
         if tenant.max_concurrent is not None and self._per_tenant[tenant.name] >= tenant.max_concurrent:
             raise self._too_many(
                 f"tenant {tenant.name!r} has {self._per_tenant[tenant.name]} requests in flight, "
-                f"its limit max_concurrent is {tenant.max_concurrent}; retry later",
-                "max_concurrent")
+                f"its limit max_concurrent is {tenant.max_concurrent}; retry later")
 
-    def _too_many(self, message: str, limit: str) -> APIError:
-        return APIError(429, message, code=f"{limit}_exceeded", headers={"Retry-After": self._retry_after})
+    def _too_many(self, message: str) -> APIError:
+        # OpenAI's code for every 429; the message names the limit that was hit
+        return APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": self._retry_after})

@@ -16,9 +16,11 @@ from aiohttp import web
 from gateway import routes
 from gateway.admission import Admission
 from gateway.auth import Authenticator
+from gateway.cors import Cors
 from gateway.errors import APIError, error_middleware, error_response
 from gateway.settings import Settings
 from gateway.state import STATE, GatewayState
+from gateway.tool_prompt import TOOL_TEMPLATE, detect_tool_template
 
 log = logging.getLogger("gateway")
 
@@ -60,10 +62,13 @@ def create_app(settings: Settings, engine: Any = None) -> web.Application:
                           middlewares=[observe_middleware, error_middleware])
     app[IN_FLIGHT] = InFlight()
     app.on_response_prepare.append(_add_request_id)
+    if settings.gateway.allowed_origins:
+        Cors(settings.gateway.allowed_origins).install(app)
     app.cleanup_ctx.append(partial(_engine_ctx, settings, engine, auth))
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_get("/v1/models", routes.models)
+    app.router.add_get("/v1/models/{model_id:.+}", routes.model)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/metrics", routes.metrics)
     app.router.add_get("/openapi.json", routes.openapi)
@@ -85,6 +90,7 @@ async def _engine_ctx(settings: Settings, engine: Any, auth: Authenticator,
                           settings.gateway.retry_after_s)
     names = frozenset({engine.model_name, settings.engine.model})
     app[STATE] = GatewayState(settings, engine, auth, admission, metrics, names)
+    app[TOOL_TEMPLATE] = detect_tool_template(engine.tokenizer, settings.gateway.tool_call_parser)
     engine.start()
     log.info("serving model %s (context %d tokens)", engine.model_name, engine.max_model_len)
     yield

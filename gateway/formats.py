@@ -2,47 +2,94 @@
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
-from engine.outputs import RequestOutput
+from engine.outputs import FinishReason, RequestOutput
 from engine.sampling import SampledToken
 from gateway.generate import Choice
+from gateway.tool_parsers import StreamDelta, ToolCallStream, ToolParser, extract
 
 
 class ChatFormat:
     object_name = "chat.completion"
     chunk_name = "chat.completion.chunk"
 
-    def __init__(self, response_id: str, model: str, tokenizer: Any) -> None:
+    def __init__(self, response_id: str, model: str, tokenizer: Any, *, fingerprint: str | None = None,
+                 tool_parser: ToolParser | None = None, max_tool_calls: int | None = None) -> None:
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
         self.tokenizer = tokenizer
+        self.fingerprint = fingerprint
+        self.tool_parser = tool_parser  # None: the text is never parsed for tool calls
+        self.max_tool_calls = max_tool_calls
+        self._tool_streams: dict[int, ToolCallStream] = {}  # per choice index, when streaming
 
     def response(self, choices: list[Choice], usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._head(self.object_name), "choices": [self.choice_body(c) for c in choices],
                 "usage": usage}
 
     def choice_body(self, choice: Choice) -> dict[str, Any]:
-        return {"index": choice.index,
-                "message": {"role": "assistant", "content": "".join(choice.text)},
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(choice.text)}
+        finish_reason = choice.finish_reason
+        if self.tool_parser is not None:
+            parsed = extract(self.tool_parser, message["content"], self.max_tool_calls)
+            if parsed.calls:
+                message = {"role": "assistant", "content": parsed.content or None,
+                           "tool_calls": [_tool_call(c.name, c.arguments) for c in parsed.calls]}
+                finish_reason = _tool_finish(finish_reason)
+        return {"index": choice.index, "message": message,
                 "logprobs": self.logprobs(choice, choice.logprobs, 0),
-                "finish_reason": choice.finish_reason}
+                "finish_reason": finish_reason}
 
     def first_chunk(self, choices: list[Choice]) -> dict[str, Any] | None:
         return self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None} for c in choices])
 
     def delta_chunk(self, choice: Choice, out: RequestOutput, text_offset: int) -> dict[str, Any] | None:
-        if not out.new_text and not out.new_logprobs:
+        if self.tool_parser is None:
+            delta = {"content": out.new_text} if out.new_text else {}
+        else:
+            delta = self._tool_delta(self._tool_stream(choice).feed(out.new_text))
+        if not delta and not out.new_logprobs:
             return None
-        return self.chunk([{"index": choice.index, "delta": {"content": out.new_text},
+        delta = delta or {"content": ""}  # logprobs of held-back text
+        return self.chunk([{"index": choice.index, "delta": delta,
                             "logprobs": self.logprobs(choice, out.new_logprobs, text_offset),
                             "finish_reason": None}])
 
     def finish_chunk(self, choice: Choice) -> dict[str, Any]:
-        return self.chunk([{"index": choice.index, "delta": {}, "logprobs": None,
-                            "finish_reason": choice.finish_reason}])
+        delta, finish_reason = {}, choice.finish_reason
+        if self.tool_parser is not None:
+            stream = self._tool_stream(choice)
+            delta = self._tool_delta(stream.finish())
+            if stream.num_calls:
+                finish_reason = _tool_finish(finish_reason)
+        return self.chunk([{"index": choice.index, "delta": delta, "logprobs": None,
+                            "finish_reason": finish_reason}])
+
+    def _tool_stream(self, choice: Choice) -> ToolCallStream:
+        if choice.index not in self._tool_streams:
+            self._tool_streams[choice.index] = ToolCallStream(self.tool_parser, self.max_tool_calls)
+        return self._tool_streams[choice.index]
+
+    @staticmethod
+    def _tool_delta(update: StreamDelta) -> dict[str, Any]:
+        """OpenAI's shape: a call's first delta has its index, id, type and name; later ones only
+        index and an arguments fragment."""
+        delta: dict[str, Any] = {}
+        if update.content:
+            delta["content"] = update.content
+        calls = []
+        for call in update.calls:
+            if call.name is not None:
+                calls.append({**_tool_call(call.name, call.arguments), "index": call.index})
+            else:
+                calls.append({"index": call.index, "function": {"arguments": call.arguments}})
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         return {**self._head(self.chunk_name), "choices": choices, "usage": usage}
@@ -61,7 +108,17 @@ class ChatFormat:
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.response_id, "object": object_name, "created": self.created,
-                "model": self.model, "system_fingerprint": None}
+                "model": self.model, "system_fingerprint": self.fingerprint}
+
+
+def _tool_call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _tool_finish(finish_reason: str | None) -> str | None:
+    """A call that ended normally finishes with "tool_calls"; "length" (cut short) stays."""
+    return "tool_calls" if finish_reason == FinishReason.STOP else finish_reason
 
 
 class CompletionFormat(ChatFormat):

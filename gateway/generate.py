@@ -69,6 +69,8 @@ def usage(choices: list[Choice]) -> dict[str, Any]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in leaders.values())},
+        "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,  # as OpenAI sends them
+                                      "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
     }
 
 

@@ -7,6 +7,7 @@ from typing import Any
 from gateway.errors import invalid
 from gateway.render import normalize_messages
 from gateway.settings import GatewaySettings
+from gateway.tools import ToolRequest, parse_tools
 
 MAX_SEED = 2**63 - 1
 
@@ -32,6 +33,7 @@ class GenerationRequest:
 @dataclass(frozen=True, slots=True)
 class ChatRequest(GenerationRequest):
     messages: list[dict[str, str]]
+    tools: ToolRequest | None = None  # None: no tools
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +52,7 @@ def parse_chat(body: Any, limits: GatewaySettings) -> ChatRequest:
         max_tokens = fields.integer("max_tokens", None, 1)
     common = _common(fields, limits, max_tokens, (top or 0) if want_logprobs else None)
     messages = normalize_messages(fields.body.get("messages"), limits.max_messages)
-    return ChatRequest(**common, messages=messages)
+    return ChatRequest(**common, messages=messages, tools=parse_tools(fields.body))
 
 
 def parse_completion(body: Any, limits: GatewaySettings) -> CompletionRequest:
@@ -71,6 +73,8 @@ def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None,
     if stream_options is not None and not isinstance(stream_options, dict):
         raise invalid("stream_options must be an object", "stream_options")
     include_usage = _Fields(stream_options or {}, "stream_options.").boolean("include_usage", False)
+    if stream_options is not None and fields.body.get("stream") is not True:  # as OpenAI answers
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
     return dict(
         model=model,
         max_tokens=max_tokens,

@@ -1,18 +1,21 @@
-"""OpenAI chat messages -> plain {role, content} messages -> prompt token ids via the chat template."""
+"""OpenAI chat messages -> template messages ({role, content}, plus tool_calls / tool_call_id) ->
+prompt token ids via the chat template (with the request's tools, see tool_prompt.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import jinja2
 
 from gateway.errors import invalid
+from gateway.tool_prompt import ToolTemplate, hermes_messages
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _OFFLOAD_CHARS = 8192  # render bigger prompts on a worker thread so the event loop stays responsive
 
 
-def normalize_messages(raw: Any, max_messages: int) -> list[dict[str, str]]:
+def normalize_messages(raw: Any, max_messages: int) -> list[dict[str, Any]]:
     """Validates `messages`; content is a string or a list of {"type": "text", "text": ...} parts."""
     if not isinstance(raw, list) or not raw:
         raise invalid("messages must be a non-empty array", "messages")
@@ -21,16 +24,48 @@ def normalize_messages(raw: Any, max_messages: int) -> list[dict[str, str]]:
     return [_normalize_message(message, f"messages[{i}]") for i, message in enumerate(raw)]
 
 
-def _normalize_message(message: Any, param: str) -> dict[str, str]:
+def _normalize_message(message: Any, param: str) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise invalid("each message must be an object", param)
     role = message.get("role")
     if role not in _ROLES:
         raise invalid(f"unsupported role {role!r}; use one of {', '.join(_ROLES)}", f"{param}.role")
     content = message.get("content")
+    tool_calls = message.get("tool_calls") if role == "assistant" else None
     if content is None and role == "assistant":
         content = ""
-    return {"role": _ROLES[role], "content": _content_text(content, f"{param}.content")}
+    out: dict[str, Any] = {"role": _ROLES[role], "content": _content_text(content, f"{param}.content")}
+    if role == "tool":
+        if not isinstance(message.get("tool_call_id"), str):
+            raise invalid("a tool message needs the string tool_call_id of the call it answers",
+                          f"{param}.tool_call_id")
+        out["tool_call_id"] = message["tool_call_id"]
+    if tool_calls is not None:
+        out["tool_calls"] = _tool_calls(tool_calls, f"{param}.tool_calls")
+    return out
+
+
+def _tool_calls(raw: Any, param: str) -> list[dict[str, Any]]:
+    """As chat templates expect them: arguments as a JSON value (vLLM does the same), not a string."""
+    if not isinstance(raw, list):
+        raise invalid("tool_calls must be an array", param)
+    calls = []
+    for j, call in enumerate(raw):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(function, dict):
+            raise invalid('each tool call must be {"id", "type": "function", "function": {"name", "arguments"}}',
+                          f"{param}[{j}]")
+        if not isinstance(call.get("id"), str):
+            raise invalid("a tool call needs a string id", f"{param}[{j}].id")
+        if not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str):
+            raise invalid("function.name and function.arguments must be strings", f"{param}[{j}].function")
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            arguments = function["arguments"]
+        calls.append({"id": call["id"], "type": "function",
+                      "function": {"name": function["name"], "arguments": arguments}})
+    return calls
 
 
 def _content_text(content: Any, param: str) -> str:
@@ -48,10 +83,14 @@ def _content_text(content: Any, param: str) -> str:
     return "\n".join(texts)
 
 
-async def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+async def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                      tool_template: ToolTemplate | None = None) -> list[int]:
+    """`tool_template` None: the template renders tools itself (or there are none)."""
+    if tool_template is not None and not tool_template.native:
+        messages, tools = hermes_messages(messages, tools), None
     if sum(len(m["content"]) for m in messages) > _OFFLOAD_CHARS:
-        return await asyncio.to_thread(_render_chat, tokenizer, messages)
-    return _render_chat(tokenizer, messages)
+        return await asyncio.to_thread(_render_chat, tokenizer, messages, tools)
+    return _render_chat(tokenizer, messages, tools)
 
 
 async def encode(tokenizer: Any, text: str) -> list[int]:
@@ -60,9 +99,9 @@ async def encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text)
 
 
-def _render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def _render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     except (ValueError, jinja2.TemplateError) as exc:  # e.g. a template that wants alternating roles
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
     return tokenizer.encode(text)

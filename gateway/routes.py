@@ -12,6 +12,7 @@ from aiohttp import web
 from engine.sampling import SamplingParams
 from gateway.auth import Tenant
 from gateway.errors import APIError, invalid
+from gateway.fingerprint import system_fingerprint
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.generate import Choice, check_output, run_choices, usage
 from gateway.openapi import build_openapi
@@ -19,6 +20,8 @@ from gateway.protocol import GenerationRequest, parse_chat, parse_completion
 from gateway.render import encode, render_chat
 from gateway.state import STATE, GatewayState
 from gateway.streaming import stream_response
+from gateway.tool_parsers import parser_for
+from gateway.tool_prompt import TOOL_TEMPLATE
 
 log = logging.getLogger("gateway")
 
@@ -30,9 +33,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tenant = state.auth.authenticate(request)
     req = parse_chat(await read_json(request), state.settings.gateway)
     state.check_model(req.model)
+    tool_template = request.app[TOOL_TEMPLATE]
     with state.admission.admit(tenant, req.n):
-        prompt = await render_chat(state.engine.tokenizer, req.messages)
-        fmt = ChatFormat(_new_id("chatcmpl-"), state.model_name, state.engine.tokenizer)
+        tools = req.tools.template_tools if req.tools else None
+        prompt = await render_chat(state.engine.tokenizer, req.messages, tools, tool_template)
+        fmt = ChatFormat(_new_id("chatcmpl-"), state.model_name, state.engine.tokenizer,
+                         fingerprint=_fingerprint(state), tool_parser=parser_for(req.tools, tool_template.parser),
+                         max_tool_calls=req.tools.max_calls if req.tools else None)
         return await _generate(request, state, tenant, req, [prompt], fmt, "messages", None)
 
 
@@ -48,7 +55,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             raise invalid("prompt must not be empty", "prompt")
         if any(not 0 <= t < tokenizer.vocab_size for p in prompts for t in p):
             raise invalid(f"token ids must be in [0, {tokenizer.vocab_size})", "prompt")
-        fmt = CompletionFormat(_new_id("cmpl-"), state.model_name, tokenizer)
+        fmt = CompletionFormat(_new_id("cmpl-"), state.model_name, tokenizer, fingerprint=_fingerprint(state))
         return await _generate(request, state, tenant, req, prompts, fmt, "prompt",
                                COMPLETIONS_DEFAULT_MAX_TOKENS)
 
@@ -56,9 +63,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.auth.authenticate(request)
-    return web.json_response({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "prefixgate",
-        "max_model_len": state.engine.max_model_len}]})
+    return web.json_response({"object": "list", "data": [_model_card(state)]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model_id} (client.models.retrieve); the id may hold slashes ("org/name")."""
+    state = request.app[STATE]
+    state.auth.authenticate(request)
+    state.check_model(request.match_info["model_id"])
+    return web.json_response(_model_card(state))
+
+
+def _model_card(state: GatewayState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "prefixgate",
+            "max_model_len": state.engine.max_model_len}
 
 
 async def health(request: web.Request) -> web.Response:
@@ -115,9 +133,16 @@ async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, r
 
 
 def _sampling_params(req: GenerationRequest, max_tokens: int, choice: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                          top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
-                          stop=list(req.stop), ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+    params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                            top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
+                            stop=list(req.stop), ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+    if (tools := getattr(req, "tools", None)) is not None and tools.forced:  # the grammar forces a valid call
+        params.structured = tools.structured_output()
+    return params
+
+
+def _fingerprint(state: GatewayState) -> str:
+    return system_fingerprint(state.settings.engine, state.model_name)
 
 
 def _log_done(response_id: str, tenant: Tenant, choices: list[Choice]) -> None:

@@ -57,6 +57,8 @@ class GatewaySettings:
         "help": "secret that derives tenant salts (None: random per start)"})
     api_keys_file: str | None = _knob(None, "YAML file: key -> {tenant, salt?, max_concurrent?, share_public_salt?}")
     log_level: str = _knob("info", "debug | info | warning | error")
+    tool_call_parser: str = _knob("auto", "auto (from the chat template) | hermes | llama3_json")
+    allowed_origins: tuple[str, ...] = _knob((), "CORS: browser origins allowed to call the API ('*': any); none: off")
     api_keys: tuple[ApiKey, ...] = field(default=(), repr=False)  # from --api-key and api_keys_file
 
     def __post_init__(self) -> None:
@@ -74,6 +76,8 @@ class GatewaySettings:
         _check(self.shutdown_timeout_s >= 0, "shutdown_timeout_s must be >= 0")
         _check(self.stream_write_timeout_s > 0, "stream_write_timeout_s must be > 0")
         _check(self.log_level in ("debug", "info", "warning", "error"), f"unknown log_level {self.log_level!r}")
+        _check(self.tool_call_parser in ("auto", "hermes", "llama3_json"),
+               f"unknown tool_call_parser {self.tool_call_parser!r}")
 
     def replace(self, **changes: Any) -> "GatewaySettings":
         return dataclasses.replace(self, **changes)

@@ -27,6 +27,12 @@ def tiny_qwen3_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_tools_dir(tmp_path_factory):
+    """A tiny Qwen2 whose chat template renders tools (Hermes <tool_call> format)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-tools"), "qwen2", tools=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_tiktoken_dir(tmp_path_factory):
     return build_tiktoken_model(tmp_path_factory.mktemp("tiny-tiktoken"))
 

@@ -35,8 +35,9 @@ def is_error_body(body: Any) -> bool:
 class LiveServer:
     """`with LiveServer(settings) as server:` the gateway at `server.url`, its event loop on a thread."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, engine: Any = None) -> None:
         self.settings = settings
+        self._engine = engine  # None: built from settings by create_app
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="live-gateway", daemon=True)
         self._runner: web.AppRunner | None = None
@@ -74,7 +75,7 @@ class LiveServer:
         self.call(self._wait_idle(timeout), timeout=timeout + 5)
 
     async def _start(self) -> None:
-        self.app = create_app(self.settings)
+        self.app = create_app(self.settings, self._engine)
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)

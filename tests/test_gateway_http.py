@@ -280,7 +280,8 @@ async def test_stream_chunks(client):
     assert all(e["choices"][0]["finish_reason"] is None for e in content)
     assert finish["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 5
-    plain = await (await client.post("/v1/chat/completions", json={**body, "stream": False})).json()
+    plain = await (await client.post("/v1/chat/completions", json={**body, "stream": False,
+                                                                    "stream_options": None})).json()
     assert "".join(e["choices"][0]["delta"]["content"] for e in content) == plain["choices"][0]["message"]["content"]
 
 
@@ -363,7 +364,7 @@ async def test_full_server_answers_429_with_retry_after(make_client):
     started = time.monotonic()
     resp = await client.post("/v1/chat/completions", json=chat(client))
     assert time.monotonic() - started < 0.5  # refused fast, not queued
-    assert_error(resp.status, await resp.json(), 429, code="max_waiting_requests_exceeded", type_="rate_limit_error")
+    assert_error(resp.status, await resp.json(), 429, code="rate_limit_exceeded", type_="rate_limit_error")
     assert resp.headers["Retry-After"] == "2"
     first.close()
     await wait_released(engine)
@@ -379,7 +380,7 @@ async def test_tenant_concurrency_limit(make_client):
                                json=chat(client, stream=True, max_tokens=2000, ignore_eos=True))
     assert len(await sse_events(stream, limit=2)) == 2
     resp = await client.post("/v1/chat/completions", headers=alice, json=chat(client))
-    assert_error(resp.status, await resp.json(), 429, code="max_concurrent_exceeded")
+    assert_error(resp.status, await resp.json(), 429, code="rate_limit_exceeded")
     assert "alice" in (await resp.json())["error"]["message"] and resp.headers["Retry-After"] == "1"
     assert (await client.post("/v1/chat/completions", headers=bob, json=chat(client))).status == 200
     stream.close()

@@ -28,7 +28,41 @@ def _corpus(n: int = 3000, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 20))) + rng.choice(".?!,") for _ in range(n)]
 
 
-def build_tokenizer(path: Path, vocab_size: int = 512) -> PreTrainedTokenizerFast:
+# Qwen2.5's chat template with tools (shortened where it does not matter here): tools in the system
+# message, calls as <tool_call> JSON, tool results as <tool_response> in a user turn
+TOOLS_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}"
+    "{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}{%- set tool_call = tool_call.function %}"
+    "{{- '\n<tool_call>\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]  # added, not special (as Qwen)
+
+
+def build_tokenizer(path: Path, vocab_size: int = 512, tools: bool = False) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -38,6 +72,9 @@ def build_tokenizer(path: Path, vocab_size: int = 512) -> PreTrainedTokenizerFas
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=["<|im_start|>"])
     fast.chat_template = CHATML_TEMPLATE
+    if tools:
+        fast.add_tokens(TOOL_TOKENS)
+        fast.chat_template = TOOLS_TEMPLATE
     fast.save_pretrained(path)
     return fast
 
@@ -45,11 +82,12 @@ def build_tokenizer(path: Path, vocab_size: int = 512) -> PreTrainedTokenizerFas
 ARCH_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
 
-def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """A random-weight model dir (config.json, model.safetensors, tokenizer) at `path`."""
+def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, tools: bool = False, **overrides) -> Path:
+    """A random-weight model dir (config.json, model.safetensors, tokenizer) at `path`; `tools`: its
+    chat template renders tools (Qwen2.5's)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(path)
+    tokenizer = build_tokenizer(path, tools=tools)
     settings = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                     tie_word_embeddings=True, initializer_range=0.2, rms_norm_eps=1e-6,

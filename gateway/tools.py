@@ -1,0 +1,165 @@
+"""`tools`, `tool_choice` and `parallel_tool_calls` of a chat request: validated, and the JSON schema
+that forces a call when tool_choice is "required" or names a function (as vLLM builds it)."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from engine.structured import StructuredOutput
+from gateway.errors import invalid
+
+MAX_TOOLS = 128  # OpenAI's limit
+_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+_CHOICES = ("none", "auto", "required")
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+# fields that constrain the output too (OpenAI's, and vLLM's extras)
+_OUTPUT_CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                       "guided_grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolRequest:
+    tools: tuple[dict[str, Any], ...]  # {"type": "function", "function": {name, description?, parameters?}}
+    choice: str  # "none" | "auto" | "required" | "function" (the one named by `function_name`)
+    function_name: str | None
+    parallel: bool  # false: at most one call per answer
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]]:
+        """What the chat template renders; also with tool_choice "none", as vLLM does by default."""
+        return [dict(tool) for tool in self.tools]
+
+    @property
+    def parses_calls(self) -> bool:
+        return self.choice != "none"
+
+    @property
+    def max_calls(self) -> int | None:
+        return None if self.parallel else 1
+
+    @property
+    def forced(self) -> bool:
+        return self.choice in ("required", "function")
+
+    def forced_schema(self) -> dict[str, Any] | None:
+        """The JSON the output must be: the named function's arguments, or a non-empty array of
+        {"name", "parameters"} objects for "required" (vLLM's shapes, so its parsers read ours)."""
+        if self.choice == "function":
+            return self._parameters(self._function(self.function_name))
+        if self.choice != "required":
+            return None
+        defs: dict[str, Any] = {}
+        one_of = [{"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                  "parameters": _hoist_defs(self._parameters(t["function"]), defs)},
+                   "required": ["name", "parameters"]} for t in self.tools]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": one_of}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
+        return schema
+
+    def structured_output(self) -> StructuredOutput | None:
+        schema = self.forced_schema()
+        return None if schema is None else StructuredOutput("json_schema", json.dumps(schema))
+
+    def _function(self, name: str | None) -> dict[str, Any]:
+        return next(t["function"] for t in self.tools if t["function"]["name"] == name)
+
+    @staticmethod
+    def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+        return function.get("parameters") or _EMPTY_PARAMETERS
+
+
+def _hoist_defs(parameters: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """`#/$defs/...` references point at the root, which is the array schema once nested."""
+    if not isinstance(parameters.get("$defs"), dict):
+        return parameters
+    for name, definition in parameters["$defs"].items():
+        if defs.setdefault(name, definition) != definition:
+            raise invalid(f"two tools define $defs/{name} differently", "tools")
+    return {k: v for k, v in parameters.items() if k != "$defs"}
+
+
+def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
+    """None when the request has no tools. 400 naming the field for anything malformed."""
+    for legacy in ("functions", "function_call"):
+        if body.get(legacy) is not None:
+            raise invalid(f"{legacy} is deprecated and not supported; use tools and tool_choice", legacy)
+    raw_tools, raw_choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise invalid("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    if raw_tools is None:
+        for name, value in (("tool_choice", raw_choice), ("parallel_tool_calls", parallel)):
+            if value is not None:
+                raise invalid(f"{name} is only allowed when tools are specified", name)
+        return None
+    tools = _tools(raw_tools)
+    names = [t["function"]["name"] for t in tools]
+    choice, function_name = _tool_choice(raw_choice, names)
+    constraint = next((k for k in _OUTPUT_CONSTRAINTS if body.get(k) is not None), None)
+    if constraint == "response_format" and body["response_format"] == {"type": "text"}:
+        constraint = None
+    if choice in ("required", "function") and constraint is not None:  # one grammar per request
+        raise invalid(f"a forced tool_choice cannot be combined with {constraint}", "tool_choice")
+    return ToolRequest(tools, choice, function_name, parallel is not False)
+
+
+def _tools(raw: Any) -> tuple[dict[str, Any], ...]:
+    if not isinstance(raw, list) or not raw:
+        raise invalid("tools must be a non-empty array of function tools", "tools")
+    if len(raw) > MAX_TOOLS:
+        raise invalid(f"at most {MAX_TOOLS} tools are allowed", "tools")
+    tools, seen = [], set()
+    for i, tool in enumerate(raw):
+        param = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise invalid('each tool must be an object with "type": "function"', f"{param}.type")
+        function = _function(tool.get("function"), f"{param}.function")
+        if function["name"] in seen:
+            raise invalid(f"the function name {function['name']!r} is used twice", f"{param}.function.name")
+        seen.add(function["name"])
+        tools.append({"type": "function", "function": function})
+    return tuple(tools)
+
+
+def _function(raw: Any, param: str) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise invalid("function must be an object", param)
+    name = raw.get("name")
+    if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
+        raise invalid("function.name must be 1-64 letters, digits, underscores or dashes", f"{param}.name")
+    function: dict[str, Any] = {"name": name}
+    description = raw.get("description")
+    if description is not None:
+        if not isinstance(description, str):
+            raise invalid("function.description must be a string", f"{param}.description")
+        function["description"] = description
+    parameters = raw.get("parameters")
+    if parameters is not None:
+        if not isinstance(parameters, dict):
+            raise invalid("function.parameters must be a JSON Schema object", f"{param}.parameters")
+        function["parameters"] = parameters
+    strict = raw.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise invalid("function.strict must be a boolean", f"{param}.strict")
+    return function
+
+
+def _tool_choice(raw: Any, names: list[str]) -> tuple[str, str | None]:
+    if raw is None:
+        return "auto", None
+    if isinstance(raw, str):
+        if raw not in _CHOICES:
+            raise invalid(f"tool_choice must be one of {', '.join(_CHOICES)} or a named function", "tool_choice")
+        return raw, None
+    function = raw.get("function") if isinstance(raw, dict) and raw.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise invalid('tool_choice must be a string or {"type": "function", "function": {"name": ...}}',
+                      "tool_choice")
+    if name not in names:
+        raise invalid(f"tool_choice names the function {name!r}, which is not in tools", "tool_choice")
+    return "function", name
