@@ -17,6 +17,7 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
+from engine.structured import GrammarCache
 from engine.stats import FinishedRequestStats, PrefixCacheStats, SchedulerStats, StepStats
 from engine.tokenizer import load_tokenizer
 
@@ -47,7 +48,8 @@ class EngineCore:
                                  hash_algo=config.hash_algo, min_shared_prefix_tokens=config.min_shared_prefix_tokens)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, kv_cache, self.kv, self.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(frozenset(self.tokenizer.eos_token_ids))
+        self.grammars = GrammarCache(self.tokenizer, self.vocab_size)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.step_hook: Callable[[], None] | None = None  # test hook: raising fails the step
@@ -64,11 +66,15 @@ class EngineCore:
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds the context length ({self.max_model_len})")
+        if any(t >= self.vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         self.validate(request.prompt_token_ids, request.params)
+        if request.params.structured is not None:
+            request.matcher = self.grammars.matcher(request.params.structured)
         self.requests[request.request_id] = request
         self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.params.stop)
         self.scheduler.add(request)
@@ -94,7 +100,8 @@ class EngineCore:
             if self.step_hook is not None:
                 self.step_hook()
             logits, sampled = self.runner.execute(sched.chunks)
-            tokens = self.sampler(logits, [c.request.params for c in sampled], [c.request.generator for c in sampled])
+            tokens = self.sampler(logits, [c.request.params for c in sampled], [c.request.generator for c in sampled],
+                                  [c.request for c in sampled])
         except Exception as exc:  # a failed step fails its requests, not the engine
             logger.exception("engine step failed; failing its %d requests", len(sched.chunks))
             outputs = [self._finish(c.request, FinishReason.ERROR, error=f"engine step failed: {exc!r}")
@@ -125,6 +132,8 @@ class EngineCore:
         if detok.update(request.output_token_ids):
             return FinishReason.STOP
         if (token_id in self.tokenizer.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if request.matcher is not None and request.matcher.is_terminated:
             return FinishReason.STOP
         if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
