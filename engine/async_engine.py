@@ -70,9 +70,12 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         if not self.is_alive():
             raise RuntimeError("the engine is not running")
+        request = Request(request_id, prompt_token_ids, params, cache_salt=cache_salt, tenant=tenant)
+        if params.structured is not None:  # compiled here, off the engine thread: running requests never wait
+            request.matcher = await asyncio.to_thread(self.core.grammars.matcher, params.structured)
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = outputs
-        self._send(("add", Request(request_id, prompt_token_ids, params, cache_salt=cache_salt, tenant=tenant)))
+        self._send(("add", request))
         finished = False
         try:
             while not finished:

@@ -73,7 +73,7 @@ class EngineCore:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         self.validate(request.prompt_token_ids, request.params)
-        if request.params.structured is not None:
+        if request.params.structured is not None and request.matcher is None:
             request.matcher = self.grammars.matcher(request.params.structured)
         self.requests[request.request_id] = request
         self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.params.stop)

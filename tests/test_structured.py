@@ -136,3 +136,10 @@ def test_tiktoken_backend_structured(tiny_tiktoken_dir):
     out = llm.generate("Paris", SamplingParams(max_tokens=48, temperature=0, structured=StructuredOutput(
         "json_schema", json.dumps(SCHEMA))))[0]
     assert json.loads(out.text)["color"] in ("red", "green") and out.finish_reason == "stop"
+
+
+def test_structured_bench_runs_every_case(tiny_llama_dir):
+    from bench import structured
+    result = structured.run(str(tiny_llama_dir), rounds=1, steps=3)
+    assert set(result["cases"]) == {0, 1, 8} and result["steps_per_case"] == 3
+    assert "constrained" in structured.render(result)
