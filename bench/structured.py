@@ -3,7 +3,8 @@
 `python -m bench --structured [--model PATH]`: 8 running requests decode side by side; the batch
 holds 0, 1 or 8 requests constrained by a JSON schema. Rounds alternate between the cases (the
 machine is shared, so neighbours' load spreads over all of them) and the medians are reported:
-the whole step, and the sampler's part (logits processing, grammar masks, sampling).
+the whole step, and the sampler's part (logits processing, grammar masks, sampling); then the
+grammar's own cost for 8 constrained rows (bitmask fill and apply) without the model.
 """
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import json
 import statistics
 import time
 
+import torch
+
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.request import Request
 from engine.sampling import SamplingParams
-from engine.structured import StructuredOutput
+from engine.structured import StructuredOutput, allocate_bitmask, apply_bitmask
 
 BATCH = 8
 # never complete within the measured steps: a long array of strings
@@ -63,6 +66,27 @@ def _round(core: EngineCore, num_constrained: int, steps: int, tag: str) -> list
     return samples
 
 
+def mask_cost(core: EngineCore, steps: int) -> dict:
+    """The grammar's own share of a step for 8 constrained rows: fill the bitmasks, apply them (medians)."""
+    structured = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    matchers = [core.grammars.matcher(structured) for _ in range(BATCH)]
+    generator = torch.Generator().manual_seed(0)
+    fills, applies = [], []
+    for _ in range(steps):
+        logits = torch.randn(BATCH, core.vocab_size, generator=generator)
+        start = time.perf_counter()
+        bitmask = allocate_bitmask(BATCH, core.vocab_size)
+        for row, matcher in enumerate(matchers):
+            matcher.fill_bitmask(bitmask, row)
+        filled = time.perf_counter()
+        apply_bitmask(logits, list(range(BATCH)), bitmask)
+        fills.append(filled - start)
+        applies.append(time.perf_counter() - filled)
+        for matcher, token_id in zip(matchers, logits.argmax(dim=-1).tolist()):
+            matcher.accept(token_id)
+    return {"fill_ms": statistics.median(fills) * 1e3, "apply_ms": statistics.median(applies) * 1e3}
+
+
 def run(model: str = "default", rounds: int = 6, steps: int = 24, cases: tuple[int, ...] = (0, 1, BATCH)) -> dict:
     core = EngineCore(EngineConfig(model=model, max_num_seqs=BATCH))
     core.grammars.matcher(StructuredOutput("json_schema", json.dumps(SCHEMA)))  # compile once, outside the timing
@@ -72,7 +96,7 @@ def run(model: str = "default", rounds: int = 6, steps: int = 24, cases: tuple[i
         for c in cases:
             samples[c] += _round(core, c, steps, f"r{r}-c{c}")
     result = {"model": str(core.model_path.name), "batch": BATCH, "vocab_size": core.vocab_size,
-              "steps_per_case": rounds * steps, "cases": {}}
+              "steps_per_case": rounds * steps, "cases": {}, "mask": mask_cost(core, rounds * steps)}
     for c, rows in samples.items():
         result["cases"][c] = {"step_ms": statistics.median(s for s, _ in rows) * 1e3,
                               "sampler_ms": statistics.median(t for _, t in rows) * 1e3}
@@ -87,6 +111,9 @@ def render(result: dict) -> str:
     for c, row in result["cases"].items():
         lines.append(f"{c:>11} {row['step_ms']:>9.2f} {row['step_ms'] / base['step_ms']:>7.3f}x "
                      f"{row['sampler_ms']:>11.3f}")
+    mask = result["mask"]
+    lines.append(f"grammar alone, {result['batch']} constrained rows per step: fill bitmasks {mask['fill_ms']:.3f} ms, "
+                 f"apply {mask['apply_ms']:.3f} ms (medians)")
     return "\n".join(lines)
 
 

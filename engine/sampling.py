@@ -49,8 +49,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2]")
-        if not self.repetition_penalty > 0:
-            raise ValueError("repetition_penalty must be > 0")
+        if not 0.01 <= self.repetition_penalty <= 10:  # dividing by less overflows a logit to inf
+            raise ValueError("repetition_penalty must be in [0.01, 10]")
         if not 0 <= self.min_p <= 1:
             raise ValueError("min_p must be in [0, 1]")
         if not 0 <= self.min_tokens <= self.max_tokens:

@@ -90,8 +90,7 @@ def _output_fields() -> dict[str, Any]:
     return {
         "presence_penalty": penalty,
         "frequency_penalty": penalty,
-        "repetition_penalty": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 10,
-                               "nullable": True},
+        "repetition_penalty": {"type": "number", "minimum": 0.01, "maximum": 10, "nullable": True},
         "min_p": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True},
         "min_tokens": {"type": "integer", "minimum": 0, "nullable": True, "description": "at most max_tokens"},
         "logit_bias": {"type": "object", "nullable": True, "description": "token id (a string) -> bias",

@@ -34,7 +34,7 @@ def sampling_fields(fields: Any) -> dict[str, Any]:
     return dict(
         presence_penalty=fields.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=fields.number("frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=fields.number("repetition_penalty", 1.0, 0.0, 10.0, low_open=True),
+        repetition_penalty=fields.number("repetition_penalty", 1.0, 0.01, 10.0),
         min_p=fields.number("min_p", 0.0, 0.0, 1.0),
         min_tokens=fields.integer("min_tokens", 0, 0),
         logit_bias=_logit_bias(fields.body.get("logit_bias")),

@@ -88,7 +88,8 @@ def test_rows_without_fields_are_untouched():
 @pytest.mark.parametrize("fields, message", [
     ({"presence_penalty": 2.5}, "presence_penalty must be in"),
     ({"frequency_penalty": -2.1}, "frequency_penalty must be in"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be in"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty must be in"),
     ({"min_p": 1.5}, "min_p must be in"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens must be in"),
     ({"logit_bias": {5: 101}}, "logit_bias values must be in"),

@@ -232,6 +232,7 @@ def test_echo_prepends_the_prompt(client, model):
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"extra_body": {"repetition_penalty": 5e-324}}, "repetition_penalty"),
     ({"extra_body": {"min_p": 1.5}}, "min_p"),
     ({"extra_body": {"min_tokens": 20}}, "min_tokens"),
     ({"extra_body": {"prediction": {"type": "content", "content": "x"}}}, "prediction"),
