@@ -6,13 +6,14 @@ import time
 
 import torch
 
-from engine.config import HashAlgo
+from engine.config import EngineConfig, HashAlgo
 from engine.core import EngineCore
 from engine.kv.hashing import hash_full_blocks
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.model.loader import load_config
 from engine.request import Request
-from engine.sampling import SamplingParams
+from engine.sampling import SampledToken, SamplingParams
+from engine.scheduler import Scheduler
 
 
 def hash_lookup_us_per_block(algo: HashAlgo, num_tokens: int = 4096, block_size: int = 16,
@@ -28,8 +29,8 @@ def hash_lookup_us_per_block(algo: HashAlgo, num_tokens: int = 4096, block_size:
         kv.pool.cache_block(block, block_hash, tuple(tokens[i * block_size:(i + 1) * block_size]))
     params = SamplingParams(max_tokens=1)
     best_lookup = best_hash = float("inf")
-    for _ in range(repeats):
-        request = Request("r", tokens, params)
+    for i in range(repeats):
+        request = Request(f"r{i}", tokens, params)  # a new id: the manager remembers a waiting request's hit
         start = time.perf_counter()
         prefix = kv.find_cached_prefix(request)
         best_lookup = min(best_lookup, time.perf_counter() - start)
@@ -39,6 +40,38 @@ def hash_lookup_us_per_block(algo: HashAlgo, num_tokens: int = 4096, block_size:
     assert prefix.num_tokens == (num_tokens - 1) // block_size * block_size
     return {"algo": algo.value, "blocks": num_blocks, "hash_us": best_hash / num_blocks * 1e6,
             "hash_lookup_us": best_lookup / num_blocks * 1e6}
+
+
+def lpm_step_ms(num_waiting: int, prefix_tokens: int = 4096, block_size: int = 16, steps: int = 20) -> dict:
+    """Scheduling cost per step (no model) with `num_waiting` requests queued behind a full batch, all
+    sharing a cached `prefix_tokens`-token prefix: lpm orders the whole queue every step."""
+    rng = random.Random(0)
+    prefix = [rng.randrange(50_000) for _ in range(prefix_tokens)]
+    kv = KVCacheManager(prefix_tokens // block_size + steps + 8, block_size)
+    params = SamplingParams(max_tokens=steps + 1)
+    seed = Request("seed", prefix, params)
+    assert kv.allocate(seed, prefix_tokens)
+    seed.num_computed_tokens = prefix_tokens
+    kv.cache_full_blocks(seed)
+    kv.free(seed)
+    config = EngineConfig(block_size=block_size, max_num_seqs=1, max_num_batched_tokens=16,
+                          scheduling_policy="lpm", lpm_max_queue=num_waiting + 1)
+    scheduler = Scheduler(config, kv, clock=lambda: 0.0)  # a still clock: nobody becomes overdue
+    for i in range(num_waiting + 1):  # the first step admits one of them: it holds the only sequence slot
+        scheduler.add(Request(f"w{i}", prefix + [rng.randrange(50_000) for _ in range(16)], params,
+                              arrival_time=0.0))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        out = scheduler.schedule()
+        times.append(time.perf_counter() - start)
+        for chunk in out.chunks:  # the running request computes its chunk and samples a token
+            chunk.request.num_computed_tokens += chunk.num_tokens
+            chunk.request.append_token(SampledToken(1), 0.0)
+    assert len(scheduler.running) == 1 and len(scheduler.waiting) == num_waiting
+    steady = sorted(times[1:])
+    return {"waiting": num_waiting, "prefix_tokens": prefix_tokens, "first_step_ms": times[0] * 1e3,
+            "step_ms": steady[len(steady) // 2] * 1e3}  # median of the later steps
 
 
 def matmul_gflops(m: int = 2048, k: int = 576, n: int = 1536, seconds: float = 1.0) -> float:
@@ -87,3 +120,10 @@ def prefill_efficiency(core_factory, lengths=(512, 2048), gflops: float | None =
                      "matmul_gflops": gflops, "efficiency": achieved / gflops})
         del core
     return rows
+
+
+if __name__ == "__main__":  # python -m bench.micro: the scheduling rows alone (no model needed)
+    for n in (256, 1024):
+        row = lpm_step_ms(n)
+        print(f"lpm, {n} waiting on a {row['prefix_tokens']}-token prefix: {row['step_ms']:.2f} ms/step "
+              f"(first step, hashing every prompt: {row['first_step_ms']:.0f} ms)")

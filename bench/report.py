@@ -125,6 +125,9 @@ def render(results: dict) -> str:
     for h in results["extra"].get("hash_lookup", []):
         parts.append(f"block hash {h['algo']}: {h['hash_us']:.2f} us/block, hash + lookup {h['hash_lookup_us']:.2f} "
                      f"us/block ({h['blocks']} blocks)")
+    for row in results["extra"].get("lpm_step", []):
+        parts.append(f"lpm scheduling, {row['waiting']} waiting on a {row['prefix_tokens']}-token cached prefix: "
+                     f"{row['step_ms']:.2f} ms/step")
     for p in results["extra"].get("prefill_efficiency", []):
         parts.append(f"prefill {p['tokens']} tokens: {p['tokens_per_s']:.0f} tok/s = {p['achieved_gflops']:.1f} GFLOP/s "
                      f"= {p['efficiency']:.0%} of measured fp32 matmul {p['matmul_gflops']:.1f} GFLOP/s")

@@ -35,6 +35,7 @@ from engine.config import EngineConfig
 from gateway.app import IN_FLIGHT, create_app
 from gateway.settings import GatewaySettings, Settings
 from gateway.state import STATE
+from tests.engine_faults import assert_blocks_released, set_step_hook
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 LOST = ("hung", "malformed")  # outcomes that mean a request was lost or answered wrongly
@@ -138,7 +139,7 @@ async def _drive(app: web.Application, base: str, p: SoakParams) -> SoakReport:
     state = app[STATE]
     engine = state.engine
     report = SoakReport(p)
-    engine.step_hook = _failing_step_hook(p, report)
+    set_step_hook(engine, _failing_step_hook(p, report))
     rng = random.Random(p.seed)
     workload = _Workload(engine.tokenizer, state.model_name, p, rng)
     proc = psutil.Process()
@@ -170,7 +171,7 @@ async def _drive(app: web.Application, base: str, p: SoakParams) -> SoakReport:
         aborter.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await aborter
-        engine.step_hook = None
+        set_step_hook(engine, None)
     report.wall_s = time.monotonic() - start
     await _settle(app, engine, report)
     report.rss_mb.append(_rss_mb(proc))
@@ -195,10 +196,7 @@ def _failing_step_hook(p: SoakParams, report: SoakReport):
 async def _abort_randomly(engine: Any, p: SoakParams, rng: random.Random, report: SoakReport) -> None:
     while True:
         await asyncio.sleep(p.abort_every_s)
-        try:
-            running = list(engine.core.requests)  # a copy of the engine thread's dict: may race, then retry
-        except RuntimeError:
-            continue
+        running = engine.request_ids()
         if running:
             engine.abort(rng.choice(running))
             report.aborts_sent += 1
@@ -213,7 +211,7 @@ async def _settle(app: web.Application, engine: Any, report: SoakReport, timeout
             assert not app[IN_FLIGHT].tasks, f"{len(app[IN_FLIGHT].tasks)} handlers still running"
             assert state.admission.in_flight == 0, f"admission still counts {state.admission.in_flight}"
             assert engine.num_unfinished() == 0, f"{engine.num_unfinished()} engine requests unfinished"
-            engine.check_blocks_released()
+            assert_blocks_released(engine)
             report.leak_error = None
             break
         except AssertionError as exc:

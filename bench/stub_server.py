@@ -26,7 +26,6 @@ class InstantEngine:
         self.tokenizer = load_tokenizer(model_path, set())
         self.model_name = "stub"
         self.max_model_len = 8192
-        self.step_hook = None
 
     def start(self) -> None:
         pass

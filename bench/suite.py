@@ -156,6 +156,7 @@ class Suite:
 
     def micro(self) -> None:
         self.extra["hash_lookup"] = [micro.hash_lookup_us_per_block(a) for a in (HashAlgo.SHA256, HashAlgo.XXHASH)]
+        self.extra["lpm_step"] = [micro.lpm_step_ms(n) for n in (256, 1024)]
         gflops = micro.matmul_gflops()
 
         def factory():

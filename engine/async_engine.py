@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -26,7 +28,9 @@ class AsyncEngine:
         self.model_name = _served_name(core)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", Request) | ("abort", id), from any thread
         self._wake = threading.Event()
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, _Stream] = {}  # engine request id -> its caller's stream
+        self._engine_ids: dict[str, str] = {}  # caller's request id -> engine request id, while it runs
+        self._next_id = itertools.count()
         self._listeners: list[Callable[[StepStats], None]] = []
         self._stats = core.scheduler_stats()
         self._thread: threading.Thread | None = None
@@ -50,8 +54,8 @@ class AsyncEngine:
         deadline = asyncio.get_running_loop().time() + timeout
         while self._queues and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
-        for request_id in list(self._queues):
-            self.abort(request_id)
+        for engine_id in list(self._queues):
+            self._send(("abort", engine_id))
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
@@ -66,15 +70,19 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        cache_salt: str | None = None, tenant: str | None = None) -> AsyncIterator[RequestOutput]:
         self.core.validate(prompt_token_ids, params)
-        if request_id in self._queues:
+        if request_id in self._engine_ids:
             raise ValueError(f"request id {request_id!r} is already running")
         if not self.is_alive():
             raise RuntimeError("the engine is not running")
-        request = Request(request_id, prompt_token_ids, params, cache_salt=cache_salt, tenant=tenant)
+        # NOTE: the engine knows each call by its own id: a caller's id reused right after an abort can
+        # never receive the old request's outputs
+        engine_id = f"{request_id}#{next(self._next_id)}"
+        request = Request(engine_id, prompt_token_ids, params, cache_salt=cache_salt, tenant=tenant)
         if params.structured is not None:  # compiled here, off the engine thread: running requests never wait
             request.matcher = await asyncio.to_thread(self.core.grammars.matcher, params.structured)
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._queues[request_id] = outputs
+        self._queues[engine_id] = _Stream(request_id, outputs)
+        self._engine_ids[request_id] = engine_id
         self._send(("add", request))
         finished = False
         try:
@@ -83,12 +91,16 @@ class AsyncEngine:
                 finished = output.finished
                 yield output
         finally:
-            self._queues.pop(request_id, None)
+            self._queues.pop(engine_id, None)
+            if self._engine_ids.get(request_id) == engine_id:
+                del self._engine_ids[request_id]
             if not finished:  # the consumer went away (disconnect, cancel): release the blocks now
-                self.abort(request_id)
+                self._send(("abort", engine_id))
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        engine_id = self._engine_ids.get(request_id)
+        if engine_id is not None:
+            self._send(("abort", engine_id))
 
     def add_stats_listener(self, fn: Callable[[StepStats], None]) -> None:
         self._listeners.append(fn)
@@ -99,21 +111,9 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return len(self._queues)
 
-    @property
-    def step_hook(self) -> Callable[[], None] | None:
-        return self.core.step_hook
-
-    @step_hook.setter
-    def step_hook(self, hook: Callable[[], None] | None) -> None:
-        self.core.step_hook = hook
-
-    def check_blocks_released(self) -> None:
-        """For leak tests: with no request left, no block may be referenced and every block must be free."""
-        pool = self.core.kv.pool
-        assert not self.core.requests, f"{len(self.core.requests)} requests still in the engine"
-        referenced = [b.block_id for b in pool.blocks if b.ref_cnt != 0]
-        assert not referenced, f"blocks still referenced: {referenced[:10]}"
-        assert pool.num_free_blocks == len(pool.blocks), "free queue lost blocks"
+    def request_ids(self) -> list[str]:
+        """The callers' ids of the requests running now."""
+        return list(self._engine_ids)
 
     # ---- the engine thread
 
@@ -153,8 +153,8 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._fail_waiting, message)
 
     def _fail_waiting(self, message: str) -> None:
-        for request_id, q in list(self._queues.items()):
-            q.put_nowait(_error_output(request_id, message))
+        for stream in list(self._queues.values()):
+            stream.queue.put_nowait(_error_output(stream.request_id, message))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -163,14 +163,26 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                try:
-                    self.core.add_request(payload)
-                except ValueError as exc:
-                    self._deliver([_error_output(payload.request_id, str(exc), payload.num_prompt_tokens)])
+                self._add(payload)
             else:
-                output = self.core.abort(payload)
-                if output is not None:
-                    self._deliver([output])
+                self._abort(payload)
+
+    def _add(self, request: Request) -> None:
+        try:
+            self.core.add_request(request)
+        except Exception as exc:  # a request the engine refuses fails alone
+            if not isinstance(exc, ValueError):
+                logger.exception("adding request %s failed", request.request_id)
+            self._deliver([_error_output(request.request_id, str(exc), request.num_prompt_tokens)])
+
+    def _abort(self, engine_id: str) -> None:
+        try:
+            output = self.core.abort(engine_id)
+        except Exception as exc:
+            logger.exception("aborting request %s failed", engine_id)
+            output = _error_output(engine_id, f"abort failed: {exc!r}")
+        if output is not None:
+            self._deliver([output])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         if outputs and self._loop is not None:
@@ -178,9 +190,16 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
-            q = self._queues.get(output.request_id)
-            if q is not None:
-                q.put_nowait(output)
+            stream = self._queues.get(output.request_id)
+            if stream is not None:
+                output.request_id = stream.request_id  # the caller's id, not the engine's
+                stream.queue.put_nowait(output)
+
+
+@dataclass(slots=True)
+class _Stream:
+    request_id: str  # the caller's
+    queue: asyncio.Queue
 
 
 def _error_output(request_id: str, message: str, num_prompt_tokens: int = 0) -> RequestOutput:

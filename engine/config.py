@@ -29,7 +29,7 @@ class EngineConfig:
     hash_algo: HashAlgo = HashAlgo.SHA256
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.LPM
     max_reorder_wait_s: float = 2.0  # lpm may delay a request at most this long past FCFS
-    lpm_max_queue: int = 256  # above this many waiting requests lpm falls back to FCFS
+    lpm_max_queue: int = 2048  # above this many waiting requests lpm falls back to FCFS
     min_shared_prefix_tokens: int = 0  # side-channel hardening: no hit shorter than this
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
@@ -45,6 +45,9 @@ class EngineConfig:
         _check(self.kv_cache_memory_mb > 0, "kv_cache_memory_mb must be > 0")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        # a smaller budget could not give every running sequence its decode token: some would skip steps
+        _check(self.max_num_batched_tokens >= self.max_num_seqs,
+               f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
         _check(self.max_reorder_wait_s >= 0, "max_reorder_wait_s must be >= 0")
         _check(self.min_shared_prefix_tokens >= 0, "min_shared_prefix_tokens must be >= 0")

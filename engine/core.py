@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-
 import torch
 from transformers import GenerationConfig
 
@@ -15,7 +13,7 @@ from engine.model.loader import load_config, load_model, resolve_model_path
 from engine.outputs import FinishReason, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
-from engine.sampling import Sampler, SamplingParams
+from engine.sampling import SampledToken, Sampler, SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.structured import GrammarCache
 from engine.stats import FinishedRequestStats, PrefixCacheStats, SchedulerStats, StepStats
@@ -52,9 +50,12 @@ class EngineCore:
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.step_hook: Callable[[], None] | None = None  # test hook: raising fails the step
         self.num_steps = 0
-        self._finished: list[FinishedRequestStats] = []  # since the last stats handed out
+        # since the last stats handed out: finished requests, and latencies observed when they happened
+        self._finished: list[FinishedRequestStats] = []
+        self._ttfts: list[float] = []
+        self._prefill_times: list[float] = []
+        self._inter_token_latencies: list[float] = []
 
     # ---- requests in and out
 
@@ -75,8 +76,9 @@ class EngineCore:
         self.validate(request.prompt_token_ids, request.params)
         if request.params.structured is not None and request.matcher is None:
             request.matcher = self.grammars.matcher(request.params.structured)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.params.stop)
         self.requests[request.request_id] = request
-        self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.params.stop)
+        self.detokenizers[request.request_id] = detokenizer
         self.scheduler.add(request)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -91,34 +93,78 @@ class EngineCore:
     # ---- one step
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
-        sched = self.scheduler.schedule()
+        """One step; an exception fails only the requests it concerns, never the engine."""
         self.num_steps += 1
+        try:
+            sched = self.scheduler.schedule()
+        except Exception as exc:  # the queues may be half updated and nothing says by whom: fail them all
+            logger.exception("scheduling failed; failing all %d requests", len(self.requests))
+            return self._fail(list(self.requests.values()), "scheduling failed", exc), self.take_stats()
         if not sched.chunks:
-            return [], self.take_stats(0, 0)
+            return [], self.take_stats()
         num_prompt_tokens = sum(_prompt_tokens_in(c) for c in sched.chunks)
         try:
-            if self.step_hook is not None:
-                self.step_hook()
             logits, sampled = self.runner.execute(sched.chunks)
-            tokens = self.sampler(logits, [c.request.params for c in sampled], [c.request.generator for c in sampled],
-                                  [c.request for c in sampled])
-        except Exception as exc:  # a failed step fails its requests, not the engine
+        except Exception as exc:  # one forward pass for the whole batch: it fails as a whole
             logger.exception("engine step failed; failing its %d requests", len(sched.chunks))
-            outputs = [self._finish(c.request, FinishReason.ERROR, error=f"engine step failed: {exc!r}")
-                       for c in sched.chunks]
-            return outputs, self.take_stats(0, 0)
+            return self._fail([c.request for c in sched.chunks], "engine step failed", exc), self.take_stats()
+        tokens = self._sample(logits, sampled)
         now = time.monotonic()
         for chunk in sched.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
-        outputs = []
+        outputs: list[RequestOutput] = []
         for chunk, token in zip(sampled, tokens):
-            request = chunk.request
-            request.append_token(token, now)
-            self.kv.cache_full_blocks(request)
-            outputs.append(self._emit(request, token))
-        for chunk in (c for c in sched.chunks if c not in sampled):
-            self.kv.cache_full_blocks(chunk.request)  # a prefill chunk's full blocks hit from the next step on
-        return outputs, self.take_stats(num_prompt_tokens, len(tokens))
+            if isinstance(token, Exception):
+                outputs += self._fail([chunk.request], "sampling failed", token)
+            else:
+                outputs += self._guarded(chunk.request, self._append, token, now)
+        sampled_ids = {id(c) for c in sampled}
+        for chunk in sched.chunks:
+            if id(chunk) not in sampled_ids and not chunk.request.is_finished:
+                # a prefill chunk's full blocks hit from the next step on
+                outputs += self._guarded(chunk.request, self.kv.cache_full_blocks)
+        num_generated = sum(1 for t in tokens if not isinstance(t, Exception))
+        return outputs, self.take_stats(num_prompt_tokens, num_generated)
+
+    def _guarded(self, request: Request, work, *args) -> list[RequestOutput]:
+        """`work(request, *args)`, one request's share of the step: if it raises, that request alone fails."""
+        try:
+            output = work(request, *args)
+        except Exception as exc:
+            logger.exception("request %s failed in its step", request.request_id)
+            return self._fail([request], "engine step failed", exc)
+        return [output] if output is not None else []
+
+    def _sample(self, logits: torch.Tensor, sampled: list[ScheduledChunk]) -> list[SampledToken | Exception]:
+        """One token per sampled chunk, or the exception that sampling its row raised."""
+        try:
+            return self.sampler(logits, [c.request.params for c in sampled],
+                                [c.request.generator(logits.device) for c in sampled], [c.request for c in sampled])
+        except Exception:  # one bad row must not fail the batch: sample row by row to find it
+            return [self._sample_row(logits[i:i + 1], c.request) for i, c in enumerate(sampled)]
+
+    def _sample_row(self, logits: torch.Tensor, request: Request) -> SampledToken | Exception:
+        try:
+            return self.sampler(logits, [request.params], [request.generator(logits.device)], [request])[0]
+        except Exception as exc:
+            logger.exception("sampling failed for request %s", request.request_id)
+            return exc
+
+    def _append(self, request: Request, token: SampledToken, now: float) -> RequestOutput:
+        """Add a sampled token to its request: timings, block caching, text and stop checks."""
+        if request.first_token_time is None:
+            self._ttfts.append(now - request.arrival_time)
+            self._prefill_times.append(now - (request.first_scheduled_time or now))
+        else:
+            self._inter_token_latencies.append(now - request.last_token_time)
+        request.append_token(token, now)
+        self.kv.cache_full_blocks(request)
+        return self._emit(request, token)
+
+    def _fail(self, requests: list[Request], what: str, exc: Exception) -> list[RequestOutput]:
+        """Finish each request (not finished yet) with an error: its blocks go back to the pool."""
+        return [self._finish(r, FinishReason.ERROR, error=f"{what}: {exc!r}")
+                for r in requests if self.requests.get(r.request_id) is r]
 
     def _emit(self, request: Request, token) -> RequestOutput:
         detok = self.detokenizers[request.request_id]
@@ -146,7 +192,8 @@ class EngineCore:
         del self.requests[request.request_id]
         self._finished.append(self._finished_stats(request))
         detok = self.detokenizers.pop(request.request_id)
-        return self._output(request, list(new_tokens), detok.take(finished=True), error)
+        text = "" if error is not None else detok.take(finished=True)  # a failed request's text may be broken
+        return self._output(request, list(new_tokens), text, error)
 
     def _output(self, request: Request, new_tokens, text: str, error: str | None = None) -> RequestOutput:
         return RequestOutput(
@@ -155,7 +202,7 @@ class EngineCore:
             new_text=text,
             new_logprobs=list(new_tokens) if request.params.logprobs is not None else None,
             num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cached_tokens=request.num_cached_tokens or 0,
             num_output_tokens=len(request.output_token_ids),
             finished=request.is_finished,
             finish_reason=request.finish_reason,
@@ -179,8 +226,12 @@ class EngineCore:
     def take_stats(self, num_prompt_tokens: int = 0, num_generation_tokens: int = 0) -> StepStats:
         """Stats of the step just run, with every request finished since the last call."""
         finished, self._finished = self._finished, []
+        ttfts, self._ttfts = self._ttfts, []
+        prefill_times, self._prefill_times = self._prefill_times, []
+        inter_token_latencies, self._inter_token_latencies = self._inter_token_latencies, []
         return StepStats(self.scheduler_stats(), num_prompt_tokens, num_generation_tokens, finished,
-                         self.kv.take_tenant_lookups(), self.kv.pool.take_tenant_evictions())
+                         self.kv.take_tenant_lookups(), self.kv.pool.take_tenant_evictions(),
+                         ttfts, prefill_times, inter_token_latencies)
 
     def _finished_stats(self, r: Request) -> FinishedRequestStats:
         end = time.monotonic()
@@ -188,7 +239,7 @@ class EngineCore:
         scheduled = r.first_scheduled_time or end
         return FinishedRequestStats(
             request_id=r.request_id, tenant=r.tenant, finish_reason=r.finish_reason or FinishReason.ABORT,
-            num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=max(r.num_cached_tokens, 0),
+            num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens or 0,
             num_output_tokens=len(r.output_token_ids), queue_time=scheduled - r.arrival_time,
             prefill_time=first_token - scheduled, ttft=first_token - r.arrival_time,
             e2e_latency=end - r.arrival_time, inter_token_latencies=list(r.inter_token_latencies))

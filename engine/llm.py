@@ -36,7 +36,7 @@ class LLM:
             for out in outputs:
                 texts[out.request_id].append(out.new_text)
         return [CompletionOutput(r.request_id, r.prompt_token_ids, r.output_token_ids, "".join(texts[r.request_id]),
-                                 max(r.num_cached_tokens, 0), r.finish_reason,
+                                 r.num_cached_tokens or 0, r.finish_reason,
                                  r.logprobs if r.params.logprobs is not None else None) for r in requests]
 
     def stats(self) -> PrefixCacheStats:

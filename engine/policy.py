@@ -16,17 +16,21 @@ class AdmissionOrder:
         self.max_queue = max_queue
         self.kv = kv
 
+    def is_overdue(self, request: Request, now: float) -> bool:
+        """May no later arrival pass `request` any more? Under FCFS none ever may."""
+        return self.policy is SchedulingPolicy.FCFS or now - request.arrival_time >= self.max_reorder_wait_s
+
     def __call__(self, waiting: list[Request], now: float) -> list[Request]:
         # sorting by prefix match is not free: above max_queue waiting requests fall back to FCFS
         if self.policy is SchedulingPolicy.FCFS or len(waiting) > self.max_queue or not self.kv.enable_caching:
             return list(waiting)
         # a request that has waited max_reorder_wait_s is never passed again (aging bounds the delay)
-        overdue = [r for r in waiting if now - r.arrival_time >= self.max_reorder_wait_s]
-        rest = [r for r in waiting if now - r.arrival_time < self.max_reorder_wait_s]
-        for r in rest:
-            r.update_block_hashes(self.kv.block_size, self.kv.hash_algo)
+        overdue, rest = [], []
+        for r in waiting:
+            (overdue if self.is_overdue(r, now) else rest).append(r)
+        # the KV cache manager remembers each request's hit between steps: this is one dict lookup each
+        cached = {r.request_id: self.kv.num_cached_blocks(r) for r in rest}
         sharers = Counter(r.block_hashes[0] for r in rest if r.block_hashes)
-        cached = {r.request_id: len(self.kv.find_cached_prefix(r).blocks) for r in rest}
 
         def key(r: Request):
             shared = sharers[r.block_hashes[0]] - 1 if r.block_hashes else 0

@@ -32,12 +32,12 @@ class Request:
         self.logprobs: list[SampledToken] = []
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V sit in the cache
-        self.num_cached_tokens = -1  # prompt tokens served by the prefix cache (set when first scheduled)
+        self.num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache; None until admitted
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
         self.finish_reason: str | None = None
         self.matcher: StructuredMatcher | None = None  # set by the engine when params.structured is
-        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self._generator: torch.Generator | None = None  # built on the logits' device at the first sampled token
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -60,11 +60,21 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """The seeded generator of this request, on `device` (a CPU generator cannot sample CUDA logits)."""
+        if self.params.seed is None:
+            return None
+        if self._generator is None:
+            self._generator = torch.Generator(device=device).manual_seed(self.params.seed)
+        return self._generator
+
     def block_tokens(self, index: int, block_size: int) -> tuple[int, ...]:
         return tuple(self.all_token_ids[index * block_size:(index + 1) * block_size])
 
     def update_block_hashes(self, block_size: int, algo: HashAlgo) -> None:
         """Hash every full block not hashed yet (prompt and generated tokens alike)."""
+        if len(self.all_token_ids) // block_size == len(self.block_hashes):
+            return  # the common case in a waiting queue that is ordered every step
         parent = self.block_hashes[-1] if self.block_hashes else b""
         self.block_hashes += hash_full_blocks(self.all_token_ids, block_size, start_block=len(self.block_hashes),
                                               parent=parent, cache_salt=self.cache_salt, algo=algo)

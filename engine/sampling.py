@@ -1,6 +1,7 @@
 """Sampling parameters of one request and the batched sampler."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +34,9 @@ class SamplingParams:
     structured: StructuredOutput | None = None  # a grammar every output token must follow
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):  # NaN passes every range check below
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         if self.temperature < 0:

@@ -48,10 +48,9 @@ class Scheduler:
 
     def remove(self, request: Request) -> None:
         """Drop a finished or aborted request from the queues and release its blocks."""
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        # both queues: after a failed step a request may sit in either, or in both
+        self.running = [r for r in self.running if r is not request]
+        self.waiting = [r for r in self.waiting if r is not request]
         self.kv.free(request)
 
     def schedule(self) -> SchedulerOutput:
@@ -81,31 +80,36 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         pending = self._pending_block_hashes()
         admitted = []
-        for request in self.order(self.waiting, self.clock()):
+        now = self.clock()
+        for request in self.order(self.waiting, now):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             prefix = self.kv.find_cached_prefix(request)
             num_hit_blocks = len(prefix.blocks)
-            # only blocks a hit may cover count: the one holding the last prompt token is always computed
-            num_hittable = min(len(request.block_hashes), (request.num_tokens - 1) // self.kv.block_size)
-            if num_hit_blocks < num_hittable and request.block_hashes[num_hit_blocks] in pending:
-                continue  # a running prefill is computing this prefix now: wait and hit it next step
+            if (num_hit_blocks < min(len(request.block_hashes), self.kv.num_hittable_blocks(request))
+                    and request.block_hashes[num_hit_blocks] in pending):
+                # a running prefill is computing this prefix now: wait and hit it next step; nobody may
+                # pass a request that is overdue, so then nobody else is admitted this step either
+                if self.order.is_overdue(request, now):
+                    break
+                continue
             num_tokens = min(request.num_tokens - prefix.num_tokens, budget)
             if not self.kv.allocate(request, num_tokens, prefix):
                 break
-            self.kv.record_lookup(request, prefix)
             request.num_computed_tokens = prefix.num_tokens
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens is None:  # first admission; a resumed request was counted already
+                self.kv.record_lookup(request, prefix)
                 request.num_cached_tokens = prefix.num_tokens
-                request.first_scheduled_time = self.clock()
+                request.first_scheduled_time = now
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             admitted.append(request)
             pending.update(request.block_hashes[num_hit_blocks:])
             out.chunks.append(ScheduledChunk(request, num_tokens))
             budget -= num_tokens
-        for request in admitted:
-            self.waiting.remove(request)
+        if admitted:
+            admitted_ids = {id(r) for r in admitted}
+            self.waiting = [r for r in self.waiting if id(r) not in admitted_ids]
 
     def _pending_block_hashes(self) -> set[BlockHash]:
         """Hashes of prompt blocks that running prefills have not computed yet."""

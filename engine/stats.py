@@ -35,7 +35,8 @@ class SchedulerStats:
 
 @dataclass(slots=True)
 class FinishedRequestStats:
-    """Timings and counts of one finished request, in seconds since arrival."""
+    """Timings and counts of one finished request, in seconds since arrival (metrics observe TTFT,
+    prefill time and inter-token latency from StepStats, when they happen)."""
 
     request_id: str
     tenant: str | None
@@ -60,3 +61,7 @@ class StepStats:
     finished: list[FinishedRequestStats] = field(default_factory=list)
     tenant_cache: dict[str, tuple[int, int]] = field(default_factory=dict)  # tenant -> (queries, hits) tokens this step
     tenant_evictions: dict[str, int] = field(default_factory=dict)  # tenant whose block was evicted -> blocks this step
+    # latencies of the tokens this step produced, in seconds: observed now, not when their request finishes
+    ttfts: list[float] = field(default_factory=list)  # arrival -> first token, one per first token
+    prefill_times: list[float] = field(default_factory=list)  # first scheduled -> first token
+    inter_token_latencies: list[float] = field(default_factory=list)  # one per later token

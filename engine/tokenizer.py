@@ -116,8 +116,18 @@ class TiktokenTokenizer:
         return self._enc.encode(text, **self._special)
 
     def decode(self, token_ids: list[int]) -> str:
-        return self._enc.decode([t for t in token_ids if t < self.vocab_size and t not in self._hidden],
-                                errors="replace")
+        ids = [t for t in token_ids if t < self.vocab_size and t not in self._hidden]
+        try:
+            return self._enc.decode(ids, errors="replace")
+        except KeyError:  # an id in a gap of the vocabulary (cl100k_base has some): it has no text
+            return self._enc.decode([t for t in ids if self._has_text(t)], errors="replace")
+
+    def _has_text(self, token_id: int) -> bool:
+        try:
+            self._enc.decode_single_token_bytes(token_id)
+        except KeyError:
+            return False
+        return True
 
     def token_text(self, token_id: int) -> str:
         return self._enc.decode([token_id], errors="replace")

@@ -158,7 +158,7 @@ class TokenMetrics:
 
 
 class RequestMetrics:
-    """Per finished request: outcome, latencies and lengths."""
+    """Token latencies per step; per finished request: outcome, end-to-end latency and lengths."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         labels = ["model_name"]
@@ -183,6 +183,15 @@ class RequestMetrics:
         self.generation_len = histogram("request_generation_length_tokens",
                                         "Output tokens of finished requests.", TOKEN_BUCKETS)
 
+    def on_step(self, stats: StepStats) -> None:
+        """Token latencies when they happen (a long stream's TTFT must not wait for its end)."""
+        for ttft in stats.ttfts:
+            self.ttft.observe(ttft)
+        for prefill_time in stats.prefill_times:
+            self.prefill.observe(prefill_time)
+        for latency in stats.inter_token_latencies:
+            self.itl.observe(latency)
+
     def on_finished(self, request: FinishedRequestStats) -> None:
         counter = self.finished.get(request.finish_reason)
         if counter is not None:
@@ -191,11 +200,6 @@ class RequestMetrics:
         self.queue.observe(request.queue_time)
         self.prompt_len.observe(request.num_prompt_tokens)
         self.generation_len.observe(request.num_output_tokens)
-        if request.num_output_tokens:  # TTFT and prefill time exist only once a token came out
-            self.ttft.observe(request.ttft)
-            self.prefill.observe(request.prefill_time)
-        for latency in request.inter_token_latencies:
-            self.itl.observe(latency)
 
 
 class TenantMetrics:
@@ -264,6 +268,7 @@ class Metrics:
             self.scheduler.update(stats.scheduler)
             self.prefix_cache.update(stats.scheduler.prefix_cache)
         self.tokens.on_step(stats)
+        self.requests.on_step(stats)
         self.tenants.on_step(stats)
         for request in stats.finished:
             self.tokens.on_finished(request)

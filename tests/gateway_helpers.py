@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from gateway.app import create_app
 from gateway.settings import ApiKey, GatewaySettings, Settings
 from gateway.state import STATE, GatewayState
+from tests.engine_faults import assert_blocks_released
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -87,7 +88,7 @@ class LiveServer:
             try:
                 assert self.state.admission.in_flight == 0, f"admission counts {self.state.admission.in_flight}"
                 assert self.engine.num_unfinished() == 0
-                self.engine.check_blocks_released()
+                assert_blocks_released(self.engine)
                 return
             except AssertionError:
                 if self.loop.time() > deadline:

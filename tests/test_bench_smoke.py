@@ -71,6 +71,7 @@ def test_every_workload_and_variant_has_a_row(results):
     assert all(r["errors"] == 0 and r["requests"] > 0 for r in saved["rows"])
     assert {t["target"] for t in saved["targets"]} >= {"chatbot prefill vs oracle", "chatbot TTFT p50 cache on vs off"}
     assert {h["algo"] for h in saved["extra"]["hash_lookup"]} == {"sha256", "xxhash"}
+    assert [row["waiting"] for row in saved["extra"]["lpm_step"]] == [256, 1024]
 
 
 def test_the_cache_never_computes_more_than_no_cache(results):

@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from gateway.app import IN_FLIGHT, create_app
 from gateway.settings import ApiKey, GatewaySettings, Settings
 from gateway.state import STATE
+from tests.engine_faults import assert_blocks_released, set_step_hook
 
 BLOCK = 16
 SYSTEM = ("You are a helpful assistant. Answer the question about the capital of France and the "
@@ -78,7 +79,7 @@ async def wait_released(engine, timeout: float = 5.0) -> None:
     while True:
         try:
             assert engine.num_unfinished() == 0
-            engine.check_blocks_released()
+            assert_blocks_released(engine)
             assert engine.scheduler_stats().num_running == 0  # the stats (and /metrics) saw it too
             return
         except AssertionError:
@@ -304,7 +305,7 @@ async def test_engine_failure_is_a_500_and_the_server_keeps_serving(client):
         if exc is not None:
             raise exc
 
-    engine.step_hook = hook
+    set_step_hook(engine, hook)
     resp = await client.post("/v1/chat/completions", json=chat(client))
     assert_error(resp.status, await resp.json(), 500, code="engine_error", type_="server_error")
     assert (await client.post("/v1/chat/completions", json=chat(client))).status == 200
@@ -320,7 +321,7 @@ async def test_engine_failure_mid_stream_sends_an_error_event(client):
         if next(steps) == 3:
             raise RuntimeError("injected failure")
 
-    engine.step_hook = hook
+    set_step_hook(engine, hook)
     resp = await client.post("/v1/chat/completions", json=chat(client, stream=True, max_tokens=20, ignore_eos=True))
     assert resp.status == 200
     events = await sse_events(resp)
@@ -333,14 +334,14 @@ async def test_engine_failure_mid_stream_sends_an_error_event(client):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop dies on purpose
 async def test_dead_engine_loop_turns_health_red_and_fails_waiting_requests(client):
     engine = engine_of(client)
-    engine.step_hook = lambda: time.sleep(0.01)
+    set_step_hook(engine, lambda: time.sleep(0.01))
     stream = await client.post("/v1/chat/completions", json=chat(client, stream=True, max_tokens=3000, ignore_eos=True))
     assert len(await sse_events(stream, limit=2)) == 2
 
-    def broken_schedule():
-        raise RuntimeError("a scheduler bug kills the engine loop")
+    def broken_step():
+        raise RuntimeError("a bug in the step's own guard kills the engine loop")
 
-    engine.core.scheduler.schedule = broken_schedule  # outside the per-step guard: the loop itself dies
+    engine.core.step = broken_step  # the step guards everything inside it; this breaks the loop itself
     events = await asyncio.wait_for(sse_events(stream), timeout=10)  # the stream ends with an error event
     assert events[-1]["error"]["code"] == "engine_error" and "[DONE]" not in events
     assert "engine loop died" in events[-1]["error"]["message"]
@@ -356,7 +357,7 @@ async def test_dead_engine_loop_turns_health_red_and_fails_waiting_requests(clie
 async def test_full_server_answers_429_with_retry_after(make_client):
     client = await make_client(engine={"max_num_seqs": 1}, max_waiting_requests=0, retry_after_s=2)
     engine = engine_of(client)
-    engine.step_hook = lambda: time.sleep(0.002)
+    set_step_hook(engine, lambda: time.sleep(0.002))
     first = await client.post("/v1/chat/completions", json=chat(client, stream=True, max_tokens=2000, ignore_eos=True))
     assert len(await sse_events(first, limit=2)) == 2
     started = time.monotonic()
@@ -372,7 +373,7 @@ async def test_full_server_answers_429_with_retry_after(make_client):
 async def test_tenant_concurrency_limit(make_client):
     client = await make_client(keys=(ApiKey("ka", "alice", max_concurrent=1), ApiKey("kb", "bob")))
     engine = engine_of(client)
-    engine.step_hook = lambda: time.sleep(0.002)
+    set_step_hook(engine, lambda: time.sleep(0.002))
     alice, bob = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}
     stream = await client.post("/v1/chat/completions", headers=alice,
                                json=chat(client, stream=True, max_tokens=2000, ignore_eos=True))

@@ -23,6 +23,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from gateway.app import create_app
 from gateway.settings import ApiKey, GatewaySettings, Settings
+from tests.engine_faults import assert_blocks_released
 
 BLOCK = 16
 KEYS = {"alice": "sk-alice", "bob": "sk-bob", "pub1": "sk-pub1", "pub2": "sk-pub2"}
@@ -144,7 +145,7 @@ def wait_released(engine, timeout: float = 5.0) -> None:
     while True:
         try:
             assert engine.num_unfinished() == 0
-            engine.check_blocks_released()
+            assert_blocks_released(engine)
             return
         except AssertionError:
             if time.monotonic() > deadline:

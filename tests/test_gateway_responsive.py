@@ -7,6 +7,7 @@ import threading
 import aiohttp
 import pytest
 
+from tests.engine_faults import set_step_hook
 from tests.test_gateway_http import chat, client, engine_of, make_client  # noqa: F401  (fixtures)
 
 
@@ -18,14 +19,14 @@ async def test_health_and_models_answer_while_a_step_is_in_progress(client):  # 
         in_step.set()
         release.wait(30)  # the step cannot end before the test says so
 
-    engine.step_hook = blocking_step
+    set_step_hook(engine, blocking_step)
     pending = asyncio.ensure_future(client.post("/v1/chat/completions", json=chat(client)))
     assert await asyncio.to_thread(in_step.wait, 30)
     health = await client.get("/health")
     models = await client.get("/v1/models")
     assert not release.is_set() and in_step.is_set()  # both answered while the step was still running
     assert health.status == 200 and models.status == 200
-    engine.step_hook = None
+    set_step_hook(engine, None)
     release.set()
     assert (await pending).status == 200
 

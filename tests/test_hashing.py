@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import hashlib
-import struct
 
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,13 +15,39 @@ BS = 16
 TOKENS = list(range(100, 164))  # 4 full blocks
 
 
+def reference_hash(parent: bytes, token_ids, extra_keys=(), algo: HashAlgo = HashAlgo.SHA256) -> bytes:
+    """The documented canonical encoding, written out independently of engine/kv/hashing.py: three
+    little-endian uint32 counts (parent bytes, tokens, extra keys), the parent hash, each token as a
+    signed little-endian int64, then each extra key as a uint32 length (in characters) and its UTF-8 bytes."""
+    data = b"".join(n.to_bytes(4, "little") for n in (len(parent), len(token_ids), len(extra_keys))) + parent
+    data += b"".join(t.to_bytes(8, "little", signed=True) for t in token_ids)
+    data += b"".join(len(k).to_bytes(4, "little") + k.encode("utf-8") for k in extra_keys)
+    return xxhash.xxh3_128(data).digest() if algo is HashAlgo.XXHASH else hashlib.sha256(data).digest()
+
+
+def reference_chain(tokens: list[int], salt: str | None = None, algo: HashAlgo = HashAlgo.SHA256) -> list[bytes]:
+    hashes, parent = [], b""
+    for i in range(len(tokens) // BS):
+        extras = (salt,) if i == 0 and salt else ()
+        parent = reference_hash(parent, tokens[i * BS:(i + 1) * BS], extras, algo)
+        hashes.append(parent)
+    return hashes
+
+
 @pytest.mark.parametrize("algo", list(HashAlgo))
-def test_same_tokens_and_parent_give_the_same_hash(algo):
-    a = hash_full_blocks(TOKENS, BS, algo=algo)
-    b = hash_full_blocks(list(TOKENS), BS, algo=algo)
-    assert a == b
-    assert len(set(a)) == 4  # the four blocks differ from each other
-    assert hash_block(b"parent", (1, 2, 3), (), algo) == hash_block(b"parent", (1, 2, 3), (), algo)
+@pytest.mark.parametrize("salt", [None, "tenant-a", "é-ünïcode-salt"])
+def test_block_hashes_follow_the_canonical_encoding(algo, salt):
+    hashes = hash_full_blocks(TOKENS, BS, cache_salt=salt, algo=algo)
+    assert hashes == reference_chain(TOKENS, salt, algo)
+    assert len(set(hashes)) == 4  # the four blocks differ from each other
+
+
+@pytest.mark.parametrize("algo", list(HashAlgo))
+@pytest.mark.parametrize("parent, tokens, extras", [
+    (b"", (1, 2, 3), ()), (b"parent", (-1, 2**63 - 1, 0), ()), (b"\x00" * 32, (5,), ("a", "", "bc")),
+])
+def test_hash_block_follows_the_canonical_encoding(algo, parent, tokens, extras):
+    assert hash_block(parent, tokens, extras, algo) == reference_hash(parent, tokens, extras, algo)
 
 
 @pytest.mark.parametrize("algo", list(HashAlgo))
@@ -29,7 +55,7 @@ def test_each_hash_chains_on_its_parent(algo):
     hashes = hash_full_blocks(TOKENS, BS, algo=algo)
     parent = ROOT_PARENT
     for i, block_hash in enumerate(hashes):
-        assert block_hash == hash_block(parent, tuple(TOKENS[i * BS:(i + 1) * BS]), (), algo)
+        assert block_hash == reference_hash(parent, TOKENS[i * BS:(i + 1) * BS], (), algo)
         parent = block_hash
     # the same tokens under another parent hash differently
     assert hash_block(hashes[0], tuple(TOKENS[BS:2 * BS]), (), algo) != hash_block(
@@ -69,23 +95,20 @@ def test_a_different_salt_changes_every_block():
 
 def test_the_salt_enters_block_zero_only_and_the_chain_carries_it():
     salted = hash_full_blocks(TOKENS, BS, cache_salt="tenant-a")
-    assert salted[0] == hash_block(ROOT_PARENT, tuple(TOKENS[:BS]), ("tenant-a",))
+    assert salted[0] == reference_hash(ROOT_PARENT, TOKENS[:BS], ("tenant-a",))
     for i in range(1, 4):  # later blocks have no extra keys of their own: only the parent carries the salt
-        assert salted[i] == hash_block(salted[i - 1], tuple(TOKENS[i * BS:(i + 1) * BS]), ())
+        assert salted[i] == reference_hash(salted[i - 1], TOKENS[i * BS:(i + 1) * BS], ())
 
 
-def test_sha256_and_xxhash_are_deterministic_and_pinned():
-    # pinned values: the encoding must not change silently (hashes are exported for prefix-aware routing)
-    assert hash_block(b"", (1, 2, 3), ()).hex() == (
-        "e850be1400f5de8cdc5334d06914d1bd7c57e943e285c8e32eef9c7f8824d48a")
-    assert hash_block(b"", (1, 2, 3), ("tenant-a",)).hex() == (
-        "f20f6d46315ca02b09082762b67479da7ccd947174a010d7382ae7f257f8a35e")
-    assert hash_block(b"", (1, 2, 3), (), HashAlgo.XXHASH).hex() == "3dc8993d370d36cc9213ce9bc35ff8ae"
-    # sha256 is over the documented canonical encoding: lengths, parent, int64 tokens, extra keys
-    encoding = struct.pack("<III", 0, 3, 0) + struct.pack("<3q", 1, 2, 3)
-    assert hash_block(b"", (1, 2, 3), ()) == hashlib.sha256(encoding).digest()
-    assert len(hash_block(b"", (1,), ())) == 32
-    assert len(hash_block(b"", (1,), (), HashAlgo.XXHASH)) == 16
+@pytest.mark.parametrize("extras, algo, pinned", [
+    ((), HashAlgo.SHA256, "e850be1400f5de8cdc5334d06914d1bd7c57e943e285c8e32eef9c7f8824d48a"),
+    (("tenant-a",), HashAlgo.SHA256, "f20f6d46315ca02b09082762b67479da7ccd947174a010d7382ae7f257f8a35e"),
+    ((), HashAlgo.XXHASH, "3dc8993d370d36cc9213ce9bc35ff8ae"),
+])
+def test_pinned_hashes_are_those_of_the_canonical_encoding(extras, algo, pinned):
+    # the encoding must not change silently (hashes are exported for prefix-aware routing)
+    assert reference_hash(b"", (1, 2, 3), extras, algo).hex() == pinned
+    assert hash_block(b"", (1, 2, 3), extras, algo).hex() == pinned
 
 
 def test_sha256_and_xxhash_differ():

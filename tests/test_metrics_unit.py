@@ -105,11 +105,9 @@ def test_histograms_count_every_finished_request():
     assert value(s, "prefixgate_request_queue_time_seconds_count") == 4
     assert value(s, "prefixgate_request_prompt_length_tokens_count") == 4
     assert value(s, "prefixgate_request_generation_length_tokens_count") == 4
-    # TTFT and prefill time only for requests that produced a token
-    assert value(s, "prefixgate_time_to_first_token_seconds_count") == 2
-    assert value(s, "prefixgate_request_prefill_time_seconds_count") == 2
-    assert value(s, "prefixgate_inter_token_latency_seconds_count") == 3
-    assert value(s, "prefixgate_inter_token_latency_seconds_sum") == pytest.approx(0.3)
+    # token latencies come from the steps that produced the tokens, not from finished requests
+    assert value(s, "prefixgate_time_to_first_token_seconds_count") == 0
+    assert value(s, "prefixgate_inter_token_latency_seconds_count") == 0
     # bucket placement of the prompt lengths 64, 3000, 64, 64: cumulative counts per upper bound
     bucket = "prefixgate_request_prompt_length_tokens_bucket"
     assert [value(s, bucket, le=le) for le in ("50.0", "100.0", "2000.0", "5000.0", "+Inf")] == [0, 3, 3, 4, 4]
@@ -131,15 +129,23 @@ def test_tenant_label_only_for_configured_tenants():
     assert tenants == {"acme", "globex", "other"}
 
 
-def test_tenant_evictions_when_the_engine_reports_them():
-    class StatsWithTenantEvictions:  # duck-typed: StepStats plus a per-tenant evictions dict
-        def __init__(self, base: StepStats, tenant_evictions: dict[str, int]):
-            self.scheduler, self.finished, self.tenant_cache = base.scheduler, base.finished, base.tenant_cache
-            self.num_prompt_tokens, self.num_generation_tokens = base.num_prompt_tokens, base.num_generation_tokens
-            self.tenant_evictions = tenant_evictions
+def test_token_latencies_are_observed_by_the_step_that_produced_them():
+    metrics = Metrics(MODEL, tenants=[])
+    metrics.on_step(step(ttfts=[0.5, 0.25], prefill_times=[0.2, 0.1]))  # two first tokens, nobody finished
+    s = scrape(metrics)
+    assert value(s, "prefixgate_time_to_first_token_seconds_count") == 2
+    assert value(s, "prefixgate_time_to_first_token_seconds_sum") == pytest.approx(0.75)
+    assert value(s, "prefixgate_request_prefill_time_seconds_sum") == pytest.approx(0.3)
+    metrics.on_step(step(inter_token_latencies=[0.01, 0.02, 0.03]))
+    s = scrape(metrics)
+    assert value(s, "prefixgate_inter_token_latency_seconds_count") == 3
+    assert value(s, "prefixgate_inter_token_latency_seconds_sum") == pytest.approx(0.06)
+    assert value(s, "prefixgate_time_to_first_token_seconds_count") == 2
 
+
+def test_tenant_evictions_when_the_engine_reports_them():
     metrics = Metrics(MODEL, tenants=["acme"])
-    metrics.on_step(StatsWithTenantEvictions(step(), {"acme": 2, "x": 1, "y": 3}))
+    metrics.on_step(step(tenant_evictions={"acme": 2, "x": 1, "y": 3}))
     s = scrape(metrics)
     evictions = "prefixgate_tenant_prefix_cache_evictions_blocks_total"
     assert value(s, evictions, tenant="acme") == 2

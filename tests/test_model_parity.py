@@ -39,7 +39,7 @@ def reference(request):
 def test_greedy_matches_transformers(reference, caching, block_size, chunk):
     model_dir, prompts, expected = reference
     llm = LLM(str(model_dir), enable_prefix_caching=caching, block_size=block_size,
-              max_num_batched_tokens=chunk, num_kv_blocks=max(8, 1024 // block_size))
+              max_num_batched_tokens=chunk, max_num_seqs=min(chunk, 32), num_kv_blocks=max(8, 1024 // block_size))
     alone = llm.generate(prompts[0], GREEDY)[0]
     assert alone.token_ids == expected[0]
     batched = llm.generate(prompts, GREEDY)  # prompt 0 again (a cache hit when caching), with others
@@ -62,7 +62,7 @@ def test_logits_match_transformers(tiny_qwen3_dir):
     prompt = _prompts(hf.config.vocab_size)[2]
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0, -1]
-    llm = LLM(str(tiny_qwen3_dir), block_size=16, num_kv_blocks=16, max_num_batched_tokens=7)
+    llm = LLM(str(tiny_qwen3_dir), block_size=16, num_kv_blocks=16, max_num_batched_tokens=7, max_num_seqs=7)
     request = Request("r", prompt, GREEDY)
     llm.core.add_request(request)
     captured = []

@@ -13,6 +13,7 @@ import torch
 from engine.sampling import Sampler, SamplingParams
 from gateway.app import create_app
 from gateway.state import STATE
+from tests.engine_faults import set_step_hook
 from tests.gateway_helpers import is_error_body, tiny_settings
 from tests.test_gateway_http import assert_error, chat, engine_of, model_of, sse_events, wait_released
 
@@ -36,7 +37,7 @@ async def test_failed_step_fails_its_whole_batch_and_the_engine_keeps_serving(ma
             raise RuntimeError("injected")
         time.sleep(0.002)
 
-    engine.step_hook = hook
+    set_step_hook(engine, hook)
 
     async def one(i: int) -> str:
         body = chat(client, f"batch member {i}", max_tokens=40, ignore_eos=True, stream=i % 2 == 0)

@@ -10,6 +10,7 @@ import psutil
 from bench.soak import SoakParams, run_soak
 from gateway.app import create_app
 from gateway.state import STATE
+from tests.engine_faults import set_step_hook
 from tests.gateway_helpers import is_error_body, tiny_settings
 from tests.test_gateway_http import chat, sse_events, wait_released
 
@@ -45,7 +46,7 @@ async def test_overload_10x_capacity_gets_fast_429s(aiohttp_client, tiny_llama_d
         time.sleep(0.02)
         peak["waiting"] = max(peak["waiting"], len(engine.core.scheduler.waiting))
 
-    engine.step_hook = slow_step
+    set_step_hook(engine, slow_step)
     proc = psutil.Process()
     rss_before = proc.memory_info().rss
     start = time.monotonic()
@@ -75,6 +76,6 @@ async def test_overload_10x_capacity_gets_fast_429s(aiohttp_client, tiny_llama_d
     assert max(rejected) < min(accepted)  # every 429 came back before the first accepted one finished
     assert peak["in_flight"] <= capacity and peak["waiting"] <= settings.gateway.max_waiting_requests
     assert proc.memory_info().rss - rss_before < 32 * 2**20
-    engine.step_hook = None
+    set_step_hook(engine, None)
     await wait_released(engine)
     assert (await client.post("/v1/chat/completions", json=chat(client))).status == 200

