@@ -32,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for the engine and transformers alike (default: torch's own)")
     parser.add_argument("--no-micro", action="store_true", help="skip the hash and prefill micro-benchmarks")
+    parser.add_argument("--structured", action="store_true",
+                        help="only the decode step time with and without JSON-schema requests (bench/structured.py)")
     args = parser.parse_args(argv)
     names = tuple(n.strip() for n in args.workloads.split(",") if n.strip())
     unknown = [n for n in names if n not in ALL_WORKLOADS]
@@ -71,6 +73,9 @@ def run(args: argparse.Namespace, **options) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.structured:
+        from bench import structured
+        return structured.main(args.model)
     results = run(args)
     print()
     print(report.render(results))

@@ -77,10 +77,13 @@ class AsyncEngine:
         # NOTE: the engine knows each call by its own id: a caller's id reused right after an abort can
         # never receive the old request's outputs
         engine_id = f"{request_id}#{next(self._next_id)}"
+        request = Request(engine_id, prompt_token_ids, params, cache_salt=cache_salt, tenant=tenant)
+        if params.structured is not None:  # compiled here, off the engine thread: running requests never wait
+            request.matcher = await asyncio.to_thread(self.core.grammars.matcher, params.structured)
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[engine_id] = _Stream(request_id, outputs)
         self._engine_ids[request_id] = engine_id
-        self._send(("add", Request(engine_id, prompt_token_ids, params, cache_salt=cache_salt, tenant=tenant)))
+        self._send(("add", request))
         finished = False
         try:
             while not finished:

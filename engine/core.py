@@ -15,6 +15,7 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling import SampledToken, Sampler, SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
+from engine.structured import GrammarCache
 from engine.stats import FinishedRequestStats, PrefixCacheStats, SchedulerStats, StepStats
 from engine.tokenizer import load_tokenizer
 
@@ -45,7 +46,8 @@ class EngineCore:
                                  hash_algo=config.hash_algo, min_shared_prefix_tokens=config.min_shared_prefix_tokens)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, kv_cache, self.kv, self.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(frozenset(self.tokenizer.eos_token_ids))
+        self.grammars = GrammarCache(self.tokenizer, self.vocab_size)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
@@ -65,11 +67,15 @@ class EngineCore:
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds the context length ({self.max_model_len})")
+        if any(t >= self.vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         self.validate(request.prompt_token_ids, request.params)
+        if request.params.structured is not None and request.matcher is None:
+            request.matcher = self.grammars.matcher(request.params.structured)
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.params.stop)
         self.requests[request.request_id] = request
         self.detokenizers[request.request_id] = detokenizer
@@ -133,13 +139,13 @@ class EngineCore:
         """One token per sampled chunk, or the exception that sampling its row raised."""
         try:
             return self.sampler(logits, [c.request.params for c in sampled],
-                                [c.request.generator(logits.device) for c in sampled])
+                                [c.request.generator(logits.device) for c in sampled], [c.request for c in sampled])
         except Exception:  # one bad row must not fail the batch: sample row by row to find it
             return [self._sample_row(logits[i:i + 1], c.request) for i, c in enumerate(sampled)]
 
     def _sample_row(self, logits: torch.Tensor, request: Request) -> SampledToken | Exception:
         try:
-            return self.sampler(logits, [request.params], [request.generator(logits.device)])[0]
+            return self.sampler(logits, [request.params], [request.generator(logits.device)], [request])[0]
         except Exception as exc:
             logger.exception("sampling failed for request %s", request.request_id)
             return exc
@@ -172,6 +178,8 @@ class EngineCore:
         if detok.update(request.output_token_ids):
             return FinishReason.STOP
         if (token_id in self.tokenizer.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if request.matcher is not None and request.matcher.is_terminated:
             return FinishReason.STOP
         if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH

@@ -9,6 +9,7 @@ import torch
 from engine.config import HashAlgo
 from engine.kv.hashing import BlockHash, hash_full_blocks
 from engine.sampling import SampledToken, SamplingParams
+from engine.structured import StructuredMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -35,6 +36,7 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
         self.finish_reason: str | None = None
+        self.matcher: StructuredMatcher | None = None  # set by the engine when params.structured is
         self._generator: torch.Generator | None = None  # built on the logits' device at the first sampled token
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
@@ -80,6 +82,8 @@ class Request:
     def append_token(self, sampled: SampledToken, now: float) -> None:
         self.output_token_ids.append(sampled.token_id)
         self.all_token_ids.append(sampled.token_id)
+        if self.matcher is not None:
+            self.matcher.accept(sampled.token_id)
         if self.params.logprobs is not None:
             self.logprobs.append(sampled)
         if self.first_token_time is None:

@@ -125,13 +125,24 @@ class CompletionFormat(ChatFormat):
     object_name = "text_completion"
     chunk_name = "text_completion"
 
+    def __init__(self, response_id: str, model: str, tokenizer: Any, echo_prompts: list[str] | None = None, *,
+                 fingerprint: str | None = None) -> None:
+        super().__init__(response_id, model, tokenizer, fingerprint=fingerprint)
+        self.echo_prompts = echo_prompts  # echo: each prompt's text, put before its choices' text
+
     def choice_body(self, choice: Choice) -> dict[str, Any]:
-        return {"index": choice.index, "text": "".join(choice.text),
+        return {"index": choice.index, "text": self._echo(choice) + "".join(choice.text),
                 "logprobs": self.logprobs(choice, choice.logprobs, 0),
                 "finish_reason": choice.finish_reason}
 
     def first_chunk(self, choices: list[Choice]) -> dict[str, Any] | None:
-        return None
+        if self.echo_prompts is None:
+            return None
+        return self.chunk([{"index": c.index, "text": self._echo(c), "logprobs": None, "finish_reason": None}
+                           for c in choices])
+
+    def _echo(self, choice: Choice) -> str:
+        return "" if self.echo_prompts is None else self.echo_prompts[choice.prompt_index]
 
     def delta_chunk(self, choice: Choice, out: RequestOutput, text_offset: int) -> dict[str, Any] | None:
         if not out.new_text and not out.new_logprobs:

@@ -79,6 +79,35 @@ def _common(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
         "cache_salt": {"type": "string", "nullable": True,
                        "description": "narrows the caller's prefix cache; never widens it"},
         "ignore_eos": {"type": "boolean", "nullable": True},
+        **_output_fields(),
+    }
+
+
+def _output_fields() -> dict[str, Any]:
+    """Penalties, biases and output constraints (gateway/sampling_fields.py)."""
+    penalty = {"type": "number", "minimum": -2, "maximum": 2, "nullable": True}
+    text = {"type": "string", "minLength": 1}
+    return {
+        "presence_penalty": penalty,
+        "frequency_penalty": penalty,
+        "repetition_penalty": {"type": "number", "minimum": 0.01, "maximum": 10, "nullable": True},
+        "min_p": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True},
+        "min_tokens": {"type": "integer", "minimum": 0, "nullable": True, "description": "at most max_tokens"},
+        "logit_bias": {"type": "object", "nullable": True, "description": "token id (a string) -> bias",
+                       "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+        "response_format": {"type": "object", "nullable": True, "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}},
+        "guided_json": {"type": "object", "nullable": True, "description": "a JSON schema"},
+        "guided_regex": {**text, "nullable": True},
+        "guided_choice": {"type": "array", "items": text, "minItems": 1, "nullable": True},
+        "guided_grammar": {**text, "nullable": True, "description": "EBNF (GBNF) or Lark"},
+        "structured_outputs": {"type": "object", "nullable": True, "description": "exactly one of json, regex, "
+                               "choice, grammar, json_object", "properties": {
+                                   "json": {"type": "object"}, "regex": text, "grammar": text,
+                                   "choice": {"type": "array", "items": text, "minItems": 1},
+                                   "json_object": {"type": "boolean"}}},
     }
 
 
@@ -112,6 +141,9 @@ def _completion_request(model_name: str, vocab_size: int, limits: GatewaySetting
     properties.update({
         "prompt": prompt,
         "logprobs": {"type": "integer", "minimum": 0, "maximum": limits.max_top_logprobs, "nullable": True},
+        "best_of": {"type": "integer", "minimum": 1, "maximum": limits.max_n, "nullable": True,
+                    "description": ">= n; not with stream"},
+        "echo": {"type": "boolean", "nullable": True, "description": "not with logprobs"},
     })
     return {"type": "object", "required": ["model", "prompt"], "properties": properties}
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.structured import StructuredOutput
 from gateway.errors import invalid
 from gateway.render import normalize_messages
+from gateway.sampling_fields import completion_extras, sampling_fields
 from gateway.settings import GatewaySettings
 from gateway.tools import ToolRequest, parse_tools
 
@@ -28,6 +30,13 @@ class GenerationRequest:
     user: str | None
     cache_salt: str | None
     ignore_eos: bool
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_p: float
+    min_tokens: int
+    logit_bias: dict[int, float]
+    structured: StructuredOutput | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +48,8 @@ class ChatRequest(GenerationRequest):
 @dataclass(frozen=True, slots=True)
 class CompletionRequest(GenerationRequest):
     prompts: list[str | list[int]]
+    best_of: int  # choices generated per prompt; the n with the highest cumulative logprob are returned
+    echo: bool  # the prompt's text comes before each choice's
 
 
 def parse_chat(body: Any, limits: GatewaySettings) -> ChatRequest:
@@ -59,7 +70,8 @@ def parse_completion(body: Any, limits: GatewaySettings) -> CompletionRequest:
     fields = _Fields(body)
     logprobs = fields.integer("logprobs", None, 0, limits.max_top_logprobs)
     common = _common(fields, limits, fields.integer("max_tokens", None, 1), logprobs)
-    return CompletionRequest(**common, prompts=_prompts(fields.body.get("prompt"), limits.max_prompts))
+    extras = completion_extras(fields, common["n"], limits.max_n, common["stream"], logprobs)
+    return CompletionRequest(**common, prompts=_prompts(fields.body.get("prompt"), limits.max_prompts), **extras)
 
 
 def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None,
@@ -90,6 +102,7 @@ def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None,
         user=fields.string("user", None),
         cache_salt=fields.string("cache_salt", None),
         ignore_eos=fields.boolean("ignore_eos", False),
+        **sampling_fields(fields),
     )
 
 

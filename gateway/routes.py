@@ -18,6 +18,7 @@ from gateway.generate import Choice, check_output, run_choices, usage
 from gateway.openapi import build_openapi
 from gateway.protocol import GenerationRequest, parse_chat, parse_completion
 from gateway.render import encode, render_chat
+from gateway.sampling_fields import best_choices, check_logit_bias_ids
 from gateway.state import STATE, GatewayState
 from gateway.streaming import stream_response
 from gateway.tool_parsers import parser_for
@@ -48,14 +49,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
     tenant = state.auth.authenticate(request)
     req = parse_completion(await read_json(request), state.settings.gateway)
     state.check_model(req.model)
-    with state.admission.admit(tenant, req.n * len(req.prompts)):
+    with state.admission.admit(tenant, req.best_of * len(req.prompts)):
         tokenizer = state.engine.tokenizer
         prompts = [await encode(tokenizer, p) if isinstance(p, str) else p for p in req.prompts]
         if any(not p for p in prompts):
             raise invalid("prompt must not be empty", "prompt")
         if any(not 0 <= t < tokenizer.vocab_size for p in prompts for t in p):
             raise invalid(f"token ids must be in [0, {tokenizer.vocab_size})", "prompt")
-        fmt = CompletionFormat(_new_id("cmpl-"), state.model_name, tokenizer, fingerprint=_fingerprint(state))
+        fmt = CompletionFormat(_new_id("cmpl-"), state.model_name, tokenizer,
+                               [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompts]
+                               if req.echo else None, fingerprint=_fingerprint(state))
         return await _generate(request, state, tenant, req, prompts, fmt, "prompt",
                                COMPLETIONS_DEFAULT_MAX_TOKENS)
 
@@ -109,11 +112,15 @@ async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, r
                     default_max_tokens: int | None) -> web.StreamResponse:
     if not state.engine.is_alive():
         raise APIError(503, "the engine is not running", code="engine_unavailable")
+    check_logit_bias_ids(req.logit_bias, state.engine.tokenizer.vocab_size)
     choices = []
+    samples = getattr(req, "best_of", req.n)
     for prompt_index, prompt in enumerate(prompts):
         max_tokens = state.check_lengths(len(prompt), req.max_tokens, prompt_param, default_max_tokens)
-        for i in range(req.n):
-            params = _sampling_params(req, max_tokens, i)
+        if req.min_tokens > max_tokens:
+            raise invalid(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
+        for i in range(samples):
+            params = _sampling_params(req, max_tokens, i, rank_by_logprob=samples > req.n)
             choices.append(Choice(len(choices), prompt_index, f"{fmt.response_id}-{len(choices)}", prompt, params))
     outputs = run_choices(state.engine, choices, cache_salt=tenant.cache_salt(req.cache_salt), tenant=tenant.name)
     async with contextlib.aclosing(outputs):
@@ -129,16 +136,22 @@ async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, r
         except ValueError as exc:  # the engine's own checks, before any output
             raise invalid(str(exc), prompt_param) from None
     _log_done(fmt.response_id, tenant, choices)
-    return web.json_response(fmt.response(choices, usage(choices)))
+    returned = best_choices(choices, req.n, req.logprobs is not None) if samples > req.n else choices
+    return web.json_response(fmt.response(returned, usage(choices)))  # usage counts every sample generated
 
 
-def _sampling_params(req: GenerationRequest, max_tokens: int, choice: int) -> SamplingParams:
-    params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                            top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
-                            stop=list(req.stop), ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+def _sampling_params(req: GenerationRequest, max_tokens: int, choice: int,
+                     rank_by_logprob: bool = False) -> SamplingParams:
+    logprobs = 0 if rank_by_logprob and req.logprobs is None else req.logprobs
+    structured = req.structured
     if (tools := getattr(req, "tools", None)) is not None and tools.forced:  # the grammar forces a valid call
-        params.structured = tools.structured_output()
-    return params
+        structured = tools.structured_output()  # never beside another constraint: protocol refuses that
+    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                          top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
+                          stop=list(req.stop), ignore_eos=req.ignore_eos, logprobs=logprobs,
+                          presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                          repetition_penalty=req.repetition_penalty, min_p=req.min_p, min_tokens=req.min_tokens,
+                          logit_bias=req.logit_bias, structured=structured)
 
 
 def _fingerprint(state: GatewayState) -> str:

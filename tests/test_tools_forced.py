@@ -4,6 +4,7 @@ structured) makes even a random model write a valid call for the schema."""
 from __future__ import annotations
 
 import json
+from typing import Literal
 import uuid
 
 import openai
@@ -25,7 +26,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 class GetWeather(BaseModel):
-    city: str
+    city: Literal["Paris", "Rome", "Oslo"]  # bounded like CITY: a free string lets a random model ramble
 
 
 @pytest.fixture(scope="module")

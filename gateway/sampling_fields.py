@@ -1,0 +1,169 @@
+"""Request fields that shape the output: structured outputs, penalties and biases, best_of and echo.
+
+OpenAI's `response_format`, and vLLM's extras (`guided_json`, `guided_regex`, `guided_choice`,
+`guided_grammar`, the `structured_outputs` object, `repetition_penalty`, `min_p`, `min_tokens`).
+A field we cannot honour is a 400 naming it, never ignored.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine.structured import StructuredOutput, build_grammar
+from gateway.errors import invalid
+from gateway.generate import Choice
+
+MAX_LOGIT_BIAS_ENTRIES = 1024  # each entry is work on every decode step
+GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                           "json_object": "json_object"}
+UNSUPPORTED = {  # fields of OpenAI's API that would change the output and that this server cannot honour
+    "suffix": "suffix is not supported: the model has no fill-in-the-middle tokens",
+    "prediction": "prediction (predicted outputs) is not supported",
+    "audio": "audio output is not supported",
+    "web_search_options": "web search is not supported",
+}
+
+
+def sampling_fields(fields: Any) -> dict[str, Any]:
+    """Penalties, biases, min_p and min_tokens (ranges as OpenAI and vLLM define them)."""
+    for name, message in UNSUPPORTED.items():
+        if fields.body.get(name) not in (None, ""):
+            raise invalid(message, name)
+    return dict(
+        presence_penalty=fields.number("presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=fields.number("frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=fields.number("repetition_penalty", 1.0, 0.01, 10.0),
+        min_p=fields.number("min_p", 0.0, 0.0, 1.0),
+        min_tokens=fields.integer("min_tokens", 0, 0),
+        logit_bias=_logit_bias(fields.body.get("logit_bias")),
+        structured=structured_output(fields.body),
+    )
+
+
+def _logit_bias(raw: Any) -> dict[int, float]:
+    """{"token id": bias in [-100, 100]}; whether the id is in the vocabulary is checked with the tokenizer."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise invalid("logit_bias must be an object mapping token ids to numbers", "logit_bias")
+    if len(raw) > MAX_LOGIT_BIAS_ENTRIES:
+        raise invalid(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries", "logit_bias")
+    bias = {}
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise invalid(f"logit_bias keys must be token ids (non-negative integers), got {key!r}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise invalid(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {key}",
+                          "logit_bias")
+        bias[int(key)] = float(value)
+    return bias
+
+
+def check_logit_bias_ids(logit_bias: dict[int, float], vocab_size: int) -> None:
+    if any(t >= vocab_size for t in logit_bias):
+        raise invalid(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
+
+
+def structured_output(body: dict[str, Any]) -> StructuredOutput | None:
+    """At most one of response_format (not text), guided_*, structured_outputs; its spec checked here."""
+    found = [(name, so) for name, so in _candidates(body) if so is not None]
+    if len(found) > 1:
+        raise invalid(f"only one output constraint may be set; got {', '.join(n for n, _ in found)}", found[1][0])
+    if not found:
+        return None
+    param, so = found[0]
+    try:
+        build_grammar(so)
+    except ValueError as exc:
+        raise invalid(f"{param}: {exc}", param) from None
+    return so
+
+
+def _candidates(body: dict[str, Any]):
+    yield "response_format", _response_format(body.get("response_format"))
+    for name, kind in GUIDED_FIELDS.items():
+        if body.get(name) is not None:
+            yield name, _spec(kind, body[name], name)
+    if body.get("structured_outputs") is not None:
+        yield "structured_outputs", _structured_outputs(body["structured_outputs"])
+
+
+def _response_format(raw: Any) -> StructuredOutput | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or raw.get("type") not in ("text", "json_object", "json_schema"):
+        raise invalid('response_format.type must be "text", "json_object" or "json_schema"', "response_format")
+    if raw["type"] == "text":
+        return None
+    if raw["type"] == "json_object":
+        return StructuredOutput("json_object")
+    json_schema = raw.get("json_schema")
+    if not isinstance(json_schema, dict) or not isinstance(json_schema.get("name"), str):
+        raise invalid("response_format.json_schema must be an object with a name", "response_format")
+    if json_schema.get("schema") is None:  # OpenAI: no schema means any JSON object
+        return StructuredOutput("json_object")
+    return _spec("json_schema", json_schema["schema"], "response_format")
+
+
+def _structured_outputs(raw: Any) -> StructuredOutput | None:
+    if not isinstance(raw, dict):
+        raise invalid("structured_outputs must be an object", "structured_outputs")
+    unknown = sorted(set(raw) - set(STRUCTURED_OUTPUTS_KEYS))
+    if unknown:
+        raise invalid(f"structured_outputs.{unknown[0]} is not supported; supported: "
+                      f"{', '.join(STRUCTURED_OUTPUTS_KEYS)}", "structured_outputs")
+    set_keys = [k for k, v in raw.items() if v not in (None, False)]
+    if len(set_keys) != 1:
+        raise invalid("structured_outputs must set exactly one of " + ", ".join(STRUCTURED_OUTPUTS_KEYS),
+                      "structured_outputs")
+    key = set_keys[0]
+    if key == "json_object":
+        return StructuredOutput("json_object")
+    return _spec(STRUCTURED_OUTPUTS_KEYS[key], raw[key], "structured_outputs")
+
+
+def _spec(kind: str, value: Any, param: str) -> StructuredOutput:
+    """A JSON schema (object or its JSON text), a regex or EBNF (string), or a choice list."""
+    if kind == "json_schema":
+        if isinstance(value, str):
+            return StructuredOutput(kind, value)
+        if isinstance(value, dict):
+            return StructuredOutput(kind, json.dumps(value))
+        raise invalid(f"{param}: a JSON schema must be an object", param)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise invalid(f"{param}: choice must be a non-empty array of non-empty strings", param)
+        return StructuredOutput(kind, json.dumps(value))
+    if not isinstance(value, str) or not value:
+        raise invalid(f"{param}: {kind} must be a non-empty string", param)
+    return StructuredOutput(kind, value)
+
+
+def completion_extras(fields: Any, n: int, max_n: int, stream: bool, logprobs: int | None) -> dict[str, Any]:
+    """/v1/completions only: best_of (the n best of best_of by cumulative logprob) and echo."""
+    best_of = fields.integer("best_of", n, n, max_n)
+    if best_of > n and stream:
+        raise invalid("best_of cannot be used with stream (the best choices are known only at the end)", "best_of")
+    echo = fields.boolean("echo", False)
+    if echo and logprobs is not None:
+        raise invalid("echo with logprobs is not supported (the prompt's logprobs are not computed: cached "
+                      "prefix tokens are never run through the model)", "echo")
+    return dict(best_of=best_of, echo=echo)
+
+
+def best_choices(choices: list[Choice], n: int, keep_logprobs: bool) -> list[Choice]:
+    """Per prompt, the n choices with the highest cumulative logprob, renumbered prompt by prompt."""
+    by_prompt: dict[int, list[Choice]] = {}
+    for choice in choices:
+        by_prompt.setdefault(choice.prompt_index, []).append(choice)
+    best = []
+    for prompt_index in sorted(by_prompt):
+        ranked = sorted(by_prompt[prompt_index], key=lambda c: -sum(t.logprob for t in c.logprobs))
+        best += ranked[:n]
+    for index, choice in enumerate(best):
+        choice.index = index
+        if not keep_logprobs:  # asked for internally to rank the choices
+            choice.logprobs = []
+    return best
