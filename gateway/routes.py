@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import uuid
 from typing import Any
@@ -14,6 +13,7 @@ from gateway.auth import Tenant
 from gateway.errors import APIError, invalid
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.generate import Choice, check_output, run_choices, usage
+from gateway.jsonbody import parse_body
 from gateway.openapi import build_openapi
 from gateway.protocol import GenerationRequest, parse_chat, parse_completion
 from gateway.render import encode, render_chat
@@ -79,11 +79,7 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 async def read_json(request: web.Request) -> Any:
-    body = await request.read()  # over max_body_bytes: aiohttp raises 413, errors.py renders it
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise invalid("the request body is not valid JSON", None) from None
+    return parse_body(await request.read())  # over max_body_bytes: aiohttp raises 413, errors.py renders it
 
 
 async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, req: GenerationRequest,

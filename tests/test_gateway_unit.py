@@ -11,6 +11,7 @@ from gateway.__main__ import build_parser, main, settings_from_args
 from gateway.admission import Admission
 from gateway.auth import Authenticator, Tenant
 from gateway.errors import APIError
+from gateway.jsonbody import parse_body
 from gateway.protocol import parse_chat, parse_completion
 from gateway.settings import DEFAULT_CONFIG_PATH, ApiKey, GatewaySettings, load_settings
 
@@ -229,6 +230,9 @@ def test_chat_content_parts_and_roles():
     ({"stream": "yes"}, "stream"), ({"stream_options": 1}, "stream_options"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"user": 1}, "user"), ({"cache_salt": 1}, "cache_salt"), ({"ignore_eos": 1}, "ignore_eos"),
+    ({"messages": [{"role": ["user"], "content": "a"}]}, "messages[0].role"),
+    ({"messages": [{"role": {"x": 1}, "content": "a"}]}, "messages[0].role"),
+    ({"temperature": float("nan")}, "temperature"), ({"top_p": float("inf")}, "top_p"),
 ])
 def test_chat_rejects_wrong_fields_naming_them(change, param):
     with pytest.raises(APIError) as err:
@@ -258,3 +262,42 @@ def test_body_must_be_an_object():
     with pytest.raises(APIError) as err:
         parse_chat([1], LIMITS)
     assert err.value.status == 400
+
+
+# ---- the JSON body itself: what Python's json accepts and JSON does not
+
+def _body_error(raw: bytes) -> APIError:
+    with pytest.raises(APIError) as err:
+        parse_body(raw)
+    assert err.value.status == 400
+    return err.value
+
+
+@pytest.mark.parametrize("raw, param, words", [
+    (b'{"temperature": NaN}', "temperature", "NaN"),
+    (b'{"top_p": Infinity}', "top_p", "Infinity"),
+    (b'{"a": {"b": [1, -Infinity]}}', "a.b[1]", "-Infinity"),
+    (b'{"temperature": 1e400}', "temperature", "1e400"),
+    (b'{"max_tokens": ' + b"9" * 400 + b"}", "max_tokens", "64 bits"),
+    (b'{"prompt": [1, ' + b"9" * 5000 + b"]}", "prompt[1]", "64 bits"),
+    (b'{"seed": -9223372036854775809}', "seed", "64 bits"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content", "surrogate"),
+    (b'{"prompt": ["ok", "a\\udfffb"]}', "prompt[1]", "surrogate"),
+    (b'{"cache_salt": "\\udc00"}', "cache_salt", "surrogate"),
+    (b'{"stop": ["\\ud83d"]}', "stop[0]", "surrogate"),
+    (b'{"user": {"\\ud800": 1}}', "user", "key"),
+    (b'{"\\ud800": 1}', None, "key"),
+    (b"[" * 65 + b"]" * 65, "[0]" * 64, "nested too deeply"),
+    (b"[" * 100_000 + b"]" * 100_000, None, "nested too deeply"),
+    (b'{"a": 1', None, "not valid JSON"),
+    (b'\xff{}', None, "not valid JSON"),
+])
+def test_body_rejects_what_json_does_not_allow_naming_the_field(raw, param, words):
+    err = _body_error(raw)
+    assert err.param == param and words in err.message
+
+
+def test_body_accepts_ordinary_json_up_to_the_limits():
+    assert parse_body(b'{"a": [1.5, -2, 9223372036854775807, -9223372036854775808, "\\ud83d\\ude00", null]}') == {
+        "a": [1.5, -2, 2**63 - 1, -2**63, "\U0001f600", None]}
+    assert parse_body(b"[" * 64 + b"]" * 64) is not None
