@@ -68,7 +68,9 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body, content_type = request.app[STATE].metrics.render()
+    state = request.app[STATE]
+    state.auth.check_metrics_key(request)
+    body, content_type = state.metrics.render()
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 

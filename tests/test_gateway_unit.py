@@ -85,14 +85,64 @@ def test_main_reports_a_bad_config_and_exits_2(tmp_path, capsys):
     assert "nope" in capsys.readouterr().err
 
 
+README_KEYS = """\
+sk-alice: {tenant: alice, max_concurrent: 4}
+sk-alice-ci: {tenant: alice}            # two keys, one tenant: one cache
+sk-bob: {tenant: bob}
+sk-demo: {tenant: demo, share_public_salt: true}
+"""
+
+
+def test_the_readme_keys_file_starts(tmp_path):
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(README_KEYS)
+    settings = load_settings(None, {}, {"api_keys_file": str(keys)})
+    auth = Authenticator(settings.gateway)  # two keys of alice, one with its own max_concurrent
+    alice, alice_ci = auth._lookup("sk-alice"), auth._lookup("sk-alice-ci")
+    assert alice.salt == alice_ci.salt and (alice.key_max_concurrent, alice_ci.key_max_concurrent) == (4, None)
+
+
+@pytest.mark.parametrize("files, flags, message", [
+    ({"c.yaml": "engine:\n  block_size: [1\n"}, ["--config", "c.yaml"], "c.yaml: not valid YAML at line 3"),
+    ({"c.yaml": "engine:\n\tblock_size: 1\n"}, ["--config", "c.yaml"], "not valid YAML at line 2"),
+    ({}, ["--config", "missing.yaml"], "missing.yaml"),
+    ({"k.yaml": "sk-secret-1: [alice\n"}, ["--api-keys-file", "k.yaml"], "k.yaml: not valid YAML"),
+    ({}, ["--api-keys-file", "missing.yaml"], "missing.yaml"),
+    ({"k.yaml": "0777: alice\n"}, ["--api-keys-file", "k.yaml"], "the key 511 is not a string"),
+    ({"k.yaml": "on: alice\n"}, ["--api-keys-file", "k.yaml"], "the key True is not a string"),
+    ({"k.yaml": "sk-secret-1: {tenant: 0777}\n"}, ["--api-keys-file", "k.yaml"], "tenant must be a string"),
+    ({"k.yaml": "sk-secret-1: {tenant: a, salt: x}\nsk-secret-2: {tenant: a, salt: y}\n"},
+     ["--api-keys-file", "k.yaml"], "tenant 'a' disagree on salt"),
+    ({"k.yaml": "sk-secret-1: {tenant: a}\nsk-secret-2: {tenant: a, share_public_salt: true}\n"},
+     ["--api-keys-file", "k.yaml"], "tenant 'a' disagree on salt"),
+    ({}, ["--api-key", "a", "--api-key", "b:key-ca978112"], "share tenant 'key-ca978112' by accident"),
+    ({}, ["--block-size", "0"], "block_size must be >= 1"),
+    ({}, ["--model", "no-such-model-dir", "--port", "0"], "not a model directory"),
+    ({"m/config.json": "{"}, ["--model", "m", "--port", "0"], "not a valid JSON"),  # a ValueError from loading
+])
+def test_every_configuration_error_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, files, flags, message):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.chdir(tmp_path)
+    assert main(["serve", *flags]) == 2
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]  # after the log lines of a start-up that got as far as loading the model
+    assert last.startswith("error: ") and message in last and "Traceback" not in err
+    assert "sk-secret" not in err  # never a key, not even from a YAML snippet
+
+
 def test_api_keys_from_flags_and_file(tmp_path):
     keys = tmp_path / "keys.yaml"
     keys.write_text("k-alice: {tenant: alice, max_concurrent: 2}\n"
                     "k-bob: {tenant: bob, salt: bobsalt, share_public_salt: false}\n"
                     "k-carol: carol\n")
-    settings = load_settings(None, {}, {"api_keys_file": str(keys)}, ["k-dan:dan", "k-anon"])
+    settings = load_settings(None, {}, {"api_keys_file": str(keys)}, ["k-dan:dan", "k-anon", "k-anon2"])
+    anon, anon2 = (f"key-{hashlib.sha256(k.encode()).hexdigest()[:8]}" for k in ("k-anon", "k-anon2"))
     assert {(k.key, k.tenant) for k in settings.gateway.api_keys} == {
-        ("k-alice", "alice"), ("k-bob", "bob"), ("k-carol", "carol"), ("k-dan", "dan"), ("k-anon", "default")}
+        ("k-alice", "alice"), ("k-bob", "bob"), ("k-carol", "carol"), ("k-dan", "dan"), ("k-anon", anon),
+        ("k-anon2", anon2)}
+    assert anon != anon2  # keys without a tenant never share one (nor a cache)
     assert "k-alice" not in repr(settings)  # keys and salts never end up in logs of the settings
 
 
@@ -116,7 +166,7 @@ def test_each_tenant_gets_its_own_salt_and_public_tenants_share_one():
                  ApiKey("kq", "pub2"), ApiKey("kr", "pub3", share_public_salt=True), ApiKey("ks", "sam", salt="fixed"),
                  public_salt_tenants=("pub1", "pub2"))
     t = {key: auth._lookup(key) for key in ("ka", "ka2", "kb", "kp", "kq", "kr", "ks")}
-    assert t["ka"] == t["ka2"] and t["ka"].name == "alice"
+    assert t["ka"].name == t["ka2"].name == "alice" and t["ka"].salt == t["ka2"].salt
     assert t["ka"].salt != t["kb"].salt
     assert t["kp"].salt == t["kq"].salt == t["kr"].salt != t["ka"].salt
     assert t["ks"].salt == "fixed"
@@ -139,9 +189,30 @@ def test_body_salt_only_narrows():
     assert bob.cache_salt("sa") != alice.cache_salt(None)  # copying the salt value gets nowhere
 
 
-def test_conflicting_keys_of_one_tenant_fail_at_startup():
+def test_conflicting_salts_of_one_tenant_fail_at_startup():
     with pytest.raises(ValueError, match="alice"):
-        _auth(ApiKey("k1", "alice", max_concurrent=1), ApiKey("k2", "alice", max_concurrent=2))
+        _auth(ApiKey("k1", "alice", salt="x"), ApiKey("k2", "alice", salt="y"))
+    with pytest.raises(ValueError, match="alice"):
+        _auth(ApiKey("k1", "alice"), ApiKey("k2", "alice", share_public_salt=True))
+
+
+def test_max_concurrent_is_per_key_and_per_tenant():
+    auth = _auth(ApiKey("k1", "alice", max_concurrent=1), ApiKey("k2", "alice", max_concurrent=2),
+                 ApiKey("k3", "alice"), max_concurrent_per_tenant=3)
+    k1, k2, k3 = (auth._lookup(k) for k in ("k1", "k2", "k3"))
+    assert k1.salt == k2.salt == k3.salt
+    adm = Admission(max_num_seqs=8, max_waiting_requests=0, retry_after_s=1)
+    with adm.admit(k1, 1):
+        with pytest.raises(APIError) as err:
+            with adm.admit(k1, 1):
+                pass
+        assert err.value.code == "max_concurrent_exceeded" and "k1" not in err.value.message
+        with adm.admit(k2, 1), adm.admit(k3, 1):  # other keys of the tenant have their own limits...
+            with pytest.raises(APIError) as err:
+                with adm.admit(k2, 1):  # ...and the tenant's, all its keys together
+                    pass
+            assert err.value.code == "max_concurrent_per_tenant_exceeded" and "alice" in err.value.message
+    assert adm.tenant_in_flight("alice") == 0
 
 
 def test_without_keys_everyone_is_anonymous():
@@ -153,7 +224,7 @@ def test_without_keys_everyone_is_anonymous():
 
 def test_admission_bounds_sequences_and_tenants():
     adm = Admission(max_num_seqs=2, max_waiting_requests=1, retry_after_s=3)
-    alice, bob = Tenant("alice", max_concurrent=1), Tenant("bob")
+    alice, bob = Tenant("alice", max_concurrent=1, key_id="#0"), Tenant("bob", key_id="#1")
     with adm.admit(bob, 2):
         with pytest.raises(APIError) as err:
             with adm.admit(bob, 2):
@@ -164,7 +235,7 @@ def test_admission_bounds_sequences_and_tenants():
             with pytest.raises(APIError) as err:
                 with adm.admit(alice, 0):
                     pass
-            assert err.value.code == "max_concurrent_exceeded" and "alice" in err.value.message
+            assert err.value.code == "max_concurrent_per_tenant_exceeded" and "alice" in err.value.message
     assert adm.in_flight == 0 and adm.tenant_in_flight("alice") == 0
 
 
