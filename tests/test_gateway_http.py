@@ -360,8 +360,13 @@ async def test_dead_engine_loop_turns_health_red_and_fails_waiting_requests(clie
     assert not engine.is_alive()
     resp = await client.get("/health")
     assert_error(resp.status, await resp.json(), 503, code="engine_dead")
-    resp = await client.post("/v1/chat/completions", json=chat(client))
-    assert_error(resp.status, await resp.json(), 503, code="engine_unavailable")
+    # new requests: a plain 503 at once (a stream too: no 200 whose events never come), nothing held
+    for path, body in (("/v1/chat/completions", chat(client)), ("/v1/chat/completions", chat(client, stream=True)),
+                       ("/v1/completions", {"model": model_of(client), "prompt": "x", "stream": True})):
+        resp = await client.post(path, json=body)  # engine_unavailable: refused before reaching the engine
+        assert_error(resp.status, await resp.json(), 503, code="engine_unavailable")
+        assert "engine is not running" in (await resp.json())["error"]["message"]
+    assert client.app[STATE].admission.in_flight == 0
 
 
 # ---- admission
