@@ -103,10 +103,9 @@ def load_settings(config_path: str | Path | None = DEFAULT_CONFIG_PATH,
     engine_values.update(_typed_section("engine", EngineConfig, engine_overrides or {}))
     gateway_values.update(_typed_section("gateway", GatewaySettings, gateway_overrides or {}))
     keys_file = gateway_values.get("api_keys_file")
-    file_keys = _read_keys_file(keys_file) if keys_file else ()
-    keys = _keys_from_flags(api_keys or []) + file_keys
+    keys = _keys_from_flags(api_keys or []) + (_read_keys_file(keys_file) if keys_file else ())
     _check(len({k.key for k in keys}) == len(keys), "an API key is configured twice")
-    _check_bare_keys(api_keys or [], file_keys)
+    _check_bare_keys(api_keys or [])
     return Settings(EngineConfig(**engine_values), GatewaySettings(**gateway_values, api_keys=keys))
 
 
@@ -193,14 +192,14 @@ def _keys_from_flags(flags: list[str]) -> tuple[ApiKey, ...]:
     return tuple(keys)
 
 
-def _check_bare_keys(flags: list[str], file_keys: tuple[ApiKey, ...]) -> None:
-    """Keys without a tenant never share one by accident: not with each other, not with a named tenant."""
+def _check_bare_keys(flags: list[str]) -> None:
+    """Keys without a tenant never share one by accident (their fingerprints would have to collide).
+    A key that names a `key-...` tenant joins it on purpose."""
     bare = [key_tenant(f) for f in flags if ":" not in f]
-    named = {f.partition(":")[2] for f in flags if ":" in f} | {k.tenant for k in file_keys}
     for tenant in bare:
-        if bare.count(tenant) > 1 or tenant in named:
-            raise ValueError(f"two API keys would share tenant {tenant!r} by accident (a key without a tenant "
-                             "gets key-<fingerprint>); name their tenants: --api-key KEY:TENANT")
+        if bare.count(tenant) > 1:
+            raise ValueError(f"two API keys without a tenant would share tenant {tenant!r} (their fingerprints "
+                             "collide); name their tenants: --api-key KEY:TENANT")
 
 
 _KEY_FIELDS = {"tenant": str, "salt": str | None, "max_concurrent": int | None, "share_public_salt": bool}

@@ -6,6 +6,8 @@ import hashlib
 import pytest
 import yaml
 
+import gateway.settings
+
 from engine.config import EngineConfig, HashAlgo
 from gateway.__main__ import build_parser, main, settings_from_args
 from gateway.admission import Admission
@@ -115,7 +117,6 @@ def test_the_readme_keys_file_starts(tmp_path):
      ["--api-keys-file", "k.yaml"], "tenant 'a' disagree on salt"),
     ({"k.yaml": "sk-secret-1: {tenant: a}\nsk-secret-2: {tenant: a, share_public_salt: true}\n"},
      ["--api-keys-file", "k.yaml"], "tenant 'a' disagree on salt"),
-    ({}, ["--api-key", "a", "--api-key", "b:key-ca978112"], "share tenant 'key-ca978112' by accident"),
     ({}, ["--block-size", "0"], "block_size must be >= 1"),
     ({}, ["--model", "no-such-model-dir", "--port", "0"], "not a model directory"),
     ({"m/config.json": "{"}, ["--model", "m", "--port", "0"], "not a valid JSON"),  # a ValueError from loading
@@ -130,6 +131,14 @@ def test_every_configuration_error_is_one_line_and_exit_2(tmp_path, monkeypatch,
     last = err.splitlines()[-1]  # after the log lines of a start-up that got as far as loading the model
     assert last.startswith("error: ") and message in last and "Traceback" not in err
     assert "sk-secret" not in err  # never a key, not even from a YAML snippet
+
+
+def test_bare_keys_whose_fingerprints_collide_are_refused(monkeypatch, capsys):
+    monkeypatch.setattr(gateway.settings, "key_fingerprint", lambda key: "00000000")
+    assert main(["serve", "--api-key", "sk-one", "--api-key", "sk-two"]) == 2
+    assert "would share tenant 'key-00000000'" in capsys.readouterr().err
+    keys = load_settings(None, {}, {}, ["sk-one", "sk-two:key-00000000"]).gateway.api_keys
+    assert {k.tenant for k in keys} == {"key-00000000"}  # naming the tenant is on purpose
 
 
 def test_api_keys_from_flags_and_file(tmp_path):
