@@ -377,9 +377,9 @@ async def test_full_server_answers_429_with_retry_after(make_client):
     engine.step_hook = lambda: time.sleep(0.002)
     first = await client.post("/v1/chat/completions", json=chat(client, stream=True, max_tokens=2000, ignore_eos=True))
     assert len(await sse_events(first, limit=2)) == 2
-    started = time.monotonic()
     resp = await client.post("/v1/chat/completions", json=chat(client))
-    assert time.monotonic() - started < 0.5  # refused fast, not queued
+    # refused at once, not queued: the first request (2,000 tokens) is still the only one in the engine
+    assert engine.num_unfinished() == 1 and not first.content.at_eof()
     assert_error(resp.status, await resp.json(), 429, code="max_waiting_requests_exceeded", type_="rate_limit_error")
     assert resp.headers["Retry-After"] == "2"
     first.close()
