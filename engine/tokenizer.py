@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -20,6 +22,7 @@ class Tokenizer(Protocol):
     """The interface both backends offer."""
 
     eos_token_ids: set[int]
+    special_token_ids: frozenset[int]  # left out of decoded text
     vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
@@ -27,6 +30,8 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: list[int]) -> str: ...
 
     def token_text(self, token_id: int) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str: ...
@@ -48,6 +53,9 @@ class HFTokenizer:
             self.eos_token_ids.add(self._tok.eos_token_id)
         if not self._tok.chat_template:
             self._tok.chat_template = CHATML_TEMPLATE
+        self.special_token_ids = frozenset(self._tok.all_special_ids)
+        self._added = {i: t.content for i, t in self._tok.added_tokens_decoder.items()}
+        self._piece_bytes = _piece_decoder(self._tok.backend_tokenizer.decoder)
         # the gateway encodes on the event loop while the engine thread decodes: fast tokenizers are not
         # safe to share across threads ("Already borrowed")
         self._lock = threading.Lock()
@@ -64,11 +72,46 @@ class HFTokenizer:
         with self._lock:
             return self._tok.decode([token_id])
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes, also when they are part of a UTF-8 character (decode would say U+FFFD)."""
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        with self._lock:
+            piece = self._tok.convert_ids_to_tokens(token_id)
+        return self._piece_bytes(piece) if piece is not None else b""
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
         _check_messages(messages)
         return self._tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level BPE alphabet: every byte as a printable character (the tokens' spelling)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    extra = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
+
+
+_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _piece_decoder(decoder) -> Callable[[str], bytes]:
+    """How a vocabulary piece spells its bytes, from the tokenizer's decoder: byte-level BPE maps each
+    character back to a byte; SentencePiece writes spaces as U+2581 and unknown bytes as <0xNN>."""
+    state = json.loads(decoder.__getstate__()) if decoder is not None else {}
+    kinds = {state.get("type")} | {d.get("type") for d in state.get("decoders", ())}
+    if "ByteLevel" in kinds:
+        return lambda piece: bytes(_BYTE_OF_CHAR[c] for c in piece) if all(
+            c in _BYTE_OF_CHAR for c in piece) else piece.encode()
+
+    def sentencepiece(piece: str) -> bytes:
+        if "ByteFallback" in kinds and (byte := _BYTE_FALLBACK.fullmatch(piece)):
+            return bytes([int(byte.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
+    return sentencepiece
 
 
 # Meta's original Llama 3 checkpoints: a tiktoken BPE file (`tokenizer.model`) plus these conventions
@@ -94,6 +137,7 @@ class TiktokenTokenizer:
         self.vocab_size = encoding.n_vocab
         self.eos_token_ids = {encoding.encode_single_token(t) for t in eos_tokens}
         self._hidden = {encoding.encode_single_token(t) for t in encoding.special_tokens_set}  # not in output text
+        self.special_token_ids = frozenset(self._hidden)
         env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined)
         self._template = env.from_string(chat_template)
         # special tokens written in the text are parsed as such only where the template needs them
@@ -133,6 +177,9 @@ class TiktokenTokenizer:
 
     def token_text(self, token_id: int) -> str:
         return self._enc.decode([token_id], errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._enc.decode_single_token_bytes(token_id)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:

@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = serve.add_argument_group("gateway (configs/default.yaml `gateway:`)")
     _add_flags(gateway, GatewaySettings, {"api_keys"} | _SPECIAL)
     gateway.add_argument("--api-key", action="append", dest="api_key", default=argparse.SUPPRESS,
-                         metavar="KEY[:TENANT]", help="an accepted API key (repeatable); tenant 'default' if none")
+                         metavar="KEY[:TENANT]",
+                         help="an accepted API key (repeatable). Keys that name the same TENANT share its cache; "
+                              "a key without one is a tenant of its own, named key-<first 8 hex of sha256(KEY)>")
     gateway.add_argument("--api-keys-file", dest="gateway.api_keys_file", default=argparse.SUPPRESS,
                          metavar="PATH", help="YAML: key -> {tenant, salt?, max_concurrent?, share_public_salt?}")
     return parser
@@ -130,17 +132,27 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
-async def serve(settings: Settings) -> None:
+class StartupError(Exception):
+    """A setting the server could not start with (a model that does not load, a port in use)."""
+
+
+async def serve(settings: Settings, app: web.Application) -> None:
     """Stops accepting on SIGTERM/SIGINT, lets in-flight requests finish within shutdown_timeout_s,
     cancels the rest (their engine requests are aborted), then shuts the engine down."""
     gw = settings.gateway
-    app = create_app(settings)
     # in-flight requests get shutdown_timeout_s from InFlight.drain; aiohttp's own wait is a backstop
     runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0,
                            handler_cancellation=True)
-    await runner.setup()  # loads the model and starts the engine
-    site = web.TCPSite(runner, gw.host, gw.port)
-    await site.start()
+    try:
+        await runner.setup()  # loads the model and starts the engine
+        site = web.TCPSite(runner, gw.host, gw.port)
+        await site.start()
+    except (ValueError, OSError) as exc:  # the engine's own checks, a missing model, a port in use
+        log.debug("start-up failed", exc_info=True)
+        await runner.cleanup()
+        raise StartupError(str(exc)) from None
+    if settings.gateway.api_keys and not settings.gateway.metrics_api_key:
+        log.warning("/metrics is open and lists tenant names; set --metrics-api-key to require a key")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -158,17 +170,26 @@ async def serve(settings: Settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """0 after a clean shutdown; 2 with `error: ...` on stderr for any setting it cannot start with."""
     args = build_parser().parse_args(argv)
     try:
         settings = settings_from_args(args)
+        app = create_app(settings)  # key and tenant settings are checked here, before the model loads
     except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _config_error(exc)
     setup_logging(settings.gateway.log_level)
     import uvloop
 
-    uvloop.run(serve(settings))
+    try:
+        uvloop.run(serve(settings, app))
+    except StartupError as exc:
+        return _config_error(exc)
     return 0
+
+
+def _config_error(exc: BaseException) -> int:
+    print(f"error: {exc}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

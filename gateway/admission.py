@@ -22,6 +22,7 @@ class Admission:
         self.capacity = max_num_seqs + max_waiting_requests
         self.in_flight = 0  # engine sequences (a request with n choices counts n)
         self._per_tenant: Counter[str] = Counter()  # HTTP requests per tenant
+        self._per_key: Counter[str] = Counter()  # HTTP requests per API key (Tenant.key_id)
         self._retry_after = str(retry_after_s)
 
     @contextlib.contextmanager
@@ -29,13 +30,13 @@ class Admission:
         self._check(tenant, num_seqs)
         self.in_flight += num_seqs
         self._per_tenant[tenant.name] += 1
+        self._per_key[tenant.key_id] += 1
         try:
             yield
         finally:
             self.in_flight -= num_seqs
-            self._per_tenant[tenant.name] -= 1
-            if not self._per_tenant[tenant.name]:
-                del self._per_tenant[tenant.name]
+            _release(self._per_tenant, tenant.name)
+            _release(self._per_key, tenant.key_id)
 
     def tenant_in_flight(self, tenant: str) -> int:
         return self._per_tenant[tenant]
@@ -51,8 +52,18 @@ class Admission:
         if tenant.max_concurrent is not None and self._per_tenant[tenant.name] >= tenant.max_concurrent:
             raise self._too_many(
                 f"tenant {tenant.name!r} has {self._per_tenant[tenant.name]} requests in flight, "
-                f"its limit max_concurrent is {tenant.max_concurrent}; retry later")
+                f"its limit max_concurrent_per_tenant is {tenant.max_concurrent}; retry later")
+        if tenant.key_max_concurrent is not None and self._per_key[tenant.key_id] >= tenant.key_max_concurrent:
+            raise self._too_many(
+                f"this API key of tenant {tenant.name!r} has {self._per_key[tenant.key_id]} requests in flight, "
+                f"its limit max_concurrent is {tenant.key_max_concurrent}; retry later")
 
     def _too_many(self, message: str) -> APIError:
         # OpenAI's code for every 429; the message names the limit that was hit
         return APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": self._retry_after})
+
+
+def _release(counts: Counter[str], name: str) -> None:
+    counts[name] -= 1
+    if not counts[name]:
+        del counts[name]

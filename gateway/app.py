@@ -88,6 +88,7 @@ async def _engine_ctx(settings: Settings, engine: Any, auth: Authenticator,
     engine.add_stats_listener(metrics.on_step)
     admission = Admission(engine.config.max_num_seqs, settings.gateway.max_waiting_requests,
                           settings.gateway.retry_after_s)
+    metrics.admission.watch(lambda: admission.in_flight, admission.capacity)
     names = frozenset({engine.model_name, settings.engine.model})
     app[STATE] = GatewayState(settings, engine, auth, admission, metrics, names)
     app[TOOL_TEMPLATE] = detect_tool_template(engine.tokenizer, settings.gateway.tool_call_parser)

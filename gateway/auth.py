@@ -14,9 +14,13 @@ from gateway.settings import ANONYMOUS_TENANT, GatewaySettings
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
+    """Who sent a request: the tenant (one cache salt, one concurrency limit) and the key it used."""
+
     name: str
     salt: str = ""  # NOTE: a secret; never logged, never returned
-    max_concurrent: int | None = None
+    max_concurrent: int | None = None  # the tenant's requests in flight, all its keys together
+    key_id: str = ""  # which configured key (its position, not the key): per-key limits count by it
+    key_max_concurrent: int | None = None  # requests in flight with this one key
 
     def cache_salt(self, body_salt: str | None) -> str:
         """The engine's salt: a body `cache_salt` can only narrow the tenant's own cache."""
@@ -33,18 +37,21 @@ class Authenticator:
         public = set(settings.public_salt_tenants)
         derive = _SaltDeriver(secret)
         self._by_digest: list[tuple[bytes, Tenant]] = []
-        tenants: dict[str, Tenant] = {}
-        for key in settings.api_keys:
+        salts: dict[str, str] = {}
+        for i, key in enumerate(settings.api_keys):
             salt = key.salt or (derive.public() if key.share_public_salt or key.tenant in public
                                 else derive.tenant(key.tenant))
-            limit = key.max_concurrent or settings.max_concurrent_per_tenant
-            tenant = Tenant(key.tenant, salt, limit)
-            if tenants.setdefault(key.tenant, tenant) != tenant:
-                raise ValueError(f"API keys of tenant {key.tenant!r} disagree on salt or max_concurrent")
+            # the salt is the tenant's cache: its keys must agree on it (max_concurrent is per key)
+            if salts.setdefault(key.tenant, salt) != salt:
+                raise ValueError(f"the API keys of tenant {key.tenant!r} disagree on salt or share_public_salt; "
+                                 "a tenant has one cache, so give them the same values (or different tenants)")
+            tenant = Tenant(key.tenant, salt, settings.max_concurrent_per_tenant, f"#{i}", key.max_concurrent)
             self._by_digest.append((_digest(key.key), tenant))
         anonymous_salt = derive.public() if ANONYMOUS_TENANT in public else derive.tenant(ANONYMOUS_TENANT)
         self._anonymous = Tenant(ANONYMOUS_TENANT, anonymous_salt, settings.max_concurrent_per_tenant)
-        self.tenant_names = sorted(tenants) if tenants else [ANONYMOUS_TENANT]
+        self.tenant_names = sorted(salts) if salts else [ANONYMOUS_TENANT]
+        # /metrics lists tenant names: with metrics_api_key it needs that key (and only that key)
+        self._metrics_digest = _digest(settings.metrics_api_key) if settings.metrics_api_key else None
 
     @property
     def enabled(self) -> bool:
@@ -53,12 +60,18 @@ class Authenticator:
     def authenticate(self, request: web.Request) -> Tenant:
         if not self._by_digest:
             return self._anonymous
-        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-        tenant = self._lookup(key.strip()) if scheme.lower() == "bearer" else None
+        key = _bearer(request)
+        tenant = self._lookup(key) if key is not None else None
         if tenant is None:
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise _unauthorized("invalid or missing API key (send 'Authorization: Bearer KEY')")
         return tenant
+
+    def check_metrics_key(self, request: web.Request) -> None:
+        if self._metrics_digest is None:
+            return
+        key = _bearer(request)
+        if key is None or not hmac.compare_digest(_digest(key), self._metrics_digest):
+            raise _unauthorized("/metrics needs the metrics API key (send 'Authorization: Bearer KEY')")
 
     def _lookup(self, key: str) -> Tenant | None:
         # compare against every key, no early exit: the time does not depend on which key matched
@@ -78,6 +91,15 @@ class _SaltDeriver:
 
     def public(self) -> str:
         return hmac.new(self._secret, b"public\0", hashlib.sha256).hexdigest()
+
+
+def _bearer(request: web.Request) -> str | None:
+    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else None
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 def _digest(key: str) -> bytes:

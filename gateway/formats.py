@@ -1,6 +1,7 @@
 """OpenAI response bodies and stream chunks for chat completions and (text) completions."""
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
 from typing import Any
@@ -40,14 +41,14 @@ class ChatFormat:
                            "tool_calls": [_tool_call(c.name, c.arguments) for c in parsed.calls]}
                 finish_reason = _tool_finish(finish_reason)
         return {"index": choice.index, "message": message,
-                "logprobs": self.logprobs(choice, choice.logprobs, 0),
+                "logprobs": self.logprobs(choice, choice.logprobs),
                 "finish_reason": finish_reason}
 
     def first_chunk(self, choices: list[Choice]) -> dict[str, Any] | None:
         return self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None} for c in choices])
 
-    def delta_chunk(self, choice: Choice, out: RequestOutput, text_offset: int) -> dict[str, Any] | None:
+    def delta_chunk(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
         if self.tool_parser is None:
             delta = {"content": out.new_text} if out.new_text else {}
         else:
@@ -56,7 +57,7 @@ class ChatFormat:
             return None
         delta = delta or {"content": ""}  # logprobs of held-back text
         return self.chunk([{"index": choice.index, "delta": delta,
-                            "logprobs": self.logprobs(choice, out.new_logprobs, text_offset),
+                            "logprobs": self.logprobs(choice, out.new_logprobs),
                             "finish_reason": None}])
 
     def finish_chunk(self, choice: Choice) -> dict[str, Any]:
@@ -94,8 +95,7 @@ class ChatFormat:
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         return {**self._head(self.chunk_name), "choices": choices, "usage": usage}
 
-    def logprobs(self, choice: Choice, tokens: list[SampledToken] | None,
-                 text_offset: int) -> dict[str, Any] | None:
+    def logprobs(self, choice: Choice, tokens: list[SampledToken] | None) -> dict[str, Any] | None:
         if choice.params.logprobs is None or not tokens:
             return None
         return {"content": [{**self._token(t.token_id, t.logprob),
@@ -103,8 +103,8 @@ class ChatFormat:
                             for t in tokens]}
 
     def _token(self, token_id: int, logprob: float | None) -> dict[str, Any]:
-        text = self.tokenizer.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        data = self.tokenizer.token_bytes(token_id)
+        return {"token": token_string(data), "logprob": logprob, "bytes": list(data)}
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.response_id, "object": object_name, "created": self.created,
@@ -129,10 +129,11 @@ class CompletionFormat(ChatFormat):
                  fingerprint: str | None = None) -> None:
         super().__init__(response_id, model, tokenizer, fingerprint=fingerprint)
         self.echo_prompts = echo_prompts  # echo: each prompt's text, put before its choices' text
+        self._offsets: dict[int, TextOffsets] = {}  # per choice, carried across a stream's chunks
 
     def choice_body(self, choice: Choice) -> dict[str, Any]:
         return {"index": choice.index, "text": self._echo(choice) + "".join(choice.text),
-                "logprobs": self.logprobs(choice, choice.logprobs, 0),
+                "logprobs": self._completion_logprobs(choice, choice.logprobs, TextOffsets()),
                 "finish_reason": choice.finish_reason}
 
     def first_chunk(self, choices: list[Choice]) -> dict[str, Any] | None:
@@ -144,28 +145,51 @@ class CompletionFormat(ChatFormat):
     def _echo(self, choice: Choice) -> str:
         return "" if self.echo_prompts is None else self.echo_prompts[choice.prompt_index]
 
-    def delta_chunk(self, choice: Choice, out: RequestOutput, text_offset: int) -> dict[str, Any] | None:
+    def delta_chunk(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
         if not out.new_text and not out.new_logprobs:
             return None
+        offsets = self._offsets.setdefault(choice.index, TextOffsets())  # carried across the stream's chunks
         return self.chunk([{"index": choice.index, "text": out.new_text,
-                            "logprobs": self.logprobs(choice, out.new_logprobs, text_offset),
+                            "logprobs": self._completion_logprobs(choice, out.new_logprobs, offsets),
                             "finish_reason": None}])
 
     def finish_chunk(self, choice: Choice) -> dict[str, Any]:
         return self.chunk([{"index": choice.index, "text": "", "logprobs": None,
                             "finish_reason": choice.finish_reason}])
 
-    def logprobs(self, choice: Choice, tokens: list[SampledToken] | None,
-                 text_offset: int) -> dict[str, Any] | None:
+    def _completion_logprobs(self, choice: Choice, tokens: list[SampledToken] | None,
+                             offsets: "TextOffsets") -> dict[str, Any] | None:
         if choice.params.logprobs is None or not tokens:
             return None
-        texts = [self.tokenizer.token_text(t.token_id) for t in tokens]
-        offsets = []
-        for text in texts:
-            offsets.append(text_offset)
-            text_offset += len(text)
+        tok = self.tokenizer
+        data = [tok.token_bytes(t.token_id) for t in tokens]
+        starts = [offsets.start(d, t.token_id in tok.special_token_ids) for d, t in zip(data, tokens)]
         top = None
         if choice.params.logprobs > 0:
-            top = [{self.tokenizer.token_text(i): lp for i, lp in t.top_logprobs or ()} for t in tokens]
-        return {"tokens": texts, "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": top, "text_offset": offsets}
+            top = [{token_string(tok.token_bytes(i)): lp for i, lp in t.top_logprobs or ()} for t in tokens]
+        return {"tokens": [token_string(d) for d in data], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": top, "text_offset": starts}
+
+
+def token_string(data: bytes) -> str:
+    """A token as text; a token holding part of a UTF-8 character is spelled `bytes:\\xe4\\xbd` (as
+    OpenAI does), so two such tokens never look alike."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+class TextOffsets:
+    """Where each output token starts in the output text, counted over the tokens' raw bytes: a token
+    that continues a character starts where that character does; special tokens add no text."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._chars = 0
+
+    def start(self, data: bytes, special: bool) -> int:
+        offset = self._chars
+        if not special:
+            self._chars += len(self._decoder.decode(data))
+        return offset

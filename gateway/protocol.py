@@ -1,6 +1,7 @@
 """Request bodies -> validated dataclasses. Unknown fields are ignored; a wrong one is a 400 naming it."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,8 +171,9 @@ class _Fields:
         value = self.body.get(name)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise invalid(f"{name} must be a number", self.prefix + name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or (isinstance(value, float) and not math.isfinite(value)):
+            raise invalid(f"{name} must be a finite number", self.prefix + name)
         if value < low or value > high or (low_open and value == low):
             bracket = "(" if low_open else "["
             raise invalid(f"{name} must be in {bracket}{low}, {high}]", self.prefix + name)

@@ -28,7 +28,7 @@ def _normalize_message(message: Any, param: str) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise invalid("each message must be an object", param)
     role = message.get("role")
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:  # a list or object is unhashable
         raise invalid(f"unsupported role {role!r}; use one of {', '.join(_ROLES)}", f"{param}.role")
     content = message.get("content")
     tool_calls = message.get("tool_calls") if role == "assistant" else None

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import uuid
 from typing import Any
@@ -15,6 +14,7 @@ from gateway.errors import APIError, invalid
 from gateway.fingerprint import system_fingerprint
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.generate import Choice, check_output, run_choices, usage
+from gateway.jsonbody import parse_body
 from gateway.openapi import build_openapi
 from gateway.protocol import GenerationRequest, parse_chat, parse_completion
 from gateway.render import encode, render_chat
@@ -89,7 +89,9 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body, content_type = request.app[STATE].metrics.render()
+    state = request.app[STATE]
+    state.auth.check_metrics_key(request)
+    body, content_type = state.metrics.render()
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
@@ -100,11 +102,7 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 async def read_json(request: web.Request) -> Any:
-    body = await request.read()  # over max_body_bytes: aiohttp raises 413, errors.py renders it
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise invalid("the request body is not valid JSON", None) from None
+    return parse_body(await request.read())  # over max_body_bytes: aiohttp raises 413, errors.py renders it
 
 
 async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, req: GenerationRequest,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ class ApiKey:
     key: str = field(repr=False)
     tenant: str
     salt: str | None = field(default=None, repr=False)  # None: derived from the tenant name
-    max_concurrent: int | None = None  # None: the gateway's max_concurrent_per_tenant
+    max_concurrent: int | None = None  # requests in flight with this key (None: no per-key limit)
     share_public_salt: bool = False
 
 
@@ -39,7 +40,7 @@ class GatewaySettings:
     max_waiting_requests: int = _knob(
         256, "sequences that may wait beyond the engine's max_num_seqs running ones; more -> 429")
     max_concurrent_per_tenant: int | None = _knob(
-        None, "default concurrent requests per tenant (None: unlimited); a key may set its own")
+        None, "concurrent requests per tenant, all its keys together (None: unlimited); a key may also have its own")
     retry_after_s: int = _knob(1, "Retry-After seconds sent with a 429")
     max_body_bytes: int = _knob(4 * 1024 * 1024, "largest request body accepted (413 above)")
     max_prompt_tokens: int | None = _knob(None, "longest prompt in tokens (None: the model's context length)")
@@ -56,6 +57,8 @@ class GatewaySettings:
     salt_secret: str | None = field(default=None, repr=False, metadata={
         "help": "secret that derives tenant salts (None: random per start)"})
     api_keys_file: str | None = _knob(None, "YAML file: key -> {tenant, salt?, max_concurrent?, share_public_salt?}")
+    metrics_api_key: str | None = field(default=None, repr=False, metadata={
+        "help": "bearer key that /metrics requires (None: /metrics is open, and it lists tenant names)"})
     log_level: str = _knob("info", "debug | info | warning | error")
     tool_call_parser: str = _knob("auto", "auto (from the chat template) | hermes | llama3_json")
     allowed_origins: tuple[str, ...] = _knob((), "CORS: browser origins allowed to call the API ('*': any); none: off")
@@ -106,6 +109,7 @@ def load_settings(config_path: str | Path | None = DEFAULT_CONFIG_PATH,
     keys_file = gateway_values.get("api_keys_file")
     keys = _keys_from_flags(api_keys or []) + (_read_keys_file(keys_file) if keys_file else ())
     _check(len({k.key for k in keys}) == len(keys), "an API key is configured twice")
+    _check_bare_keys(api_keys or [])
     return Settings(EngineConfig(**engine_values), GatewaySettings(**gateway_values, api_keys=keys))
 
 
@@ -156,43 +160,81 @@ def _typed_section(name: str, cls: type, raw: Any) -> dict[str, Any]:
 
 
 def _read_yaml(path: str | Path) -> dict[str, Any]:
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    data = _load_yaml(path)
     _check(isinstance(data, dict), f"{path}: the top level must be a mapping")
     unknown = sorted(set(data) - {"engine", "gateway"})
     _check(not unknown, f"{path}: unknown section(s): {', '.join(map(str, unknown))}")
     return data
 
 
+def _load_yaml(path: str | Path) -> Any:
+    try:
+        return yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as exc:  # its position and problem only: the snippet could show an API key
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', None) or 'parse error'}") from None
+
+
+def key_fingerprint(key: str) -> str:
+    """A short, non-secret name for a key (logs, errors, tenant names): 8 hex digits of its sha256."""
+    return hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+def key_tenant(key: str) -> str:
+    """The tenant of a key given without one: a tenant of its own, named after the key's fingerprint."""
+    return "key-" + key_fingerprint(key)
+
+
 def _keys_from_flags(flags: list[str]) -> tuple[ApiKey, ...]:
-    """`--api-key KEY` (tenant "default") or `--api-key KEY:TENANT`."""
+    """`--api-key KEY` (a tenant of its own, `key-<fingerprint>`) or `--api-key KEY:TENANT`."""
     keys = []
     for flag in flags:
         key, _, tenant = flag.partition(":")
-        _check(bool(key), "--api-key needs a non-empty key")
-        keys.append(ApiKey(key=key, tenant=tenant or "default"))
+        _check(bool(key) and not any(c.isspace() for c in key), "--api-key needs a non-empty key without spaces")
+        keys.append(ApiKey(key=key, tenant=tenant or key_tenant(key)))
     return tuple(keys)
+
+
+def _check_bare_keys(flags: list[str]) -> None:
+    """Keys without a tenant never share one by accident (their fingerprints would have to collide).
+    A key that names a `key-...` tenant joins it on purpose."""
+    bare = [key_tenant(f) for f in flags if ":" not in f]
+    for tenant in bare:
+        if bare.count(tenant) > 1:
+            raise ValueError(f"two API keys without a tenant would share tenant {tenant!r} (their fingerprints "
+                             "collide); name their tenants: --api-key KEY:TENANT")
 
 
 _KEY_FIELDS = {"tenant": str, "salt": str | None, "max_concurrent": int | None, "share_public_salt": bool}
 
 
 def _read_keys_file(path: str) -> tuple[ApiKey, ...]:
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    data = _load_yaml(path)
     _check(isinstance(data, dict), f"{path}: expected a mapping key -> {{tenant, ...}}")
-    keys = []
-    for key, entry in data.items():
-        entry = {"tenant": entry} if isinstance(entry, str) else entry
-        _check(isinstance(entry, dict) and "tenant" in entry, f"{path}: every key needs a tenant")
-        unknown = sorted(set(entry) - set(_KEY_FIELDS))
-        _check(not unknown, f"{path}: unknown field(s) {', '.join(unknown)}")
-        try:
-            values = {name: parse_value(_KEY_FIELDS[name], value) for name, value in entry.items()}
-        except ValueError as exc:
-            raise ValueError(f"{path}: {exc}") from None
-        _check(values.get("max_concurrent") is None or values["max_concurrent"] >= 1,
-               f"{path}: max_concurrent must be >= 1")
-        keys.append(ApiKey(key=str(key), **values))
-    return tuple(keys)
+    return tuple(_key_entry(path, key, entry) for key, entry in data.items())
+
+
+def _key_entry(path: str, key: Any, entry: Any) -> ApiKey:
+    # YAML reads `0777:` as the int 511 and `on:` as True: such a key is not what the file says, so refuse it
+    _check(isinstance(key, str), f"{path}: the key {key!r} is not a string; quote it ('...')")
+    where = f"{path}: the key with sha256 {key_fingerprint(key)}..."  # never the key itself in a message
+    _check(bool(key) and not any(c.isspace() for c in key), f"{where}: a key must be non-empty, without spaces")
+    entry = {"tenant": entry} if isinstance(entry, str) else entry
+    _check(isinstance(entry, dict) and "tenant" in entry, f"{where}: every key needs a tenant")
+    unknown = sorted(map(str, set(entry) - set(_KEY_FIELDS)))
+    _check(not unknown, f"{where}: unknown field(s) {', '.join(unknown)}")
+    for name in ("tenant", "salt"):
+        _check(entry.get(name) is None or isinstance(entry[name], str),
+               f"{where}: {name} must be a string; quote it ('...')")
+    _check(bool(entry["tenant"]), f"{where}: tenant must be a non-empty string")
+    try:
+        values = {name: parse_value(_KEY_FIELDS[name], value) for name, value in entry.items()}
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    _check(values.get("max_concurrent") is None or values["max_concurrent"] >= 1,
+           f"{where}: max_concurrent must be >= 1")
+    return ApiKey(key=key, **values)
 
 
 def _is_optional(hint: Any) -> bool:

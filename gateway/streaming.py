@@ -31,16 +31,13 @@ async def stream_response(request: web.Request, fmt: ChatFormat, choices: list[C
     A failure after it is one `data: {"error": ...}` event, then the stream ends. A client that stops
     reading for write_timeout_s is dropped, so it cannot hold its admission slot and output forever."""
     resp: _Stream | None = None
-    text_len = {c.index: 0 for c in choices}
     try:
         async for choice, out in outputs:
             check_output(out)
             if resp is None:
                 resp = await _start(request, fmt, choices, write_timeout_s)
-            offset = text_len[choice.index]
             choice.add(out)
-            text_len[choice.index] += len(out.new_text)
-            if (chunk := fmt.delta_chunk(choice, out, offset)) is not None:
+            if (chunk := fmt.delta_chunk(choice, out)) is not None:
                 await resp.write(encode_event(chunk))
             if out.finished:
                 await resp.write(encode_event(fmt.finish_chunk(choice)))

@@ -8,7 +8,7 @@ thread-safe; our own last-seen values are touched under one lock).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -19,6 +19,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
 
 from engine.stats import FinishedRequestStats, PrefixCacheStats, SchedulerStats, StepStats
 
@@ -36,7 +37,9 @@ INTER_TOKEN_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
     0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
 )
-HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# a stream lasts as long as its generation: long CPU generations run for many minutes
+HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+                300.0, 600.0, 1200.0, 1800.0, 3600.0)
 
 
 def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
@@ -246,6 +249,37 @@ class HttpMetrics:
         self.duration.labels(route, method).observe(seconds)
 
 
+class AdmissionMetrics:
+    """What the gateway's admission holds, read at scrape time (the gateway owns the counts)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+        self.sequences = Gauge(f"{PREFIX}admission_sequences",
+                               "Sequences admitted and not finished: running or waiting in the engine.",
+                               labels, registry=registry).labels(model_name)
+        self.capacity = Gauge(f"{PREFIX}admission_capacity_sequences",
+                              "Sequences admission lets in at once (max_num_seqs + max_waiting_requests); "
+                              "beyond it, 429.", labels, registry=registry).labels(model_name)
+
+    def watch(self, sequences: Callable[[], float], capacity: int) -> None:
+        self.sequences.set_function(sequences)
+        self.capacity.set(capacity)
+
+
+class _WithoutCreated:
+    """A registry's families without the `_created` twin that prometheus-client adds to every counter
+    and histogram (a second series per series, which nothing here reads). Only this registry's
+    exposition changes; prometheus_client.disable_created_metrics() would change the whole process."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
+
 class Metrics:
     """All of prefixgate's series in one registry (its own by default, so apps in one process don't clash)."""
 
@@ -258,6 +292,7 @@ class Metrics:
         self.requests = RequestMetrics(self.registry, model_name)
         self.tenants = TenantMetrics(self.registry, model_name, tenants)
         self.http = HttpMetrics(self.registry)
+        self.admission = AdmissionMetrics(self.registry, model_name)
         if registry is None:  # process_* series (memory, CPU, fds) only in a registry we own
             ProcessCollector(registry=self.registry)
         self._lock = threading.Lock()  # the _Delta last-seen values, if steps ever come from two threads
@@ -280,4 +315,4 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its Content-Type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(_WithoutCreated(self.registry)), CONTENT_TYPE_LATEST

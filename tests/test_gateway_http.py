@@ -228,6 +228,19 @@ async def test_api_keys(make_client):
     assert (await client.get("/metrics")).status == 200
 
 
+async def test_metrics_api_key_guards_the_tenant_names(make_client):
+    client = await make_client(keys=(ApiKey("sk-alice", "alice"),), metrics_api_key="sk-scrape")
+    for headers in ({}, {"Authorization": "Bearer sk-alice"}, {"Authorization": "Bearer sk-scrape2"}):
+        resp = await client.get("/metrics", headers=headers)  # a tenant's key is not the metrics key
+        assert_error(resp.status, await resp.json(), 401, code="invalid_api_key")
+        assert resp.headers["WWW-Authenticate"] == "Bearer"
+    resp = await client.get("/metrics", headers={"Authorization": "Bearer sk-scrape"})
+    assert resp.status == 200 and 'tenant="alice"' in await resp.text()
+    assert (await client.get("/health")).status == 200
+    resp = await client.post("/v1/chat/completions", json=chat(client), headers={"Authorization": "Bearer sk-scrape"})
+    assert resp.status == 401  # and the metrics key is no API key
+
+
 # ---- prefix cache through the gateway
 
 async def test_anonymous_body_salt_narrows_the_cache(client):
@@ -349,8 +362,13 @@ async def test_dead_engine_loop_turns_health_red_and_fails_waiting_requests(clie
     assert not engine.is_alive()
     resp = await client.get("/health")
     assert_error(resp.status, await resp.json(), 503, code="engine_dead")
-    resp = await client.post("/v1/chat/completions", json=chat(client))
-    assert_error(resp.status, await resp.json(), 503, code="engine_unavailable")
+    # new requests: a plain 503 at once (a stream too: no 200 whose events never come), nothing held
+    for path, body in (("/v1/chat/completions", chat(client)), ("/v1/chat/completions", chat(client, stream=True)),
+                       ("/v1/completions", {"model": model_of(client), "prompt": "x", "stream": True})):
+        resp = await client.post(path, json=body)  # engine_unavailable: refused before reaching the engine
+        assert_error(resp.status, await resp.json(), 503, code="engine_unavailable")
+        assert "engine is not running" in (await resp.json())["error"]["message"]
+    assert client.app[STATE].admission.in_flight == 0
 
 
 # ---- admission
@@ -361,9 +379,9 @@ async def test_full_server_answers_429_with_retry_after(make_client):
     set_step_hook(engine, lambda: time.sleep(0.002))
     first = await client.post("/v1/chat/completions", json=chat(client, stream=True, max_tokens=2000, ignore_eos=True))
     assert len(await sse_events(first, limit=2)) == 2
-    started = time.monotonic()
     resp = await client.post("/v1/chat/completions", json=chat(client))
-    assert time.monotonic() - started < 0.5  # refused fast, not queued
+    # refused at once, not queued: the first request (2,000 tokens) is still the only one in the engine
+    assert engine.num_unfinished() == 1 and not first.content.at_eof()
     assert_error(resp.status, await resp.json(), 429, code="rate_limit_exceeded", type_="rate_limit_error")
     assert resp.headers["Retry-After"] == "2"
     first.close()
@@ -388,6 +406,26 @@ async def test_tenant_concurrency_limit(make_client):
     assert (await client.post("/v1/chat/completions", headers=alice, json=chat(client))).status == 200
 
 
+async def test_max_concurrent_counts_per_key_and_the_tenant_limit_all_keys(make_client):
+    keys = (ApiKey("ka", "alice", max_concurrent=1), ApiKey("ka-ci", "alice"))
+    client = await make_client(keys=keys, max_concurrent_per_tenant=2)
+    engine = engine_of(client)
+    set_step_hook(engine, lambda: time.sleep(0.002))
+    ka, ka_ci = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer ka-ci"}
+    body = chat(client, stream=True, max_tokens=2000, ignore_eos=True)
+    first = await client.post("/v1/chat/completions", headers=ka, json=body)
+    assert len(await sse_events(first, limit=2)) == 2
+    resp = await client.post("/v1/chat/completions", headers=ka, json=chat(client))
+    assert_error(resp.status, await resp.json(), 429, code="rate_limit_exceeded")  # ka's own limit (max_concurrent)
+    second = await client.post("/v1/chat/completions", headers=ka_ci, json=body)  # alice's other key
+    assert len(await sse_events(second, limit=2)) == 2
+    resp = await client.post("/v1/chat/completions", headers=ka_ci, json=chat(client))
+    assert_error(resp.status, await resp.json(), 429, code="rate_limit_exceeded")  # the tenant's (max_concurrent_per_tenant)
+    first.close()
+    second.close()
+    await wait_released(engine)
+
+
 # ---- metrics
 
 async def test_metrics_use_route_templates(client):
@@ -400,6 +438,27 @@ async def test_metrics_use_route_templates(client):
                      r'status="200"\} 1\.0', text)
     assert 'route="unmatched"' in text and "/no/such/path" not in text
     assert "prefixgate_generation_tokens_total" in text
+
+
+async def test_metrics_show_what_admission_holds(make_client):
+    client = await make_client(engine={"max_num_seqs": 4}, max_waiting_requests=6)
+    engine = engine_of(client)
+    set_step_hook(engine, lambda: time.sleep(0.002))
+
+    async def admitted() -> float:
+        text = await (await client.get("/metrics")).text()
+        capacity = re.search(r"prefixgate_admission_capacity_sequences\{[^}]*\} (\S+)", text)
+        assert capacity and float(capacity.group(1)) == 10
+        return float(re.search(r"prefixgate_admission_sequences\{[^}]*\} (\S+)", text).group(1))
+
+    assert await admitted() == 0
+    stream = await client.post("/v1/chat/completions", json=chat(client, stream=True, max_tokens=2000,
+                                                                  ignore_eos=True, n=3))
+    assert len(await sse_events(stream, limit=2)) == 2
+    assert await admitted() == 3  # n = 3: three sequences
+    stream.close()
+    await wait_released(engine)
+    assert await admitted() == 0
 
 
 # ---- shutdown (the process-level SIGTERM path is in test_gateway_cli.py)

@@ -6,11 +6,14 @@ import hashlib
 import pytest
 import yaml
 
+import gateway.settings
+
 from engine.config import EngineConfig, HashAlgo
 from gateway.__main__ import build_parser, main, settings_from_args
 from gateway.admission import Admission
 from gateway.auth import Authenticator, Tenant
 from gateway.errors import APIError
+from gateway.jsonbody import parse_body
 from gateway.protocol import parse_chat, parse_completion
 from gateway.settings import DEFAULT_CONFIG_PATH, ApiKey, GatewaySettings, load_settings
 
@@ -84,14 +87,71 @@ def test_main_reports_a_bad_config_and_exits_2(tmp_path, capsys):
     assert "nope" in capsys.readouterr().err
 
 
+README_KEYS = """\
+sk-alice: {tenant: alice, max_concurrent: 4}
+sk-alice-ci: {tenant: alice}            # two keys, one tenant: one cache
+sk-bob: {tenant: bob}
+sk-demo: {tenant: demo, share_public_salt: true}
+"""
+
+
+def test_the_readme_keys_file_starts(tmp_path):
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(README_KEYS)
+    settings = load_settings(None, {}, {"api_keys_file": str(keys)})
+    auth = Authenticator(settings.gateway)  # two keys of alice, one with its own max_concurrent
+    alice, alice_ci = auth._lookup("sk-alice"), auth._lookup("sk-alice-ci")
+    assert alice.salt == alice_ci.salt and (alice.key_max_concurrent, alice_ci.key_max_concurrent) == (4, None)
+
+
+@pytest.mark.parametrize("files, flags, message", [
+    ({"c.yaml": "engine:\n  block_size: [1\n"}, ["--config", "c.yaml"], "c.yaml: not valid YAML at line 3"),
+    ({"c.yaml": "engine:\n\tblock_size: 1\n"}, ["--config", "c.yaml"], "not valid YAML at line 2"),
+    ({}, ["--config", "missing.yaml"], "missing.yaml"),
+    ({"k.yaml": "sk-secret-1: [alice\n"}, ["--api-keys-file", "k.yaml"], "k.yaml: not valid YAML"),
+    ({}, ["--api-keys-file", "missing.yaml"], "missing.yaml"),
+    ({"k.yaml": "0777: alice\n"}, ["--api-keys-file", "k.yaml"], "the key 511 is not a string"),
+    ({"k.yaml": "on: alice\n"}, ["--api-keys-file", "k.yaml"], "the key True is not a string"),
+    ({"k.yaml": "sk-secret-1: {tenant: 0777}\n"}, ["--api-keys-file", "k.yaml"], "tenant must be a string"),
+    ({"k.yaml": "sk-secret-1: {tenant: a, salt: x}\nsk-secret-2: {tenant: a, salt: y}\n"},
+     ["--api-keys-file", "k.yaml"], "tenant 'a' disagree on salt"),
+    ({"k.yaml": "sk-secret-1: {tenant: a}\nsk-secret-2: {tenant: a, share_public_salt: true}\n"},
+     ["--api-keys-file", "k.yaml"], "tenant 'a' disagree on salt"),
+    ({}, ["--block-size", "0"], "block_size must be >= 1"),
+    ({}, ["--model", "no-such-model-dir", "--port", "0"], "not a model directory"),
+    ({"m/config.json": "{"}, ["--model", "m", "--port", "0"], "not a valid JSON"),  # a ValueError from loading
+])
+def test_every_configuration_error_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, files, flags, message):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.chdir(tmp_path)
+    assert main(["serve", *flags]) == 2
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]  # after the log lines of a start-up that got as far as loading the model
+    assert last.startswith("error: ") and message in last and "Traceback" not in err
+    assert "sk-secret" not in err  # never a key, not even from a YAML snippet
+
+
+def test_bare_keys_whose_fingerprints_collide_are_refused(monkeypatch, capsys):
+    monkeypatch.setattr(gateway.settings, "key_fingerprint", lambda key: "00000000")
+    assert main(["serve", "--api-key", "sk-one", "--api-key", "sk-two"]) == 2
+    assert "would share tenant 'key-00000000'" in capsys.readouterr().err
+    keys = load_settings(None, {}, {}, ["sk-one", "sk-two:key-00000000"]).gateway.api_keys
+    assert {k.tenant for k in keys} == {"key-00000000"}  # naming the tenant is on purpose
+
+
 def test_api_keys_from_flags_and_file(tmp_path):
     keys = tmp_path / "keys.yaml"
     keys.write_text("k-alice: {tenant: alice, max_concurrent: 2}\n"
                     "k-bob: {tenant: bob, salt: bobsalt, share_public_salt: false}\n"
                     "k-carol: carol\n")
-    settings = load_settings(None, {}, {"api_keys_file": str(keys)}, ["k-dan:dan", "k-anon"])
+    settings = load_settings(None, {}, {"api_keys_file": str(keys)}, ["k-dan:dan", "k-anon", "k-anon2"])
+    anon, anon2 = (f"key-{hashlib.sha256(k.encode()).hexdigest()[:8]}" for k in ("k-anon", "k-anon2"))
     assert {(k.key, k.tenant) for k in settings.gateway.api_keys} == {
-        ("k-alice", "alice"), ("k-bob", "bob"), ("k-carol", "carol"), ("k-dan", "dan"), ("k-anon", "default")}
+        ("k-alice", "alice"), ("k-bob", "bob"), ("k-carol", "carol"), ("k-dan", "dan"), ("k-anon", anon),
+        ("k-anon2", anon2)}
+    assert anon != anon2  # keys without a tenant never share one (nor a cache)
     assert "k-alice" not in repr(settings)  # keys and salts never end up in logs of the settings
 
 
@@ -115,7 +175,7 @@ def test_each_tenant_gets_its_own_salt_and_public_tenants_share_one():
                  ApiKey("kq", "pub2"), ApiKey("kr", "pub3", share_public_salt=True), ApiKey("ks", "sam", salt="fixed"),
                  public_salt_tenants=("pub1", "pub2"))
     t = {key: auth._lookup(key) for key in ("ka", "ka2", "kb", "kp", "kq", "kr", "ks")}
-    assert t["ka"] == t["ka2"] and t["ka"].name == "alice"
+    assert t["ka"].name == t["ka2"].name == "alice" and t["ka"].salt == t["ka2"].salt
     assert t["ka"].salt != t["kb"].salt
     assert t["kp"].salt == t["kq"].salt == t["kr"].salt != t["ka"].salt
     assert t["ks"].salt == "fixed"
@@ -138,9 +198,30 @@ def test_body_salt_only_narrows():
     assert bob.cache_salt("sa") != alice.cache_salt(None)  # copying the salt value gets nowhere
 
 
-def test_conflicting_keys_of_one_tenant_fail_at_startup():
+def test_conflicting_salts_of_one_tenant_fail_at_startup():
     with pytest.raises(ValueError, match="alice"):
-        _auth(ApiKey("k1", "alice", max_concurrent=1), ApiKey("k2", "alice", max_concurrent=2))
+        _auth(ApiKey("k1", "alice", salt="x"), ApiKey("k2", "alice", salt="y"))
+    with pytest.raises(ValueError, match="alice"):
+        _auth(ApiKey("k1", "alice"), ApiKey("k2", "alice", share_public_salt=True))
+
+
+def test_max_concurrent_is_per_key_and_per_tenant():
+    auth = _auth(ApiKey("k1", "alice", max_concurrent=1), ApiKey("k2", "alice", max_concurrent=2),
+                 ApiKey("k3", "alice"), max_concurrent_per_tenant=3)
+    k1, k2, k3 = (auth._lookup(k) for k in ("k1", "k2", "k3"))
+    assert k1.salt == k2.salt == k3.salt
+    adm = Admission(max_num_seqs=8, max_waiting_requests=0, retry_after_s=1)
+    with adm.admit(k1, 1):
+        with pytest.raises(APIError) as err:
+            with adm.admit(k1, 1):
+                pass
+        assert err.value.code == "rate_limit_exceeded" and "k1" not in err.value.message
+        with adm.admit(k2, 1), adm.admit(k3, 1):  # other keys of the tenant have their own limits...
+            with pytest.raises(APIError) as err:
+                with adm.admit(k2, 1):  # ...and the tenant's, all its keys together
+                    pass
+            assert err.value.code == "rate_limit_exceeded" and "max_concurrent_per_tenant" in err.value.message
+    assert adm.tenant_in_flight("alice") == 0
 
 
 def test_without_keys_everyone_is_anonymous():
@@ -152,7 +233,7 @@ def test_without_keys_everyone_is_anonymous():
 
 def test_admission_bounds_sequences_and_tenants():
     adm = Admission(max_num_seqs=2, max_waiting_requests=1, retry_after_s=3)
-    alice, bob = Tenant("alice", max_concurrent=1), Tenant("bob")
+    alice, bob = Tenant("alice", max_concurrent=1, key_id="#0"), Tenant("bob", key_id="#1")
     with adm.admit(bob, 2):
         with pytest.raises(APIError) as err:
             with adm.admit(bob, 2):
@@ -163,7 +244,7 @@ def test_admission_bounds_sequences_and_tenants():
             with pytest.raises(APIError) as err:
                 with adm.admit(alice, 0):
                     pass
-            assert err.value.code == "rate_limit_exceeded" and "max_concurrent" in err.value.message
+            assert err.value.code == "rate_limit_exceeded" and "max_concurrent_per_tenant" in err.value.message
             assert "alice" in err.value.message
     assert adm.in_flight == 0 and adm.tenant_in_flight("alice") == 0
 
@@ -230,6 +311,9 @@ def test_chat_content_parts_and_roles():
     ({"stream": "yes"}, "stream"), ({"stream_options": 1}, "stream_options"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"user": 1}, "user"), ({"cache_salt": 1}, "cache_salt"), ({"ignore_eos": 1}, "ignore_eos"),
+    ({"messages": [{"role": ["user"], "content": "a"}]}, "messages[0].role"),
+    ({"messages": [{"role": {"x": 1}, "content": "a"}]}, "messages[0].role"),
+    ({"temperature": float("nan")}, "temperature"), ({"top_p": float("inf")}, "top_p"),
 ])
 def test_chat_rejects_wrong_fields_naming_them(change, param):
     with pytest.raises(APIError) as err:
@@ -259,3 +343,42 @@ def test_body_must_be_an_object():
     with pytest.raises(APIError) as err:
         parse_chat([1], LIMITS)
     assert err.value.status == 400
+
+
+# ---- the JSON body itself: what Python's json accepts and JSON does not
+
+def _body_error(raw: bytes) -> APIError:
+    with pytest.raises(APIError) as err:
+        parse_body(raw)
+    assert err.value.status == 400
+    return err.value
+
+
+@pytest.mark.parametrize("raw, param, words", [
+    (b'{"temperature": NaN}', "temperature", "NaN"),
+    (b'{"top_p": Infinity}', "top_p", "Infinity"),
+    (b'{"a": {"b": [1, -Infinity]}}', "a.b[1]", "-Infinity"),
+    (b'{"temperature": 1e400}', "temperature", "1e400"),
+    (b'{"max_tokens": ' + b"9" * 400 + b"}", "max_tokens", "64 bits"),
+    (b'{"prompt": [1, ' + b"9" * 5000 + b"]}", "prompt[1]", "64 bits"),
+    (b'{"seed": -9223372036854775809}', "seed", "64 bits"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content", "surrogate"),
+    (b'{"prompt": ["ok", "a\\udfffb"]}', "prompt[1]", "surrogate"),
+    (b'{"cache_salt": "\\udc00"}', "cache_salt", "surrogate"),
+    (b'{"stop": ["\\ud83d"]}', "stop[0]", "surrogate"),
+    (b'{"user": {"\\ud800": 1}}', "user", "key"),
+    (b'{"\\ud800": 1}', None, "key"),
+    (b"[" * 65 + b"]" * 65, "[0]" * 64, "nested too deeply"),
+    (b"[" * 100_000 + b"]" * 100_000, None, "nested too deeply"),
+    (b'{"a": 1', None, "not valid JSON"),
+    (b'\xff{}', None, "not valid JSON"),
+])
+def test_body_rejects_what_json_does_not_allow_naming_the_field(raw, param, words):
+    err = _body_error(raw)
+    assert err.param == param and words in err.message
+
+
+def test_body_accepts_ordinary_json_up_to_the_limits():
+    assert parse_body(b'{"a": [1.5, -2, 9223372036854775807, -9223372036854775808, "\\ud83d\\ude00", null]}') == {
+        "a": [1.5, -2, 2**63 - 1, -2**63, "\U0001f600", None]}
+    assert parse_body(b"[" * 64 + b"]" * 64) is not None

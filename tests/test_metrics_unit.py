@@ -4,12 +4,12 @@ from __future__ import annotations
 import threading
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.stats import FinishedRequestStats, PrefixCacheStats, SchedulerStats, StepStats
 from metrics import Metrics
-from metrics.prometheus import TOKEN_BUCKETS, one_two_five_buckets
+from metrics.prometheus import HTTP_BUCKETS, TOKEN_BUCKETS, one_two_five_buckets
 
 MODEL = "tiny-llama"
 
@@ -203,3 +203,38 @@ def test_on_step_from_many_threads_loses_nothing():
     assert value(s, "prefixgate_generation_tokens_total") == 2 * total
     assert value(s, "prefixgate_e2e_request_latency_seconds_count") == total
     assert value(s, "prefixgate_tenant_prefix_cache_hits_tokens_total", tenant="other") == total
+
+
+def test_no_created_twin_series():
+    metrics = Metrics(MODEL, tenants=["a"])
+    metrics.on_step(step(queries=10, finished=[finished()]))
+    metrics.on_http("/health", "GET", 200, 0.001)
+    body = metrics.render()[0].decode()
+    assert "prefixgate_prefix_cache_queries_tokens_total" in body and "_bucket" in body
+    assert "_created" not in body
+    # only our exposition: prometheus-client's own switch (process-wide) is left alone
+    plain = CollectorRegistry()
+    Counter("plain", "x", registry=plain).inc()
+    assert "plain_created" in generate_latest(plain).decode()
+
+
+def test_http_duration_buckets_reach_past_two_minutes():
+    metrics = Metrics(MODEL, tenants=[])
+    metrics.on_http("/v1/chat/completions", "POST", 200, 900.0)  # a 15-minute stream
+    s = scrape(metrics)
+    bucket = "prefixgate_http_request_duration_seconds_bucket"
+    labels = {"route": "/v1/chat/completions", "method": "POST"}
+    assert s[(bucket, frozenset({**labels, "le": "600.0"}.items()))] == 0
+    assert s[(bucket, frozenset({**labels, "le": "1200.0"}.items()))] == 1
+    assert max(HTTP_BUCKETS) >= 3600
+
+
+def test_admission_gauges_read_the_live_count():
+    metrics = Metrics(MODEL, tenants=[])
+    held = [0]
+    metrics.admission.watch(lambda: held[0], capacity=40)
+    assert value(scrape(metrics), "prefixgate_admission_sequences") == 0
+    held[0] = 7
+    s = scrape(metrics)
+    assert value(s, "prefixgate_admission_sequences") == 7
+    assert value(s, "prefixgate_admission_capacity_sequences") == 40

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -134,6 +135,99 @@ def _raw_requests(server, http, method, path, body, content_type):
 
 def test_raw_bodies_methods_and_content_types(server, http):
     _raw_requests(server, http)
+
+
+# ---- a hostile corpus (what schemathesis did not find), sent concurrently with normal traffic
+
+def _hostile_corpus(model: str) -> list[tuple[str, bytes]]:
+    """(path, raw body): NaN/Infinity, numbers beyond float or 64 bits, lone surrogates, deep nesting,
+    mixed-type arrays and wrong types, in every field that reaches the engine, the tokenizer or a salt."""
+    chat, comp = "/v1/chat/completions", "/v1/completions"
+    msgs = '[{"role": "user", "content": "hello"}]'
+
+    def c(extra: str, messages: str = msgs) -> tuple[str, bytes]:
+        return chat, f'{{"model": "{model}", "messages": {messages}, "max_tokens": 2{extra}}}'.encode()
+
+    def p(prompt: str, extra: str = "") -> tuple[str, bytes]:
+        return comp, f'{{"model": "{model}", "prompt": {prompt}, "max_tokens": 2{extra}}}'.encode()
+
+    corpus = [c(f', "{field}": {value}') for field in ("temperature", "top_p", "top_k", "max_tokens", "seed", "n",
+                                                         "top_logprobs", "frequency_penalty")
+              for value in ("NaN", "Infinity", "-Infinity", "1e400", "-1e400", "9" * 400)]
+    corpus += [p(f"[1, {n}]") for n in ("NaN", "1e400", "-" + "9" * 30, "9" * 5000, "2.5", "true", "null")]
+    corpus += [c("", '[{"role": "user", "content": "\\ud800"}]'), c("", '[{"role": "user", "content": "a\\udfff"}]'),
+               c("", '[{"role": "user", "content": [{"type": "text", "text": "\\udbff"}]}]'),
+               c("", '[{"role": "\\ud800", "content": "x"}]'), c(', "cache_salt": "\\ud800"'),
+               c(', "stop": "\\udc00"'), c(', "stop": ["ok", "\\udc00"]'), c(', "user": "\\ud800"'),
+               c(', "\\ud800": 1'), c(', "stream": true, "cache_salt": "x\\udc00"'),
+               (chat, b'{"model": "\\ud800", "messages": ' + msgs.encode() + b"}"),
+               p('"\\ud800"'), p('["ok", "\\udfff"]'), p('"x"', ', "cache_salt": "\\ud800"')]
+    corpus += [(chat, b"[" * 100_000 + b"]" * 100_000), (comp, b'{"a": ' * 50_000 + b"1" + b"}" * 50_000),
+               c("", "[" * 5000 + "]" * 5000), p("[" * 80 + "1" + "]" * 80),
+               c(', "stream_options": ' + '{"a": ' * 200 + "1" + "}" * 200)]
+    corpus += [p('[1, "a"]'), p('[[1], "a"]'), p('[[1, 2], [3, "x"]]'), p('["a", ["b"]]'), p("[[1], []]"),
+               c(', "stop": ["a", 1]'), c("", f'[{msgs[1:-1]}, "user"]'),
+               c("", '[{"role": "user", "content": [{"type": "text", "text": "a"}, 1]}]')]
+    corpus += [c("", '[{"role": ["user"], "content": "x"}]'), c("", '[{"role": {"a": 1}, "content": "x"}]'),
+               c("", '{"role": "user"}'), c(', "temperature": "0.5"'), c(', "n": "2"'), c(', "stream": "true"'),
+               c(', "logprobs": "yes"'), c(', "max_tokens": []'), c(', "stream_options": []'),
+               c(', "logprobs": true, "top_logprobs": {}'), (chat, f'{{"model": [], "messages": {msgs}}}'.encode())]
+    return corpus
+
+
+def _normal_requests(model: str) -> list[tuple[str, dict]]:
+    """Greedy requests whose outputs must not change whatever else the server is sent."""
+    bodies = []
+    for i in range(12):
+        extra = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": i % 3 == 0}
+        if i % 2:
+            bodies.append(("/v1/completions", {"model": model, "prompt": f"the cache block {i} of the prefix", **extra}))
+        else:
+            bodies.append(("/v1/chat/completions", {"model": model, **extra, "messages": [
+                {"role": "system", "content": "You answer about the capital of France."},
+                {"role": "user", "content": f"question {i}: what is the capital?"}]}))
+    return bodies
+
+
+def _output_text(resp: requests.Response) -> str:
+    assert resp.status_code == 200, resp.text[:300]
+    if not resp.headers["Content-Type"].startswith("text/event-stream"):
+        choice = resp.json()["choices"][0]
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+    events = [json.loads(line[6:]) for line in resp.text.split("\n") if line.startswith("data: {")]
+    return "".join(c.get("text") or c.get("delta", {}).get("content") or "" for e in events for c in e["choices"])
+
+
+def test_hostile_corpus_concurrent_with_normal_traffic(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    model = server.state.model_name
+    normal, hostile = _normal_requests(model), _hostile_corpus(model)
+
+    def send_normal(item: tuple[str, dict]) -> str:
+        path, body = item
+        return _output_text(requests.post(server.url + path, json=body, headers=auth, timeout=60))
+
+    def send_hostile(item: tuple[str, bytes]) -> requests.Response:
+        path, body = item
+        return requests.post(server.url + path, data=body, timeout=60,
+                             headers={**auth, "Content-Type": "application/json"})
+
+    with ThreadPoolExecutor(8) as pool:
+        expected = list(pool.map(send_normal, normal))  # alone first
+        server.wait_idle()
+        # then each normal request twice, interleaved with the whole corpus twice, all at once
+        hostile_futures = [pool.submit(send_hostile, h) for h in hostile * 2]
+        normal_futures = [pool.submit(send_normal, n) for n in normal * 2]
+        got = [f.result() for f in normal_futures]
+        answers = [f.result() for f in hostile_futures]
+    assert len(hostile) >= 90
+    for (path, body), resp in zip(hostile * 2, answers):
+        what = f"{path} {body[:120]!r} -> {resp.status_code} {resp.text[:200]}"
+        assert 400 <= resp.status_code < 500 and is_error_body(resp.json()), what
+        TALLY.statuses[resp.status_code] += 1
+    assert got == expected * 2  # greedy outputs unchanged by the hostile traffic around them
+    server.wait_idle()  # nothing held: every block free, no reference left
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
 
 
 def test_zz_server_healthy_and_nothing_held_after_fuzzing(server, http):

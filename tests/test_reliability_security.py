@@ -13,7 +13,7 @@ import gateway.auth
 from engine.kv.hashing import hash_full_blocks
 from gateway.app import create_app
 from gateway.auth import Authenticator
-from gateway.settings import ApiKey, GatewaySettings
+from gateway.settings import ApiKey, GatewaySettings, key_tenant, load_settings
 from gateway.state import STATE
 from tests.engine_faults import set_step_hook
 from tests.gateway_helpers import tiny_settings
@@ -175,3 +175,23 @@ async def test_public_salt_tenants_share_on_purpose(aiohttp_client, tiny_llama_d
     assert await cached("ka") == 0
     assert await cached("kb") == full  # alice and bob share a salt by configuration
     assert await cached("kc") == 0  # carol does not
+
+
+async def test_bare_api_keys_never_share_a_cache(aiohttp_client, tiny_llama_dir):
+    """`--api-key K1 --api-key K2` (no tenants): two customers, two tenants, two caches."""
+    keys = load_settings(None, {}, {}, ["sk-customer-one", "sk-customer-two", "sk-one-ci:" + key_tenant("sk-customer-one")])
+    client = await aiohttp_client(create_app(tiny_settings(tiny_llama_dir, keys=keys.gateway.api_keys)))
+    prompt = client.app[STATE].engine.tokenizer.encode("the capital of France is Paris and " * 6)
+    full = (len(prompt) - 1) // BLOCK * BLOCK
+
+    async def cached(key: str) -> int:
+        body = {"model": model_of(client), "prompt": prompt, "max_tokens": 2}
+        resp = await client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"}, json=body)
+        assert resp.status == 200
+        return (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert await cached("sk-customer-one") == 0
+    assert await cached("sk-customer-two") == 0  # was `default` for both: a hit, and a probe
+    assert await cached("sk-one-ci") == full  # a key that names the first key's tenant on purpose
+    metrics = await (await client.get("/metrics")).text()
+    assert key_tenant("sk-customer-two") in metrics and "sk-customer" not in metrics  # names, never keys

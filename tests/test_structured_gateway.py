@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from gateway.app import create_app
+from gateway.formats import token_string
 from gateway.settings import GatewaySettings, Settings
 from tests.test_gateway_openai import ServerThread
 
@@ -159,9 +160,9 @@ def test_logit_bias_forces_and_bans_tokens(client, model, server):
     tok = server.engine.tokenizer
     target = tok.encode(" Paris")[0]
     forced = _complete(client, model, logprobs=0, logit_bias={str(target): 100}, extra_body={"ignore_eos": True})
-    assert set(forced.choices[0].logprobs.tokens) == {tok.token_text(target)}
+    assert set(forced.choices[0].logprobs.tokens) == {token_string(tok.token_bytes(target))}
     first = _tokens(_complete(client, model, logprobs=0, extra_body={"ignore_eos": True}))[0]
-    ids = [i for i in range(tok.vocab_size) if tok.token_text(i) == first]
+    ids = [i for i in range(tok.vocab_size) if token_string(tok.token_bytes(i)) == first]  # as logprobs spell it
     banned = _complete(client, model, logprobs=0, logit_bias={str(i): -100 for i in ids},
                        extra_body={"ignore_eos": True})
     assert first not in _tokens(banned)
