@@ -73,11 +73,13 @@ class ModelRunner:
         rests = [self._slots(ids, rest_start, end) for (_, ids, end), rest_start in zip(decodes, rest_starts)]
         lengths = [len(c) for c in rests]
         slots = torch.nn.utils.rnn.pad_sequence(rests, batch_first=True)  # padding reads slot 0, masked out
-        mask = None
+        bias = None
         if min(lengths) < slots.shape[1]:
             columns = torch.arange(slots.shape[1], device=self.device)
-            mask = (columns[None, :] < self._tensor(lengths)[:, None])[:, None, :]
-        return DecodeBatch(self._tensor([i for i, _, _ in decodes]), slots, mask, shared)
+            padding = columns[None, :] >= self._tensor(lengths)[:, None]
+            bias = torch.zeros(padding.shape, dtype=self.kv_slots.dtype, device=self.device)
+            bias = bias.masked_fill_(padding, float("-inf"))[:, None, None, :]
+        return DecodeBatch(self._tensor([i for i, _, _ in decodes]), slots, bias, shared)
 
     def _shared_prefixes(self, seqs: list[tuple[list[int], int]]) -> tuple[list[SharedPrefix], list[int]]:
         """Groups decodes by their first block; returns each group's shared leading blocks (cascade

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import DecodeBatch, SharedPrefix, _decode_attention
+from engine.model.attention import DecodeBatch, SharedPrefix, _attend, _attend_matmul, _decode_attention
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
 
@@ -20,8 +20,8 @@ def _reference(q, k_cache, v_cache, contexts):
 
 def _padded(rests):
     slots = torch.nn.utils.rnn.pad_sequence(rests, batch_first=True)
-    mask = torch.arange(slots.shape[1])[None, :] < torch.tensor([len(r) for r in rests])[:, None]
-    return slots, mask[:, None, :]
+    padding = torch.arange(slots.shape[1])[None, :] >= torch.tensor([len(r) for r in rests])[:, None]
+    return slots, torch.zeros(padding.shape).masked_fill(padding, float("-inf"))[:, None, None]
 
 
 def test_cascade_decode_equals_plain_attention():
@@ -55,3 +55,14 @@ def test_cascade_groups_and_an_outsider():
     batch = DecodeBatch(torch.arange(5), slots, mask, groups)
     torch.testing.assert_close(_decode_attention(q, k_cache, v_cache, batch, DIM ** -0.5),
                                _reference(q, k_cache, v_cache, contexts))
+
+
+def test_fused_cpu_kernel_and_plain_matmuls_agree():
+    """The CPU path (torch's fused kernel) and the path other devices take give the same output and lse."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(3, HEADS, 2, DIM), torch.randn(3, 5, KV_HEADS, DIM), torch.randn(3, 5, KV_HEADS, DIM)
+    bias = torch.zeros(3, 1, 1, 5)
+    bias[1, ..., 3:] = float("-inf")
+    fused = _attend(q, k.transpose(1, 2), v.transpose(1, 2), bias, 0.3)
+    plain = _attend_matmul(q, k.transpose(1, 2), v.transpose(1, 2), bias, 0.3)
+    torch.testing.assert_close(fused, plain)

@@ -36,7 +36,7 @@ class DecodeBatch:
 
     token_idx: torch.Tensor  # [B] positions in the flat batch
     slots: torch.Tensor  # [B, max_rest] slots after each row's shared part (padded with slot 0)
-    mask: torch.Tensor | None  # [B, 1, max_rest] bool, False on padding; None when no row is padded
+    bias: torch.Tensor | None  # [B, 1, 1, max_rest] added to the scores: -inf on padding; None when no row is padded
     shared: list[SharedPrefix]
 
 
@@ -77,7 +77,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """q: [B, H, D] -> [B, H, D]."""
     keys = _gather(k_cache, batch.slots).transpose(1, 2)  # [B, KVH, max_rest, D]
     values = _gather(v_cache, batch.slots).transpose(1, 2)
-    rest, rest_lse = _attend(q.unsqueeze(2), keys, values, batch.mask, scale)  # [B, H, 1, D], [B, H, 1, 1]
+    rest, rest_lse = _attend(q.unsqueeze(2), keys, values, batch.bias, scale)  # [B, H, 1, D], [B, H, 1, 1]
     for group in batch.shared:
         shared_keys = k_cache.index_select(0, group.slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
         shared_values = v_cache.index_select(0, group.slots).transpose(0, 1).unsqueeze(0)
@@ -91,21 +91,29 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return rest.squeeze(2)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention that also returns the log-sum-exp of the scores. q: [N, H, L, D]; k, v: [N, KVH, S, D];
-    mask: [N, L, S] or None."""
+    """Attention that also returns the log-sum-exp of the scores. q: [N, H, L, D]; k, v: [N, KVH, S, D]
+    (strided views are fine); bias: [N, 1, 1, S] added to the scores (-inf on padding) or None."""
+    if q.device.type == "cpu":
+        # torch's fused CPU kernel: reads grouped K/V in place (no per-head copy) and gives the lse too
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)
+        return out, lse.unsqueeze(-1)
+    return _attend_matmul(q, k, v, bias, scale)
+
+
+def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_attend` in plain matmuls, for devices without the fused CPU kernel."""
     n, heads, length, dim = q.shape
     kv_heads = k.shape[1]
-    # query head h reads kv head h // (heads // kv_heads): group the query heads of each kv head,
-    # so K and V are read as they are (no copy repeated per query head)
+    # query head h reads kv head h // (heads // kv_heads): group the query heads of each kv head
     grouped = q.reshape(n, kv_heads, heads // kv_heads * length, dim)
-    scores = (grouped @ k.transpose(-1, -2)).mul_(scale)
-    if mask is not None:
-        scores = scores.view(n, kv_heads, heads // kv_heads, length, -1).masked_fill_(
-            ~mask[:, None, None], float("-inf")).view(n, kv_heads, heads // kv_heads * length, -1)
+    scores = grouped @ k.transpose(-1, -2) * scale
+    if bias is not None:
+        scores = scores + bias
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    out = scores.sub_(lse).exp_() @ v
+    out = torch.exp(scores - lse) @ v
     return out.view(n, heads, length, dim), lse.view(n, heads, length, 1)
 
 
