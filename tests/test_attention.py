@@ -66,3 +66,17 @@ def test_fused_cpu_kernel_and_plain_matmuls_agree():
     fused = _attend(q, k.transpose(1, 2), v.transpose(1, 2), bias, 0.3)
     plain = _attend_matmul(q, k.transpose(1, 2), v.transpose(1, 2), bias, 0.3)
     torch.testing.assert_close(fused, plain)
+
+
+def test_cascade_decode_in_bfloat16_keeps_the_dtype():
+    torch.manual_seed(3)
+    k_cache = torch.randn(32, KV_HEADS, DIM).bfloat16()
+    v_cache = torch.randn(32, KV_HEADS, DIM).bfloat16()
+    q = torch.randn(2, HEADS, DIM).bfloat16()
+    slots, bias = _padded([torch.arange(8, 10), torch.arange(12, 15)])
+    batch = DecodeBatch(torch.arange(2), slots, bias.bfloat16(), [SharedPrefix(torch.arange(2), torch.arange(0, 8))])
+    out = _decode_attention(q, k_cache, v_cache, batch, DIM ** -0.5)
+    expected = _reference(q.float(), k_cache.float(), v_cache.float(),
+                          [torch.cat([torch.arange(0, 8), r]) for r in (torch.arange(8, 10), torch.arange(12, 15))])
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)

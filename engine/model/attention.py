@@ -87,7 +87,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         shared, shared_lse = shared[0].transpose(0, 1).unsqueeze(2), shared_lse[0].transpose(0, 1).unsqueeze(2)
         # merge the two partial softmaxes by their log-sum-exps
         w_shared = torch.sigmoid(shared_lse - rest_lse[group.rows])
-        rest[group.rows] = w_shared * shared + (1 - w_shared) * rest[group.rows]
+        rest[group.rows] = (w_shared * shared + (1 - w_shared) * rest[group.rows]).to(rest.dtype)
     return rest.squeeze(2)
 
 

@@ -1,6 +1,7 @@
 """Loads a Hugging Face model directory (config.json + *.safetensors) into our decoder."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -11,6 +12,8 @@ from engine.model.linear import can_pack, pack_linears
 from engine.model.llama import LlamaForCausalLM
 
 # checkpoint projections that our decoder runs as one matmul: fused name -> the parts, in order
+logger = logging.getLogger("prefixgate.engine")
+
 FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                      "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
@@ -56,6 +59,9 @@ def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, device:
     model = model.to(device=device, dtype=dtype).eval()
     if pack and can_pack(dtype, device):
         pack_linears(model)
+    elif device.type == "cpu" and dtype != torch.float32:
+        logger.warning("%s on a CPU without the instructions oneDNN needs for it (avx512_bf16/AMX or "
+                       "avx_ne_convert): plain matmuls, likely slower than float32", dtype)
     return model
 
 
