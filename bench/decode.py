@@ -84,9 +84,9 @@ def measure(core: EngineCore, probe: torch.Tensor, batch: int, context: int, ste
 
 
 def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, steps: int = 24,
-        dtype: str = "float32", log=print) -> dict:
+        dtype: str = "float32", log=print, **engine_overrides) -> dict:
     core = EngineCore(EngineConfig(model=model, dtype=dtype, max_num_seqs=max(batches),
-                                   max_num_batched_tokens=2048, kv_cache_memory_mb=1024))
+                                   max_num_batched_tokens=2048, **engine_overrides))
     probe = torch.ones(PROBE_BYTES // 4)
     start_decoding(core, 1, 64, 4)  # warm-up: first forwards pay for allocations
     for r in list(core.requests.values()):
