@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
-from engine.model.linear import Linear  # noqa: E402
+from engine.model import loader  # noqa: E402
 from engine.request import Request  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
@@ -41,7 +41,7 @@ def bandwidth_gb_s(probe: torch.Tensor, repeats: int = 3) -> float:
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads from the linear layers (the embedding reads only a few rows)."""
     itemsize = next(p for p in model.parameters()).element_size()
-    return sum(m.in_features * m.out_features * itemsize for m in model.modules() if isinstance(m, Linear))
+    return sum(m.in_features * m.out_features * itemsize for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def kv_bytes_per_token(core: EngineCore) -> int:
@@ -112,7 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--no-pack", action="store_true", help="plain F.linear weights (to measure what packing buys)")
     args = parser.parse_args(argv)
+    if args.no_pack:
+        import functools
+
+        import engine.core
+        engine.core.load_model = functools.partial(loader.load_model, pack=False)
     result = run(args.model, tuple(int(b) for b in args.batches.split(",")), args.context, args.steps, args.dtype)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

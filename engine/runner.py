@@ -53,6 +53,19 @@ class ModelRunner:
                             self._tensor(logits_idx))
         return logits, sampled
 
+    def calibration_step(self, num_prefill_tokens: int, decode_context_tokens: int) -> None:
+        """One forward shaped like a step with a prefill chunk and one decode, over scratch slots from 0
+        (engine/step_cost.py times it). It overwrites K/V there: run it before any request holds blocks."""
+        p, c = num_prefill_tokens, decode_context_tokens
+        decode_slots = torch.arange(c, device=self.device)
+        prefills = [PrefillSeq(0, p, torch.arange(p, device=self.device), None)] if p else []
+        decode = DecodeBatch(self._tensor([p]), decode_slots[None, :], None, [])
+        slot_mapping = torch.cat([torch.arange(p, device=self.device), decode_slots[-1:]])
+        meta = AttentionMetadata(slot_mapping, prefills, decode)
+        self.model(torch.zeros(p + 1, dtype=torch.long, device=self.device),
+                   torch.cat([torch.arange(p, device=self.device), decode_slots[-1:]]), self.kv_slots, meta,
+                   self._tensor([p]))
+
     def _block_ids(self, request: Request) -> list[int]:
         # NOTE: the one place the runner reads the KV manager's block tables
         return [b.block_id for b in self.kv.block_tables[request.request_id]]
