@@ -12,6 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
+DECODE_ROWS_HINT = 8
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameter names, so checkpoints load as they are) that can pack its weight."""
 
@@ -24,8 +27,9 @@ class Linear(nn.Linear):
 
     def pack(self) -> None:
         """Reorder the weight into oneDNN's layout for small batches; the row-major copy is dropped."""
-        # the batch-size hint picks the layout: decode steps (a few rows) are where bandwidth matters
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+        # the batch-size hint picks the layout: decode steps (a few rows) are where bandwidth matters.
+        # Measured here (interleaved, medians): the layout for 8 rows beat the one for 1 row at 1 and 8 rows
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), DECODE_ROWS_HINT)
         del self.weight
         self.register_parameter("weight", None)
 
