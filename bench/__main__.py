@@ -34,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-micro", action="store_true", help="skip the hash and prefill micro-benchmarks")
     parser.add_argument("--structured", action="store_true",
                         help="only the decode step time with and without JSON-schema requests (bench/structured.py)")
+    parser.add_argument("--no-decode", action="store_true",
+                        help="skip the decode roofline and the 4-chat multi-turn benchmarks")
     args = parser.parse_args(argv)
     names = tuple(n.strip() for n in args.workloads.split(",") if n.strip())
     unknown = [n for n in names if n not in ALL_WORKLOADS]
@@ -60,6 +62,11 @@ def run(args: argparse.Namespace, **options) -> dict:
     if not args.no_micro:
         suite.log("micro-benchmarks: block hash + lookup, prefill efficiency")
         suite.micro()
+        suite.checkpoint()
+    if not args.no_decode:
+        suite.log("decode step vs the memory-bandwidth roofline; 4 multi-turn chats")
+        suite.decode()
+        suite.multiturn_http()
         suite.checkpoint()
     suite.optional_http()
     results = {"environment": suite.environment(), "rows": suite.rows, "extra": suite.extra}

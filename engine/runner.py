@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.kv.kv_cache_manager import KVCacheManager
-from engine.model.attention import AttentionMetadata, DecodeBatch, PrefillSeq
+from engine.model.attention import AttentionMetadata, DecodeBatch, PrefillSeq, SharedPrefix
 from engine.model.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.scheduler import ScheduledChunk
@@ -18,7 +18,9 @@ class ModelRunner:
         two, layers, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
         self.kv_slots = kv_cache.view(two, layers, num_blocks * block_size, kv_heads, head_dim)
         self.kv = kv
+        self.block_size = block_size
         self.device = device
+        self._offsets = torch.arange(block_size, device=device)
 
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Returns logits [num_sampled, vocab] and the chunks they belong to (those that reach the end)."""
@@ -26,20 +28,22 @@ class ModelRunner:
         positions: list[int] = []
         slot_mapping: list[int] = []
         prefills: list[PrefillSeq] = []
-        decodes: list[tuple[int, Request, int]] = []  # (position in the batch, request, context length)
+        decodes: list[tuple[int, list[int], int]] = []  # (position in the batch, block ids, context length)
         logits_idx: list[int] = []
         sampled: list[ScheduledChunk] = []
         for chunk in chunks:
             request = chunk.request
             start, end = request.num_computed_tokens, request.num_computed_tokens + chunk.num_tokens
+            block_ids = self.kv.block_ids(request.request_id)
             q_start = len(input_ids)
             input_ids += request.all_token_ids[start:end]
             positions += range(start, end)
-            slot_mapping += self.kv.slots(request, start, end)
-            if chunk.num_tokens == 1:
-                decodes.append((q_start, request, end))
+            bs = self.block_size
+            slot_mapping += [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+            if _is_decode(request, start, end):
+                decodes.append((q_start, block_ids, end))
             else:
-                prefills.append(PrefillSeq(q_start, chunk.num_tokens, self._context_slots(request, 0, end),
+                prefills.append(PrefillSeq(q_start, chunk.num_tokens, self._slots(block_ids, 0, end),
                                            _chunk_mask(start, end, self.device)))
             if end == request.num_tokens:
                 logits_idx.append(len(input_ids) - 1)
@@ -49,40 +53,70 @@ class ModelRunner:
                             self._tensor(logits_idx))
         return logits, sampled
 
+    def calibration_step(self, num_prefill_tokens: int, decode_context_tokens: int) -> None:
+        """One forward shaped like a step with a prefill chunk and one decode, over scratch slots from 0
+        (engine/step_cost.py times it). It overwrites K/V there: run it before any request holds blocks."""
+        p, c = num_prefill_tokens, decode_context_tokens
+        decode_slots = torch.arange(c, device=self.device)
+        prefills = [PrefillSeq(0, p, torch.arange(p, device=self.device), None)] if p else []
+        decode = DecodeBatch(self._tensor([p]), decode_slots[None, :], None, [])
+        slot_mapping = torch.cat([torch.arange(p, device=self.device), decode_slots[-1:]])
+        meta = AttentionMetadata(slot_mapping, prefills, decode)
+        self.model(torch.zeros(p + 1, dtype=torch.long, device=self.device),
+                   torch.cat([torch.arange(p, device=self.device), decode_slots[-1:]]), self.kv_slots, meta,
+                   self._tensor([p]))
+
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _context_slots(self, request: Request, start: int, end: int) -> torch.Tensor:
-        """Slots of token positions [start, end); start is a block boundary."""
-        bs = self.kv.block_size
-        table = self.kv.block_tables[request.request_id][start // bs:-(-end // bs)]
-        block_ids = self._tensor([b.block_id for b in table])
-        offsets = torch.arange(bs, device=self.device)
-        return (block_ids[:, None] * bs + offsets[None, :]).flatten()[:end - start]
+    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Slots of token positions [start, end); start is a block boundary. Slot = block id * block size + offset."""
+        bs = self.block_size
+        blocks = self._tensor(block_ids[start // bs:-(-end // bs)])
+        return (blocks[:, None] * bs + self._offsets[None, :]).flatten()[:end - start]
 
-    def _decode_batch(self, decodes: list[tuple[int, Request, int]]) -> DecodeBatch | None:
+    def _decode_batch(self, decodes: list[tuple[int, list[int], int]]) -> DecodeBatch | None:
         if not decodes:
             return None
-        num_shared = self._num_shared_blocks([(r, end) for _, r, end in decodes])
-        start = num_shared * self.kv.block_size
-        shared = self._context_slots(decodes[0][1], 0, start) if num_shared else None
-        rests = [self._context_slots(r, start, end) for _, r, end in decodes]
-        lengths = self._tensor([len(c) for c in rests])
+        shared, rest_starts = self._shared_prefixes([(ids, end) for _, ids, end in decodes])
+        rests = [self._slots(ids, rest_start, end) for (_, ids, end), rest_start in zip(decodes, rest_starts)]
+        lengths = [len(c) for c in rests]
         slots = torch.nn.utils.rnn.pad_sequence(rests, batch_first=True)  # padding reads slot 0, masked out
-        mask = torch.arange(slots.shape[1], device=self.device)[None, :] < lengths[:, None]
-        return DecodeBatch(self._tensor([i for i, _, _ in decodes]), shared, slots, mask[:, None, None, :])
+        bias = None
+        if min(lengths) < slots.shape[1]:
+            columns = torch.arange(slots.shape[1], device=self.device)
+            padding = columns[None, :] >= self._tensor(lengths)[:, None]
+            bias = torch.zeros(padding.shape, dtype=self.kv_slots.dtype, device=self.device)
+            bias = bias.masked_fill_(padding, float("-inf"))[:, None, None, :]
+        return DecodeBatch(self._tensor([i for i, _, _ in decodes]), slots, bias, shared)
 
-    def _num_shared_blocks(self, seqs: list[tuple[Request, int]]) -> int:
-        """Leading blocks every sequence's table has in common (the same physical blocks)."""
-        if len(seqs) < 2:
-            return 0
-        tables = [self.kv.block_tables[r.request_id] for r, _ in seqs]
-        # each sequence keeps at least its newest token outside the shared part
-        limit = min((end - 1) // self.kv.block_size for _, end in seqs)
-        num = 0
-        while num < limit and all(t[num] is tables[0][num] for t in tables):
-            num += 1
-        return num
+    def _shared_prefixes(self, seqs: list[tuple[list[int], int]]) -> tuple[list[SharedPrefix], list[int]]:
+        """Groups decodes by their first block; returns each group's shared leading blocks (cascade
+        attention) and where each sequence's own rest starts. A sequence alone in its group shares nothing."""
+        bs = self.block_size
+        groups: dict[int, list[int]] = {}
+        for row, (ids, end) in enumerate(seqs):
+            if end - 1 >= bs:  # each sequence keeps at least its newest token outside the shared part
+                groups.setdefault(ids[0], []).append(row)
+        shared: list[SharedPrefix] = []
+        rest_starts = [0] * len(seqs)
+        for rows in groups.values():
+            if len(rows) < 2:
+                continue
+            tables = [seqs[r][0] for r in rows]
+            limit = min((seqs[r][1] - 1) // bs for r in rows)
+            num = 1
+            while num < limit and all(t[num] == tables[0][num] for t in tables):
+                num += 1
+            shared.append(SharedPrefix(self._tensor(rows), self._slots(tables[0], 0, num * bs)))
+            for r in rows:
+                rest_starts[r] = num * bs
+        return shared, rest_starts
+
+
+def _is_decode(request: Request, start: int, end: int) -> bool:
+    """A decode computes the one newest token of a request past its prompt (a 1-token prefill chunk is not one)."""
+    return not request.is_prefilling and start == request.num_tokens - 1 and end == request.num_tokens
 
 
 def _chunk_mask(start: int, end: int, device: torch.device) -> torch.Tensor | None:

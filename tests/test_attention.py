@@ -4,28 +4,79 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import DecodeBatch, _decode_attention
+from engine.model.attention import DecodeBatch, SharedPrefix, _attend, _attend_matmul, _decode_attention
+
+HEADS, KV_HEADS, DIM = 6, 2, 16
+
+
+def _reference(q, k_cache, v_cache, contexts):
+    out = []
+    for b, slots in enumerate(contexts):
+        keys, values = k_cache[slots].transpose(0, 1)[None], v_cache[slots].transpose(0, 1)[None]
+        out.append(F.scaled_dot_product_attention(q[b][None, :, None], keys, values, scale=DIM ** -0.5,
+                                                  enable_gqa=True)[0, :, 0])
+    return torch.stack(out)
+
+
+def _padded(rests):
+    slots = torch.nn.utils.rnn.pad_sequence(rests, batch_first=True)
+    padding = torch.arange(slots.shape[1])[None, :] >= torch.tensor([len(r) for r in rests])[:, None]
+    return slots, torch.zeros(padding.shape).masked_fill(padding, float("-inf"))[:, None, None]
 
 
 def test_cascade_decode_equals_plain_attention():
     torch.manual_seed(0)
-    heads, kv_heads, dim, bs = 6, 2, 16, 4
-    k_cache, v_cache = torch.randn(64, kv_heads, dim), torch.randn(64, kv_heads, dim)
+    k_cache, v_cache = torch.randn(64, KV_HEADS, DIM), torch.randn(64, KV_HEADS, DIM)
     shared = torch.arange(0, 12)  # three blocks every sequence shares
     rests = [torch.arange(12, 15), torch.arange(20, 27), torch.arange(40, 41)]
-    q = torch.randn(3, heads, dim)
-    expected = []
-    for b, rest in enumerate(rests):
-        slots = torch.cat([shared, rest])
-        keys, values = k_cache[slots].transpose(0, 1)[None], v_cache[slots].transpose(0, 1)[None]
-        expected.append(F.scaled_dot_product_attention(q[b][None, :, None], keys, values, scale=dim ** -0.5,
-                                                       enable_gqa=True)[0, :, 0])
-    padded = torch.nn.utils.rnn.pad_sequence(rests, batch_first=True)
-    mask = (torch.arange(padded.shape[1])[None, :] < torch.tensor([len(r) for r in rests])[:, None])[:, None, None]
-    batch = DecodeBatch(torch.arange(3), shared, padded, mask)
-    torch.testing.assert_close(_decode_attention(q, k_cache, v_cache, batch, dim ** -0.5), torch.stack(expected))
+    q = torch.randn(3, HEADS, DIM)
+    expected = _reference(q, k_cache, v_cache, [torch.cat([shared, r]) for r in rests])
+    slots, mask = _padded(rests)
+    batch = DecodeBatch(torch.arange(3), slots, mask, [SharedPrefix(torch.arange(3), shared)])
+    torch.testing.assert_close(_decode_attention(q, k_cache, v_cache, batch, DIM ** -0.5), expected)
     # the same sequences without a shared part take the plain path
-    full = torch.nn.utils.rnn.pad_sequence([torch.cat([shared, r]) for r in rests], batch_first=True)
-    full_mask = (torch.arange(full.shape[1])[None, :] < torch.tensor([12 + len(r) for r in rests])[:, None])
-    plain = DecodeBatch(torch.arange(3), None, full, full_mask[:, None, None])
-    torch.testing.assert_close(_decode_attention(q, k_cache, v_cache, plain, dim ** -0.5), torch.stack(expected))
+    slots, mask = _padded([torch.cat([shared, r]) for r in rests])
+    plain = DecodeBatch(torch.arange(3), slots, mask, [])
+    torch.testing.assert_close(_decode_attention(q, k_cache, v_cache, plain, DIM ** -0.5), expected)
+
+
+def test_cascade_groups_and_an_outsider():
+    """Two groups share different prefixes and one decode shares nothing: each row still gets its own attention."""
+    torch.manual_seed(1)
+    k_cache, v_cache = torch.randn(128, KV_HEADS, DIM), torch.randn(128, KV_HEADS, DIM)
+    prefix_a, prefix_b = torch.arange(0, 16), torch.arange(16, 24)
+    rests = [torch.arange(30, 35), torch.arange(100, 128), torch.arange(40, 43), torch.arange(50, 60),
+             torch.arange(60, 61)]
+    contexts = [torch.cat([prefix_a, rests[0]]), torch.cat([prefix_b, rests[1]]), torch.cat([prefix_a, rests[2]]),
+                rests[3], torch.cat([prefix_b, rests[4]])]
+    q = torch.randn(5, HEADS, DIM)
+    slots, mask = _padded(rests)
+    groups = [SharedPrefix(torch.tensor([0, 2]), prefix_a), SharedPrefix(torch.tensor([1, 4]), prefix_b)]
+    batch = DecodeBatch(torch.arange(5), slots, mask, groups)
+    torch.testing.assert_close(_decode_attention(q, k_cache, v_cache, batch, DIM ** -0.5),
+                               _reference(q, k_cache, v_cache, contexts))
+
+
+def test_fused_cpu_kernel_and_plain_matmuls_agree():
+    """The CPU path (torch's fused kernel) and the path other devices take give the same output and lse."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(3, HEADS, 2, DIM), torch.randn(3, 5, KV_HEADS, DIM), torch.randn(3, 5, KV_HEADS, DIM)
+    bias = torch.zeros(3, 1, 1, 5)
+    bias[1, ..., 3:] = float("-inf")
+    fused = _attend(q, k.transpose(1, 2), v.transpose(1, 2), bias, 0.3)
+    plain = _attend_matmul(q, k.transpose(1, 2), v.transpose(1, 2), bias, 0.3)
+    torch.testing.assert_close(fused, plain)
+
+
+def test_cascade_decode_in_bfloat16_keeps_the_dtype():
+    torch.manual_seed(3)
+    k_cache = torch.randn(32, KV_HEADS, DIM).bfloat16()
+    v_cache = torch.randn(32, KV_HEADS, DIM).bfloat16()
+    q = torch.randn(2, HEADS, DIM).bfloat16()
+    slots, bias = _padded([torch.arange(8, 10), torch.arange(12, 15)])
+    batch = DecodeBatch(torch.arange(2), slots, bias.bfloat16(), [SharedPrefix(torch.arange(2), torch.arange(0, 8))])
+    out = _decode_attention(q, k_cache, v_cache, batch, DIM ** -0.5)
+    expected = _reference(q.float(), k_cache.float(), v_cache.float(),
+                          [torch.cat([torch.arange(0, 8), r]) for r in (torch.arange(8, 10), torch.arange(12, 15))])
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)

@@ -128,4 +128,3 @@ def test_block_ids_of_a_request():
     r = request("r", list(range(10)))
     assert kv.allocate(r, 10)
     assert kv.block_ids("r") == [0, 1, 2]
-    assert kv.slots(r, 3, 6) == [3, 4, 5]

@@ -136,9 +136,3 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         """The block table of a running request, as block ids (position p lives in block p // block_size)."""
         return [b.block_id for b in self.block_tables[request_id]]
-
-    def slots(self, request: Request, start: int, end: int) -> list[int]:
-        """Slots of token positions [start, end) of a request."""
-        table = self.block_tables[request.request_id]
-        bs = self.block_size
-        return [table[p // bs].block_id * bs + p % bs for p in range(start, end)]

@@ -18,17 +18,26 @@ class PrefillSeq:
 
 
 @dataclass(slots=True)
+class SharedPrefix:
+    """Leading blocks that several decodes of the step share (the same physical blocks)."""
+
+    rows: torch.Tensor  # [G] rows of the decode batch whose block tables start with these blocks
+    slots: torch.Tensor  # [S] slots of the shared blocks
+
+
+@dataclass(slots=True)
 class DecodeBatch:
     """Every one-token query of the step, attended in one batched call.
 
-    Blocks at the head of every block table in the batch (a shared system prompt) are
-    read once for all queries (cascade attention); each query then reads its own rest.
+    Decodes whose block tables start with the same blocks (a shared system prompt) read those
+    blocks once per group (cascade attention); each query then reads its own rest. A decode that
+    shares nothing is in no group and reads its whole context as its rest.
     """
 
     token_idx: torch.Tensor  # [B] positions in the flat batch
-    shared_slots: torch.Tensor | None  # [S] slots of the blocks all B sequences share
-    slots: torch.Tensor  # [B, max_rest] slots after the shared ones (padded with slot 0)
-    mask: torch.Tensor  # [B, 1, 1, max_rest] bool, False on padding
+    slots: torch.Tensor  # [B, max_rest] slots after each row's shared part (padded with slot 0)
+    bias: torch.Tensor | None  # [B, 1, 1, max_rest] added to the scores: -inf on padding; None when no row is padded
+    shared: list[SharedPrefix]
 
 
 @dataclass(slots=True)
@@ -46,6 +55,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D]. Returns [T, H, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    if not meta.prefills and meta.decodes is not None:  # a decode-only step: every row is a decode, in order
+        return _decode_attention(q, k_cache, v_cache, meta.decodes, scale)
     out = torch.empty_like(q)
     for seq in meta.prefills:
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
@@ -66,30 +77,41 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """q: [B, H, D] -> [B, H, D]."""
     keys = _gather(k_cache, batch.slots).transpose(1, 2)  # [B, KVH, max_rest, D]
     values = _gather(v_cache, batch.slots).transpose(1, 2)
-    if batch.shared_slots is None:
-        return F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=batch.mask,
-                                              scale=scale, enable_gqa=True).squeeze(2)
-    rest, rest_lse = _attend(q.unsqueeze(2), keys, values, batch.mask, scale)  # [B, H, 1, D], [B, H, 1, 1]
-    shared_keys = k_cache.index_select(0, batch.shared_slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
-    shared_values = v_cache.index_select(0, batch.shared_slots).transpose(0, 1).unsqueeze(0)
-    # all B queries attend the shared blocks as one sequence of B queries: no mask, K/V read once
-    shared, shared_lse = _attend(q.transpose(0, 1).unsqueeze(0), shared_keys, shared_values, None, scale)
-    shared, shared_lse = shared[0].transpose(0, 1).unsqueeze(2), shared_lse[0].transpose(0, 1).unsqueeze(2)
-    # merge the two partial softmaxes by their log-sum-exps
-    w_shared = torch.sigmoid(shared_lse - rest_lse)
-    return (w_shared * shared + (1 - w_shared) * rest).squeeze(2)
+    rest, rest_lse = _attend(q.unsqueeze(2), keys, values, batch.bias, scale)  # [B, H, 1, D], [B, H, 1, 1]
+    for group in batch.shared:
+        shared_keys = k_cache.index_select(0, group.slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
+        shared_values = v_cache.index_select(0, group.slots).transpose(0, 1).unsqueeze(0)
+        # the group's G queries attend the shared blocks as one sequence of G queries: K/V read once
+        shared, shared_lse = _attend(q[group.rows].transpose(0, 1).unsqueeze(0), shared_keys, shared_values,
+                                     None, scale)
+        shared, shared_lse = shared[0].transpose(0, 1).unsqueeze(2), shared_lse[0].transpose(0, 1).unsqueeze(2)
+        # merge the two partial softmaxes by their log-sum-exps
+        w_shared = torch.sigmoid(shared_lse - rest_lse[group.rows])
+        rest[group.rows] = (w_shared * shared + (1 - w_shared) * rest[group.rows]).to(rest.dtype)
+    return rest.squeeze(2)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention that also returns the log-sum-exp of the scores. q: [N, H, L, D]; k, v: [N, KVH, S, D]."""
+    """Attention that also returns the log-sum-exp of the scores. q: [N, H, L, D]; k, v: [N, KVH, S, D]
+    (strided views are fine); bias: [N, 1, 1, S] added to the scores (-inf on padding) or None."""
+    if q.device.type == "cpu":
+        # torch's fused CPU kernel: reads grouped K/V in place (no per-head copy) and gives the lse too
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)
+        return out, lse.unsqueeze(-1)
+    return _attend_matmul(q, k, v, bias, scale)
+
+
+def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_attend` in plain matmuls, for devices without the fused CPU kernel."""
     n, heads, length, dim = q.shape
     kv_heads = k.shape[1]
     # query head h reads kv head h // (heads // kv_heads): group the query heads of each kv head
     grouped = q.reshape(n, kv_heads, heads // kv_heads * length, dim)
     scores = grouped @ k.transpose(-1, -2) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+    if bias is not None:
+        scores = scores + bias
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     out = torch.exp(scores - lse) @ v
     return out.view(n, heads, length, dim), lse.view(n, heads, length, 1)

@@ -1,6 +1,7 @@
 """A compact Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat token batch.
 
-Module names mirror Hugging Face's, so a checkpoint's state dict loads as it is.
+Module names mirror Hugging Face's, except the fused projections (qkv_proj, gate_up_proj) that
+the loader builds from the checkpoint's separate ones.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.linear import Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -62,11 +64,11 @@ class Attention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden,
-                                bias=getattr(config, "attention_bias", False) and config.model_type != "qwen2")
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # q, k and v in one matmul (the loader concatenates the checkpoint's three weights)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden,
+                             bias=getattr(config, "attention_bias", False) and config.model_type != "qwen2")
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -75,9 +77,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -89,12 +92,13 @@ class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        # gate and up in one matmul (the loader concatenates the checkpoint's two weights)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -127,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unsupported model type {config.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
         self.config = config
         self.model = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -138,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
+        for layer, k_cache, v_cache in zip(self.model.layers, kv_cache[0], kv_cache[1]):
+            x = layer(x, cos, sin, k_cache, v_cache, meta)
         x = self.model.norm(x[logits_indices])
         return self.lm_head(x).float()

@@ -1,13 +1,21 @@
 """Loads a Hugging Face model directory (config.json + *.safetensors) into our decoder."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig
 
+from engine.model.linear import can_pack, pack_linears
 from engine.model.llama import LlamaForCausalLM
+
+# checkpoint projections that our decoder runs as one matmul: fused name -> the parts, in order
+logger = logging.getLogger("prefixgate.engine")
+
+FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
 def resolve_model_path(model: str, cache_dir: str | None = None) -> Path:
@@ -25,7 +33,9 @@ def load_config(path: Path) -> PretrainedConfig:
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
-def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+               pack: bool = True) -> LlamaForCausalLM:
+    """`pack`: reorder the linear weights for oneDNN where that is supported (CPU); see linear.py."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
@@ -36,6 +46,7 @@ def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, device:
         state.update(load_file(file))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    fuse_projections(state, config.num_hidden_layers)
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -45,4 +56,20 @@ def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, device:
     # buffers (rotary frequencies) are not in the checkpoint: build them for real
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     model.model.rotary_emb = type(model.model.rotary_emb)(config, head_dim)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    if pack and can_pack(dtype, device):
+        pack_linears(model)
+    elif device.type == "cpu" and dtype != torch.float32:
+        logger.warning("%s on a CPU without the instructions oneDNN needs for it (avx512_bf16/AMX or "
+                       "avx_ne_convert): plain matmuls, likely slower than float32", dtype)
+    return model
+
+
+def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> None:
+    """Concatenates each layer's q/k/v and gate/up weights (and biases) into the fused ones, in place."""
+    for i in range(num_layers):
+        for fused, parts in FUSED_PROJECTIONS.items():
+            for kind in ("weight", "bias"):
+                names = [f"model.layers.{i}.{part}.{kind}" for part in parts]
+                if all(name in state for name in names):
+                    state[f"model.layers.{i}.{fused}.{kind}"] = torch.cat([state.pop(name) for name in names])

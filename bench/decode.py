@@ -1,0 +1,129 @@
+"""Decode step time against the memory-bandwidth roofline: `python -m bench.decode`.
+
+A decode step reads every weight once plus each sequence's K/V, so its floor is
+(weight bytes + K/V bytes read) / memory bandwidth. The bandwidth is measured here with a streaming
+read (a large tensor's sum on torch's threads), sampled between the timed steps so that load from
+other processes shows in both alike. Figures are medians of steps taken in turns.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/__main__.py
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
+from engine.model import loader  # noqa: E402
+from engine.request import Request  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+
+PROBE_BYTES = 256 * 2**20  # far larger than any CPU cache
+
+
+def bandwidth_gb_s(probe: torch.Tensor, repeats: int = 3) -> float:
+    """Streaming read: the best of a few sums over a tensor far larger than the caches."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        probe.sum()
+        best = min(best, time.perf_counter() - start)
+    return probe.numel() * probe.element_size() / best / 1e9
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads from the linear layers (the embedding reads only a few rows)."""
+    itemsize = next(p for p in model.parameters()).element_size()
+    return sum(m.in_features * m.out_features * itemsize for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def kv_bytes_per_token(core: EngineCore) -> int:
+    kv = core.runner.kv_slots
+    return 2 * kv.shape[1] * kv.shape[3] * kv.shape[4] * kv.element_size()
+
+
+def start_decoding(core: EngineCore, batch: int, context: int, steps: int) -> list[Request]:
+    """`batch` requests with distinct `context`-token prompts, prefilled; the next steps are pure decodes."""
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    requests = []
+    for b in range(batch):
+        prompt = [(b * 7919 + 31 * i) % (core.vocab_size - 3) + 3 for i in range(context)]
+        requests.append(Request(f"decode-{b}", prompt, params))
+        core.add_request(requests[-1])
+    while any(not r.output_token_ids for r in requests):
+        core.step()
+    return requests
+
+
+def measure(core: EngineCore, probe: torch.Tensor, batch: int, context: int, steps: int) -> dict:
+    requests = start_decoding(core, batch, context, steps)
+    step_s, bandwidth = [], []
+    for i in range(steps):
+        if i % 4 == 0:
+            bandwidth.append(bandwidth_gb_s(probe, repeats=1))
+        start = time.perf_counter()
+        core.step()
+        step_s.append(time.perf_counter() - start)
+    for r in requests:
+        core.abort(r.request_id)
+    step = statistics.median(step_s)
+    bw = statistics.median(bandwidth)
+    weights = weight_bytes(core.model)
+    kv = kv_bytes_per_token(core) * batch * (context + steps // 2)
+    roofline_s = (weights + kv) / (bw * 1e9)
+    return {"batch": batch, "context": context, "step_ms": step * 1e3, "ms_per_token": step * 1e3 / batch,
+            "tok_s": batch / step, "bandwidth_gb_s": bw, "weight_mb": weights / 1e6, "kv_mb": kv / 1e6,
+            "roofline_ms": roofline_s * 1e3, "roofline_ratio": roofline_s / step, "steps": steps}
+
+
+def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, steps: int = 24,
+        dtype: str = "float32", log=print, **engine_overrides) -> dict:
+    core = EngineCore(EngineConfig(model=model, dtype=dtype, max_num_seqs=max(batches),
+                                   max_num_batched_tokens=2048, **engine_overrides))
+    probe = torch.ones(PROBE_BYTES // 4)
+    start_decoding(core, 1, 64, 4)  # warm-up: first forwards pay for allocations
+    for r in list(core.requests.values()):
+        core.abort(r.request_id)
+    rows = []
+    for batch in batches:
+        row = measure(core, probe, batch, context, steps)
+        row["dtype"] = dtype
+        log(f"decode batch {batch:>2} ({dtype}): {row['step_ms']:.1f} ms/step, {row['tok_s']:.1f} tok/s, "
+            f"roofline {row['roofline_ms']:.1f} ms at {row['bandwidth_gb_s']:.1f} GB/s = {row['roofline_ratio']:.0%}")
+        rows.append(row)
+    b1 = next((r for r in rows if r["batch"] == 1), None)
+    b8 = next((r for r in rows if r["batch"] == 8), None)
+    return {"rows": rows, "batch8_over_batch1": b8["step_ms"] / b1["step_ms"] if b1 and b8 else None,
+            "threads": torch.get_num_threads()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--batches", default="1,4,8,16")
+    parser.add_argument("--context", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--no-pack", action="store_true", help="plain F.linear weights (to measure what packing buys)")
+    args = parser.parse_args(argv)
+    if args.no_pack:
+        import functools
+
+        import engine.core
+        engine.core.load_model = functools.partial(loader.load_model, pack=False)
+    result = run(args.model, tuple(int(b) for b in args.batches.split(",")), args.context, args.steps, args.dtype)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,128 @@
+"""Concurrent multi-turn chats through the HTTP gateway with streaming clients: `python -m bench.multiturn`.
+
+4 chats share one 512-token system prompt; each turn adds a 128-token user message and asks for
+32 output tokens; the next turn is sent as soon as the previous answer ends (closed loop, scripted
+assistant replies so every run sends the same tokens). Reports TTFT, inter-token latency p50/p95,
+request latency and output tok/s, and (in process) where the inter-token gaps come from: decode
+steps that also carried a prefill chunk against pure decode steps.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/__main__.py
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from bench import driver  # noqa: E402
+from bench.driver import pct  # noqa: E402
+from bench.workloads import TextMaker, Workload, _chat  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
+from engine.model.loader import resolve_model_path  # noqa: E402
+
+CHATS, PREFIX_TOKENS, TURN_TOKENS, OUTPUT_TOKENS = 4, 512, 128, 32
+
+
+def workload(tokenizer, turns: int = 4, seed: int = 12) -> Workload:
+    tm = TextMaker(tokenizer, seed)
+    system = "You are a helpful assistant for a software company. " + tm.text(PREFIX_TOKENS - 12)
+    reqs = []
+    for c in range(CHATS):
+        history = [{"role": "system", "content": system}]
+        previous = None
+        for turn in range(turns):
+            history = history + [{"role": "user", "content": tm.text(TURN_TOKENS)}]
+            rid = f"chat-{c}-turn-{turn}"
+            reqs.append(_chat(tokenizer, rid, history, 0.0, OUTPUT_TOKENS, after=previous))
+            history = history + [{"role": "assistant", "content": tm.text(OUTPUT_TOKENS)}]
+            previous = rid
+    return Workload("multiturn4", f"{CHATS} concurrent chats, shared {PREFIX_TOKENS}-token prefix, "
+                                  f"{TURN_TOKENS}-token turns, {OUTPUT_TOKENS} output tokens", reqs)
+
+
+def summarize(result: driver.RunResult) -> dict:
+    row = result.summary()
+    itl = [d for t in result.timings for d in t.itls]
+    row["itl_p95_s"] = pct(itl, 95)
+    row["e2e_p90_s"] = pct([t.e2e for t in result.timings], 90)
+    return row
+
+
+class StepLog:
+    """Wraps EngineCore.step: each step's time, its decodes and its prefill tokens."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.steps: list[tuple[float, int, int]] = []  # (seconds, decodes, prefill tokens)
+        original = core.step
+
+        def step():
+            start = time.perf_counter()
+            outputs, stats = original()
+            decodes = stats.num_generation_tokens - sum(1 for o in outputs if o.num_output_tokens == 1)
+            self.steps.append((time.perf_counter() - start, decodes, stats.num_prompt_tokens))
+            return outputs, stats
+
+        core.step = step
+
+    def breakdown(self) -> dict:
+        """Decode steps alone vs decode steps that also ran a prefill chunk (which stall every decode)."""
+        pure = [s for s, d, p in self.steps if d and not p]
+        mixed = [s for s, d, p in self.steps if d and p]
+        decoding = pure + mixed
+        return {"decode_steps": len(decoding), "with_prefill": len(mixed),
+                "pure_step_ms_p50": statistics.median(pure) * 1e3 if pure else None,
+                "mixed_step_ms_p50": statistics.median(mixed) * 1e3 if mixed else None,
+                "share_of_decode_time_in_mixed_steps": sum(mixed) / sum(decoding) if decoding else None,
+                "mean_decodes_per_step": statistics.mean(d for _, d, _ in self.steps if d) if decoding else None}
+
+
+def run(model: str = "default", turns: int = 4, http: bool = True, log=print) -> dict:
+    model_path = str(resolve_model_path(model))
+    core = EngineCore(driver.EngineConfig(model=model_path))
+    work = workload(core.tokenizer, turns)
+    driver.warm_up(core)
+    steps = StepLog(core)
+    in_process = summarize(driver.run_engine(core, work, "engine"))
+    in_process["steps"] = steps.breakdown()
+    log(_line("in process", in_process))
+    out = {"workload": work.description, "in_process": in_process}
+    if http:
+        from bench import http as bench_http
+        core = EngineCore(driver.EngineConfig(model=model_path))
+        driver.warm_up(core)
+        steps = StepLog(core)
+        row = summarize(bench_http.run_gateway(core, work, "http-streaming"))
+        row["steps"] = steps.breakdown()
+        log(_line("HTTP gateway", row))
+        out["http"] = row
+    return out
+
+
+def _line(label: str, row: dict) -> str:
+    s = row["steps"]
+    return (f"multiturn4 {label}: TTFT p50 {row['ttft_p50_s']:.3f} s, ITL p50 {row['itl_p50_s'] * 1e3:.0f} ms / "
+            f"p95 {row['itl_p95_s'] * 1e3:.0f} ms, request latency p50 {row['e2e_p50_s']:.2f} s, "
+            f"{row['output_tok_s']:.1f} output tok/s; decode steps {s['decode_steps']} "
+            f"({s['with_prefill']} with a prefill chunk), step p50 pure {s['pure_step_ms_p50'] or 0:.0f} ms vs "
+            f"with prefill {s['mixed_step_ms_p50'] or 0:.0f} ms")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.multiturn", description=__doc__)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--no-http", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    result = run(args.model, args.turns, not args.no_http)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,31 @@
+"""The decode roofline and multi-turn benchmarks run end to end on a tiny model (behaviour, not times)."""
+from __future__ import annotations
+
+from bench import decode, multiturn, report
+from bench.driver import run_engine
+from engine.core import EngineCore
+from engine.config import EngineConfig
+
+
+def test_decode_rows_carry_the_roofline(tiny_llama_dir):
+    result = decode.run(str(tiny_llama_dir), batches=(1, 2), context=40, steps=4, log=lambda _: None,
+                        num_kv_blocks=64)
+    rows = result["rows"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    assert all(r["bandwidth_gb_s"] > 0 and r["roofline_ms"] > 0 and r["weight_mb"] > 0 for r in rows)
+    assert rows[1]["kv_mb"] == 2 * rows[0]["kv_mb"]
+    assert result["batch8_over_batch1"] is None  # no batch 8 asked for
+    targets = {t["target"] for t in report.decode_targets({"decode": result})}
+    assert targets == {"decode batch 1 vs roofline"}
+
+
+def test_multiturn_workload_shares_the_prefix_and_counts_mixed_steps(tiny_llama_dir):
+    core = EngineCore(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=512, max_num_batched_tokens=64))
+    work = multiturn.workload(core.tokenizer, turns=2)
+    assert len(work.requests) == 2 * multiturn.CHATS
+    steps = multiturn.StepLog(core)
+    row = multiturn.summarize(run_engine(core, work, "engine"))
+    assert row["errors"] == 0 and row["output_tokens"] == len(work.requests) * multiturn.OUTPUT_TOKENS
+    assert row["cached_tokens"] > 0  # every chat after the first hits the shared system prompt
+    breakdown = steps.breakdown()
+    assert breakdown["decode_steps"] > 0 and 0 <= breakdown["with_prefill"] <= breakdown["decode_steps"]

@@ -1,0 +1,33 @@
+"""Pre-packed oneDNN linear weights give the logits of the plain row-major weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.linear import Linear, can_pack
+from engine.model.loader import load_config, load_model
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.float32, torch.device("cpu")), reason="no oneDNN on this build")
+
+
+def test_packed_and_plain_weights_give_the_same_logits(tiny_llama_dir):
+    config = load_config(tiny_llama_dir)
+    packed = load_model(tiny_llama_dir, config, torch.float32, torch.device("cpu"))
+    plain = load_model(tiny_llama_dir, config, torch.float32, torch.device("cpu"), pack=False)
+    linears = [m for m in packed.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
+    assert all(m.packed is None for m in plain.modules() if isinstance(m, Linear))
+    for m_packed, m_plain in zip(linears, (m for m in plain.modules() if isinstance(m, Linear))):
+        x = torch.randn(5, m_plain.in_features)
+        torch.testing.assert_close(m_packed(x), m_plain(x), rtol=1e-4, atol=1e-4)
+    # the whole model: logits of a short prefill
+    from engine.model.attention import AttentionMetadata, PrefillSeq
+    n = 12
+    ids, positions = torch.randint(0, config.vocab_size, (n,)), torch.arange(n)
+    head_dim = config.hidden_size // config.num_attention_heads
+    logits = []
+    for model in (packed, plain):
+        kv = torch.zeros(2, config.num_hidden_layers, n, config.num_key_value_heads, head_dim)
+        meta = AttentionMetadata(torch.arange(n), [PrefillSeq(0, n, torch.arange(n), None)], None)
+        logits.append(model(ids, positions, kv, meta, torch.arange(n)))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)

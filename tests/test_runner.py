@@ -1,0 +1,34 @@
+"""The runner's batch building: which chunks are decodes, and which decodes share leading blocks."""
+from __future__ import annotations
+
+from engine import LLM, SamplingParams
+from engine.request import Request
+from engine.runner import _is_decode
+
+
+def test_a_one_token_prefill_chunk_is_not_a_decode():
+    request = Request("r", [1, 2, 3], SamplingParams())
+    request.num_computed_tokens = 2  # the last prompt token is left: a prefill chunk of one token
+    assert not _is_decode(request, 2, 3)
+    request.num_computed_tokens = 3
+    request.all_token_ids.append(7)
+    request.output_token_ids.append(7)
+    assert _is_decode(request, 3, 4)
+
+
+def test_decodes_are_grouped_by_shared_prefix_and_an_outsider_keeps_cascade_on(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=64)
+    runner = llm.core.runner
+    # block ids as the KV manager hands them out: rows 0 and 2 share blocks 10, 11; row 1 shares nothing
+    seqs = [([10, 11, 12], 11), ([20, 21], 6), ([10, 11, 13, 14], 15), ([30], 3)]
+    shared, rest_starts = runner._shared_prefixes(seqs)
+    assert [(g.rows.tolist(), g.slots.tolist()) for g in shared] == [([0, 2], list(range(40, 48)))]
+    assert rest_starts == [8, 0, 8, 0]
+
+
+def test_shared_prefix_stops_before_each_sequences_newest_token(tiny_llama_dir):
+    runner = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=64).core.runner
+    # the same three blocks, but the second sequence's newest token sits in block 2
+    shared, rest_starts = runner._shared_prefixes([([1, 2, 3], 12), ([1, 2, 3], 9)])
+    assert [g.slots.tolist() for g in shared] == [list(range(4, 12))]
+    assert rest_starts == [8, 8]
