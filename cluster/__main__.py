@@ -33,6 +33,8 @@ def cluster_parser() -> argparse.ArgumentParser:
                         help="prefix router: go to the least-loaded replica when the best match runs more "
                              "than this many requests above it (default: 4)")
     parser.add_argument("--app-name", default="prefixgate", help="Serve application name (default: prefixgate)")
+    parser.add_argument("--attach", action="store_true",
+                        help="deploy nothing: front the replicas of an app already running (e.g. KubeRay's)")
     return parser
 
 
@@ -80,10 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address=args.address, include_dashboard=False, namespace="prefixgate")
     serve.start(proxy_location="Disabled")  # the aiohttp gateway is the HTTP face, not Serve's proxy
     try:
-        handle, engine = deploy(settings, args.replicas, args.router, args.max_load_spread, args.app_name)
+        if args.attach:
+            handle, engine = serve.get_app_handle(args.app_name), settings.engine
+        else:
+            handle, engine = deploy(settings, args.replicas, args.router, args.max_load_spread, args.app_name)
         uvloop.run(run(settings, handle, engine, args.replicas, args.app_name))
     finally:
-        serve.delete(args.app_name)
+        if not args.attach:
+            serve.delete(args.app_name)
         if args.address is None:
             serve.shutdown()
             ray.shutdown()

@@ -19,7 +19,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.prefix_index import PrefixIndex, index_for
 from cluster.replica import ReplicaReport
-from engine.config import EngineConfig
+from engine.config import EngineConfig, HashAlgo
 from engine.kv.hashing import hash_full_blocks
 from engine.model.loader import resolve_model_path
 from engine.outputs import FinishReason, RequestOutput
@@ -41,7 +41,8 @@ class ClusterEngine:
         self.num_replicas = num_replicas  # as deployed; replicas_up says how many answer now
         # admission counts sequences across every replica
         self.config = config.replace(max_num_seqs=config.max_num_seqs * num_replicas)
-        self.engine_config = config
+        self._block_size = info["block_size"]  # the replicas' own: hashes must match theirs
+        self._hash_algo = HashAlgo(info["hash_algo"])
         self.tokenizer = tokenizer
         self.model_name = info["model_name"]
         self.max_model_len = info["max_model_len"]
@@ -90,8 +91,7 @@ class ClusterEngine:
 
     def block_hashes(self, prompt_token_ids: list[int], cache_salt: str | None) -> list[bytes]:
         """The prompt's block hashes exactly as a replica's engine computes them (salt included)."""
-        cfg = self.engine_config
-        return hash_full_blocks(prompt_token_ids, cfg.block_size, cache_salt=cache_salt, algo=cfg.hash_algo)
+        return hash_full_blocks(prompt_token_ids, self._block_size, cache_salt=cache_salt, algo=self._hash_algo)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:

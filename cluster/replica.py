@@ -85,7 +85,8 @@ class EngineReplica:
         """What the gateway needs to know before the first request."""
         engine = self.engine
         return {"replica": self.replica, "model_name": engine.model_name, "max_model_len": engine.max_model_len,
-                "eos_token_ids": sorted(engine.tokenizer.eos_token_ids), "vocab_size": engine.core.vocab_size}
+                "eos_token_ids": sorted(engine.tokenizer.eos_token_ids), "vocab_size": engine.core.vocab_size,
+                "block_size": engine.config.block_size, "hash_algo": engine.config.hash_algo.value}
 
     def cache_snapshot(self, replica: str) -> tuple[ReplicaReport, set[bytes]]:
         """The block hashes this replica's pool holds, with the report up to this moment (exact when
@@ -113,3 +114,17 @@ def deployment(config: EngineConfig, num_replicas: int, router: str, *, index: s
                                health_check_period_s=2.0, health_check_timeout_s=10.0,
                                ray_actor_options={"num_cpus": 0})
     return replica.bind(config)
+
+
+def build_app(args: dict):
+    """Serve's application builder (`import_path: cluster.replica:build_app` in a Serve config, as
+    the KubeRay manifest uses): `args` holds `replicas`, `router`, `max_load_spread` and any
+    EngineConfig field."""
+    args = dict(args)
+    replicas = int(args.pop("replicas", 2))
+    router = args.pop("router", "cluster.router:PrefixAffinityRouter")
+    spread = int(args.pop("max_load_spread", 4))
+    index = args.pop("app_name", "prefixgate")
+    config = EngineConfig(**args)
+    return deployment(config, replicas, router, index=index, max_load_spread=spread,
+                      max_ongoing_requests=max(config.max_num_seqs * 4, 8))
