@@ -16,7 +16,7 @@ log = logging.getLogger("prefixgate.cluster")
 ROUTERS = {
     "prefix": "cluster.router:PrefixAffinityRouter",
     "round_robin": "cluster.router:RoundRobinRouter",
-    "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",  # Ray's default
+    "pow2": "cluster.router:PowerOfTwoRouter",  # Ray's default policy
 }
 
 
@@ -88,11 +88,11 @@ def main(argv: list[str] | None = None) -> int:
             handle, engine = deploy(settings, args.replicas, args.router, args.max_load_spread, args.app_name)
         uvloop.run(run(settings, handle, engine, args.replicas, args.app_name))
     finally:
-        if not args.attach:
-            serve.delete(args.app_name)
-        if args.address is None:
+        if args.address is None:  # our own local Ray: everything goes
             serve.shutdown()
             ray.shutdown()
+        elif not args.attach:  # a shared cluster: remove only the app we deployed
+            serve.delete(args.app_name)
     return 0
 
 

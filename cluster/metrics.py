@@ -10,6 +10,12 @@ from prometheus_client.registry import Collector
 
 from metrics.prometheus import PREFIX
 
+# every series name the collector exposes (counters with their _total suffix), for the dashboard's checks
+SERIES = frozenset(f"{PREFIX}{name}" for name in (
+    "replica_prefix_cache_queries_tokens_total", "replica_prefix_cache_hits_tokens_total",
+    "replica_requests_running", "replica_cached_blocks", "router_decisions_total", "router_retries_total",
+    "replicas_up"))
+
 
 class ClusterCollector(Collector):
     def __init__(self, client) -> None:

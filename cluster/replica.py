@@ -107,7 +107,9 @@ def deployment(config: EngineConfig, num_replicas: int, router: str, *, index: s
     """The bound Serve application: `num_replicas` engines behind `router` (a RequestRouter class path)."""
     from ray.serve.config import RequestRouterConfig
 
-    kwargs = {"index": index, "max_load_spread": max_load_spread} if router.endswith("PrefixAffinityRouter") else {}
+    kwargs = {"index": index}
+    if router.endswith("PrefixAffinityRouter"):
+        kwargs["max_load_spread"] = max_load_spread
     router_config = RequestRouterConfig(request_router_class=router, request_router_kwargs=kwargs)
     replica = serve.deployment(EngineReplica, name="engine", num_replicas=num_replicas,
                                max_ongoing_requests=max_ongoing_requests, request_router_config=router_config,

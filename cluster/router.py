@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter  # Ray's default; not public
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from cluster.prefix_index import DEFAULT_MAX_LOAD_SPREAD, RoutingReason, index_for
@@ -23,10 +24,27 @@ def _block_hashes(pending_request: PendingRequest | None) -> list[bytes]:
     return list(pending_request.kwargs.get(BLOCK_HASHES_KWARG) or ())
 
 
-class PrefixAffinityRouter(RequestRouter):
+class ReportsReplicas:
+    """Mixin: tells the app's index which replicas are up (the gateway's /health, dropping a dead
+    replica's blocks), whatever the routing policy."""
+
+    def initialize_state(self, index: str = "prefixgate", **kwargs) -> None:
+        self._index = index_for(index)
+        super().initialize_state(**kwargs)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._index.set_replicas(r.replica_id.unique_id for r in replicas)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._index.drop_replica(replica_id.unique_id)
+
+
+class PrefixAffinityRouter(ReportsReplicas, RequestRouter):
     def initialize_state(self, index: str = "prefixgate", max_load_spread: int = DEFAULT_MAX_LOAD_SPREAD,
                          **kwargs) -> None:
-        self._index = index_for(index)
+        super().initialize_state(index=index, **kwargs)
         self._max_load_spread = max_load_spread
         self._chosen: dict[str, tuple[str, RoutingReason]] = {}  # internal request id -> (replica, why)
 
@@ -69,19 +87,13 @@ class PrefixAffinityRouter(RequestRouter):
         if self._chosen.pop(internal_request_id, None) is not None:
             self._index.release(replica_id.unique_id)
 
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        self._index.set_replicas(r.replica_id.unique_id for r in replicas)
-
-    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        super().on_replica_actor_died(replica_id)
-        self._index.drop_replica(replica_id.unique_id)
 
 
-class RoundRobinRouter(RequestRouter):
-    """Each request to the next replica in turn (the benchmark's baseline)."""
+class RoundRobinRouter(ReportsReplicas, RequestRouter):
+    """Each request to the next replica in turn (a baseline of the benchmark)."""
 
     def initialize_state(self, **kwargs) -> None:
+        super().initialize_state(**kwargs)
         self._turn = itertools.count()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -91,3 +103,7 @@ class RoundRobinRouter(RequestRouter):
         ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         start = next(self._turn) % len(ordered)
         return [[ordered[start]], ordered[start + 1:] + ordered[:start]]
+
+
+class PowerOfTwoRouter(ReportsReplicas, PowerOfTwoChoicesRequestRouter):
+    """Ray's default policy (two random replicas, the shorter queue wins), reporting its replicas."""

@@ -86,3 +86,32 @@ def test_block_pool_records_stored_and_removed_hashes_when_asked():
     assert pool.take_kv_events() == [("removed", hashes[1])]
     pool.reset_cache()
     assert pool.take_kv_events() == [("removed", hashes[0])]
+
+
+def test_the_cluster_collector_exposes_per_replica_series_with_a_replica_label():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from cluster.metrics import SERIES, ClusterCollector
+    from engine.stats import PrefixCacheStats, SchedulerStats
+
+    class FakeClient:
+        model_name, num_retries = "m", 1
+
+        def replica_snapshots(self):
+            return {"r0": SchedulerStats(num_running=2, prefix_cache=PrefixCacheStats(queries=100, hits=60)),
+                    "r1": SchedulerStats(prefix_cache=PrefixCacheStats(queries=10, hits=0))}
+
+        def routing_decisions(self):
+            return {reason.value: 3 for reason in RoutingReason}
+
+        def replicas_up(self):
+            return 2
+
+    registry = CollectorRegistry()
+    registry.register(ClusterCollector(FakeClient()))
+    text = generate_latest(registry).decode()
+    assert 'prefixgate_replica_prefix_cache_hits_tokens_total{model_name="m",replica="r0"} 60.0' in text
+    assert 'prefixgate_replica_requests_running{model_name="m",replica="r0"} 2.0' in text
+    assert 'prefixgate_router_decisions_total{model_name="m",reason="load_guard"} 3.0' in text
+    exposed = {line.split("{")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    assert exposed == SERIES
