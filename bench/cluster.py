@@ -25,6 +25,9 @@ from bench.oracle import oracle_prefill_tokens
 ROUTERS = {"round_robin": "cluster.router:RoundRobinRouter", "pow2": "cluster.router:PowerOfTwoRouter",
            "prefix": "cluster.router:PrefixAffinityRouter"}
 
+RANDOM_MODELS = {"tiny": {}, "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
+                                           num_attention_heads=8, num_key_value_heads=4, head_dim=32)}
+
 
 @dataclass(slots=True)
 class Chat:
@@ -125,7 +128,9 @@ def run_one(config, chats, name: str, router: str, replicas: int, args) -> RunRe
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench cluster", description=__doc__)
-    parser.add_argument("--model", default="tiny", help="'tiny' (a random-weight tiny Llama), 'default', or a path")
+    parser.add_argument("--model", default="small",
+                        help="'tiny' or 'small' (random-weight Llamas built here; small: prefill costs enough for "
+                             "TTFT to show cache hits), 'default' (SmolLM2-135M), or a path")
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--blocks-per-replica", type=int, default=64, help="KV pool of each replica (blocks)")
     parser.add_argument("--block-size", type=int, default=16)
@@ -146,12 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     from engine.config import EngineConfig
 
     model = args.model
-    if model == "tiny":
+    if model in RANDOM_MODELS:
         from tests.tiny_models import build_tiny_model  # the tests' tiny model builder (seconds, offline)
-        model = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="bench-cluster-")) / "tiny"))
+        model = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="bench-cluster-")) / model,
+                                     **RANDOM_MODELS[model]))
     config = EngineConfig(model=model, block_size=args.block_size, num_kv_blocks=args.blocks_per_replica,
                           max_num_seqs=8, num_threads=1, max_model_len=2048)
-    vocab = 400 if args.model == "tiny" else 40000
+    vocab = 400 if args.model in RANDOM_MODELS else 40000
     chats = build_trace(args.tenants, args.chats_per_tenant, args.turns, args.system_tokens, args.user_tokens, vocab)
     ray.init(include_dashboard=False, namespace="prefixgate-bench", log_to_driver=False)
     serve.start(proxy_location="Disabled")
