@@ -59,9 +59,12 @@ async def _run(client: ClusterEngine, request_id: str, prompt: list[int], params
 
 
 async def _wait_for(predicate, what: str, timeout: float = 90.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.1)
+    try:
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                await asyncio.sleep(0.1)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
 
 
 def _prompt(seed: int, n: int = 24) -> list[int]:
