@@ -195,7 +195,8 @@ class ClusterEngine:
         if not self._listeners:
             return
         stats = StepStats(self.scheduler_stats(), report.num_prompt_tokens, report.num_generation_tokens,
-                          report.finished, report.tenant_cache, report.tenant_evictions)
+                          report.finished, report.tenant_cache, report.tenant_evictions, report.ttfts,
+                          report.prefill_times, report.inter_token_latencies)
         for listener in self._listeners:
             try:
                 listener(stats)

@@ -32,6 +32,9 @@ class ReplicaReport:
     tenant_cache: dict[str, tuple[int, int]] = field(default_factory=dict)
     tenant_evictions: dict[str, int] = field(default_factory=dict)
     kv_events: list[tuple[str, bytes]] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    prefill_times: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
 
 
 class ReportBuffer:
@@ -55,6 +58,9 @@ class ReportBuffer:
             for tenant, blocks in stats.tenant_evictions.items():
                 r.tenant_evictions[tenant] = r.tenant_evictions.get(tenant, 0) + blocks
             r.kv_events.extend(stats.kv_events)
+            r.ttfts.extend(stats.ttfts)
+            r.prefill_times.extend(stats.prefill_times)
+            r.inter_token_latencies.extend(stats.inter_token_latencies)
 
     def take(self) -> ReplicaReport:
         with self._lock:

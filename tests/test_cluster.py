@@ -131,6 +131,9 @@ async def test_a_copied_cache_salt_never_crosses_tenants_across_replicas(cluster
 
 async def test_gateway_health_and_metrics_show_the_replicas(cluster, gateway_settings, aiohttp_client):
     client = await aiohttp_client(create_app(gateway_settings, engine=cluster))
+    body = {"model": cluster.model_name, "prompt": _prompt(700), "max_tokens": 3, "temperature": 0}
+    resp = await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer key-a"})
+    assert resp.status == 200, await resp.text()
     health = await (await client.get("/health")).json()
     assert health == {"status": "ok", "replicas_up": 2, "replicas": 2}
     text = await (await client.get("/metrics")).text()
@@ -139,6 +142,9 @@ async def test_gateway_health_and_metrics_show_the_replicas(cluster, gateway_set
                f'replica="{replica}"}}' in text
     assert 'prefixgate_router_decisions_total{model_name="' in text
     assert 'prefixgate_replicas_up{model_name="' in text
+    # the replicas' per-step latencies reach the gateway's histograms
+    assert f'prefixgate_time_to_first_token_seconds_count{{model_name="{cluster.model_name}"}} 1.0' in text
+    assert f'prefixgate_inter_token_latency_seconds_count{{model_name="{cluster.model_name}"}} 2.0' in text
 
 
 async def test_killing_a_replica_loses_no_request_that_had_not_streamed(cluster):
