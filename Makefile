@@ -3,9 +3,11 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+CLUSTER_STAMP := $(VENV)/.installed-cluster
 ARGS ?=
+REPLICAS ?= 4
 
-.PHONY: serve test bench bench-quick bench-peers model clean
+.PHONY: serve serve-cluster test bench bench-quick bench-peers model clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -13,13 +15,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
+# ray[serve], for make test and serve-cluster only: `make serve` neither installs nor imports Ray
+$(CLUSTER_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[cluster]'
+	touch $(CLUSTER_STAMP)
+
 serve: $(STAMP)
 	$(PY) -m gateway serve $(ARGS)
+
+# N engine replicas on a local Ray Serve behind the prefix-affinity router, one gateway in front
+serve-cluster: $(CLUSTER_STAMP)
+	$(PY) -m cluster serve --replicas $(REPLICAS) $(ARGS)
 
 model: $(STAMP)
 	$(PY) -m engine.model.default_model
 
-test: $(STAMP)
+test: $(STAMP) $(CLUSTER_STAMP)
 	bash scripts/ensure_test_deps.sh
 	$(PY) -m pytest $(ARGS)
 

@@ -1,4 +1,4 @@
-"""`python -m bench [--quick] [--model PATH] [--workloads a,b] [--out DIR] [--peers]`."""
+"""`python -m bench [--quick] [--model PATH] [--workloads a,b] [--out DIR] [--peers]`; `python -m bench cluster`."""
 from __future__ import annotations
 
 import os
@@ -79,6 +79,10 @@ def run(args: argparse.Namespace, **options) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["cluster"]:  # replicas on Ray Serve under three routers (needs the cluster extra)
+        from bench.cluster import main as cluster_main
+        return cluster_main(argv[1:])
     args = parse_args(argv)
     if args.structured:
         from bench import structured

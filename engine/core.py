@@ -231,7 +231,7 @@ class EngineCore:
         inter_token_latencies, self._inter_token_latencies = self._inter_token_latencies, []
         return StepStats(self.scheduler_stats(), num_prompt_tokens, num_generation_tokens, finished,
                          self.kv.take_tenant_lookups(), self.kv.pool.take_tenant_evictions(),
-                         ttfts, prefill_times, inter_token_latencies)
+                         ttfts, prefill_times, inter_token_latencies, self.kv.pool.take_kv_events())
 
     def _finished_stats(self, r: Request) -> FinishedRequestStats:
         end = time.monotonic()

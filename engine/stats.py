@@ -65,3 +65,4 @@ class StepStats:
     ttfts: list[float] = field(default_factory=list)  # arrival -> first token, one per first token
     prefill_times: list[float] = field(default_factory=list)  # first scheduled -> first token
     inter_token_latencies: list[float] = field(default_factory=list)  # one per later token
+    kv_events: list[tuple[str, bytes]] = field(default_factory=list)  # ("stored"|"removed", block hash), if enabled

@@ -86,6 +86,8 @@ async def _engine_ctx(settings: Settings, engine: Any, auth: Authenticator,
         engine = await asyncio.to_thread(AsyncEngine.from_config, settings.engine)
     metrics = Metrics(engine.model_name, auth.tenant_names)
     engine.add_stats_listener(metrics.on_step)
+    if hasattr(engine, "register_metrics"):  # the cluster client: per-replica series
+        engine.register_metrics(metrics.registry)
     admission = Admission(engine.config.max_num_seqs, settings.gateway.max_waiting_requests,
                           settings.gateway.retry_after_s)
     metrics.admission.watch(lambda: admission.in_flight, admission.capacity)

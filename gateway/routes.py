@@ -85,7 +85,8 @@ def _model_card(state: GatewayState) -> dict[str, Any]:
 async def health(request: web.Request) -> web.Response:
     if not request.app[STATE].engine.is_alive():
         raise APIError(503, "the engine is not running", code="engine_dead")
-    return web.json_response({"status": "ok"})
+    details = getattr(request.app[STATE].engine, "health_details", None)  # the cluster client: replicas up
+    return web.json_response({"status": "ok", **(details() if details else {})})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -69,6 +69,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.num_evictions = 0
         self._tenant_evictions: dict[str, int] = {}  # since last taken
+        self.kv_events: list[tuple[str, BlockHash]] | None = None  # ("stored"|"removed", hash); opt-in, for routers
 
     @property
     def num_free_blocks(self) -> int:
@@ -115,16 +116,26 @@ class BlockPool:
             return  # another block already holds these tokens; this one stays private
         block.block_hash, block.token_ids, block.tenant = block_hash, token_ids, tenant
         self.cached[block_hash] = block
+        if self.kv_events is not None:
+            self.kv_events.append(("stored", block_hash))
 
     def _evict(self, block: KVCacheBlock) -> None:
         # NOTE: lazy eviction: a free block keeps its hash until it is handed out again
         if block.block_hash is None:
             return
         del self.cached[block.block_hash]
+        if self.kv_events is not None:
+            self.kv_events.append(("removed", block.block_hash))
         if block.tenant is not None:
             self._tenant_evictions[block.tenant] = self._tenant_evictions.get(block.tenant, 0) + 1
         block.block_hash = block.token_ids = block.tenant = None
         self.num_evictions += 1
+
+    def take_kv_events(self) -> list[tuple[str, BlockHash]]:
+        if not self.kv_events:
+            return []
+        taken, self.kv_events = self.kv_events, []
+        return taken
 
     def take_tenant_evictions(self) -> dict[str, int]:
         taken, self._tenant_evictions = self._tenant_evictions, {}

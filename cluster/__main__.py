@@ -1,0 +1,100 @@
+"""`python -m cluster serve --replicas N [--address ADDR] [gateway/engine flags]`.
+
+Starts (or joins) Ray, deploys N engine replicas behind the prefix-affinity router, and serves
+the same aiohttp gateway as `python -m gateway serve` in front of them.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from gateway.__main__ import build_parser, settings_from_args, setup_logging
+
+log = logging.getLogger("prefixgate.cluster")
+ROUTERS = {
+    "prefix": "cluster.router:PrefixAffinityRouter",
+    "round_robin": "cluster.router:RoundRobinRouter",
+    "pow2": "cluster.router:PowerOfTwoRouter",  # Ray's default policy
+}
+
+
+def cluster_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m cluster serve", add_help=False,
+                                     description="engine replicas on Ray Serve; every other flag is "
+                                                 "`python -m gateway serve`'s")
+    parser.add_argument("command", choices=["serve"])
+    parser.add_argument("--replicas", type=int, default=2, help="engine replicas (default: 2)")
+    parser.add_argument("--address", default=None,
+                        help="join this Ray cluster (e.g. auto, or ray://head:10001); default: start a local one")
+    parser.add_argument("--router", choices=sorted(ROUTERS), default="prefix", help="request router (default: prefix)")
+    parser.add_argument("--max-load-spread", type=int, default=4,
+                        help="prefix router: go to the least-loaded replica when the best match runs more "
+                             "than this many requests above it (default: 4)")
+    parser.add_argument("--app-name", default="prefixgate", help="Serve application name (default: prefixgate)")
+    parser.add_argument("--attach", action="store_true",
+                        help="deploy nothing: front the replicas of an app already running (e.g. KubeRay's)")
+    return parser
+
+
+def deploy(settings, replicas: int, router: str, max_load_spread: int, app_name: str):
+    """Deploys the replicas (Ray must be initialised) and returns the engine handle."""
+    from ray import serve
+
+    from cluster.replica import deployment
+
+    engine = settings.engine
+    if engine.num_threads is None:  # replicas on one machine share its cores
+        engine = engine.replace(num_threads=max(1, (os.cpu_count() or 1) // replicas))
+    app = deployment(engine, replicas, ROUTERS[router], index=app_name, max_load_spread=max_load_spread,
+                     max_ongoing_requests=max(engine.max_num_seqs * 4, 8))
+    return serve.run(app, name=app_name, route_prefix=None), engine
+
+
+async def run(settings, handle, engine, replicas: int, app_name: str) -> None:
+    from cluster.client import ClusterEngine
+    from gateway.__main__ import serve as serve_gateway
+    from gateway.app import create_app
+
+    client = await ClusterEngine.connect(handle, engine, index=app_name, num_replicas=replicas)
+    log.info("%d replicas of %s up", client.replicas_up(), client.model_name)
+    await serve_gateway(settings, create_app(settings, engine=client))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in ([], ["-h"], ["--help"]):
+        cluster_parser().print_help()
+        return 0
+    args, rest = cluster_parser().parse_known_args(argv)
+    gateway_args = build_parser().parse_args(["serve", *rest])
+    try:
+        settings = settings_from_args(gateway_args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings.gateway.log_level)
+    import ray
+    import uvloop
+    from ray import serve
+
+    ray.init(address=args.address, include_dashboard=False, namespace="prefixgate")
+    serve.start(proxy_location="Disabled")  # the aiohttp gateway is the HTTP face, not Serve's proxy
+    try:
+        if args.attach:
+            handle, engine = serve.get_app_handle(args.app_name), settings.engine
+        else:
+            handle, engine = deploy(settings, args.replicas, args.router, args.max_load_spread, args.app_name)
+        uvloop.run(run(settings, handle, engine, args.replicas, args.app_name))
+    finally:
+        if args.address is None:  # our own local Ray: everything goes
+            serve.shutdown()
+            ray.shutdown()
+        elif not args.attach:  # a shared cluster: remove only the app we deployed
+            serve.delete(args.app_name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

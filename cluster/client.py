@@ -1,0 +1,236 @@
+"""The engine the gateway talks to when the engines are Ray Serve replicas.
+
+Same interface as AsyncEngine (generate / abort / is_alive / stats listeners / tokenizer ...),
+so gateway routes do not know which one they have. It hashes each prompt with the engine's own
+block hash and the tenant's salt and hands the hashes to the router, feeds the replicas'
+reports (KV events, stats) into the router's index and the gateway's metrics, and retries on
+another replica a request whose replica died before it streamed anything.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import ray.exceptions
+from ray.serve.exceptions import RequestCancelledError
+from ray.serve.handle import DeploymentHandle
+
+from cluster.prefix_index import PrefixIndex, index_for
+from cluster.replica import ReplicaReport
+from engine.config import EngineConfig, HashAlgo
+from engine.kv.hashing import hash_full_blocks
+from engine.model.loader import resolve_model_path
+from engine.outputs import FinishReason, RequestOutput
+from engine.sampling import SamplingParams
+from engine.stats import PrefixCacheStats, SchedulerStats, StepStats
+from engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger("prefixgate.cluster")
+
+# a replica that died or cannot be reached: the request may go to another one if nothing streamed yet
+REPLICA_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+class ClusterEngine:
+    def __init__(self, handle: DeploymentHandle, config: EngineConfig, info: dict, tokenizer,
+                 index: PrefixIndex, num_replicas: int, max_attempts: int = 3) -> None:
+        self._handle = handle
+        self._index = index
+        self.num_replicas = num_replicas  # as deployed; replicas_up says how many answer now
+        # admission counts sequences across every replica
+        self.config = config.replace(max_num_seqs=config.max_num_seqs * num_replicas)
+        self._block_size = info["block_size"]  # the replicas' own: hashes must match theirs
+        self._hash_algo = HashAlgo(info["hash_algo"])
+        self.tokenizer = tokenizer
+        self.model_name = info["model_name"]
+        self.max_model_len = info["max_model_len"]
+        self._vocab_size = info["vocab_size"]
+        self._max_attempts = max_attempts
+        self._streams: dict[str, object] = {}  # request id -> its replica response stream
+        self._served_by: dict[str, str] = {}  # request id -> replica, once it streamed
+        self._listeners: list[Callable[[StepStats], None]] = []
+        self._snapshots: dict[str, SchedulerStats] = {}  # replica -> its latest scheduler stats
+        self._started = False
+        self.num_retries = 0
+
+    @classmethod
+    async def connect(cls, handle: DeploymentHandle, config: EngineConfig, *, index: str,
+                      num_replicas: int) -> "ClusterEngine":
+        """Waits for one replica to answer (this also builds the handle's router in this process)."""
+        info = await handle.info.remote()
+        path = resolve_model_path(config.model, config.model_cache_dir)
+        tokenizer = await asyncio.to_thread(load_tokenizer, Path(path), set(info["eos_token_ids"]))
+        return cls(handle, config, info, tokenizer, index_for(index), num_replicas)
+
+    # ---- lifecycle (the gateway's cleanup_ctx calls these)
+
+    def start(self) -> None:
+        self._started = True
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._streams and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        self._started = False
+
+    def is_alive(self) -> bool:
+        return self._started and self.replicas_up() > 0
+
+    def replicas_up(self) -> int:
+        return len(self._index.replicas)
+
+    def health_details(self) -> dict:
+        return {"replicas_up": self.replicas_up(), "replicas": self.num_replicas}
+
+    # ---- requests
+
+    def block_hashes(self, prompt_token_ids: list[int], cache_salt: str | None) -> list[bytes]:
+        """The prompt's block hashes exactly as a replica's engine computes them (salt included)."""
+        return hash_full_blocks(prompt_token_ids, self._block_size, cache_salt=cache_salt, algo=self._hash_algo)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self._vocab_size for t in prompt_token_ids):
+            raise ValueError(f"token ids must be in [0, {self._vocab_size})")
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds the context length ({self.max_model_len})")
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       cache_salt: str | None = None, tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+        self.validate(prompt_token_ids, params)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if not self.is_alive():
+            raise RuntimeError("no engine replica is running")
+        block_hashes = self.block_hashes(prompt_token_ids, cache_salt)
+        method = self._handle.options(stream=True).generate
+        for attempt in range(1, self._max_attempts + 1):
+            stream = method.remote(request_id, prompt_token_ids, params, cache_salt=cache_salt, tenant=tenant,
+                                   block_hashes=block_hashes)
+            self._streams[request_id] = stream
+            streamed = finished = False
+            try:
+                async for report, output in stream:
+                    self._on_report(report)
+                    self._served_by[request_id] = report.replica
+                    streamed, finished = True, output.finished
+                    yield output
+                return
+            except RequestCancelledError:  # abort(): end like an aborted engine request
+                finished = True
+                yield RequestOutput(request_id, [], "", None, len(prompt_token_ids), 0, 0, finished=True,
+                                    finish_reason=FinishReason.ABORT)
+                return
+            except REPLICA_FAILURES as exc:
+                if streamed or attempt == self._max_attempts:
+                    finished = True
+                    yield _replica_failed(request_id, len(prompt_token_ids), exc, streamed)
+                    return
+                self.num_retries += 1
+                logger.warning("request %s: replica failed before streaming (%s); retrying", request_id,
+                               type(exc).__name__)
+            finally:
+                self._streams.pop(request_id, None)
+                self._served_by.pop(request_id, None)
+                if not finished:  # the consumer went away: cancelling the stream aborts it on the replica
+                    stream.cancel()
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.cancel()
+
+    def served_by(self, request_id: str) -> str | None:
+        """The replica streaming this request now (None before its first output)."""
+        return self._served_by.get(request_id)
+
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    # ---- stats
+
+    def add_stats_listener(self, fn: Callable[[StepStats], None]) -> None:
+        self._listeners.append(fn)
+
+    def register_metrics(self, registry) -> None:
+        """Per-replica and routing series in the gateway's registry."""
+        from cluster.metrics import ClusterCollector
+
+        registry.register(ClusterCollector(self))
+
+    def replica_snapshots(self) -> dict[str, SchedulerStats]:
+        """The latest scheduler stats of each replica now up."""
+        live = set(self._index.replicas)
+        return {r: s for r, s in self._snapshots.items() if r in live}
+
+    def routing_decisions(self) -> dict[str, int]:
+        return {reason.value: n for reason, n in self._index.decisions.items()}
+
+    def scheduler_stats(self) -> SchedulerStats:
+        return _merged(self._snapshots, set(self._index.replicas))
+
+    async def replica_caches(self) -> dict[str, set[bytes]]:
+        """Each live replica's cached block hashes (needs the prefix router: it routes the targeted
+        calls); the reports that come back are applied first, so the index can be compared with them."""
+        replicas = self._index.replicas
+        answers = await asyncio.gather(*(self._handle.cache_snapshot.remote(replica=r) for r in replicas))
+        caches: dict[str, set[bytes]] = {}
+        for report, cached in answers:
+            self._on_report(report)
+            caches[report.replica] = cached
+        return caches
+
+    def _on_report(self, report: ReplicaReport) -> None:
+        if report.kv_events:
+            self._index.apply_events(report.replica, report.kv_events)
+        if report.scheduler is not None:
+            self._snapshots[report.replica] = report.scheduler
+        if not self._listeners:
+            return
+        stats = StepStats(self.scheduler_stats(), report.num_prompt_tokens, report.num_generation_tokens,
+                          report.finished, report.tenant_cache, report.tenant_evictions, report.ttfts,
+                          report.prefill_times, report.inter_token_latencies)
+        for listener in self._listeners:
+            try:
+                listener(stats)
+            except Exception:  # a broken listener (metrics) must not fail the request
+                logger.exception("stats listener failed")
+
+
+def _merged(snapshots: dict[str, SchedulerStats], live: set[str]) -> SchedulerStats:
+    """One engine's worth of stats for the gateway's series: cumulative counters summed over every
+    replica ever seen (so they never go down when one dies), gauges over the live ones."""
+    merged, cache = SchedulerStats(), PrefixCacheStats()
+    usage = []
+    for replica, s in snapshots.items():
+        p = s.prefix_cache
+        merged.num_preemptions += s.num_preemptions
+        merged.num_steps += s.num_steps
+        cache.queries += p.queries
+        cache.hits += p.hits
+        cache.requests += p.requests
+        cache.evictions_capacity += p.evictions_capacity
+        cache.evictions_preemption += p.evictions_preemption
+        if replica in live:
+            merged.num_running += s.num_running
+            merged.num_waiting += s.num_waiting
+            merged.num_blocks += s.num_blocks
+            cache.cached_blocks += p.cached_blocks
+            usage.append(p.usage)
+    cache.usage = sum(usage) / len(usage) if usage else 0.0
+    merged.prefix_cache = cache
+    return merged
+
+
+def _replica_failed(request_id: str, num_prompt_tokens: int, exc: BaseException, streamed: bool) -> RequestOutput:
+    where = "while streaming" if streamed else "on every retry"
+    return RequestOutput(request_id, [], "", None, num_prompt_tokens, 0, 0, finished=True,
+                         finish_reason=FinishReason.ERROR,
+                         error=f"the engine replica failed {where} ({type(exc).__name__})")

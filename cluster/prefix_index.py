@@ -1,0 +1,158 @@
+"""Which replica holds which block hash, and the routing choice made from it (no Ray here).
+
+The view is built from the replicas' own KV events ("stored" / "removed" block hashes), so it
+is what the replicas hold, not a guess from request text. A short-lived memory of where a prefix
+was just sent covers the time before that replica's first events arrive.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+RECENT_TTL_S = 10.0  # how long "just sent there" counts as held, while its events are on the way
+DEFAULT_MAX_LOAD_SPREAD = 4  # best match may run this many more requests than the least-loaded replica
+
+
+class RoutingReason(str, enum.Enum):
+    PREFIX_MATCH = "prefix_match"  # the replica holding the longest prefix
+    LOAD_GUARD = "load_guard"  # the best match was too busy: least-loaded instead
+    NO_MATCH = "no_match"  # no replica holds the first block (or a tie): least-loaded
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingDecision:
+    replica: str
+    reason: RoutingReason
+    matched_blocks: int
+
+
+def choose_replica(block_hashes: Sequence[bytes], loads: dict[str, int],
+                   matched: Callable[[str, Sequence[bytes]], int],
+                   max_load_spread: int = DEFAULT_MAX_LOAD_SPREAD) -> RoutingDecision:
+    """The replica for a request: longest held prefix unless it runs more than `max_load_spread`
+    requests above the least-loaded one; ties and misses go to the least-loaded (first in order)."""
+    least = min(loads, key=loads.__getitem__)
+    scores = {replica: matched(replica, block_hashes) for replica in loads}
+    best = max(loads, key=lambda r: (scores[r], -loads[r]))
+    if scores[best] == 0:
+        return RoutingDecision(least, RoutingReason.NO_MATCH, 0)
+    if loads[best] - loads[least] > max_load_spread:
+        return RoutingDecision(least, RoutingReason.LOAD_GUARD, scores[least])
+    return RoutingDecision(best, RoutingReason.PREFIX_MATCH, scores[best])
+
+
+class PrefixIndex:
+    """Block hashes held per replica, plus routing counters. Thread-safe: Ray's router runs on
+    its own event loop thread, the cluster client on the gateway's."""
+
+    def __init__(self, recent_ttl_s: float = RECENT_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self._held: dict[str, set[bytes]] = {}
+        self._recent: dict[str, dict[bytes, float]] = {}  # replica -> block hash -> expiry
+        self._recent_ttl_s = recent_ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.decisions: dict[RoutingReason, int] = dict.fromkeys(RoutingReason, 0)
+        self.in_flight: dict[str, int] = {}  # requests this process has routed and not seen finish
+
+    # ---- the replicas' view
+
+    def set_replicas(self, replicas: Iterable[str]) -> None:
+        """The replicas now up; a dead or replaced replica's blocks are dropped."""
+        alive = set(replicas)
+        with self._lock:
+            for replica in [r for r in self._held if r not in alive]:
+                self._forget(replica)
+            for replica in alive:
+                self._held.setdefault(replica, set())
+                self._recent.setdefault(replica, {})
+                self.in_flight.setdefault(replica, 0)
+
+    def drop_replica(self, replica: str) -> None:
+        with self._lock:
+            self._forget(replica)
+
+    def _forget(self, replica: str) -> None:
+        self._held.pop(replica, None)
+        self._recent.pop(replica, None)
+        self.in_flight.pop(replica, None)
+
+    @property
+    def replicas(self) -> list[str]:
+        with self._lock:
+            return list(self._held)
+
+    def apply_events(self, replica: str, events: Iterable[tuple[str, bytes]]) -> None:
+        with self._lock:
+            held = self._held.get(replica)
+            if held is None:  # a replica already dropped: its late events must not revive it
+                return
+            recent = self._recent[replica]
+            for kind, block_hash in events:
+                if kind == "stored":
+                    held.add(block_hash)
+                else:
+                    held.discard(block_hash)
+                recent.pop(block_hash, None)  # the replica has spoken for this hash itself
+
+    def held(self, replica: str) -> set[bytes]:
+        with self._lock:
+            return set(self._held.get(replica, ()))
+
+    # ---- routing
+
+    def matched_blocks(self, replica: str, block_hashes: Sequence[bytes]) -> int:
+        """Leading blocks of the request that `replica` holds (or was just sent)."""
+        now = self._clock()
+        with self._lock:
+            held, recent = self._held.get(replica, set()), self._recent.get(replica, {})
+            n = 0
+            for block_hash in block_hashes:
+                if block_hash not in held and recent.get(block_hash, 0.0) <= now:
+                    break
+                n += 1
+            return n
+
+    def choose(self, block_hashes: Sequence[bytes], candidates: Iterable[str],
+               max_load_spread: int = DEFAULT_MAX_LOAD_SPREAD) -> RoutingDecision:
+        with self._lock:
+            loads = {r: self.in_flight.get(r, 0) for r in candidates}
+        return choose_replica(block_hashes, loads, self.matched_blocks, max_load_spread)
+
+    def reserve(self, replica: str, block_hashes: Sequence[bytes]) -> None:
+        """Counts a chosen request against `replica` at once (so concurrent choices spread) and
+        remembers the prefix there until the replica's own events speak for it."""
+        expiry = self._clock() + self._recent_ttl_s
+        with self._lock:
+            if replica not in self._held:
+                return
+            self.in_flight[replica] += 1
+            recent = self._recent[replica]
+            for block_hash in block_hashes:
+                recent[block_hash] = expiry
+            if len(recent) > 4 * len(block_hashes) + 1024:  # bounded: sweep expired entries now and then
+                for block_hash in [h for h, t in recent.items() if t <= expiry - self._recent_ttl_s]:
+                    del recent[block_hash]
+
+    def release(self, replica: str) -> None:
+        """Undoes reserve() (the request went elsewhere, or finished)."""
+        with self._lock:
+            if self.in_flight.get(replica, 0) > 0:
+                self.in_flight[replica] -= 1
+
+    def count(self, reason: RoutingReason) -> None:
+        with self._lock:
+            self.decisions[reason] += 1
+
+
+_INDEXES: dict[str, PrefixIndex] = {}
+_INDEXES_LOCK = threading.Lock()
+
+
+def index_for(name: str) -> PrefixIndex:
+    """The one index of a Serve app in this process: Ray builds the router itself, so the router
+    and the cluster client meet here, by the app's name."""
+    with _INDEXES_LOCK:
+        return _INDEXES.setdefault(name, PrefixIndex())

@@ -1,0 +1,138 @@
+"""One engine replica: a Ray Serve deployment wrapping one AsyncEngine (its own KV pool and cache).
+
+Every item a replica streams back carries what its engine reported since the previous item
+(KV events, token counts, finished requests, the latest scheduler snapshot): the cache only
+changes while requests run, and every step's stats are taken before its outputs are delivered,
+so the router's view and the gateway's metrics follow the replica without a side channel.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ray import serve
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.sampling import SamplingParams
+from engine.stats import FinishedRequestStats, SchedulerStats, StepStats
+
+
+@dataclass(slots=True)
+class ReplicaReport:
+    """What one replica's engine did since its previous report (several steps merged)."""
+
+    replica: str
+    scheduler: SchedulerStats | None = None  # the latest snapshot (cumulative counters)
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+    tenant_cache: dict[str, tuple[int, int]] = field(default_factory=dict)
+    tenant_evictions: dict[str, int] = field(default_factory=dict)
+    kv_events: list[tuple[str, bytes]] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    prefill_times: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+
+class ReportBuffer:
+    """Merges the engine's per-step stats (engine thread) until the next item goes out (event loop)."""
+
+    def __init__(self, replica: str) -> None:
+        self._replica = replica
+        self._lock = threading.Lock()
+        self._report = ReplicaReport(replica)
+
+    def on_step(self, stats: StepStats) -> None:
+        with self._lock:
+            r = self._report
+            r.scheduler = stats.scheduler
+            r.num_prompt_tokens += stats.num_prompt_tokens
+            r.num_generation_tokens += stats.num_generation_tokens
+            r.finished.extend(stats.finished)
+            for tenant, (queries, hits) in stats.tenant_cache.items():
+                q, h = r.tenant_cache.get(tenant, (0, 0))
+                r.tenant_cache[tenant] = (q + queries, h + hits)
+            for tenant, blocks in stats.tenant_evictions.items():
+                r.tenant_evictions[tenant] = r.tenant_evictions.get(tenant, 0) + blocks
+            r.kv_events.extend(stats.kv_events)
+            r.ttfts.extend(stats.ttfts)
+            r.prefill_times.extend(stats.prefill_times)
+            r.inter_token_latencies.extend(stats.inter_token_latencies)
+
+    def take(self) -> ReplicaReport:
+        with self._lock:
+            taken, self._report = self._report, ReplicaReport(self._replica, scheduler=self._report.scheduler)
+            return taken
+
+
+class EngineReplica:
+    """The deployment's class (see `deployment()`): one AsyncEngine per replica actor."""
+
+    async def __init__(self, config: EngineConfig) -> None:
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.engine = AsyncEngine.from_config(config)
+        self.engine.core.kv.pool.kv_events = []  # opt in: the router's view is built from these
+        self.reports = ReportBuffer(self.replica)
+        self.engine.add_stats_listener(self.reports.on_step)
+        self.engine.start()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       cache_salt: str | None = None, tenant: str | None = None,
+                       block_hashes: list[bytes] | None = None) -> AsyncIterator[tuple[ReplicaReport, RequestOutput]]:
+        """`block_hashes` is read by the router only."""
+        async for output in self.engine.generate(request_id, prompt_token_ids, params,
+                                                 cache_salt=cache_salt, tenant=tenant):
+            yield self.reports.take(), output
+
+    def info(self) -> dict:
+        """What the gateway needs to know before the first request."""
+        engine = self.engine
+        return {"replica": self.replica, "model_name": engine.model_name, "max_model_len": engine.max_model_len,
+                "eos_token_ids": sorted(engine.tokenizer.eos_token_ids), "vocab_size": engine.core.vocab_size,
+                "block_size": engine.config.block_size, "hash_algo": engine.config.hash_algo.value}
+
+    def cache_snapshot(self, replica: str) -> tuple[ReplicaReport, set[bytes]]:
+        """The block hashes this replica's pool holds, with the report up to this moment (exact when
+        the replica is idle: the engine thread changes the map while it steps). `replica` routes the call."""
+        assert replica == self.replica, "the router sent a targeted call to the wrong replica"
+        return self.reports.take(), set(self.engine.core.kv.pool.cached)
+
+    def check_health(self) -> None:
+        if not self.engine.is_alive():
+            raise RuntimeError("the engine loop is not running")
+
+    async def __del__(self) -> None:
+        await self.engine.shutdown(timeout=1.0)
+
+
+def deployment(config: EngineConfig, num_replicas: int, router: str, *, index: str,
+               max_load_spread: int, max_ongoing_requests: int):
+    """The bound Serve application: `num_replicas` engines behind `router` (a RequestRouter class path)."""
+    from ray.serve.config import RequestRouterConfig
+
+    kwargs = {"index": index}
+    if router.endswith("PrefixAffinityRouter"):
+        kwargs["max_load_spread"] = max_load_spread
+    router_config = RequestRouterConfig(request_router_class=router, request_router_kwargs=kwargs)
+    replica = serve.deployment(EngineReplica, name="engine", num_replicas=num_replicas,
+                               max_ongoing_requests=max_ongoing_requests, request_router_config=router_config,
+                               health_check_period_s=2.0, health_check_timeout_s=10.0,
+                               ray_actor_options={"num_cpus": 0})
+    return replica.bind(config)
+
+
+def build_app(args: dict):
+    """Serve's application builder (`import_path: cluster.replica:build_app` in a Serve config, as
+    the KubeRay manifest uses): `args` holds `replicas`, `router`, `max_load_spread` and any
+    EngineConfig field."""
+    args = dict(args)
+    replicas = int(args.pop("replicas", 2))
+    router = args.pop("router", "cluster.router:PrefixAffinityRouter")
+    spread = int(args.pop("max_load_spread", 4))
+    index = args.pop("app_name", "prefixgate")
+    config = EngineConfig(**args)
+    return deployment(config, replicas, router, index=index, max_load_spread=spread,
+                      max_ongoing_requests=max(config.max_num_seqs * 4, 8))

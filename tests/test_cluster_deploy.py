@@ -1,0 +1,44 @@
+"""The KubeRay manifest parses, and what it deploys is what this code can run (no Kubernetes here)."""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import yaml
+
+from cluster.__main__ import cluster_parser
+from engine.config import EngineConfig
+from gateway.__main__ import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _documents() -> dict[str, dict]:
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "rayservice.yaml").read_text()))
+    return {doc["kind"]: doc for doc in docs}
+
+
+def test_rayservice_deploys_the_replica_app_with_engine_settings_this_code_accepts():
+    service = _documents()["RayService"]
+    assert service["apiVersion"] == "ray.io/v1"
+    serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    (app,) = serve_config["applications"]
+    assert app["import_path"] == "cluster.replica:build_app"
+    args = dict(app["args"])
+    assert (args.pop("replicas"), args.pop("app_name"), args.pop("max_load_spread")) == (4, "prefixgate", 4)
+    assert args.pop("router") == "cluster.router:PrefixAffinityRouter"
+    EngineConfig(**args)  # every remaining arg is an engine setting
+    (pin,) = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["cluster"]
+    assert pin == f"ray[serve]=={service['spec']['rayClusterConfig']['rayVersion']}"  # image and extra agree
+
+
+def test_the_gateway_container_runs_a_command_the_cli_accepts_and_the_service_selects_it():
+    docs = _documents()
+    head = docs["RayService"]["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    (gateway,) = [c for c in head["spec"]["containers"] if c["name"] == "gateway"]
+    command = gateway["command"]
+    assert command[:3] == ["python", "-m", "cluster"]
+    args, rest = cluster_parser().parse_known_args(command[3:])
+    assert args.attach and args.app_name == "prefixgate"
+    build_parser().parse_args(["serve", *rest])  # the rest are gateway flags
+    assert docs["Service"]["spec"]["selector"].items() <= head["metadata"]["labels"].items()

@@ -1,0 +1,117 @@
+"""The prefix router's ranking and its view of the replicas, without Ray; and the engine's KV events."""
+from __future__ import annotations
+
+from cluster.prefix_index import PrefixIndex, RoutingReason, choose_replica
+from engine.kv.block_pool import BlockPool
+from engine.kv.hashing import hash_full_blocks
+
+H = [bytes([i]) * 4 for i in range(8)]  # stand-in block hashes of one prompt, in chain order
+
+
+def _held(table: dict[str, set[bytes]]):
+    def matched(replica: str, hashes) -> int:
+        n = 0
+        for h in hashes:
+            if h not in table[replica]:
+                break
+            n += 1
+        return n
+    return matched
+
+
+def test_the_replica_with_the_longest_leading_match_wins():
+    table = {"r0": set(H[:2]), "r1": set(H[:5]), "r2": {H[3], H[4], H[5], H[6]}}  # r2: no leading block
+    decision = choose_replica(H, {"r0": 0, "r1": 2, "r2": 0}, _held(table), max_load_spread=4)
+    assert (decision.replica, decision.reason, decision.matched_blocks) == ("r1", RoutingReason.PREFIX_MATCH, 5)
+
+
+def test_a_miss_goes_to_the_least_loaded_replica():
+    table = {"r0": set(), "r1": set(), "r2": set()}
+    decision = choose_replica(H, {"r0": 3, "r1": 1, "r2": 2}, _held(table))
+    assert (decision.replica, decision.reason) == ("r1", RoutingReason.NO_MATCH)
+
+
+def test_a_tie_goes_to_the_less_loaded_holder():
+    table = {"r0": set(H[:3]), "r1": set(H[:3]), "r2": set()}
+    decision = choose_replica(H, {"r0": 2, "r1": 1, "r2": 0}, _held(table))
+    assert (decision.replica, decision.reason) == ("r1", RoutingReason.PREFIX_MATCH)
+
+
+def test_the_load_guard_sends_an_overloaded_best_match_to_the_least_loaded():
+    table = {"r0": set(H), "r1": set()}
+    assert choose_replica(H, {"r0": 5, "r1": 1}, _held(table), max_load_spread=4).replica == "r0"  # spread 4: ok
+    decision = choose_replica(H, {"r0": 6, "r1": 1}, _held(table), max_load_spread=4)
+    assert (decision.replica, decision.reason) == ("r1", RoutingReason.LOAD_GUARD)
+
+
+def test_index_follows_stored_and_removed_events_and_drops_dead_replicas():
+    index = PrefixIndex()
+    index.set_replicas(["r0", "r1"])
+    index.apply_events("r0", [("stored", H[0]), ("stored", H[1]), ("stored", H[2])])
+    assert index.matched_blocks("r0", H) == 3
+    index.apply_events("r0", [("removed", H[1])])  # evicted: the chain breaks there
+    assert index.matched_blocks("r0", H) == 1
+    index.set_replicas(["r1", "r2"])  # r0 died, r2 replaced it
+    assert index.held("r0") == set() and index.replicas == ["r1", "r2"]
+    index.apply_events("r0", [("stored", H[0])])  # a dead replica's late events do not revive it
+    assert index.replicas == ["r1", "r2"]
+
+
+def test_a_prefix_just_sent_counts_as_held_until_it_expires_or_events_say_otherwise():
+    now = [0.0]
+    index = PrefixIndex(recent_ttl_s=5.0, clock=lambda: now[0])
+    index.set_replicas(["r0", "r1"])
+    index.reserve("r1", H[:4])
+    assert index.choose(H, ["r0", "r1"]).replica == "r1"  # a burst of one prompt stays together
+    assert index.in_flight == {"r0": 0, "r1": 1}
+    index.apply_events("r1", [("removed", H[2])])  # the replica's own word wins over the memory
+    assert index.matched_blocks("r1", H) == 2
+    now[0] = 6.0
+    assert index.matched_blocks("r1", H) == 0
+    index.release("r1")
+    assert index.in_flight == {"r0": 0, "r1": 0}
+
+
+def test_block_pool_records_stored_and_removed_hashes_when_asked():
+    pool = BlockPool(2)
+    assert pool.take_kv_events() == []  # off by default
+    pool.kv_events = []
+    hashes = hash_full_blocks(list(range(8)), 4)
+    blocks = pool.allocate(2)
+    for block, h, i in zip(blocks, hashes, (0, 4)):
+        pool.cache_block(block, h, tuple(range(i, i + 4)))
+    pool.free(blocks[::-1])
+    assert pool.take_kv_events() == [("stored", hashes[0]), ("stored", hashes[1])]
+    pool.allocate(1)  # lazy eviction: the LRU block's hash goes only now
+    assert pool.take_kv_events() == [("removed", hashes[1])]
+    pool.reset_cache()
+    assert pool.take_kv_events() == [("removed", hashes[0])]
+
+
+def test_the_cluster_collector_exposes_per_replica_series_with_a_replica_label():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from cluster.metrics import SERIES, ClusterCollector
+    from engine.stats import PrefixCacheStats, SchedulerStats
+
+    class FakeClient:
+        model_name, num_retries = "m", 1
+
+        def replica_snapshots(self):
+            return {"r0": SchedulerStats(num_running=2, prefix_cache=PrefixCacheStats(queries=100, hits=60)),
+                    "r1": SchedulerStats(prefix_cache=PrefixCacheStats(queries=10, hits=0))}
+
+        def routing_decisions(self):
+            return {reason.value: 3 for reason in RoutingReason}
+
+        def replicas_up(self):
+            return 2
+
+    registry = CollectorRegistry()
+    registry.register(ClusterCollector(FakeClient()))
+    text = generate_latest(registry).decode()
+    assert 'prefixgate_replica_prefix_cache_hits_tokens_total{model_name="m",replica="r0"} 60.0' in text
+    assert 'prefixgate_replica_requests_running{model_name="m",replica="r0"} 2.0' in text
+    assert 'prefixgate_router_decisions_total{model_name="m",reason="load_guard"} 3.0' in text
+    exposed = {line.split("{")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    assert exposed == SERIES
