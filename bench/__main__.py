@@ -1,4 +1,4 @@
-"""`python -m bench [--quick] [--model PATH] [--workloads a,b] [--out DIR] [--peers]`."""
+"""`python -m bench [--quick] [--model PATH] [--workloads a,b] [--out DIR] [--peers]`; `python -m bench tiers`."""
 from __future__ import annotations
 
 import os
@@ -70,6 +70,10 @@ def run(args: argparse.Namespace, **options) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["tiers"]:  # cache tiers: eviction policies, disk tier, warm restart
+        from bench import tiers
+        return tiers.main(argv[1:])
     args = parse_args(argv)
     results = run(args)
     print()
