@@ -15,11 +15,10 @@ PROTECTED_FRACTION = 0.8
 
 
 class _End:
-    __slots__ = ("prev", "next", "block_id")
+    __slots__ = ("prev", "next")
 
     def __init__(self) -> None:
         self.prev = self.next = None
-        self.block_id = -1
 
 
 class FreeBlockQueue:
