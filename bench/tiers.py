@@ -4,6 +4,8 @@
    unique long prompts, into a pool that holds the hot prefix plus about two long prompts: lru vs slru.
 2. disk: prefixes cycling through a pool too small for them, without and with the disk tier.
 3. restart: TTFT of a prompt cold, warm (RAM hit), and first thing after a restart (disk tier).
+4. policies: prompt tokens hit by lru and slru on every `bench` workload, simulated (the KV cache
+   manager without a model: requests one at a time in arrival order) at several pool sizes.
 
 Requests run one at a time (closed loop), so TTFT is the request's own prefill, not queueing.
 Timings on a shared machine are noisy: every figure is a median (p99 where named) of several requests.
@@ -20,9 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import driver  # noqa: F401  (loads the weights once per process for every engine below)
+from bench import workloads
 from bench.oracle import oracle_prefill_tokens
-from engine.config import EngineConfig
+from bench.suite import ALL_WORKLOADS
+from engine.config import EngineConfig, EvictionPolicy
 from engine.core import EngineCore
+from engine.kv.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling import SamplingParams
 
@@ -42,6 +47,8 @@ class Scale:
     disk_rounds: int = 3
     disk_pool_blocks: int = 128  # two of the four prefixes
     restart_trials: int = 3
+    policy_workloads: tuple[str, ...] = ALL_WORKLOADS
+    policy_pools: tuple[int, ...] = (64, 128, 256, 512)  # blocks (raised to fit the longest prompt)
 
 
 FULL = Scale()
@@ -143,20 +150,50 @@ def restart(model: str, vocab: int, s: Scale) -> dict:
     return results
 
 
+def simulated_hits(prompts: list[list[int]], num_blocks: int, policy: EvictionPolicy) -> int:
+    kv = KVCacheManager(num_blocks, BLOCK, eviction_policy=policy)
+    for i, prompt in enumerate(prompts):
+        request = Request(f"s{i}", prompt, SamplingParams(max_tokens=1))
+        prefix = kv.find_cached_prefix(request)
+        assert kv.allocate(request, len(prompt) - prefix.num_tokens, prefix)
+        kv.record_lookup(request, prefix)
+        request.num_computed_tokens = len(prompt)
+        kv.cache_full_blocks(request)
+        kv.free(request)
+    return kv.num_hit_tokens
+
+
+def policies(tokenizer, s: Scale) -> dict:
+    """Hit tokens per workload and pool size; slru relative to lru."""
+    results = {}
+    for name in s.policy_workloads:
+        w = workloads.build(name, tokenizer, workloads.FULL)
+        prompts = [r.prompt_token_ids for r in sorted(w.requests, key=lambda r: r.arrival_s)]
+        longest = -(-max(map(len, prompts)) // BLOCK) + 1
+        for blocks in sorted({max(b, longest) for b in s.policy_pools}):
+            lru, slru = (simulated_hits(prompts, blocks, p) for p in (EvictionPolicy.LRU, EvictionPolicy.SLRU))
+            results[f"{name}/{blocks}"] = {"lru": lru, "slru": slru, "slru_vs_lru": slru / lru if lru else 1.0}
+    return results
+
+
 def targets(r: dict) -> dict:
     lru, slru = r["scan"]["lru"]["hot_hit_rate"], r["scan"]["slru"]["hot_hit_rate"]
     return {"slru keeps >= 90% of the hot prefix's hits": slru >= 0.9,
             "lru loses most of them (< 50%)": lru < 0.5,
             "disk-hit TTFT <= 25% of recomputing": r["disk"]["disk_ttft_vs_recompute"] <= 0.25,
-            "first request after a restart within 1.5x a warm one": r["restart"]["restart_vs_warm"] <= 1.5}
+            "first request after a restart within 1.5x a warm one": r["restart"]["restart_vs_warm"] <= 1.5,
+            "slru never loses more than 2% of lru's hits (simulated, every workload and pool)":
+                min(x["slru_vs_lru"] for x in r["policies"].values()) >= 0.98}
 
 
 def run(model: str = "default", scale: Scale = FULL, log=print) -> dict:
     probe = Runner(model, num_kv_blocks=64)
     vocab = probe.core.vocab_size
     probe(tokens(256, 0, vocab))  # first forwards pay for allocations: not in any figure
+    tokenizer = probe.core.tokenizer
     del probe
-    results = {}
+    log(f"[tiers {time.strftime('%H:%M:%S')}] policies (simulated)")
+    results = {"policies": policies(tokenizer, scale)}
     for name, fn in (("scan", scan), ("disk", disk), ("restart", restart)):
         log(f"[tiers {time.strftime('%H:%M:%S')}] {name}")
         results[name] = fn(model, vocab, scale)
@@ -179,6 +216,8 @@ def render(r: dict) -> str:
         lines.append(f"  {variant:11}  {x['prefill_computed']:16d}  {x['repeat_ttft_p50_s']:14.3f}s  "
                      f"{x['repeat_ttft_p99_s']:14.3f}s  {x['disk_hit_tokens']:15d}")
     lines.append(f"  disk-hit TTFT / recompute TTFT: {dk['disk_ttft_vs_recompute']:.1%}")
+    lines.append("policies (simulated prompt tokens hit; workload/pool blocks: lru, slru, slru/lru)")
+    lines += [f"  {k:20} {x['lru']:8d} {x['slru']:8d} {x['slru_vs_lru']:7.1%}" for k, x in r["policies"].items()]
     lines += [f"restart (median of {rs['trials']}): cold {rs['cold_ttft_s']:.3f}s, warm {rs['warm_ttft_s']:.3f}s, "
               f"first after restart {rs['restart_ttft_s']:.3f}s ({rs['restart_vs_warm']:.2f}x warm)", "targets"]
     lines += [f"  [{'met' if ok else 'MISSED'}] {name}" for name, ok in r["targets"].items()]

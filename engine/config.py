@@ -36,7 +36,7 @@ class EngineConfig:
     max_reorder_wait_s: float = 2.0  # lpm may delay a request at most this long past FCFS
     lpm_max_queue: int = 256  # above this many waiting requests lpm falls back to FCFS
     min_shared_prefix_tokens: int = 0  # side-channel hardening: no hit shorter than this
-    eviction_policy: EvictionPolicy = EvictionPolicy.SLRU  # lru | slru (scan-resistant)
+    eviction_policy: EvictionPolicy = EvictionPolicy.LRU  # lru | slru (scan-resistant; loses on rag, see bench tiers)
     kv_disk_dir: str | None = None  # disk tier for evicted blocks (kept across restarts); None: no disk tier
     kv_disk_gb: float = 10.0  # disk tier size bound in GiB (its own LRU drops the oldest files)
     device: str = "auto"  # auto | cpu | cuda

@@ -59,28 +59,37 @@ class CorruptBlock(ValueError):
     pass
 
 
-def decode_block(data: bytes, fingerprint: bytes, block_hash: BlockHash, token_ids: tuple[int, ...],
+def decode_block(data: bytes | bytearray, fingerprint: bytes, block_hash: BlockHash, token_ids: tuple[int, ...],
                  dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """The block's KV, or CorruptBlock if anything about the file is off."""
+    """The block's KV, or CorruptBlock if anything about the file is off. Views `data`, never copies it."""
     if len(data) < _HEADER.size + _CHECKSUM_BYTES:
         raise CorruptBlock("truncated header")
-    body, checksum = data[:-_CHECKSUM_BYTES], data[-_CHECKSUM_BYTES:]
+    view = memoryview(bytearray(data) if isinstance(data, bytes) else data)  # writable: torch.frombuffer wants it
+    body, checksum = view[:-_CHECKSUM_BYTES], view[-_CHECKSUM_BYTES:]
     if xxhash.xxh3_128_digest(body) != checksum:
         raise CorruptBlock("checksum mismatch")
     magic, file_fingerprint, hash_len, num_tokens, payload_len = _HEADER.unpack_from(body)
     if magic != MAGIC or file_fingerprint != fingerprint:
         raise CorruptBlock("another format or model")
     offset = _HEADER.size
-    if body[offset:offset + hash_len] != block_hash:
+    if bytes(body[offset:offset + hash_len]) != block_hash:
         raise CorruptBlock("block hash mismatch")
     offset += hash_len
     if struct.unpack_from(f"<{num_tokens}q", body, offset) != tuple(token_ids):
         raise CorruptBlock("token ids mismatch")  # a hash collision never serves another prompt's KV
     offset += 8 * num_tokens
-    payload = bytearray(body[offset:])  # writable: torch.frombuffer wants it
+    payload = body[offset:]
     if len(payload) != payload_len or payload_len != dtype.itemsize * _numel(shape):
         raise CorruptBlock("payload size mismatch")
     return torch.frombuffer(payload, dtype=dtype).view(shape)
+
+
+def _read(path: Path) -> bytearray:
+    """The whole file in one writable buffer (the KV tensor is a view of it)."""
+    with path.open("rb", buffering=0) as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        size = f.readinto(data)
+    return data[:size] if size < len(data) else data
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -162,7 +171,7 @@ class DiskTier:
         if pending is not None:
             return pending.kv if pending.token_ids == tuple(token_ids) else None
         try:
-            data = self._path(block_hash).read_bytes()
+            data = _read(self._path(block_hash))
         except FileNotFoundError:  # its LRU dropped it a moment ago
             with self._lock:
                 self._forget(block_hash)
