@@ -1,4 +1,5 @@
-"""`python -m bench [--quick] [--model PATH] [--workloads a,b] [--out DIR] [--peers]`; `python -m bench cluster`."""
+"""`python -m bench [--quick] [--model PATH] [--workloads a,b] [--out DIR] [--peers]`;
+`python -m bench cluster`; `python -m bench tiers`."""
 from __future__ import annotations
 
 import os
@@ -83,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["cluster"]:  # replicas on Ray Serve under three routers (needs the cluster extra)
         from bench.cluster import main as cluster_main
         return cluster_main(argv[1:])
+    if argv[:1] == ["tiers"]:  # cache tiers: eviction policies, disk tier, warm restart
+        from bench import tiers
+        return tiers.main(argv[1:])
     args = parse_args(argv)
     if args.structured:
         from bench import structured

@@ -60,6 +60,8 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        if self._thread is None or not self._thread.is_alive():
+            await asyncio.to_thread(self.core.close)  # the disk tier keeps the cache for the next start
         self._fail_waiting("the engine stopped")  # nobody may wait on a stopped engine
 
     def is_alive(self) -> bool:

@@ -16,6 +16,11 @@ class HashAlgo(str, enum.Enum):
     XXHASH = "xxhash"
 
 
+class EvictionPolicy(str, enum.Enum):
+    LRU = "lru"
+    SLRU = "slru"  # segmented LRU: blocks hit again are protected from one-off prompts
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = "default"
@@ -31,6 +36,9 @@ class EngineConfig:
     max_reorder_wait_s: float = 2.0  # lpm may delay a request at most this long past FCFS
     lpm_max_queue: int = 2048  # above this many waiting requests lpm falls back to FCFS
     min_shared_prefix_tokens: int = 0  # side-channel hardening: no hit shorter than this
+    eviction_policy: EvictionPolicy = EvictionPolicy.LRU  # lru | slru (scan-resistant; loses on rag, see bench tiers)
+    kv_disk_dir: str | None = None  # disk tier for evicted blocks (kept across restarts); None: no disk tier
+    kv_disk_gb: float = 10.0  # disk tier size bound in GiB (its own LRU drops the oldest files)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
     seed: int = 0
@@ -40,6 +48,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "hash_algo", HashAlgo(self.hash_algo))
         object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
+        object.__setattr__(self, "eviction_policy", EvictionPolicy(self.eviction_policy))
         _check(self.block_size >= 1, "block_size must be >= 1")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks must be >= 2")
         _check(self.kv_cache_memory_mb > 0, "kv_cache_memory_mb must be > 0")
@@ -51,6 +60,7 @@ class EngineConfig:
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
         _check(self.max_reorder_wait_s >= 0, "max_reorder_wait_s must be >= 0")
         _check(self.min_shared_prefix_tokens >= 0, "min_shared_prefix_tokens must be >= 0")
+        _check(self.kv_disk_gb > 0, "kv_disk_gb must be > 0")
         _check(self.device in ("auto", "cpu", "cuda"), f"unknown device {self.device!r}")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype!r}")
 

@@ -8,7 +8,9 @@ from transformers import GenerationConfig
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kv.disk_tier import DiskTier, model_fingerprint
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv.kv_io import KVBlockIO
 from engine.model.loader import load_config, load_model, resolve_model_path
 from engine.outputs import FinishReason, RequestOutput
 from engine.request import Request, RequestStatus
@@ -43,7 +45,11 @@ class EngineCore:
         self.num_blocks = kv_cache.shape[2]
         self.max_model_len = _context_length(config, hf_config, self.num_blocks)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
-                                 hash_algo=config.hash_algo, min_shared_prefix_tokens=config.min_shared_prefix_tokens)
+                                 hash_algo=config.hash_algo, min_shared_prefix_tokens=config.min_shared_prefix_tokens,
+                                 eviction_policy=config.eviction_policy)
+        if config.kv_disk_dir and config.enable_prefix_caching:
+            kv_io = KVBlockIO(kv_cache)
+            self.kv.use_disk_tier(_disk_tier(config, path, dtype, kv_io), kv_io)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, kv_cache, self.kv, self.device)
         self.sampler = Sampler(frozenset(self.tokenizer.eos_token_ids))
@@ -89,6 +95,13 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def close(self) -> None:
+        """Graceful shutdown: cached RAM blocks go to the disk tier, so the next start hits them."""
+        if self.kv.disk is not None and not self.kv.disk.closed:
+            num = self.kv.flush_to_disk()
+            self.kv.disk.close()
+            logger.info("disk tier: flushed %d cached blocks to %s", num, self.kv.disk.dir)
 
     # ---- one step
 
@@ -213,10 +226,15 @@ class EngineCore:
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         pool = self.kv.pool
-        return PrefixCacheStats(queries=self.kv.num_queried_tokens, hits=self.kv.num_hit_tokens,
-                                requests=self.kv.num_lookups, evictions_capacity=pool.num_evictions,
-                                evictions_preemption=self.kv.num_preemption_evictions,
-                                cached_blocks=len(pool.cached), usage=pool.usage())
+        stats = PrefixCacheStats(queries=self.kv.num_queried_tokens, hits=self.kv.num_hit_tokens,
+                                 requests=self.kv.num_lookups, evictions_capacity=pool.evictions["capacity"],
+                                 evictions_preemption=self.kv.num_preemption_evictions,
+                                 cached_blocks=len(pool.cached), usage=pool.usage(),
+                                 evictions_spill=pool.evictions["spill"], evictions_reset=pool.evictions["reset"],
+                                 regrets=pool.num_regrets, disk_hits=self.kv.num_disk_hit_tokens)
+        if self.kv.disk is not None:
+            stats.disk = self.kv.disk.snapshot()
+        return stats
 
     def scheduler_stats(self) -> SchedulerStats:
         return SchedulerStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
@@ -229,9 +247,11 @@ class EngineCore:
         ttfts, self._ttfts = self._ttfts, []
         prefill_times, self._prefill_times = self._prefill_times, []
         inter_token_latencies, self._inter_token_latencies = self._inter_token_latencies, []
+        pool = self.kv.pool
         return StepStats(self.scheduler_stats(), num_prompt_tokens, num_generation_tokens, finished,
-                         self.kv.take_tenant_lookups(), self.kv.pool.take_tenant_evictions(),
-                         ttfts, prefill_times, inter_token_latencies, self.kv.pool.take_kv_events())
+                         tenant_cache=self.kv.take_tenant_lookups(), tenant_evictions=pool.take_tenant_evictions(),
+                         ttfts=ttfts, prefill_times=prefill_times, inter_token_latencies=inter_token_latencies,
+                         kv_events=pool.take_kv_events(), tenant_regrets=pool.take_tenant_regrets())
 
     def _finished_stats(self, r: Request) -> FinishedRequestStats:
         end = time.monotonic()
@@ -283,6 +303,11 @@ def _eos_token_ids(path, hf_config) -> set[int]:
     if eos is not None:
         ids.update(eos if isinstance(eos, list) else [eos])
     return ids
+
+
+def _disk_tier(config: EngineConfig, model_path, dtype: torch.dtype, kv_io: KVBlockIO) -> DiskTier:
+    fingerprint = model_fingerprint(model_path, dtype, config.block_size, kv_io.block_shape, config.hash_algo.value)
+    return DiskTier(config.kv_disk_dir, int(config.kv_disk_gb * 2**30), fingerprint, kv_io.block_shape, dtype)
 
 
 def _allocate_kv_cache(config: EngineConfig, hf_config, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -39,5 +39,9 @@ class LLM:
                                  r.num_cached_tokens or 0, r.finish_reason,
                                  r.logprobs if r.params.logprobs is not None else None) for r in requests]
 
+    def close(self) -> None:
+        """Flushes the cached blocks to the disk tier (if any), for a warm restart."""
+        self.core.close()
+
     def stats(self) -> PrefixCacheStats:
         return self.core.prefix_cache_stats()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.kv.disk_tier import DiskTierStats
+
 
 @dataclass(slots=True)
 class PrefixCacheStats:
@@ -15,6 +17,11 @@ class PrefixCacheStats:
     evictions_preemption: int = 0  # computed blocks (no hash, no other holder) dropped by preemption
     cached_blocks: int = 0  # blocks currently holding a registered hash
     usage: float = 0.0  # fraction of blocks referenced by running requests
+    evictions_spill: int = 0  # cached blocks dropped from RAM with their KV written to the disk tier
+    evictions_reset: int = 0  # cached blocks forgotten by a cache reset
+    regrets: int = 0  # evicted blocks asked for again while their hash was in the ghost list
+    disk_hits: int = 0  # prompt tokens loaded from the disk tier (part of `hits`)
+    disk: DiskTierStats | None = None  # None: no disk tier
 
     @property
     def hit_rate(self) -> float:
@@ -66,3 +73,4 @@ class StepStats:
     prefill_times: list[float] = field(default_factory=list)  # first scheduled -> first token
     inter_token_latencies: list[float] = field(default_factory=list)  # one per later token
     kv_events: list[tuple[str, bytes]] = field(default_factory=list)  # ("stored"|"removed", block hash), if enabled
+    tenant_regrets: dict[str, int] = field(default_factory=dict)  # tenant whose evicted block was asked again -> blocks

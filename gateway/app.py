@@ -96,6 +96,9 @@ async def _engine_ctx(settings: Settings, engine: Any, auth: Authenticator,
     app[TOOL_TEMPLATE] = detect_tool_template(engine.tokenizer, settings.gateway.tool_call_parser)
     engine.start()
     log.info("serving model %s (context %d tokens)", engine.model_name, engine.max_model_len)
+    if settings.engine.kv_disk_dir and not settings.gateway.salt_secret:
+        log.warning("kv_disk_dir without a fixed salt_secret: tenant salts change at every start, "
+                    "so the disk tier is not hit after a restart")
     yield
     # `serve` has already drained the HTTP requests (InFlight.drain); this lets whatever the
     # engine still holds finish or aborts it, then stops the engine thread

@@ -26,7 +26,7 @@ from engine.stats import FinishedRequestStats, PrefixCacheStats, SchedulerStats,
 PREFIX = "prefixgate_"
 OTHER_TENANT = "other"
 FINISH_REASONS = ("stop", "length", "abort", "error")
-EVICTION_REASONS = ("capacity", "preemption")
+EVICTION_REASONS = ("capacity", "preemption", "spill", "reset")
 
 # Seconds: from a cached short prompt's TTFT on a GPU to a long CPU generation.
 LATENCY_BUCKETS = (
@@ -99,6 +99,13 @@ class PrefixCacheMetrics:
         self._lookups = _Delta(lookups.labels(model_name))
         self._evicted_capacity = _Delta(evictions.labels(model_name, "capacity"))
         self._evicted_preemption = _Delta(evictions.labels(model_name, "preemption"))
+        self._evicted_spill = _Delta(evictions.labels(model_name, "spill"))
+        self._evicted_reset = _Delta(evictions.labels(model_name, "reset"))
+        self._regrets = _Delta(Counter(f"{PREFIX}prefix_cache_regrets_blocks_total",
+                                       "Evicted blocks asked for again soon after (a bounded ghost list of "
+                                       "recently evicted hashes), not served by any tier.", labels,
+                                       registry=registry).labels(model_name))
+        self.disk = DiskTierMetrics(registry, model_name)
 
     def update(self, stats: PrefixCacheStats) -> None:
         self._queries.update(stats.queries)
@@ -106,8 +113,46 @@ class PrefixCacheMetrics:
         self._lookups.update(stats.requests)
         self._evicted_capacity.update(stats.evictions_capacity)
         self._evicted_preemption.update(stats.evictions_preemption)
+        self._evicted_spill.update(stats.evictions_spill)
+        self._evicted_reset.update(stats.evictions_reset)
+        self._regrets.update(stats.regrets)
+        self.disk.update(stats)
         self.cached_blocks.set(stats.cached_blocks)
         self.usage.set(stats.usage)
+
+
+class DiskTierMetrics:
+    """The disk tier of the prefix cache; every series exists (at 0) without one, so dashboards stay whole."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+
+        def counter(name: str, doc: str) -> _Delta:
+            return _Delta(Counter(f"{PREFIX}{name}", doc, labels, registry=registry).labels(model_name))
+
+        self._hits = counter("prefix_cache_disk_hits_tokens_total",
+                             "Prompt tokens loaded from the disk tier instead of computed (part of the hits).")
+        self._writes = counter("kv_disk_writes_blocks_total", "Blocks written to the disk tier.")
+        self._evictions = counter("kv_disk_evictions_blocks_total", "Block files dropped by the disk tier's LRU.")
+        self._corrupt = counter("kv_disk_corrupt_blocks_total",
+                                "Block files that failed a check (checksum, model, tokens): deleted, never served.")
+        self._dropped = counter("kv_disk_dropped_spills_blocks_total",
+                                "Evicted blocks not spilled because the disk writer was too far behind.")
+        self.files = Gauge(f"{PREFIX}kv_disk_blocks", "Block files in the disk tier.", labels,
+                           registry=registry).labels(model_name)
+        self.bytes = Gauge(f"{PREFIX}kv_disk_bytes", "Bytes of block files in the disk tier.", labels,
+                           registry=registry).labels(model_name)
+
+    def update(self, stats: PrefixCacheStats) -> None:
+        self._hits.update(stats.disk_hits)
+        if stats.disk is None:
+            return
+        self._writes.update(stats.disk.writes)
+        self._evictions.update(stats.disk.evictions)
+        self._corrupt.update(stats.disk.corrupt)
+        self._dropped.update(stats.disk.dropped_spills)
+        self.files.set(stats.disk.files)
+        self.bytes.set(stats.disk.bytes)
 
 
 class SchedulerMetrics:
@@ -216,10 +261,14 @@ class TenantMetrics:
                        "Prompt tokens found in the prefix cache, by tenant.", labels, registry=registry)
         evictions = Counter(f"{PREFIX}tenant_prefix_cache_evictions_blocks_total",
                             "Cached blocks evicted, by the tenant that cached them.", labels, registry=registry)
+        regrets = Counter(f"{PREFIX}tenant_prefix_cache_regrets_blocks_total",
+                          "Evicted blocks asked for again soon after, by the tenant that cached them.", labels,
+                          registry=registry)
         names = [*dict.fromkeys(tenants), OTHER_TENANT]
         self._queries = {t: queries.labels(model_name, t) for t in names}
         self._hits = {t: hits.labels(model_name, t) for t in names}
         self._evictions = {t: evictions.labels(model_name, t) for t in names}
+        self._regrets = {t: regrets.labels(model_name, t) for t in names}
 
     def bucket(self, tenant: str | None) -> str:
         return tenant if tenant in self._queries else OTHER_TENANT
@@ -234,6 +283,9 @@ class TenantMetrics:
         for tenant, blocks in stats.tenant_evictions.items():
             if blocks:
                 self._evictions[self.bucket(tenant)].inc(blocks)
+        for tenant, blocks in stats.tenant_regrets.items():
+            if blocks:
+                self._regrets[self.bucket(tenant)].inc(blocks)
 
 
 class HttpMetrics:

@@ -6,7 +6,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from engine.config import EvictionPolicy
 from engine.kv.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from engine.kv.eviction import PROTECTED_FRACTION
 from engine.kv.hashing import BlockHash
 
 
@@ -132,19 +134,30 @@ def test_touch_takes_a_free_cached_block_out_of_the_free_queue():
     blocks = pool.allocate(2)
     pool.cache_block(blocks[0], h(5), (1,))
     pool.free(reversed(blocks))
-    assert ids(pool.free_queue) == [2, 3, 1, 0]
+    assert ids(pool.free_queue) == [1, 2, 3, 0]  # the hashless block 1 in front: reused first
     hit = pool.get_cached_block(h(5), (1,))
     pool.touch([hit])
     assert hit.ref_cnt == 1 and hit not in pool.free_queue
-    assert ids(pool.free_queue) == [2, 3, 1]
+    assert ids(pool.free_queue) == [1, 2, 3]
     assert pool.num_free_blocks == 3
     pool.touch([hit])  # a second sharer: only the ref count grows
     assert hit.ref_cnt == 2 and pool.num_free_blocks == 3
-    assert ids(pool.allocate(3)) == [2, 3, 1]  # the touched block is never handed out
+    assert ids(pool.allocate(3)) == [1, 2, 3]  # the touched block is never handed out
     pool.free([hit])
     assert hit.ref_cnt == 1 and pool.num_free_blocks == 0
     pool.free([hit])
     assert ids(pool.free_queue) == [0] and hit.block_hash == h(5)
+
+
+def test_a_freed_hashless_block_is_reused_before_an_older_cached_one():
+    pool = BlockPool(2)
+    cached, hashless = pool.allocate(2)
+    pool.cache_block(cached, h(1), (1,))
+    pool.free([cached])  # freed first: the older one
+    pool.free([hashless])  # freed last, but worth nothing
+    assert ids(pool.free_queue) == [1, 0]
+    assert ids(pool.allocate(1)) == [1]
+    assert pool.num_evictions == 0 and pool.get_cached_block(h(1), (1,)) is cached
 
 
 def test_a_hash_hit_with_different_token_ids_is_a_miss():
@@ -157,18 +170,32 @@ def test_a_hash_hit_with_different_token_ids_is_a_miss():
     assert pool.get_cached_block(h(8), (1, 2, 3)) is None
 
 
-def test_cache_block_keeps_the_first_holder_of_a_hash():
+def test_a_duplicate_is_reused_first_and_without_an_eviction():
     pool = BlockPool(3)
     a, b = pool.allocate(2)
     pool.cache_block(a, h(1), (7,))
-    pool.cache_block(b, h(1), (7,))  # the same tokens computed twice: the copy stays private
-    assert pool.cached == {h(1): a}
-    assert b.block_hash is None
+    pool.cache_block(b, h(1), (7,))  # the same tokens computed twice: b is a live copy
+    assert pool.cached == {h(1): a} and pool.duplicates == {h(1): {1: b}}
     pool.cache_block(a, h(2), (8,))  # a block is registered once
     assert pool.cached == {h(1): a} and a.block_hash == h(1)
     pool.free([b, a])
-    assert ids(pool.allocate(2)) == [2, 1]  # the private copy goes without an eviction
-    assert pool.num_evictions == 0
+    assert ids(pool.free_queue) == [1, 2, 0]  # the copy in front
+    assert ids(pool.allocate(2)) == [1, 2]
+    assert pool.num_evictions == 0 and pool.duplicates == {}
+    assert pool.get_cached_block(h(1), (7,)) is a
+
+
+def test_a_live_duplicate_stays_hittable_when_the_holder_is_evicted():
+    pool = BlockPool(3)
+    a, b = pool.allocate(2)
+    pool.cache_block(a, h(1), (7,))
+    pool.cache_block(b, h(1), (7,))
+    pool.free([a])  # b is still in use
+    assert ids(pool.allocate(2)) == [2, 0]  # the holder goes
+    assert pool.get_cached_block(h(1), (7,)) is b  # ...but its copy is hit
+    assert pool.num_evictions == 0 and pool.duplicates == {}
+    pool.free([b])
+    assert ids(pool.free_queue) == [1] and b.block_hash == h(1)
 
 
 def test_caching_disabled_registers_nothing():
@@ -186,40 +213,180 @@ def test_reset_cache_forgets_free_blocks_only():
     pool.free([a])
     pool.reset_cache()
     assert pool.cached == {h(2): b}  # b is still referenced: its hash stays
-    assert a.block_hash is None and pool.num_evictions == 1
+    assert a.block_hash is None and pool.evictions == {"capacity": 0, "spill": 0, "reset": 1}
     assert ids(pool.free_queue) == [2, 0]
+
+
+def test_evictions_by_reason_and_the_spill_hook():
+    pool = BlockPool(2)
+    spilled = []
+    pool.spill = lambda block: spilled.append((block.block_id, block.block_hash)) or block.block_id == 0
+    a, b = pool.allocate(2)
+    pool.cache_block(a, h(1), (1,), "alice")
+    pool.cache_block(b, h(2), (2,), "bob")
+    pool.free([a, b])
+    pool.allocate(2)
+    assert spilled == [(0, h(1)), (1, h(2))]  # called with the hash still on the block
+    assert pool.evictions == {"capacity": 1, "spill": 1, "reset": 0}
+    assert pool.take_tenant_evictions() == {"alice": 1, "bob": 1}
+
+
+def test_regret_counts_an_evicted_hash_asked_for_again_once():
+    pool = BlockPool(2)
+    a, b = pool.allocate(2)
+    pool.cache_block(a, h(1), (1,), "alice")
+    pool.cache_block(b, h(2), (2,), None)
+    pool.free([a, b])
+    pool.allocate(2)
+    assert list(pool.ghosts) == [h(1), h(2)]
+    assert pool.count_regrets([h(1), h(2), h(3)]) == 2
+    assert pool.count_regrets([h(1)]) == 0  # regretted once
+    assert pool.num_regrets == 2 and pool.take_tenant_regrets() == {"alice": 1}
+
+
+def test_the_ghost_list_is_bounded_by_the_pool_size():
+    pool = BlockPool(2)
+    for key in range(5):
+        [block] = pool.allocate(1)
+        pool.cache_block(block, h(key), (key,))
+        pool.free([block])
+    pool.allocate(2)
+    assert list(pool.ghosts) == [h(3), h(4)]  # the two newest of the five evicted hashes
+    block = pool.blocks[0]
+    pool.cache_block(block, h(4), (4,))  # cached again: no longer a ghost
+    assert list(pool.ghosts) == [h(3)]
+
+
+# ---- SLRU
+
+def slru_pool(num_blocks: int) -> BlockPool:
+    return BlockPool(num_blocks, eviction_policy=EvictionPolicy.SLRU)
+
+
+def test_slru_a_block_hit_again_is_protected_from_a_scan():
+    pool = slru_pool(6)
+    hot = pool.allocate(2)
+    for i, block in enumerate(hot):
+        pool.cache_block(block, h(i), (i,))
+    pool.free(reversed(hot))
+    pool.touch(hot)  # the hot prefix is hit again
+    pool.free(reversed(hot))
+    assert ids(pool.free_queue.probation) == [2, 3, 4, 5] and ids(pool.free_queue.protected) == [1, 0]
+    for key in range(10, 16):  # a scan: six one-off blocks, one at a time
+        [block] = pool.allocate(1)
+        pool.cache_block(block, h(key), (key,))
+        pool.free([block])
+    assert pool.get_cached_block(h(0), (0,)) is hot[0] and pool.get_cached_block(h(1), (1,)) is hot[1]
+    assert pool.evictions["capacity"] == 2  # the scan evicted its own oldest blocks only
+    assert pool.get_cached_block(h(10), (10,)) is None and pool.get_cached_block(h(11), (11,)) is None
+    assert ids(pool.allocate(6)) == [4, 5, 2, 3, 1, 0]
+
+
+def test_lru_loses_the_same_prefix_to_the_same_scan():
+    pool = BlockPool(6)
+    hot = pool.allocate(2)
+    for i, block in enumerate(hot):
+        pool.cache_block(block, h(i), (i,))
+    pool.free(reversed(hot))
+    pool.touch(hot)
+    pool.free(reversed(hot))
+    for key in range(10, 16):
+        [block] = pool.allocate(1)
+        pool.cache_block(block, h(key), (key,))
+        pool.free([block])
+    assert pool.get_cached_block(h(0), (0,)) is None and pool.get_cached_block(h(1), (1,)) is None
+    assert pool.evictions["capacity"] == 2 and list(pool.ghosts) == [h(1), h(0)]
+
+
+def test_slru_protected_segment_is_bounded_and_demotes_its_oldest():
+    pool = slru_pool(5)  # protects at most int(5 * 0.8) = 4 free blocks
+    blocks = pool.allocate(5)
+    for i, block in enumerate(blocks):
+        pool.cache_block(block, h(i), (i,))
+    pool.touch(blocks)
+    pool.free(blocks)  # drops the second reference
+    pool.free(blocks)
+    assert ids(pool.free_queue.protected) == [1, 2, 3, 4]
+    assert ids(pool.free_queue.probation) == [0]  # demoted, keeps its hash
+    assert blocks[0].block_hash == h(0) and not blocks[0].protected
+    assert ids(pool.allocate(2)) == [0, 1]  # probation first, then the protected LRU
 
 
 # ---- stateful model check
 
 class BlockPoolMachine(RuleBasedStateMachine):
-    """Random allocate / cache / hit / free / reset sequences against a plain model of the pool."""
+    """Random allocate / cache / hit / free / reset / miss sequences against a plain model of the pool:
+    eviction order (LRU, or SLRU's two segments), worthless blocks first, duplicates, ghosts."""
 
     NUM_BLOCKS = 8
+    POLICY = EvictionPolicy.LRU
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = BlockPool(self.NUM_BLOCKS)
-        self.free_order = list(range(self.NUM_BLOCKS))  # expected free queue, LRU first
+        self.pool = BlockPool(self.NUM_BLOCKS, eviction_policy=self.POLICY)
+        self.probation = list(range(self.NUM_BLOCKS))  # expected eviction order (LRU: the only segment)
+        self.protected: list[int] = []
+        self.max_protected = int(self.NUM_BLOCKS * PROTECTED_FRACTION)
         self.refs = [0] * self.NUM_BLOCKS
         self.cached: dict[BlockHash, tuple[int, tuple[int, ...]]] = {}  # hash -> (block id, tokens)
-        self.block_hash: dict[int, BlockHash] = {}
+        self.copies: dict[BlockHash, list[int]] = {}  # hash -> duplicate block ids, oldest first
+        self.block_hash: dict[int, tuple[BlockHash, tuple[int, ...]]] = {}  # every holder and copy
+        self.reused: set[int] = set()
+        self.ghosts: dict[BlockHash, None] = {}  # insertion-ordered
         self.tables: list[list[int]] = []  # one list of held block ids per simulated request
         self.evictions = 0
+        self.regrets = 0
 
-    def _forget(self, block_id: int) -> None:
-        if block_id in self.block_hash:
-            del self.cached[self.block_hash.pop(block_id)]
+    # -- the model's eviction order
+
+    def _order(self) -> list[int]:
+        return self.probation + self.protected
+
+    def _push(self, i: int) -> None:
+        worthless = i not in self.block_hash or self.cached[self.block_hash[i][0]][0] != i
+        if worthless:
+            self.probation.insert(0, i)
+        elif self.POLICY is EvictionPolicy.SLRU and i in self.reused:
+            self.protected.append(i)
+            if len(self.protected) > self.max_protected:
+                self.probation.append(self.protected.pop(0))
+        else:
+            self.probation.append(i)
+
+    def _take(self, i: int) -> None:
+        (self.protected if i in self.protected else self.probation).remove(i)
+
+    def _forget(self, i: int) -> None:
+        if i not in self.block_hash:
+            return
+        block_hash, _ = self.block_hash.pop(i)
+        self.reused.discard(i)
+        if self.cached[block_hash][0] != i:
+            self.copies[block_hash].remove(i)
+        elif self.copies.get(block_hash):
+            promoted = self.copies[block_hash].pop(0)
+            self.cached[block_hash] = (promoted, self.block_hash[promoted][1])
+        else:
+            del self.cached[block_hash]
             self.evictions += 1
+            self.ghosts.pop(block_hash, None)
+            self.ghosts[block_hash] = None
+            if len(self.ghosts) > self.NUM_BLOCKS:
+                del self.ghosts[next(iter(self.ghosts))]
+        if block_hash in self.copies and not self.copies[block_hash]:
+            del self.copies[block_hash]
+
+    # -- rules
 
     @rule(n=st.integers(1, 4))
     def allocate(self, n):
-        if n > len(self.free_order):
+        if n > len(self._order()):
             with pytest.raises(ValueError):
                 self.pool.allocate(n)
             return
-        expected, self.free_order = self.free_order[:n], self.free_order[n:]
-        assert all(self.refs[i] == 0 for i in expected)
+        expected = self._order()[:n]
+        for i in expected:
+            self._take(i)
         blocks = self.pool.allocate(n)
         assert ids(blocks) == expected
         for i in expected:
@@ -234,9 +401,14 @@ class BlockPoolMachine(RuleBasedStateMachine):
         table = data.draw(st.sampled_from(self.tables))
         block_id = data.draw(st.sampled_from(table))
         self.pool.cache_block(self.pool.blocks[block_id], h(key), (token,))
-        if block_id not in self.block_hash and h(key) not in self.cached:
+        if block_id in self.block_hash:
+            return
+        self.block_hash[block_id] = (h(key), (token,))
+        if h(key) in self.cached:
+            self.copies.setdefault(h(key), []).append(block_id)
+        else:
             self.cached[h(key)] = (block_id, (token,))
-            self.block_hash[block_id] = h(key)
+            self.ghosts.pop(h(key), None)
 
     @rule(key=st.integers(0, 5), token=st.integers(0, 2))
     def probe(self, key, token):
@@ -259,8 +431,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert block is self.pool.blocks[entry[0]]
         self.pool.touch([block])
         if self.refs[block.block_id] == 0:
-            self.free_order.remove(block.block_id)
+            self._take(block.block_id)
         self.refs[block.block_id] += 1
+        self.reused.add(block.block_id)
         self.tables.append([block.block_id])
 
     @precondition(lambda self: self.tables)
@@ -271,13 +444,25 @@ class BlockPoolMachine(RuleBasedStateMachine):
         for i in reversed(table):
             self.refs[i] -= 1
             if self.refs[i] == 0:
-                self.free_order.append(i)
+                self._push(i)
+
+    @rule(keys=st.lists(st.integers(0, 5), max_size=3))
+    def miss(self, keys):
+        expected = 0
+        for key in keys:
+            if h(key) in self.ghosts:
+                del self.ghosts[h(key)]
+                expected += 1
+        self.regrets += expected
+        assert self.pool.count_regrets([h(k) for k in keys]) == expected
 
     @rule()
     def reset_cache(self):
         self.pool.reset_cache()
-        for i in list(self.free_order):
+        for i in self._order():
             self._forget(i)
+
+    # -- invariants
 
     @invariant()
     def every_block_is_free_xor_referenced(self):
@@ -291,23 +476,40 @@ class BlockPoolMachine(RuleBasedStateMachine):
         forward = list(self.pool.free_queue)
         num_unreferenced = sum(1 for b in self.pool.blocks if b.ref_cnt == 0)
         assert len(forward) == self.pool.num_free_blocks == num_unreferenced
-        assert ids(forward) == self.free_order  # exact LRU order
+        assert ids(forward) == self._order()  # exact eviction order
 
     @invariant()
     def linked_list_walks_agree(self):
-        forward = list(self.pool.free_queue)
-        assert walk_backward(self.pool.free_queue) == forward[::-1]
-        assert len({id(b) for b in forward}) == len(forward)
+        for queue in segments(self.pool):
+            forward = list(queue)
+            assert walk_backward(queue) == forward[::-1]
+            assert len({id(b) for b in forward}) == len(forward) == queue.num_free
+        if self.POLICY is EvictionPolicy.SLRU:
+            assert ids(self.pool.free_queue.protected) == self.protected
+            assert all(b.protected == (b.block_id in self.protected) for b in self.pool.blocks)
 
     @invariant()
     def hash_map_matches_blocks(self):
         for block_hash, block in self.pool.cached.items():
             assert block.block_hash == block_hash
-        registered = {b.block_hash: b.block_id for b in self.pool.blocks if b.block_hash is not None}
-        assert registered == {k: b.block_id for k, b in self.pool.cached.items()}
         assert {k: (b.block_id, b.token_ids) for k, b in self.pool.cached.items()} == self.cached
+        assert {k: list(c) for k, c in self.pool.duplicates.items()} == self.copies
+        assert {b.block_id: (b.block_hash, b.token_ids) for b in self.pool.blocks
+                if b.block_hash is not None} == self.block_hash
         assert self.pool.num_evictions == self.evictions
+        assert list(self.pool.ghosts) == list(self.ghosts) and self.pool.num_regrets == self.regrets
+
+
+def segments(pool: BlockPool) -> list[FreeBlockQueue]:
+    queue = pool.free_queue
+    return [queue.queue] if hasattr(queue, "queue") else [queue.probation, queue.protected]
+
+
+class SLRUBlockPoolMachine(BlockPoolMachine):
+    POLICY = EvictionPolicy.SLRU
 
 
 BlockPoolMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+SLRUBlockPoolMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
 TestBlockPoolMachine = BlockPoolMachine.TestCase
+TestSLRUBlockPoolMachine = SLRUBlockPoolMachine.TestCase

@@ -145,11 +145,35 @@ def test_token_latencies_are_observed_by_the_step_that_produced_them():
 
 def test_tenant_evictions_when_the_engine_reports_them():
     metrics = Metrics(MODEL, tenants=["acme"])
-    metrics.on_step(step(tenant_evictions={"acme": 2, "x": 1, "y": 3}))
+    metrics.on_step(step(tenant_evictions={"acme": 2, "x": 1, "y": 3}, tenant_regrets={"acme": 1, "x": 2}))
     s = scrape(metrics)
     evictions = "prefixgate_tenant_prefix_cache_evictions_blocks_total"
     assert value(s, evictions, tenant="acme") == 2
     assert value(s, evictions, tenant="other") == 4
+    regrets = "prefixgate_tenant_prefix_cache_regrets_blocks_total"
+    assert value(s, regrets, tenant="acme") == 1 and value(s, regrets, tenant="other") == 2
+
+
+def test_evictions_by_every_reason_regrets_and_the_disk_tier():
+    from engine.kv.disk_tier import DiskTierStats
+
+    metrics = Metrics(MODEL, tenants=[])
+    s = scrape(metrics)
+    assert value(s, "prefixgate_kv_disk_blocks") == 0  # exported without a disk tier too
+    cache = PrefixCacheStats(evictions_capacity=1, evictions_preemption=2, evictions_spill=3, evictions_reset=4,
+                             regrets=5, disk_hits=32,
+                             disk=DiskTierStats(files=7, bytes=700, writes=9, dropped_spills=1, evictions=2, corrupt=1))
+    metrics.on_step(StepStats(SchedulerStats(prefix_cache=cache)))
+    s = scrape(metrics)
+    evictions = "prefixgate_prefix_cache_evictions_blocks_total"
+    assert [value(s, evictions, reason=r) for r in ("capacity", "preemption", "spill", "reset")] == [1, 2, 3, 4]
+    assert value(s, "prefixgate_prefix_cache_regrets_blocks_total") == 5
+    assert value(s, "prefixgate_prefix_cache_disk_hits_tokens_total") == 32
+    assert value(s, "prefixgate_kv_disk_blocks") == 7 and value(s, "prefixgate_kv_disk_bytes") == 700
+    assert value(s, "prefixgate_kv_disk_writes_blocks_total") == 9
+    assert value(s, "prefixgate_kv_disk_evictions_blocks_total") == 2
+    assert value(s, "prefixgate_kv_disk_corrupt_blocks_total") == 1
+    assert value(s, "prefixgate_kv_disk_dropped_spills_blocks_total") == 1
 
 
 def test_http_requests_by_route_method_status():

@@ -1,11 +1,22 @@
-"""Blocks of KV slots, the free queue, and the hash -> block map of cached blocks."""
+"""Blocks of KV slots, the free blocks in eviction order, and the hash -> block map of cached blocks."""
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+from engine.config import EvictionPolicy
+from engine.kv.eviction import FreeBlockQueue, make_eviction
 from engine.kv.hashing import BlockHash
+
+__all__ = ["BlockPool", "FreeBlockQueue", "KVCacheBlock", "EVICTION_REASONS"]
+
+# why a cached block hash was dropped from RAM (preemption is counted by the KV cache manager)
+EVICTION_REASONS = ("capacity", "spill", "reset")
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "tenant", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "tenant", "reused", "protected",
+                 "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -13,6 +24,8 @@ class KVCacheBlock:
         self.block_hash: BlockHash | None = None
         self.token_ids: tuple[int, ...] | None = None  # kept to reject hash collisions
         self.tenant: str | None = None  # whose request cached it (per-tenant eviction counts)
+        self.reused = False  # hit since it was cached (SLRU protects it)
+        self.protected = False  # sits in SLRU's protected segment
         self.prev: KVCacheBlock | None = None
         self.next: KVCacheBlock | None = None
 
@@ -20,60 +33,39 @@ class KVCacheBlock:
         return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
 
 
-class FreeBlockQueue:
-    """Doubly linked list of free blocks, LRU first; prev/next live on the block (O(1) remove)."""
-
-    def __init__(self, blocks: list[KVCacheBlock]) -> None:
-        self._head = KVCacheBlock(-1)  # dummy ends: no special cases
-        self._tail = KVCacheBlock(-1)
-        self._head.next, self._tail.prev = self._tail, self._head
-        self.num_free = 0
-        for block in blocks:
-            self.append(block)
-
-    def popleft(self) -> KVCacheBlock:
-        block = self._head.next
-        if block is self._tail:
-            raise IndexError("no free block")
-        self.remove(block)
-        return block
-
-    def append(self, block: KVCacheBlock) -> None:
-        last = self._tail.prev
-        last.next, block.prev = block, last
-        block.next, self._tail.prev = self._tail, block
-        self.num_free += 1
-
-    def remove(self, block: KVCacheBlock) -> None:
-        block.prev.next, block.next.prev = block.next, block.prev
-        block.prev = block.next = None
-        self.num_free -= 1
-
-    def __contains__(self, block: KVCacheBlock) -> bool:
-        return block.prev is not None
-
-    def __iter__(self):
-        block = self._head.next
-        while block is not self._tail:
-            yield block
-            block = block.next
-
-
 class BlockPool:
-    """Owns every block: hands out free ones (evicting lazily), tracks refs and cached hashes."""
+    """Owns every block: hands out free ones (evicting lazily), tracks refs and cached hashes.
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    A block may hold a hash another block already holds (the same tokens computed twice); it is a
+    duplicate, kept in `duplicates`, reused first, and promoted when the cached holder is evicted.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 eviction_policy: EvictionPolicy = EvictionPolicy.LRU) -> None:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.free_queue = make_eviction(eviction_policy, self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.duplicates: dict[BlockHash, dict[int, KVCacheBlock]] = {}  # hash -> block id -> live copy
         self.enable_caching = enable_caching
-        self.num_evictions = 0
+        self.evictions = dict.fromkeys(EVICTION_REASONS, 0)
+        self.num_regrets = 0  # evicted blocks asked for again while still in the ghost list
+        # NOTE: ghosts are bounded: hashes of the last num_blocks evictions (as ARC keeps), with their tenant
+        self.ghosts: OrderedDict[BlockHash, str | None] = OrderedDict()
+        self.max_ghosts = num_blocks
+        self.spill: Callable[[KVCacheBlock], bool] | None = None  # disk tier: True if it took the block
         self._tenant_evictions: dict[str, int] = {}  # since last taken
+        self._tenant_regrets: dict[str, int] = {}
         self.kv_events: list[tuple[str, BlockHash]] | None = None  # ("stored"|"removed", hash); opt-in, for routers
+        # bumped whenever a hash leaves the map or moves to another block: a remembered hit is stale after it
+        self.generation = 0
 
     @property
     def num_free_blocks(self) -> int:
         return self.free_queue.num_free
+
+    @property
+    def num_evictions(self) -> int:
+        return sum(self.evictions.values())
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / len(self.blocks)
@@ -91,45 +83,96 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
+            block.reused = True
 
     def allocate(self, n: int) -> list[KVCacheBlock]:
         if n > self.num_free_blocks:
             raise ValueError(f"need {n} blocks, {self.num_free_blocks} free")
-        blocks = [self.free_queue.popleft() for _ in range(n)]
+        blocks = [self.free_queue.pop() for _ in range(n)]
         for block in blocks:
-            self._evict(block)
+            self._evict(block, "capacity")
             block.ref_cnt = 1
         return blocks
 
-    def free(self, blocks: list[KVCacheBlock]) -> None:
+    def free(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; pass them tail first so the prefix outlives the suffix."""
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                self.free_queue.push(block, self._is_worthless(block))
+
+    def _is_worthless(self, block: KVCacheBlock) -> bool:
+        """No hash, or a copy of a cached hash: nothing is lost when it is reused."""
+        return block.block_hash is None or self.cached[block.block_hash] is not block
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...],
-                    tenant: str | None = None) -> None:
+                    tenant: str | None = None, *, reused: bool = False) -> None:
         if not self.enable_caching or block.block_hash is not None:
             return
-        if block_hash in self.cached:
-            return  # another block already holds these tokens; this one stays private
-        block.block_hash, block.token_ids, block.tenant = block_hash, token_ids, tenant
+        block.block_hash, block.token_ids, block.tenant, block.reused = block_hash, token_ids, tenant, reused
+        if block_hash in self.cached:  # the same tokens computed twice: a live copy, hittable once the holder goes
+            self.duplicates.setdefault(block_hash, {})[block.block_id] = block
+            return
         self.cached[block_hash] = block
+        self.ghosts.pop(block_hash, None)
         if self.kv_events is not None:
             self.kv_events.append(("stored", block_hash))
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def _evict(self, block: KVCacheBlock, reason: str) -> None:
         # NOTE: lazy eviction: a free block keeps its hash until it is handed out again
-        if block.block_hash is None:
+        block_hash = block.block_hash
+        if block_hash is None:
             return
+        if self.cached[block_hash] is not block:
+            self._drop_duplicate(block_hash, block)
+        elif block_hash in self.duplicates:
+            self._promote_duplicate(block_hash)
+        else:
+            self._drop_hash(block, reason)
+        block.block_hash = block.token_ids = block.tenant = None
+        block.reused = False
+
+    def _drop_duplicate(self, block_hash: BlockHash, block: KVCacheBlock) -> None:
+        copies = self.duplicates[block_hash]
+        del copies[block.block_id]
+        if not copies:
+            del self.duplicates[block_hash]
+
+    def _promote_duplicate(self, block_hash: BlockHash) -> None:
+        """The holder goes but a live copy stays: the copy becomes the cached block (nothing is lost)."""
+        # NOTE: the copy is in use: a free copy sits in front of its holder (worthless first), so goes first
+        copies = self.duplicates[block_hash]
+        copy = copies.pop(next(iter(copies)))
+        if not copies:
+            del self.duplicates[block_hash]
+        self.cached[block_hash] = copy
+        self.generation += 1
+
+    def _drop_hash(self, block: KVCacheBlock, reason: str) -> None:
+        if reason == "capacity" and self.spill is not None and self.spill(block):
+            reason = "spill"  # its KV lives on in the disk tier
         del self.cached[block.block_hash]
+        self.evictions[reason] += 1
+        self.generation += 1
         if self.kv_events is not None:
             self.kv_events.append(("removed", block.block_hash))
         if block.tenant is not None:
             self._tenant_evictions[block.tenant] = self._tenant_evictions.get(block.tenant, 0) + 1
-        block.block_hash = block.token_ids = block.tenant = None
-        self.num_evictions += 1
+        self.ghosts[block.block_hash] = block.tenant
+        if len(self.ghosts) > self.max_ghosts:
+            self.ghosts.popitem(last=False)
+
+    def count_regrets(self, missed: Iterable[BlockHash]) -> int:
+        """Counts the missed block hashes evicted recently (each eviction is regretted once)."""
+        num = 0
+        for block_hash in missed:
+            if block_hash in self.ghosts:
+                tenant = self.ghosts.pop(block_hash)
+                num += 1
+                if tenant is not None:
+                    self._tenant_regrets[tenant] = self._tenant_regrets.get(tenant, 0) + 1
+        self.num_regrets += num
+        return num
 
     def take_kv_events(self) -> list[tuple[str, BlockHash]]:
         if not self.kv_events:
@@ -141,7 +184,11 @@ class BlockPool:
         taken, self._tenant_evictions = self._tenant_evictions, {}
         return taken
 
+    def take_tenant_regrets(self) -> dict[str, int]:
+        taken, self._tenant_regrets = self._tenant_regrets, {}
+        return taken
+
     def reset_cache(self) -> None:
         """Forget every cached hash of a free block (used between benchmark runs)."""
-        for block in self.free_queue:
-            self._evict(block)
+        for block in list(self.free_queue):
+            self._evict(block, "reset")

@@ -3,33 +3,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import HashAlgo
+from engine.config import EvictionPolicy, HashAlgo
 from engine.kv.block_pool import BlockPool, KVCacheBlock
+from engine.kv.disk_tier import DiskTier
+from engine.kv.kv_io import KVBlockIO
 from engine.request import Request
 
 
 @dataclass(slots=True)
 class CachedPrefix:
     blocks: list[KVCacheBlock]
-    num_tokens: int
+    num_tokens: int  # RAM and disk hits together
+    num_disk_blocks: int = 0  # blocks after `blocks` found in the disk tier, loaded by allocate
 
 
 @dataclass(slots=True)
 class _Hit:
-    """A waiting request's longest hit, remembered between steps; valid while no block was evicted."""
+    """A waiting request's longest RAM hit, remembered between steps; valid while the hash map only grew."""
 
     blocks: list[KVCacheBlock]
-    num_evictions: int  # the pool's eviction count when `blocks` were found
+    generation: int  # the pool's generation when `blocks` were found
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
-                 hash_algo: HashAlgo = HashAlgo.SHA256, min_shared_prefix_tokens: int = 0) -> None:
+                 hash_algo: HashAlgo = HashAlgo.SHA256, min_shared_prefix_tokens: int = 0,
+                 eviction_policy: EvictionPolicy = EvictionPolicy.LRU) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
         self.min_shared_prefix_tokens = min_shared_prefix_tokens
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, eviction_policy)
+        self.disk: DiskTier | None = None
+        self.kv_io: KVBlockIO | None = None
+        self.num_disk_hit_tokens = 0
         # NOTE: block tables are append-only while a request runs
         self.block_tables: dict[str, list[KVCacheBlock]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks of a table already in the hash map
@@ -45,24 +52,40 @@ class KVCacheManager:
         return (request.num_tokens - 1) // self.block_size
 
     def find_cached_prefix(self, request: Request) -> CachedPrefix:
-        """Longest run of cached full blocks, covering at most num_tokens - 1 tokens."""
-        num_blocks = self.num_cached_blocks(request)
-        return CachedPrefix(self._hits[request.request_id].blocks[:num_blocks] if num_blocks else [],
-                            num_blocks * self.block_size)
+        """Longest run of cached full blocks (RAM, then disk), covering at most num_tokens - 1 tokens."""
+        if not self.enable_caching:
+            return CachedPrefix([], 0)
+        blocks = self._longest_hit(request)
+        num_disk = self._num_disk_blocks(request, len(blocks))
+        num_tokens = (len(blocks) + num_disk) * self.block_size
+        if num_tokens < self.min_shared_prefix_tokens:
+            return CachedPrefix([], 0)
+        return CachedPrefix(list(blocks), num_tokens, num_disk)
 
     def num_cached_blocks(self, request: Request) -> int:
-        """Blocks find_cached_prefix would hit (it remembers a waiting request's hit between calls)."""
+        """Blocks find_cached_prefix would hit, without copying the hit (lpm orders the queue by it each step)."""
         if not self.enable_caching:
             return 0
-        num_blocks = len(self._longest_hit(request))
+        num_ram = len(self._longest_hit(request))
+        num_blocks = num_ram + self._num_disk_blocks(request, num_ram)
         return num_blocks if num_blocks * self.block_size >= self.min_shared_prefix_tokens else 0
 
+    def _num_disk_blocks(self, request: Request, first: int) -> int:
+        """A RAM miss may still be a disk hit (checked by name here, read on allocate)."""
+        if self.disk is None:
+            return 0
+        num, max_blocks = 0, self.num_hittable_blocks(request)
+        while first + num < max_blocks and request.block_hashes[first + num] in self.disk:
+            num += 1
+        return num
+
     def _longest_hit(self, request: Request) -> list[KVCacheBlock]:
-        # NOTE: registering a block never takes one out of the hash map, only an eviction does: while the
-        # pool's eviction count stands still a remembered hit is still cached, and can only grow at its end
+        # NOTE: registering a block never takes one out of the hash map or moves it, only an eviction or a
+        # duplicate's promotion does (both bump the pool's generation): while the generation stands still a
+        # remembered hit is still cached, and can only grow at its end
         hit = self._hits.get(request.request_id)
-        if hit is None or hit.num_evictions != self.pool.num_evictions:
-            hit = self._hits[request.request_id] = _Hit([], self.pool.num_evictions)
+        if hit is None or hit.generation != self.pool.generation:
+            hit = self._hits[request.request_id] = _Hit([], self.pool.generation)
         request.update_block_hashes(self.block_size, self.hash_algo)
         blocks, max_blocks = hit.blocks, self.num_hittable_blocks(request)
         while len(blocks) < max_blocks:
@@ -98,13 +121,51 @@ class KVCacheManager:
                 del self.block_tables[request.request_id]
             return False
         self._hits.pop(request.request_id, None)  # admitted: it looks nothing up again until it waits again
+        if prefix is not None:  # before allocating: its own evictions must not push its ghosts out
+            self.pool.count_regrets(
+                request.block_hashes[prefix.num_tokens // self.block_size:self.num_hittable_blocks(request)])
         self.pool.touch(hit_blocks)
         table += hit_blocks
         self._num_registered.setdefault(request.request_id, 0)
         self._num_registered[request.request_id] += len(hit_blocks)
         if num_needed > 0:
             table += self.pool.allocate(num_needed)
+        if prefix and prefix.num_disk_blocks:
+            self._load_from_disk(request, prefix, table)
         return True
+
+    def use_disk_tier(self, disk: DiskTier, kv_io: KVBlockIO) -> None:
+        self.disk, self.kv_io = disk, kv_io
+        self.pool.spill = self._spill
+
+    def _spill(self, block: KVCacheBlock) -> bool:
+        """Called as a cached block is handed out, before its KV is overwritten."""
+        if block.block_hash in self.disk:
+            return True
+        return self.disk.put(block.block_hash, block.token_ids, self.kv_io.copy_out(block.block_id))
+
+    def _load_from_disk(self, request: Request, prefix: CachedPrefix, table: list[KVCacheBlock]) -> None:
+        """Fills the blocks after the RAM hits from disk; a block that fails its checks ends the hit there."""
+        first = len(prefix.blocks)
+        for i in range(first, first + prefix.num_disk_blocks):
+            tokens = request.block_tokens(i, self.block_size)
+            kv = self.disk.load(request.block_hashes[i], tokens)
+            if kv is None:
+                prefix.num_tokens -= (first + prefix.num_disk_blocks - i) * self.block_size
+                prefix.num_disk_blocks = i - first
+                return
+            self.kv_io.copy_in(table[i].block_id, kv)
+            self.pool.cache_block(table[i], request.block_hashes[i], tokens, request.tenant, reused=True)
+            self._num_registered[request.request_id] += 1
+            self.num_disk_hit_tokens += self.block_size
+
+    def flush_to_disk(self) -> int:
+        """Writes every cached RAM block the disk tier lacks (graceful shutdown); returns how many."""
+        blocks = [b for b in self.pool.cached.values() if b.block_hash not in self.disk]
+        for block in blocks:
+            self.disk.put(block.block_hash, block.token_ids, self.kv_io.copy_out(block.block_id), wait=True)
+        self.disk.flush()
+        return len(blocks)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register blocks that became full and computed (prompt and output blocks alike)."""

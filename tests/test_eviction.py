@@ -1,0 +1,100 @@
+"""Eviction policies through the real engine: a scan of one-off prompts against a hot prefix, with exact
+block-level outcomes, and the eviction accounting (reasons, regret) the metrics export."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.kv.hashing import hash_full_blocks
+
+BS = 16
+POOL = 16  # blocks: the hot prompt (5) plus room for a few one-off prompts
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def greedy(max_tokens: int = 1) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+HOT = tokens(4 * BS + 1, seed=0)  # 4 hittable blocks
+SCAN = [tokens(4 * BS + 1, seed=100 + i) for i in range(6)]  # one-off prompts, 5 blocks each in use
+
+
+def run_scan(model_dir, policy: str) -> tuple[LLM, list[int]]:
+    """Hot prompt twice (the second time a hit), then the scan one prompt at a time, then the hot prompt."""
+    llm = LLM(str(model_dir), num_kv_blocks=POOL, eviction_policy=policy)
+    cached = [llm.generate(HOT, greedy())[0].num_cached_tokens, llm.generate(HOT, greedy())[0].num_cached_tokens]
+    for prompt in SCAN:
+        assert llm.generate(prompt, greedy())[0].num_cached_tokens == 0
+    llm.ghosts_before_last = list(llm.core.kv.pool.ghosts)
+    cached.append(llm.generate(HOT, greedy())[0].num_cached_tokens)
+    return llm, cached
+
+
+def hot_hashes() -> list[bytes]:
+    return hash_full_blocks(HOT, BS)
+
+
+def test_slru_keeps_the_hot_prefix_through_a_scan(tiny_llama_dir):
+    llm, cached = run_scan(tiny_llama_dir, "slru")
+    assert cached == [0, 64, 64]
+    pool = llm.core.kv.pool
+    assert all(h in pool.cached for h in hot_hashes())
+    # the scan evicted its own blocks only: 6 prompts x 4 full blocks, minus what the pool still holds
+    scan_hashes = {h for p in SCAN for h in hash_full_blocks(p, BS)}
+    assert set(pool.ghosts) <= scan_hashes
+    assert pool.evictions["capacity"] == len(scan_hashes) - sum(h in pool.cached for h in scan_hashes)
+    assert pool.num_regrets == 0
+
+
+def test_lru_loses_the_hot_prefix_to_the_same_scan(tiny_llama_dir):
+    llm, cached = run_scan(tiny_llama_dir, "lru")
+    assert cached == [0, 64, 0]
+    pool = llm.core.kv.pool
+    # all 4 hot blocks were evicted and asked for again: 4 regrets
+    assert all(h in llm.ghosts_before_last for h in hot_hashes())
+    assert pool.num_regrets == 4
+    assert all(h in pool.cached for h in hot_hashes())
+
+
+def test_eviction_stats_carry_reasons_and_per_tenant_regrets(tiny_llama_dir):
+    from engine.request import Request
+
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=8, eviction_policy="lru")
+    core = llm.core
+
+    def run(request_id: str, prompt: list[int], tenant: str):
+        core.add_request(Request(request_id, prompt, greedy(), tenant=tenant))
+        regrets: dict[str, int] = {}
+        while core.has_unfinished():
+            _, stats = core.step()
+            for t, n in stats.tenant_regrets.items():
+                regrets[t] = regrets.get(t, 0) + n
+        return regrets
+
+    assert run("a", HOT, "alice") == {}
+    # 5 blocks in an 8-block pool: alice's hashless tail block and 3 unused ones, then her 4th block
+    assert run("b", SCAN[0], "bob") == {}
+    stats = core.prefix_cache_stats()
+    assert stats.evictions_capacity == 1 and stats.evictions_spill == 0 and stats.regrets == 0
+    assert run("c", HOT, "alice") == {"alice": 1}  # 3 blocks hit, the 4th asked for again
+    num_cached = len(core.kv.pool.cached)
+    core.kv.pool.reset_cache()
+    stats = core.prefix_cache_stats()
+    assert stats.regrets == 1 and stats.evictions_reset == num_cached and not core.kv.pool.cached
+
+
+@pytest.mark.parametrize("policy", ["lru", "slru"])
+def test_both_policies_give_the_same_tokens_as_no_cache(tiny_llama_dir, policy):
+    prompts = [HOT, *SCAN[:3], HOT, SCAN[0], HOT]
+    off = LLM(str(tiny_llama_dir), num_kv_blocks=POOL, enable_prefix_caching=False)
+    on = LLM(str(tiny_llama_dir), num_kv_blocks=POOL, eviction_policy=policy)
+    expected = [o.token_ids for o in off.generate(prompts, greedy(6))]
+    assert [on.generate(p, greedy(6))[0].token_ids for p in prompts] == expected
+    assert all(b.ref_cnt == 0 for b in on.core.kv.pool.blocks)
