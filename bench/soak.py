@@ -70,7 +70,7 @@ class SoakReport:
     evictions: int = 0
     preemptions: int = 0
     hit_rate: float = 0.0
-    leak_error: str | None = None  # check_blocks_released's message, None when every block came back
+    leak_error: str | None = None  # assert_blocks_released's message, None when every block came back
     rss_mb: list[float] = field(default_factory=list)  # after each third of the requests
     py_blocks: list[int] = field(default_factory=list)  # sys.getallocatedblocks() after each third
     wall_s: float = 0.0

@@ -14,6 +14,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.kv.disk_tier import CorruptBlock, DiskTier, decode_block, encode_block
 from engine.kv.hashing import BlockHash, hash_full_blocks
+from tests.engine_faults import assert_blocks_released
 
 BS = 16
 FP = bytes(range(32))
@@ -228,7 +229,7 @@ async def test_concurrent_eviction_and_reload_leak_no_block(tiny_llama_dir, tmp_
     assert results == [expected[i] for i in order]
     stats = engine.core.prefix_cache_stats()
     assert stats.disk_hits > 0 and stats.evictions_spill > 0
-    engine.check_blocks_released()
+    assert_blocks_released(engine)
     await engine.shutdown()
     assert engine.core.kv.disk.closed
 

@@ -128,3 +128,24 @@ def test_block_ids_of_a_request():
     r = request("r", list(range(10)))
     assert kv.allocate(r, 10)
     assert kv.block_ids("r") == [0, 1, 2]
+
+
+def test_a_duplicate_taking_over_a_hash_invalidates_remembered_hits():
+    """The holder of a hash is reused while a live copy takes the hash over: no eviction is counted, yet a
+    waiting request's remembered hit must move to the copy (the old holder now holds other tokens' KV)."""
+    kv = KVCacheManager(6, BS)
+    tokens = list(range(1, 2 * BS + 2))  # two full blocks and one more token
+    holder = request("holder", tokens)
+    compute(kv, holder)
+    copy = request("copy", tokens)  # computes the same blocks without a hit: a live duplicate
+    assert kv.allocate(copy, len(tokens))
+    copy.num_computed_tokens = len(tokens)
+    kv.cache_full_blocks(copy)
+    waiting = request("waiting", tokens)
+    assert [b.block_id for b in kv.find_cached_prefix(waiting).blocks] == kv.block_ids("holder")[:2]
+    kv.free(holder)  # its blocks go to the free queue, still the hash holders
+    evictions = kv.pool.num_evictions
+    taker = request("taker", list(range(100, 100 + 3 * BS)))
+    assert kv.allocate(taker, 3 * BS)  # takes the holder's three blocks: both hashes pass to the copies
+    assert kv.pool.num_evictions == evictions
+    assert [b.block_id for b in kv.find_cached_prefix(waiting).blocks] == kv.block_ids("copy")[:2]
