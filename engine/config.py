@@ -36,6 +36,7 @@ class EngineConfig:
     max_reorder_wait_s: float = 2.0  # lpm may delay a request at most this long past FCFS
     lpm_max_queue: int = 2048  # above this many waiting requests lpm falls back to FCFS
     min_shared_prefix_tokens: int = 0  # side-channel hardening: no hit shorter than this
+    max_step_ms: float | None = None  # step-time target: caps each step's prefill share (None: off)
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU  # lru | slru (scan-resistant; loses on rag, see bench tiers)
     kv_disk_dir: str | None = None  # disk tier for evicted blocks (kept across restarts); None: no disk tier
     kv_disk_gb: float = 10.0  # disk tier size bound in GiB (its own LRU drops the oldest files)
@@ -61,6 +62,7 @@ class EngineConfig:
         _check(self.max_reorder_wait_s >= 0, "max_reorder_wait_s must be >= 0")
         _check(self.min_shared_prefix_tokens >= 0, "min_shared_prefix_tokens must be >= 0")
         _check(self.kv_disk_gb > 0, "kv_disk_gb must be > 0")
+        _check(self.max_step_ms is None or self.max_step_ms > 0, "max_step_ms must be > 0")
         _check(self.device in ("auto", "cpu", "cuda"), f"unknown device {self.device!r}")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype!r}")
 

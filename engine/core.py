@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
+
 import torch
 from transformers import GenerationConfig
 
@@ -17,6 +19,7 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling import SampledToken, Sampler, SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
+from engine.step_cost import calibrate
 from engine.structured import GrammarCache
 from engine.stats import FinishedRequestStats, PrefixCacheStats, SchedulerStats, StepStats
 from engine.tokenizer import load_tokenizer
@@ -52,6 +55,8 @@ class EngineCore:
             self.kv.use_disk_tier(_disk_tier(config, path, dtype, kv_io), kv_io)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, kv_cache, self.kv, self.device)
+        if config.max_step_ms is not None:
+            self.scheduler.prefill_cap = _prefill_cap(config, self.runner, self.num_blocks)
         self.sampler = Sampler(frozenset(self.tokenizer.eos_token_ids))
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size)
         self.requests: dict[str, Request] = {}
@@ -303,6 +308,19 @@ def _eos_token_ids(path, hf_config) -> set[int]:
     if eos is not None:
         ids.update(eos if isinstance(eos, list) else [eos])
     return ids
+
+
+def _prefill_cap(config: EngineConfig, runner: ModelRunner, num_blocks: int):
+    """Calibrates the step cost model on the real model (before any request holds blocks: it writes scratch
+    K/V from slot 0) and returns decode context tokens -> prefill tokens that fit in max_step_ms."""
+    num_slots = num_blocks * config.block_size - 1
+    cost = calibrate(runner.calibration_step, prefill_tokens=min(256, num_slots - 1),
+                     context_tokens=min(1024, num_slots))
+    logger.info("step cost model: %.1f ms fixed, %.3f ms per prefill token, %.4f ms per context token",
+                cost.fixed_s * 1e3, cost.per_prefill_token_s * 1e3, cost.per_context_token_s * 1e3)
+    target_s = config.max_step_ms / 1000
+    # at least one block per step, so a prefill always moves on even where the target cannot be met
+    return partial(cost.prefill_budget, target_s, minimum=config.block_size)
 
 
 def _disk_tier(config: EngineConfig, model_path, dtype: torch.dtype, kv_io: KVBlockIO) -> DiskTier:

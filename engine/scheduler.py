@@ -21,6 +21,27 @@ class ScheduledChunk:
 
 
 @dataclass(slots=True)
+class _StepBudget:
+    """Tokens one step may still schedule: in all, and of prefill (the rest of the step-time target)."""
+
+    tokens: int
+    prefill_tokens: int
+
+    def room(self, request: Request) -> int:
+        return min(self.tokens, self.prefill_tokens) if _is_catching_up(request) else self.tokens
+
+    def take(self, request: Request, num_tokens: int) -> None:
+        if _is_catching_up(request):
+            self.prefill_tokens -= num_tokens
+        self.tokens -= num_tokens
+
+
+def _is_catching_up(request: Request) -> bool:
+    """More than the newest token left to compute: a prefill, or a preempted request recomputing its output."""
+    return request.num_tokens - request.num_computed_tokens > 1
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -42,6 +63,8 @@ class Scheduler:
         self.waiting: list[Request] = []  # arrival order; preempted requests go back to the front
         self.running: list[Request] = []  # admission order; the newest is preempted first
         self.num_preemptions = 0
+        # step-time target: decode context tokens -> prefill tokens that fit beside them (None: no target)
+        self.prefill_cap: Callable[[int], int] | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -55,34 +78,39 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        budget = _StepBudget(self.max_num_batched_tokens, self._prefill_cap())
+        self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _prefill_cap(self) -> int:
+        if self.prefill_cap is None:
+            return self.max_num_batched_tokens
+        return self.prefill_cap(sum(r.num_tokens for r in self.running if not _is_catching_up(r)))
+
+    def _schedule_running(self, out: SchedulerOutput, budget: _StepBudget) -> None:
         for request in sorted(self.running, key=lambda r: r.is_prefilling):  # decodes first
-            if budget <= 0:
+            if budget.room(request) <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget.room(request))
             while not self.kv.allocate(request, num_tokens):
                 victim = self.running.pop()  # the newest running request gives way
-                budget += self._preempt(victim, out)
+                budget.tokens += self._preempt(victim, out)
                 if victim is request:
                     break
             else:
                 out.chunks.append(ScheduledChunk(request, num_tokens))
-                budget -= num_tokens
-        return budget
+                budget.take(request, num_tokens)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: _StepBudget) -> None:
         pending = self._pending_block_hashes()
         admitted = []
         now = self.clock()
         for request in self.order(self.waiting, now):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if budget.room(request) <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             prefix = self.kv.find_cached_prefix(request)
             num_hit_blocks = len(prefix.blocks)
@@ -93,7 +121,7 @@ class Scheduler:
                 if self.order.is_overdue(request, now):
                     break
                 continue
-            num_tokens = min(request.num_tokens - prefix.num_tokens, budget)
+            num_tokens = min(request.num_tokens - prefix.num_tokens, budget.room(request))
             if not self.kv.allocate(request, num_tokens, prefix):
                 break
             request.num_computed_tokens = prefix.num_tokens
@@ -106,7 +134,7 @@ class Scheduler:
             admitted.append(request)
             pending.update(request.block_hashes[num_hit_blocks:])
             out.chunks.append(ScheduledChunk(request, num_tokens))
-            budget -= num_tokens
+            budget.take(request, num_tokens)
         if admitted:
             admitted_ids = {id(r) for r in admitted}
             self.waiting = [r for r in self.waiting if id(r) not in admitted_ids]
