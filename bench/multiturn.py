@@ -80,9 +80,11 @@ class StepLog:
                 "mean_decodes_per_step": statistics.mean(d for _, d, _ in self.steps if d) if decoding else None}
 
 
-def run(model: str = "default", turns: int = 4, http: bool = True, log=print) -> dict:
+def run(model: str = "default", turns: int = 4, http: bool = True, log=print,
+        max_step_ms: float | None = None) -> dict:
     model_path = str(resolve_model_path(model))
-    core = EngineCore(driver.EngineConfig(model=model_path))
+    config = driver.EngineConfig(model=model_path, max_step_ms=max_step_ms)
+    core = EngineCore(config)
     work = workload(core.tokenizer, turns)
     driver.warm_up(core)
     steps = StepLog(core)
@@ -92,7 +94,7 @@ def run(model: str = "default", turns: int = 4, http: bool = True, log=print) ->
     out = {"workload": work.description, "in_process": in_process}
     if http:
         from bench import http as bench_http
-        core = EngineCore(driver.EngineConfig(model=model_path))
+        core = EngineCore(config)
         driver.warm_up(core)
         steps = StepLog(core)
         row = summarize(bench_http.run_gateway(core, work, "http-streaming"))
@@ -117,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--no-http", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--max-step-ms", type=float, default=None,
+                        help="the engine's step-time target (what it costs in TTFT, what it buys in ITL p95)")
     args = parser.parse_args(argv)
-    result = run(args.model, args.turns, not args.no_http)
+    result = run(args.model, args.turns, not args.no_http, max_step_ms=args.max_step_ms)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
     return 0

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import time
-from functools import partial
 
 import torch
 from transformers import GenerationConfig
@@ -19,7 +18,7 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling import SampledToken, Sampler, SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
-from engine.step_cost import calibrate
+from engine.step_cost import StepTimeTarget, calibrate
 from engine.structured import GrammarCache
 from engine.stats import FinishedRequestStats, PrefixCacheStats, SchedulerStats, StepStats
 from engine.tokenizer import load_tokenizer
@@ -55,8 +54,10 @@ class EngineCore:
             self.kv.use_disk_tier(_disk_tier(config, path, dtype, kv_io), kv_io)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, kv_cache, self.kv, self.device)
+        self.step_target: StepTimeTarget | None = None
         if config.max_step_ms is not None:
-            self.scheduler.prefill_cap = _prefill_cap(config, self.runner, self.num_blocks)
+            self.step_target = _step_target(config, self.runner, self.num_blocks)
+            self.scheduler.prefill_cap = self.step_target.prefill_budget
         self.sampler = Sampler(frozenset(self.tokenizer.eos_token_ids))
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size)
         self.requests: dict[str, Request] = {}
@@ -121,12 +122,15 @@ class EngineCore:
         if not sched.chunks:
             return [], self.take_stats()
         num_prompt_tokens = sum(_prompt_tokens_in(c) for c in sched.chunks)
+        started = time.perf_counter()
         try:
             logits, sampled = self.runner.execute(sched.chunks)
         except Exception as exc:  # one forward pass for the whole batch: it fails as a whole
             logger.exception("engine step failed; failing its %d requests", len(sched.chunks))
             return self._fail([c.request for c in sched.chunks], "engine step failed", exc), self.take_stats()
         tokens = self._sample(logits, sampled)
+        if self.step_target is not None:
+            self._observe_step_time(sched.chunks, time.perf_counter() - started)
         now = time.monotonic()
         for chunk in sched.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
@@ -143,6 +147,12 @@ class EngineCore:
                 outputs += self._guarded(chunk.request, self.kv.cache_full_blocks)
         num_generated = sum(1 for t in tokens if not isinstance(t, Exception))
         return outputs, self.take_stats(num_prompt_tokens, num_generated)
+
+    def _observe_step_time(self, chunks: list[ScheduledChunk], seconds: float) -> None:
+        """Corrects the step-time target's cost model by the step just run (before its tokens count as computed)."""
+        decodes = [c for c in chunks if c.request.num_tokens - c.request.num_computed_tokens == 1]
+        num_prefill = sum(c.num_tokens for c in chunks) - len(decodes)
+        self.step_target.observe(num_prefill, sum(c.request.num_tokens for c in decodes), seconds)
 
     def _guarded(self, request: Request, work, *args) -> list[RequestOutput]:
         """`work(request, *args)`, one request's share of the step: if it raises, that request alone fails."""
@@ -310,17 +320,16 @@ def _eos_token_ids(path, hf_config) -> set[int]:
     return ids
 
 
-def _prefill_cap(config: EngineConfig, runner: ModelRunner, num_blocks: int):
+def _step_target(config: EngineConfig, runner: ModelRunner, num_blocks: int) -> StepTimeTarget:
     """Calibrates the step cost model on the real model (before any request holds blocks: it writes scratch
-    K/V from slot 0) and returns decode context tokens -> prefill tokens that fit in max_step_ms."""
+    K/V from slot 0) for a target of max_step_ms."""
     num_slots = num_blocks * config.block_size - 1
     cost = calibrate(runner.calibration_step, prefill_tokens=min(256, num_slots - 1),
                      context_tokens=min(1024, num_slots))
     logger.info("step cost model: %.1f ms fixed, %.3f ms per prefill token, %.4f ms per context token",
                 cost.fixed_s * 1e3, cost.per_prefill_token_s * 1e3, cost.per_context_token_s * 1e3)
-    target_s = config.max_step_ms / 1000
     # at least one block per step, so a prefill always moves on even where the target cannot be met
-    return partial(cost.prefill_budget, target_s, minimum=config.block_size)
+    return StepTimeTarget(cost, config.max_step_ms / 1000, minimum=config.block_size)
 
 
 def _disk_tier(config: EngineConfig, model_path, dtype: torch.dtype, kv_io: KVBlockIO) -> DiskTier:

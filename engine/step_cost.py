@@ -29,6 +29,30 @@ class StepCost:
         return max(minimum, int(left / self.per_prefill_token_s)) if self.per_prefill_token_s > 0 else minimum
 
 
+class StepTimeTarget:
+    """Prefill tokens per step for a step-time target: the calibrated model, corrected as steps run.
+
+    Calibration times one decode; a real step carries several decodes and other load, so the model is
+    scaled by how far real steps ran over (or under) what it predicted, smoothed over recent steps.
+    """
+
+    SMOOTHING = 0.3  # weight of the newest step in the correction
+
+    def __init__(self, cost: StepCost, target_s: float, minimum: int) -> None:
+        self.cost = cost
+        self.target_s = target_s
+        self.minimum = minimum
+        self.scale = 1.0  # measured / predicted step time
+
+    def prefill_budget(self, decode_context_tokens: int) -> int:
+        return self.cost.prefill_budget(self.target_s / self.scale, decode_context_tokens, self.minimum)
+
+    def observe(self, num_prefill_tokens: int, decode_context_tokens: int, seconds: float) -> None:
+        predicted = self.cost.predict(num_prefill_tokens, decode_context_tokens)
+        if predicted > 0:
+            self.scale += self.SMOOTHING * (seconds / predicted - self.scale)
+
+
 def calibrate(forward: Callable[[int, int], None], prefill_tokens: int = 256, context_tokens: int = 1024,
               repeats: int = 3, clock: Callable[[], float] = time.perf_counter) -> StepCost:
     """`forward(num_prefill_tokens, decode_context_tokens)` runs one step's worth of model work.

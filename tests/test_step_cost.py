@@ -1,7 +1,7 @@
 """The step cost model: calibration recovers a known linear cost; the prefill budget fills the target."""
 from __future__ import annotations
 
-from engine.step_cost import StepCost, calibrate
+from engine.step_cost import StepCost, StepTimeTarget, calibrate
 
 
 def test_calibration_recovers_a_linear_cost():
@@ -32,3 +32,14 @@ def test_calibrates_on_the_real_runner(tiny_llama_dir):
     assert cost.fixed_s > 0 and cost.per_prefill_token_s >= 0 and cost.per_context_token_s >= 0
     # the pool's scratch K/V is overwritten by real requests afterwards: output is unaffected
     assert llm.generate([1, 2, 3, 4, 5], None)[0].token_ids
+
+
+def test_the_target_corrects_the_model_by_the_steps_it_sees():
+    cost = StepCost(fixed_s=0.020, per_prefill_token_s=0.001, per_context_token_s=0.0)
+    target = StepTimeTarget(cost, target_s=0.100, minimum=16)
+    assert target.prefill_budget(0) == 80  # the calibrated model: 20 ms + 80 x 1 ms = 100 ms
+    for _ in range(30):  # real steps run twice what the model predicts (more decodes, other load)
+        target.observe(40, 0, 2 * cost.predict(40, 0))
+    assert abs(target.scale - 2.0) < 1e-3
+    assert target.prefill_budget(0) == 30  # 100 ms / 2 = 50 ms: 20 ms + 30 x 1 ms
+    assert StepTimeTarget(cost, 0.010, minimum=16).prefill_budget(0) == 16  # never below one block
