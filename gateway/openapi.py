@@ -124,8 +124,27 @@ def _chat_request(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
         "logprobs": {"type": "boolean", "nullable": True},
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": limits.max_top_logprobs, "nullable": True,
                          "description": "needs logprobs: true"},
+        **_tool_fields(),
     })
     return {"type": "object", "required": ["model", "messages"], "properties": properties}
+
+
+def _tool_fields() -> dict[str, Any]:
+    """`tools`, `tool_choice` and `parallel_tool_calls` (the history's tool messages are accepted too)."""
+    name = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
+    function = {"type": "object", "required": ["name"], "properties": {
+        "name": name, "description": {"type": "string"}, "parameters": {"type": "object"}}}
+    tool = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"type": "string", "enum": ["function"]}, "function": function}}
+    named = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name"], "properties": {"name": name}}}}
+    return {
+        "tools": {"type": "array", "items": tool, "minItems": 1, "nullable": True},
+        "tool_choice": {"nullable": True, "description": "needs tools; a named function must be one of them",
+                        "oneOf": [{"type": "string", "enum": ["auto", "none", "required"]}, named]},
+        "parallel_tool_calls": {"type": "boolean", "nullable": True, "description": "needs tools"},
+    }
 
 
 def _completion_request(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[str, Any]:
