@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+import openai
 from aiohttp import web
 
 from engine.config import EngineConfig
@@ -17,6 +19,17 @@ from gateway.state import STATE, GatewayState
 from tests.engine_faults import assert_blocks_released
 
 ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+def sdk_client(server: "LiveServer", timeout: float = 30) -> openai.OpenAI:
+    """The real openai SDK pointed at a live server (no retries: a test sees every failure)."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=timeout)
+
+
+def ask(text: str) -> list[dict]:
+    """A chat with a system prompt of its own, so no earlier test's cache hits it."""
+    return [{"role": "system", "content": f"[{uuid.uuid4().hex}] You are a helpful assistant."},
+            {"role": "user", "content": text}]
 
 
 def tiny_settings(model_dir: Path, keys: tuple[ApiKey, ...] = (), engine: dict | None = None,

@@ -13,7 +13,7 @@ import requests
 from gateway.__main__ import build_parser, main, settings_from_args
 from gateway.fingerprint import system_fingerprint
 from gateway.settings import ApiKey
-from tests.gateway_helpers import LiveServer, is_error_body, tiny_settings
+from tests.gateway_helpers import LiveServer, is_error_body, sdk_client, tiny_settings
 
 REPO = Path(__file__).resolve().parent.parent
 ORIGIN = "http://chat-ui.example:3000"
@@ -27,7 +27,7 @@ def server(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30) as sdk:
+    with sdk_client(server) as sdk:
         yield sdk
 
 

@@ -10,15 +10,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import uuid
 
-import openai
 import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.outputs import FinishReason
 from engine.tokenizer import load_tokenizer
-from tests.gateway_helpers import LiveServer, tiny_settings
+from tests.gateway_helpers import LiveServer, ask, sdk_client, tiny_settings
 
 BLOCK = 16
 WEATHER = {"type": "function", "function": {
@@ -72,7 +70,7 @@ def server(tiny_tools_dir):
 @pytest.fixture()
 def client(server):
     server.scripted.script = None
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30) as sdk:
+    with sdk_client(server) as sdk:
         yield sdk
     server.scripted.script = None
 
@@ -80,11 +78,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def model(server) -> str:
     return server.state.model_name
-
-
-def ask(text: str) -> list[dict]:
-    return [{"role": "system", "content": f"[{uuid.uuid4().hex}] You are a helpful assistant."},
-            {"role": "user", "content": text}]
 
 
 def test_tool_call_parsed_into_message_tool_calls(server, client, model):

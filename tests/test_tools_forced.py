@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 from typing import Literal
-import uuid
 
 import openai
 import pytest
 from pydantic import BaseModel
 
 from engine.async_engine import AsyncEngine
-from tests.gateway_helpers import LiveServer, tiny_settings
+from tests.gateway_helpers import LiveServer, ask, sdk_client, tiny_settings
 
 BLOCK = 16
 CITY = {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}  # bounded: a random model cannot ramble
@@ -38,18 +37,13 @@ def server(tiny_tools_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60) as sdk:
+    with sdk_client(server, timeout=60) as sdk:
         yield sdk
 
 
 @pytest.fixture(scope="module")
 def model(server) -> str:
     return server.state.model_name
-
-
-def ask(text: str) -> list[dict]:
-    return [{"role": "system", "content": f"[{uuid.uuid4().hex}] You are a helpful assistant."},
-            {"role": "user", "content": text}]
 
 
 def check_call(call, name: str) -> dict:
