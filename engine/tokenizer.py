@@ -29,8 +29,6 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: list[int]) -> str: ...
 
-    def token_text(self, token_id: int) -> str: ...
-
     def token_bytes(self, token_id: int) -> bytes: ...
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -67,10 +65,6 @@ class HFTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         with self._lock:
             return self._tok.decode(token_ids, skip_special_tokens=True)
-
-    def token_text(self, token_id: int) -> str:
-        with self._lock:
-            return self._tok.decode([token_id])
 
     def token_bytes(self, token_id: int) -> bytes:
         """The token's own bytes, also when they are part of a UTF-8 character (decode would say U+FFFD)."""
@@ -174,9 +168,6 @@ class TiktokenTokenizer:
         except KeyError:
             return False
         return True
-
-    def token_text(self, token_id: int) -> str:
-        return self._enc.decode([token_id], errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._enc.decode_single_token_bytes(token_id)
