@@ -140,23 +140,11 @@ class GrammarCache:
     def _compile(self, so: StructuredOutput) -> "llguidance.LLMatcher":
         import llguidance
         if self._ll_tokenizer is None:
-            self._ll_tokenizer = ll_tokenizer(self.tokenizer, self.vocab_size)
+            self._ll_tokenizer = self.tokenizer.llguidance_tokenizer(self.vocab_size)
         matcher = llguidance.LLMatcher(self._ll_tokenizer, build_grammar(so), log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid {so.kind}: {matcher.get_error()}")
         return matcher
-
-
-def ll_tokenizer(tokenizer: "Tokenizer", vocab_size: int) -> "llguidance.LLTokenizer":
-    """llguidance's view of our tokenizer, with every EOS id as the grammar's end."""
-    from engine.tokenizer import HFTokenizer
-    eos = sorted(tokenizer.eos_token_ids)
-    if isinstance(tokenizer, HFTokenizer):
-        import llguidance.hf
-        with tokenizer._lock:  # the gateway thread encodes with the same fast tokenizer
-            return llguidance.hf.from_tokenizer(tokenizer._tok, n_vocab=vocab_size, eos_token=eos)
-    import llguidance.tiktoken
-    return llguidance.tiktoken.lltokenizer_from_encoding(tokenizer._enc, n_vocab=vocab_size, eos_token=eos)
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:

@@ -6,10 +6,13 @@ import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+if TYPE_CHECKING:
+    import llguidance
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -33,6 +36,10 @@ class Tokenizer(Protocol):
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str: ...
+
+    def llguidance_tokenizer(self, n_vocab: int) -> "llguidance.LLTokenizer":
+        """The vocabulary as the grammar library sees it, `n_vocab` wide, with every EOS id as the end."""
+        ...
 
 
 def _check_messages(messages: list[dict]) -> None:
@@ -79,6 +86,11 @@ class HFTokenizer:
         _check_messages(messages)
         return self._tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
+
+    def llguidance_tokenizer(self, n_vocab: int) -> "llguidance.LLTokenizer":
+        import llguidance.hf
+        with self._lock:
+            return llguidance.hf.from_tokenizer(self._tok, n_vocab=n_vocab, eos_token=sorted(self.eos_token_ids))
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -177,6 +189,11 @@ class TiktokenTokenizer:
         _check_messages(messages)
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      tools=tools)
+
+    def llguidance_tokenizer(self, n_vocab: int) -> "llguidance.LLTokenizer":
+        import llguidance.tiktoken
+        return llguidance.tiktoken.lltokenizer_from_encoding(self._enc, n_vocab=n_vocab,
+                                                             eos_token=sorted(self.eos_token_ids))
 
 
 def _is_tiktoken_bpe_file(path: Path) -> bool:
