@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model
     if model in RANDOM_MODELS:
-        from tests.tiny_models import build_tiny_model  # the tests' tiny model builder (seconds, offline)
+        from bench.tiny_models import build_tiny_model  # seconds, offline
         model = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="bench-cluster-")) / model,
                                      **RANDOM_MODELS[model]))
     config = EngineConfig(model=model, block_size=args.block_size, num_kv_blocks=args.blocks_per_replica,

@@ -7,7 +7,7 @@ disconnect at random points, explicit engine aborts and engine steps that raise.
 every request must have an outcome (completed, an error object, a 429, or the client's own
 disconnect), no KV block may stay referenced and the memory of the last third of the run must
 not exceed the first third's by more than a tolerance. Without --model it builds the tiny
-random-weight Llama the tests use (needs the repository's tests/ package).
+random-weight Llama the tests use.
 """
 from __future__ import annotations
 
@@ -31,11 +31,12 @@ import aiohttp
 import psutil
 from aiohttp import web
 
+from bench.engine_faults import assert_blocks_released, set_step_hook
+from bench.tiny_models import build_tiny_model
 from engine.config import EngineConfig
 from gateway.app import IN_FLIGHT, create_app
 from gateway.settings import GatewaySettings, Settings
 from gateway.state import STATE
-from tests.engine_faults import assert_blocks_released, set_step_hook
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 LOST = ("hung", "malformed")  # outcomes that mean a request was lost or answered wrongly
@@ -328,12 +329,6 @@ def _rss_mb(proc: psutil.Process) -> float:
     return proc.memory_info().rss / 2**20
 
 
-def _tiny_model(directory: Path) -> str:
-    from tests.tiny_models import build_tiny_model  # run from the repository root
-
-    return str(build_tiny_model(directory, "llama"))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model directory (default: a tiny random-weight Llama)")
@@ -346,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("prefixgate.engine").setLevel(logging.CRITICAL)  # the injected failures log tracebacks
     logging.getLogger("gateway").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or _tiny_model(Path(tmp))
+        model = args.model or str(build_tiny_model(Path(tmp), "llama"))
         import uvloop
 
         report = uvloop.run(run_soak(model, params))

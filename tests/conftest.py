@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tests.tiny_models import build_tiktoken_model, build_tiny_model
+from bench.tiny_models import build_tiktoken_model, build_tiny_model
 
 IN_CI = bool(os.environ.get("CI"))
 

@@ -12,11 +12,11 @@ from typing import Any
 import openai
 from aiohttp import web
 
+from bench.engine_faults import assert_blocks_released
 from engine.config import EngineConfig
 from gateway.app import create_app
 from gateway.settings import ApiKey, GatewaySettings, Settings
 from gateway.state import STATE, GatewayState
-from tests.engine_faults import assert_blocks_released
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 

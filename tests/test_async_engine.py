@@ -6,8 +6,8 @@ import time
 
 import pytest
 
+from bench.engine_faults import assert_blocks_released, set_step_hook
 from engine import AsyncEngine, EngineConfig, SamplingParams
-from tests.engine_faults import assert_blocks_released, set_step_hook
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from bench.tiny_models import _corpus
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import TiktokenTokenizer, load_tokenizer
-from tests.tiny_models import _corpus
 
 
 class MetaspaceTokenizer:

@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
+from bench.engine_faults import assert_blocks_released
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.kv.disk_tier import CorruptBlock, DiskTier, decode_block, encode_block
 from engine.kv.hashing import BlockHash, hash_full_blocks
-from tests.engine_faults import assert_blocks_released
 
 BS = 16
 FP = bytes(range(32))

@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
+from bench.engine_faults import assert_blocks_released
 from engine import LLM, EngineConfig, SamplingParams
 from engine.core import EngineCore
 from engine.request import Request
-from tests.engine_faults import assert_blocks_released
 
 GREEDY = dict(max_tokens=6, temperature=0, ignore_eos=True)
 

@@ -9,11 +9,11 @@ import time
 
 import pytest
 
+from bench.engine_faults import assert_blocks_released, set_step_hook
 from engine.config import EngineConfig
 from gateway.app import IN_FLIGHT, create_app
 from gateway.settings import ApiKey, GatewaySettings, Settings
 from gateway.state import STATE
-from tests.engine_faults import assert_blocks_released, set_step_hook
 
 BLOCK = 16
 SYSTEM = ("You are a helpful assistant. Answer the question about the capital of France and the "

@@ -19,11 +19,11 @@ import pytest
 import uvloop
 from aiohttp import web
 
+from bench.engine_faults import assert_blocks_released
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from gateway.app import create_app
 from gateway.settings import ApiKey, GatewaySettings, Settings
-from tests.engine_faults import assert_blocks_released
 
 BLOCK = 16
 KEYS = {"alice": "sk-alice", "bob": "sk-bob", "pub1": "sk-pub1", "pub2": "sk-pub2"}

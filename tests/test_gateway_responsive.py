@@ -7,7 +7,7 @@ import threading
 import aiohttp
 import pytest
 
-from tests.engine_faults import set_step_hook
+from bench.engine_faults import set_step_hook
 from tests.test_gateway_http import chat, client, engine_of, make_client  # noqa: F401  (fixtures)
 
 

@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
+from bench.engine_faults import set_step_hook
 from engine.sampling import Sampler, SamplingParams
 from gateway.app import create_app
 from gateway.state import STATE
-from tests.engine_faults import set_step_hook
 from tests.gateway_helpers import is_error_body, tiny_settings
 from tests.test_gateway_http import assert_error, chat, engine_of, model_of, sse_events, wait_released
 

@@ -7,10 +7,10 @@ import time
 
 import psutil
 
+from bench.engine_faults import set_step_hook
 from bench.soak import SoakParams, run_soak
 from gateway.app import create_app
 from gateway.state import STATE
-from tests.engine_faults import set_step_hook
 from tests.gateway_helpers import is_error_body, tiny_settings
 from tests.test_gateway_http import chat, sse_events, wait_released
 

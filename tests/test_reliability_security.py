@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gateway.auth
+from bench.engine_faults import set_step_hook
 from engine.kv.hashing import hash_full_blocks
 from gateway.app import create_app
 from gateway.auth import Authenticator
 from gateway.settings import ApiKey, GatewaySettings, key_tenant, load_settings
 from gateway.state import STATE
-from tests.engine_faults import set_step_hook
 from tests.gateway_helpers import tiny_settings
 from tests.test_gateway_http import BLOCK, chat, model_of, sse_events, wait_released
 

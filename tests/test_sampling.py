@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
+from bench.tiny_models import build_llama3_tiktoken_model
 from engine import LLM, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling import Sampler, _filtered_probs
-from tests.tiny_models import build_llama3_tiktoken_model
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Fault injection and leak checks for engine tests, from outside: the engine itself carries no test hooks."""
+"""Fault injection and leak checks for tests and the soak, from outside: the engine itself carries no test hooks."""
 from __future__ import annotations
 
 from collections.abc import Callable
