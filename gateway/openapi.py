@@ -114,9 +114,20 @@ def _output_fields() -> dict[str, Any]:
 def _chat_request(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
     part = {"type": "object", "required": ["type", "text"],
             "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
-    message = {"type": "object", "required": ["role", "content"], "properties": {
-        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": part}]}}}
+    content = {"oneOf": [{"type": "string"}, {"type": "array", "items": part}]}
+    call = {"type": "object", "required": ["id", "function"], "properties": {
+        "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+            "name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON text"}}}}}
+    message = {"oneOf": [  # told apart by role
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"type": "string", "enum": ["system", "developer", "user"]}, "content": content}},
+        {"type": "object", "required": ["role"], "properties": {
+            "role": {"type": "string", "enum": ["assistant"]}, "content": {**content, "nullable": True},
+            "tool_calls": {"type": "array", "items": call, "nullable": True}}},
+        {"type": "object", "required": ["role", "tool_call_id", "content"], "properties": {
+            "role": {"type": "string", "enum": ["tool"]}, "tool_call_id": {"type": "string"}, "content": content}},
+    ]}
     properties = _common(model_name, limits)
     properties.update({
         "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": limits.max_messages},
