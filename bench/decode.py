@@ -113,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--no-pack", action="store_true", help="plain F.linear weights (to measure what packing buys)")
+    parser.add_argument("--no-paged-kernel", action="store_true",
+                        help="decode attention through gather + SDPA (to measure what the paged CPU kernel buys)")
     args = parser.parse_args(argv)
+    if args.no_paged_kernel:
+        from engine.model import paged_decode_cpu
+        paged_decode_cpu.supports = lambda dtype, device: False
     if args.no_pack:
         import functools
 

@@ -5,6 +5,7 @@ import torch
 
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.model.attention import AttentionMetadata, DecodeBatch, PrefillSeq, SharedPrefix
+from engine.model import paged_decode_cpu
 from engine.model.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.scheduler import ScheduledChunk
@@ -59,7 +60,7 @@ class ModelRunner:
         p, c = num_prefill_tokens, decode_context_tokens
         decode_slots = torch.arange(c, device=self.device)
         prefills = [PrefillSeq(0, p, torch.arange(p, device=self.device), None)] if p else []
-        decode = DecodeBatch(self._tensor([p]), decode_slots[None, :], None, [])
+        decode = DecodeBatch(self._tensor([p]), decode_slots[None, :], self._tensor([c]), None, [])
         slot_mapping = torch.cat([torch.arange(p, device=self.device), decode_slots[-1:]])
         meta = AttentionMetadata(slot_mapping, prefills, decode)
         self.model(torch.zeros(p + 1, dtype=torch.long, device=self.device),
@@ -83,12 +84,12 @@ class ModelRunner:
         lengths = [len(c) for c in rests]
         slots = torch.nn.utils.rnn.pad_sequence(rests, batch_first=True)  # padding reads slot 0, masked out
         bias = None
-        if min(lengths) < slots.shape[1]:
+        if min(lengths) < slots.shape[1] and not paged_decode_cpu.supports(self.kv_slots.dtype, self.device):
             columns = torch.arange(slots.shape[1], device=self.device)
             padding = columns[None, :] >= self._tensor(lengths)[:, None]
             bias = torch.zeros(padding.shape, dtype=self.kv_slots.dtype, device=self.device)
             bias = bias.masked_fill_(padding, float("-inf"))[:, None, None, :]
-        return DecodeBatch(self._tensor([i for i, _, _ in decodes]), slots, bias, shared)
+        return DecodeBatch(self._tensor([i for i, _, _ in decodes]), slots, self._tensor(lengths), bias, shared)
 
     def _shared_prefixes(self, seqs: list[tuple[list[int], int]]) -> tuple[list[SharedPrefix], list[int]]:
         """Groups decodes by their first block; returns each group's shared leading blocks (cascade

@@ -1,9 +1,12 @@
-"""Paged attention: cascade decoding over shared blocks equals plain attention over each sequence."""
+"""Paged attention: cascade decoding over shared blocks equals plain attention over each sequence, and the
+paged CPU kernel equals the gather + SDPA path."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.model import attention, paged_decode_cpu
 from engine.model.attention import DecodeBatch, SharedPrefix, _attend, _attend_matmul, _decode_attention
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
@@ -19,28 +22,38 @@ def _reference(q, k_cache, v_cache, contexts):
 
 
 def _padded(rests):
+    """Slots, lengths and padding bias of a decode batch whose rows read `rests`."""
     slots = torch.nn.utils.rnn.pad_sequence(rests, batch_first=True)
-    padding = torch.arange(slots.shape[1])[None, :] >= torch.tensor([len(r) for r in rests])[:, None]
-    return slots, torch.zeros(padding.shape).masked_fill(padding, float("-inf"))[:, None, None]
+    lengths = torch.tensor([len(r) for r in rests])
+    padding = torch.arange(slots.shape[1])[None, :] >= lengths[:, None]
+    return slots, lengths, torch.zeros(padding.shape).masked_fill(padding, float("-inf"))[:, None, None]
 
 
-def test_cascade_decode_equals_plain_attention():
+@pytest.fixture(params=["paged kernel", "gather + sdpa"])
+def decode_path(request, monkeypatch):
+    """Runs a test through the paged CPU kernel and through the plain path."""
+    if request.param == "gather + sdpa":
+        monkeypatch.setattr(paged_decode_cpu, "supports", lambda dtype, device: False)
+    return request.param
+
+
+def test_cascade_decode_equals_plain_attention(decode_path):
     torch.manual_seed(0)
     k_cache, v_cache = torch.randn(64, KV_HEADS, DIM), torch.randn(64, KV_HEADS, DIM)
     shared = torch.arange(0, 12)  # three blocks every sequence shares
     rests = [torch.arange(12, 15), torch.arange(20, 27), torch.arange(40, 41)]
     q = torch.randn(3, HEADS, DIM)
     expected = _reference(q, k_cache, v_cache, [torch.cat([shared, r]) for r in rests])
-    slots, mask = _padded(rests)
-    batch = DecodeBatch(torch.arange(3), slots, mask, [SharedPrefix(torch.arange(3), shared)])
+    slots, lengths, mask = _padded(rests)
+    batch = DecodeBatch(torch.arange(3), slots, lengths, mask, [SharedPrefix(torch.arange(3), shared)])
     torch.testing.assert_close(_decode_attention(q, k_cache, v_cache, batch, DIM ** -0.5), expected)
     # the same sequences without a shared part take the plain path
-    slots, mask = _padded([torch.cat([shared, r]) for r in rests])
-    plain = DecodeBatch(torch.arange(3), slots, mask, [])
+    slots, lengths, mask = _padded([torch.cat([shared, r]) for r in rests])
+    plain = DecodeBatch(torch.arange(3), slots, lengths, mask, [])
     torch.testing.assert_close(_decode_attention(q, k_cache, v_cache, plain, DIM ** -0.5), expected)
 
 
-def test_cascade_groups_and_an_outsider():
+def test_cascade_groups_and_an_outsider(decode_path):
     """Two groups share different prefixes and one decode shares nothing: each row still gets its own attention."""
     torch.manual_seed(1)
     k_cache, v_cache = torch.randn(128, KV_HEADS, DIM), torch.randn(128, KV_HEADS, DIM)
@@ -50,9 +63,9 @@ def test_cascade_groups_and_an_outsider():
     contexts = [torch.cat([prefix_a, rests[0]]), torch.cat([prefix_b, rests[1]]), torch.cat([prefix_a, rests[2]]),
                 rests[3], torch.cat([prefix_b, rests[4]])]
     q = torch.randn(5, HEADS, DIM)
-    slots, mask = _padded(rests)
+    slots, lengths, mask = _padded(rests)
     groups = [SharedPrefix(torch.tensor([0, 2]), prefix_a), SharedPrefix(torch.tensor([1, 4]), prefix_b)]
-    batch = DecodeBatch(torch.arange(5), slots, mask, groups)
+    batch = DecodeBatch(torch.arange(5), slots, lengths, mask, groups)
     torch.testing.assert_close(_decode_attention(q, k_cache, v_cache, batch, DIM ** -0.5),
                                _reference(q, k_cache, v_cache, contexts))
 
@@ -73,10 +86,40 @@ def test_cascade_decode_in_bfloat16_keeps_the_dtype():
     k_cache = torch.randn(32, KV_HEADS, DIM).bfloat16()
     v_cache = torch.randn(32, KV_HEADS, DIM).bfloat16()
     q = torch.randn(2, HEADS, DIM).bfloat16()
-    slots, bias = _padded([torch.arange(8, 10), torch.arange(12, 15)])
-    batch = DecodeBatch(torch.arange(2), slots, bias.bfloat16(), [SharedPrefix(torch.arange(2), torch.arange(0, 8))])
+    slots, lengths, bias = _padded([torch.arange(8, 10), torch.arange(12, 15)])
+    batch = DecodeBatch(torch.arange(2), slots, lengths, bias.bfloat16(),
+                        [SharedPrefix(torch.arange(2), torch.arange(0, 8))])
     out = _decode_attention(q, k_cache, v_cache, batch, DIM ** -0.5)
     expected = _reference(q.float(), k_cache.float(), v_cache.float(),
                           [torch.cat([torch.arange(0, 8), r]) for r in (torch.arange(8, 10), torch.arange(12, 15))])
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_paged_kernel_equals_gather_and_sdpa(batch_size):
+    """Long, ragged contexts over scattered blocks (so rows split into several token ranges), in fp32."""
+    torch.manual_seed(4)
+    block_size, num_blocks = 16, 64
+    k_cache = torch.randn(num_blocks * block_size, KV_HEADS, DIM) * 3  # large scores: the softmax rescales often
+    v_cache = torch.randn(num_blocks * block_size, KV_HEADS, DIM)
+    rests = []
+    for _ in range(batch_size):
+        length = int(torch.randint(1, 400, ()))
+        blocks = torch.randperm(num_blocks)[:-(-length // block_size)]
+        rests.append((blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:length])
+    slots, lengths, bias = _padded(rests)
+    q = torch.randn(batch_size, HEADS, DIM)
+    out, lse = paged_decode_cpu.paged_decode(q, k_cache, v_cache, slots, lengths, DIM ** -0.5)
+    keys = attention._gather(k_cache, slots).transpose(1, 2)
+    values = attention._gather(v_cache, slots).transpose(1, 2)
+    expected, expected_lse = _attend(q.unsqueeze(2), keys, values, bias, DIM ** -0.5)
+    torch.testing.assert_close(out, expected.squeeze(2))
+    torch.testing.assert_close(lse, expected_lse[:, :, 0, 0])
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, rests))
+
+
+def test_paged_kernel_serves_fp32_on_cpu_only():
+    assert paged_decode_cpu.supports(torch.float32, torch.device("cpu"))
+    assert not paged_decode_cpu.supports(torch.bfloat16, torch.device("cpu"))
+    assert not paged_decode_cpu.supports(torch.float32, torch.device("cuda"))

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.model import paged_decode_cpu
+
 
 @dataclass(slots=True)
 class PrefillSeq:
@@ -36,7 +38,9 @@ class DecodeBatch:
 
     token_idx: torch.Tensor  # [B] positions in the flat batch
     slots: torch.Tensor  # [B, max_rest] slots after each row's shared part (padded with slot 0)
-    bias: torch.Tensor | None  # [B, 1, 1, max_rest] added to the scores: -inf on padding; None when no row is padded
+    lengths: torch.Tensor  # [B] each row's number of slots in `slots` (at least its newest token)
+    bias: torch.Tensor | None  # [B, 1, 1, max_rest] added to the scores: -inf on padding; None when no row is
+    # padded or the paged CPU kernel reads `lengths` instead
     shared: list[SharedPrefix]
 
 
@@ -75,9 +79,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
                       scale: float) -> torch.Tensor:
     """q: [B, H, D] -> [B, H, D]."""
-    keys = _gather(k_cache, batch.slots).transpose(1, 2)  # [B, KVH, max_rest, D]
-    values = _gather(v_cache, batch.slots).transpose(1, 2)
-    rest, rest_lse = _attend(q.unsqueeze(2), keys, values, batch.bias, scale)  # [B, H, 1, D], [B, H, 1, 1]
+    if paged_decode_cpu.supports(q.dtype, q.device):
+        rest, rest_lse = paged_decode_cpu.paged_decode(q, k_cache, v_cache, batch.slots, batch.lengths, scale)
+        rest, rest_lse = rest.unsqueeze(2), rest_lse[:, :, None, None]
+    else:
+        keys = _gather(k_cache, batch.slots).transpose(1, 2)  # [B, KVH, max_rest, D]
+        values = _gather(v_cache, batch.slots).transpose(1, 2)
+        rest, rest_lse = _attend(q.unsqueeze(2), keys, values, batch.bias, scale)  # [B, H, 1, D], [B, H, 1, 1]
     for group in batch.shared:
         shared_keys = k_cache.index_select(0, group.slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
         shared_values = v_cache.index_select(0, group.slots).transpose(0, 1).unsqueeze(0)
