@@ -18,7 +18,7 @@ class HashAlgo(str, enum.Enum):
 
 class EvictionPolicy(str, enum.Enum):
     LRU = "lru"
-    SLRU = "slru"  # segmented LRU: blocks hit again are protected from one-off prompts
+    SLRU = "slru"  # segmented LRU: blocks hit again are protected from one-off prompts (adaptive share)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +37,7 @@ class EngineConfig:
     lpm_max_queue: int = 2048  # above this many waiting requests lpm falls back to FCFS
     min_shared_prefix_tokens: int = 0  # side-channel hardening: no hit shorter than this
     max_step_ms: float | None = None  # step-time target: caps each step's prefill share (None: off)
-    eviction_policy: EvictionPolicy = EvictionPolicy.LRU  # lru | slru (scan-resistant; loses on rag, see bench tiers)
+    eviction_policy: EvictionPolicy = EvictionPolicy.SLRU  # slru (scan-resistant, adaptive; see bench tiers) | lru
     kv_disk_dir: str | None = None  # disk tier for evicted blocks (kept across restarts); None: no disk tier
     kv_disk_gb: float = 10.0  # disk tier size bound in GiB (its own LRU drops the oldest files)
     device: str = "auto"  # auto | cpu | cuda

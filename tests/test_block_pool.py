@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.config import EvictionPolicy
 from engine.kv.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
-from engine.kv.eviction import PROTECTED_FRACTION
+from engine.kv.eviction import PROTECTED_START
 from engine.kv.hashing import BlockHash
 
 
@@ -299,24 +299,79 @@ def test_lru_loses_the_same_prefix_to_the_same_scan():
 
 
 def test_slru_protected_segment_is_bounded_and_demotes_its_oldest():
-    pool = slru_pool(5)  # protects at most int(5 * 0.8) = 4 free blocks
+    pool = slru_pool(5)  # protects at most int(5 * 0.5) = 2 free blocks until ghost hits move the bound
     blocks = pool.allocate(5)
     for i, block in enumerate(blocks):
         pool.cache_block(block, h(i), (i,))
     pool.touch(blocks)
     pool.free(blocks)  # drops the second reference
     pool.free(blocks)
-    assert ids(pool.free_queue.protected) == [1, 2, 3, 4]
-    assert ids(pool.free_queue.probation) == [0]  # demoted, keeps its hash
+    assert pool.free_queue.max_protected == 2
+    assert ids(pool.free_queue.protected) == [3, 4]
+    assert ids(pool.free_queue.probation) == [0, 1, 2]  # demoted, keep their hashes
     assert blocks[0].block_hash == h(0) and not blocks[0].protected
-    assert ids(pool.allocate(2)) == [0, 1]  # probation first, then the protected LRU
+    assert ids(pool.allocate(4)) == [0, 1, 2, 3]  # probation first, then the protected LRU
+
+
+def cache_new(pool: BlockPool, keys: list[int], hit: bool = False) -> list[KVCacheBlock]:
+    """New blocks cached as h(key) for each key and freed tail first; with hit, hit and freed once more."""
+    blocks = pool.allocate(len(keys))
+    for key, block in zip(keys, blocks):
+        pool.cache_block(block, h(key), (key,))
+    pool.free(reversed(blocks))
+    if hit:
+        pool.touch(blocks)
+        pool.free(reversed(blocks))
+    return blocks
+
+
+def test_slru_ghost_hits_on_blocks_evicted_unused_shrink_protected():
+    pool = slru_pool(6)  # bound 3
+    hot = cache_new(pool, [0, 1], hit=True)
+    cache_new(pool, [10, 11])  # blocks 2, 3
+    pool.free(pool.allocate(4))  # evicts both one-off blocks unused; the four go back hashless, in front
+    assert list(pool.ghosts) == [h(11), h(10)] and ids(pool.free_queue.protected) == [1, 0]
+    assert pool.count_regrets([h(10), h(11)]) == 2  # probation was too small: 3 -> 1
+    assert pool.free_queue.max_protected == 1
+    assert ids(pool.free_queue.protected) == [0] and ids(pool.free_queue.probation) == [2, 3, 5, 4, 1]
+    assert hot[1].block_hash == h(1) and not hot[1].protected  # demoted, still cached
+    # computed again while still a ghost: its second use, so it is protected when freed
+    [block] = pool.allocate(1)
+    pool.cache_block(block, h(10), (10,))
+    assert block.reused and list(pool.ghosts) == [h(11)]
+    pool.free([block])
+    assert ids(pool.free_queue.protected) == [2] and ids(pool.free_queue.probation) == [3, 5, 4, 1, 0]
+
+
+def test_slru_ghost_hits_on_protected_blocks_grow_protected_up_to_the_pool():
+    pool = slru_pool(2)  # bound 1
+    cache_new(pool, [0, 1], hit=True)
+    assert ids(pool.free_queue.protected) == [0] and ids(pool.free_queue.probation) == [1]
+    pool.allocate(2)  # evicts both, each hit while cached
+    assert pool.count_regrets([h(0), h(1)]) == 2
+    assert pool.free_queue.max_protected == 2  # 1 + 2, capped at the pool's size
+    assert pool.count_regrets([h(0), h(1)]) == 0 and pool.free_queue.max_protected == 2  # regretted once
+
+
+def test_slru_at_bound_zero_evicts_as_lru_does():
+    pools = slru_pool(2), BlockPool(2)
+    for pool in pools:
+        cache_new(pool, [0, 1])
+        pool.free(pool.allocate(2))  # evicts both unused
+        assert pool.count_regrets([h(0), h(1)]) == 2
+        cache_new(pool, [2, 3], hit=True)
+    slru, lru = pools
+    assert slru.free_queue.max_protected == 0  # 1 - 2, floored at 0
+    assert not slru.free_queue.protected.num_free
+    assert ids(slru.free_queue) == ids(lru.free_queue) == [1, 0]
 
 
 # ---- stateful model check
 
 class BlockPoolMachine(RuleBasedStateMachine):
     """Random allocate / cache / hit / free / reset / miss sequences against a plain model of the pool:
-    eviction order (LRU, or SLRU's two segments), worthless blocks first, duplicates, ghosts."""
+    eviction order (LRU, or SLRU's two segments and their adaptive bound), worthless blocks first, duplicates,
+    ghosts."""
 
     NUM_BLOCKS = 8
     POLICY = EvictionPolicy.LRU
@@ -326,13 +381,13 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.pool = BlockPool(self.NUM_BLOCKS, eviction_policy=self.POLICY)
         self.probation = list(range(self.NUM_BLOCKS))  # expected eviction order (LRU: the only segment)
         self.protected: list[int] = []
-        self.max_protected = int(self.NUM_BLOCKS * PROTECTED_FRACTION)
+        self.max_protected = int(self.NUM_BLOCKS * PROTECTED_START)
         self.refs = [0] * self.NUM_BLOCKS
         self.cached: dict[BlockHash, tuple[int, tuple[int, ...]]] = {}  # hash -> (block id, tokens)
         self.copies: dict[BlockHash, list[int]] = {}  # hash -> duplicate block ids, oldest first
         self.block_hash: dict[int, tuple[BlockHash, tuple[int, ...]]] = {}  # every holder and copy
         self.reused: set[int] = set()
-        self.ghosts: dict[BlockHash, None] = {}  # insertion-ordered
+        self.ghosts: dict[BlockHash, list[bool]] = {}  # insertion-ordered: hash -> [was reused, regretted]
         self.tables: list[list[int]] = []  # one list of held block ids per simulated request
         self.evictions = 0
         self.regrets = 0
@@ -348,10 +403,22 @@ class BlockPoolMachine(RuleBasedStateMachine):
             self.probation.insert(0, i)
         elif self.POLICY is EvictionPolicy.SLRU and i in self.reused:
             self.protected.append(i)
-            if len(self.protected) > self.max_protected:
-                self.probation.append(self.protected.pop(0))
+            self._fit()
         else:
             self.probation.append(i)
+
+    def _fit(self) -> None:
+        if len(self.protected) > self.max_protected:
+            self.probation.append(self.protected.pop(0))
+
+    def _learn(self, reused: bool) -> None:
+        if self.POLICY is not EvictionPolicy.SLRU:
+            return
+        if reused:
+            self.max_protected = min(self.NUM_BLOCKS, self.max_protected + 1)
+        else:
+            self.max_protected = max(0, self.max_protected - 1)
+            self._fit()
 
     def _take(self, i: int) -> None:
         (self.protected if i in self.protected else self.probation).remove(i)
@@ -360,6 +427,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         if i not in self.block_hash:
             return
         block_hash, _ = self.block_hash.pop(i)
+        reused = i in self.reused
         self.reused.discard(i)
         if self.cached[block_hash][0] != i:
             self.copies[block_hash].remove(i)
@@ -369,8 +437,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         else:
             del self.cached[block_hash]
             self.evictions += 1
-            self.ghosts.pop(block_hash, None)
-            self.ghosts[block_hash] = None
+            self.ghosts[block_hash] = [reused, False]
             if len(self.ghosts) > self.NUM_BLOCKS:
                 del self.ghosts[next(iter(self.ghosts))]
         if block_hash in self.copies and not self.copies[block_hash]:
@@ -408,7 +475,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
             self.copies.setdefault(h(key), []).append(block_id)
         else:
             self.cached[h(key)] = (block_id, (token,))
-            self.ghosts.pop(h(key), None)
+            if self.ghosts.pop(h(key), None) is not None:
+                self.reused.add(block_id)
 
     @rule(key=st.integers(0, 5), token=st.integers(0, 2))
     def probe(self, key, token):
@@ -448,13 +516,24 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     @rule(keys=st.lists(st.integers(0, 5), max_size=3))
     def miss(self, keys):
+        self._miss([h(k) for k in keys])
+
+    @precondition(lambda self: self.ghosts)
+    @rule(data=st.data())
+    def miss_ghosts(self, data):
+        # what moves SLRU's bound, more often than random keys would
+        self._miss(data.draw(st.lists(st.sampled_from(list(self.ghosts)), min_size=1, max_size=3)))
+
+    def _miss(self, hashes):
         expected = 0
-        for key in keys:
-            if h(key) in self.ghosts:
-                del self.ghosts[h(key)]
+        for block_hash in hashes:
+            ghost = self.ghosts.get(block_hash)
+            if ghost is not None and not ghost[1]:
+                ghost[1] = True
                 expected += 1
+                self._learn(ghost[0])
         self.regrets += expected
-        assert self.pool.count_regrets([h(k) for k in keys]) == expected
+        assert self.pool.count_regrets(hashes) == expected
 
     @rule()
     def reset_cache(self):
@@ -489,6 +568,16 @@ class BlockPoolMachine(RuleBasedStateMachine):
             assert all(b.protected == (b.block_id in self.protected) for b in self.pool.blocks)
 
     @invariant()
+    def protected_segment_within_its_adaptive_bound(self):
+        if self.POLICY is EvictionPolicy.SLRU:
+            queue = self.pool.free_queue
+            assert queue.max_protected == self.max_protected
+            assert queue.protected.num_free <= queue.max_protected
+            assert 0 <= queue.max_protected <= self.NUM_BLOCKS
+            if queue.max_protected in (0, self.NUM_BLOCKS):
+                event(f"slru bound reached {'0' if queue.max_protected == 0 else 'the pool size'}")
+
+    @invariant()
     def hash_map_matches_blocks(self):
         for block_hash, block in self.pool.cached.items():
             assert block.block_hash == block_hash
@@ -497,6 +586,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert {b.block_id: (b.block_hash, b.token_ids) for b in self.pool.blocks
                 if b.block_hash is not None} == self.block_hash
         assert self.pool.num_evictions == self.evictions
+        assert {k: [g.reused, g.regretted] for k, g in self.pool.ghosts.items()} == self.ghosts
         assert list(self.pool.ghosts) == list(self.ghosts) and self.pool.num_regrets == self.regrets
 
 
@@ -509,7 +599,12 @@ class SLRUBlockPoolMachine(BlockPoolMachine):
     POLICY = EvictionPolicy.SLRU
 
 
-BlockPoolMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
-SLRUBlockPoolMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+class SmallSLRUBlockPoolMachine(SLRUBlockPoolMachine):
+    NUM_BLOCKS = 3  # bound 1: a few ghost hits reach 0 and the pool size
+
+
+for machine in (BlockPoolMachine, SLRUBlockPoolMachine, SmallSLRUBlockPoolMachine):
+    machine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
 TestBlockPoolMachine = BlockPoolMachine.TestCase
 TestSLRUBlockPoolMachine = SLRUBlockPoolMachine.TestCase
+TestSmallSLRUBlockPoolMachine = SmallSLRUBlockPoolMachine.TestCase

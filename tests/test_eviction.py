@@ -1,5 +1,6 @@
 """Eviction policies through the real engine: a scan of one-off prompts against a hot prefix, with exact
-block-level outcomes, and the eviction accounting (reasons, regret) the metrics export."""
+block-level outcomes, and the eviction accounting (reasons, regret) the metrics export; and through the KV
+cache manager alone (no model), the request patterns that decide between the policies."""
 from __future__ import annotations
 
 import random
@@ -7,7 +8,10 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.config import EvictionPolicy
 from engine.kv.hashing import hash_full_blocks
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.request import Request
 
 BS = 16
 POOL = 16  # blocks: the hot prompt (5) plus room for a few one-off prompts
@@ -98,3 +102,44 @@ def test_both_policies_give_the_same_tokens_as_no_cache(tiny_llama_dir, policy):
     expected = [o.token_ids for o in off.generate(prompts, greedy(6))]
     assert [on.generate(p, greedy(6))[0].token_ids for p in prompts] == expected
     assert all(b.ref_cnt == 0 for b in on.core.kv.pool.blocks)
+
+
+def cached_blocks(prompts: list[list[int]], num_blocks: int, policy: str, block_size: int) -> list[int]:
+    """Blocks hit by each prompt, run one at a time through the KV cache manager (no model)."""
+    kv = KVCacheManager(num_blocks, block_size, eviction_policy=EvictionPolicy(policy))
+    hits = []
+    for i, prompt in enumerate(prompts):
+        request = Request(f"r{i}", prompt, greedy())
+        prefix = kv.find_cached_prefix(request)
+        assert kv.allocate(request, len(prompt) - prefix.num_tokens, prefix)
+        request.num_computed_tokens = len(prompt)
+        kv.cache_full_blocks(request)
+        kv.free(request)
+        hits.append(prefix.num_tokens // block_size)
+    return hits
+
+
+def test_slru_keeps_a_hot_prompt_between_bursts_of_one_off_prompts():
+    # issue 14's scan: one hot ~1,000-token prompt (62 full blocks), then 3 unique ones, in a 200-block pool
+    hot = tokens(1000, seed=1)
+    prompts = [hot + tokens(24, seed=2)]
+    for r in range(12):
+        prompts += [hot + tokens(24, seed=10 + r)] + [tokens(1000, seed=100 + 3 * r + i) for i in range(3)]
+    slru, lru = (cached_blocks(prompts, 200, policy, BS)[1::4] for policy in ("slru", "lru"))
+    assert slru == [62] * 12
+    assert lru == [62] + [13] * 11  # the bursts flush all but the hot prompt's first 13 blocks (freed last)
+
+
+def test_slru_learns_a_recency_pattern_that_a_fixed_protected_share_loses():
+    """issue 14's rag diagnosis, scaled down: an instruction plus one of four documents, the pool holding about
+    1.75 of them. A document hit once is protected and, under a fixed protected share (80%), stays so long after
+    it went cold, while the probation left over holds one document: each new one is flushed before its second
+    use (176 blocks hit; LRU 253). Ghost hits on the flushed blocks shrink the protected share instead."""
+    bs, instruction = 4, tokens(4 * 4, seed=0)
+    docs = {d: tokens(32 * 4, seed=10 + d) for d in (0, 1, 3, 7)}
+    order = [0, 1, 0, 3, 3, 1, 3, 7, 0, 7, 1, 1, 7, 3, 7, 0]
+    prompts = [instruction + docs[d] + tokens(5, seed=100 + i) for i, d in enumerate(order)]
+    lru = cached_blocks(prompts, 64, "lru", bs)
+    slru = cached_blocks(prompts, 64, "slru", bs)
+    assert lru == [0, 4, 30, 4, 36, 4, 30, 4, 4, 30, 4, 36, 29, 4, 30, 4]
+    assert slru == [0, 4, 30, 4, 36, 4, 30, 4, 4, 28, 4, 36, 29, 4, 30, 4]

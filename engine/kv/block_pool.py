@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from engine.config import EvictionPolicy
 from engine.kv.eviction import FreeBlockQueue, make_eviction
 from engine.kv.hashing import BlockHash
 
-__all__ = ["BlockPool", "FreeBlockQueue", "KVCacheBlock", "EVICTION_REASONS"]
+__all__ = ["BlockPool", "FreeBlockQueue", "Ghost", "KVCacheBlock", "EVICTION_REASONS"]
 
 # why a cached block hash was dropped from RAM (preemption is counted by the KV cache manager)
 EVICTION_REASONS = ("capacity", "spill", "reset")
@@ -24,13 +25,22 @@ class KVCacheBlock:
         self.block_hash: BlockHash | None = None
         self.token_ids: tuple[int, ...] | None = None  # kept to reject hash collisions
         self.tenant: str | None = None  # whose request cached it (per-tenant eviction counts)
-        self.reused = False  # hit since it was cached (SLRU protects it)
+        self.reused = False  # hit since it was cached, or cached again while a ghost (SLRU protects it)
         self.protected = False  # sits in SLRU's protected segment
         self.prev: KVCacheBlock | None = None
         self.next: KVCacheBlock | None = None
 
     def __repr__(self) -> str:
         return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+@dataclass(slots=True)
+class Ghost:
+    """An evicted block hash, remembered for a while."""
+
+    tenant: str | None
+    reused: bool  # it had been hit while cached: SLRU grows its protected segment when it is asked for again
+    regretted: bool = False  # asked for again since its eviction (each eviction is regretted once)
 
 
 class BlockPool:
@@ -49,8 +59,8 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.evictions = dict.fromkeys(EVICTION_REASONS, 0)
         self.num_regrets = 0  # evicted blocks asked for again while still in the ghost list
-        # NOTE: ghosts are bounded: hashes of the last num_blocks evictions (as ARC keeps), with their tenant
-        self.ghosts: OrderedDict[BlockHash, str | None] = OrderedDict()
+        # NOTE: ghosts are bounded: hashes of the last num_blocks evictions (as ARC keeps)
+        self.ghosts: OrderedDict[BlockHash, Ghost] = OrderedDict()
         self.max_ghosts = num_blocks
         self.spill: Callable[[KVCacheBlock], bool] | None = None  # disk tier: True if it took the block
         self._tenant_evictions: dict[str, int] = {}  # since last taken
@@ -114,7 +124,8 @@ class BlockPool:
             self.duplicates.setdefault(block_hash, {})[block.block_id] = block
             return
         self.cached[block_hash] = block
-        self.ghosts.pop(block_hash, None)
+        if self.ghosts.pop(block_hash, None) is not None:
+            block.reused = True  # computed again after its eviction: its second use (ARC counts a ghost hit so)
         if self.kv_events is not None:
             self.kv_events.append(("stored", block_hash))
 
@@ -158,19 +169,22 @@ class BlockPool:
             self.kv_events.append(("removed", block.block_hash))
         if block.tenant is not None:
             self._tenant_evictions[block.tenant] = self._tenant_evictions.get(block.tenant, 0) + 1
-        self.ghosts[block.block_hash] = block.tenant
+        self.ghosts[block.block_hash] = Ghost(block.tenant, block.reused)
         if len(self.ghosts) > self.max_ghosts:
             self.ghosts.popitem(last=False)
 
     def count_regrets(self, missed: Iterable[BlockHash]) -> int:
-        """Counts the missed block hashes evicted recently (each eviction is regretted once)."""
+        """Counts the missed block hashes evicted recently, and tells the eviction policy of each."""
         num = 0
         for block_hash in missed:
-            if block_hash in self.ghosts:
-                tenant = self.ghosts.pop(block_hash)
-                num += 1
-                if tenant is not None:
-                    self._tenant_regrets[tenant] = self._tenant_regrets.get(tenant, 0) + 1
+            ghost = self.ghosts.get(block_hash)
+            if ghost is None or ghost.regretted:
+                continue
+            ghost.regretted = True
+            num += 1
+            self.free_queue.on_ghost_hit(ghost.reused)
+            if ghost.tenant is not None:
+                self._tenant_regrets[ghost.tenant] = self._tenant_regrets.get(ghost.tenant, 0) + 1
         self.num_regrets += num
         return num
 

@@ -1,8 +1,9 @@
-"""Eviction order of free blocks: plain LRU, or segmented LRU (scan-resistant). O(1) per operation.
+"""Eviction order of free blocks: plain LRU, or adaptive segmented LRU (scan-resistant). O(1) per operation.
 
 A policy holds the free blocks (ref count 0) only; cached ones keep their hash there until they
 are popped (lazy eviction). Worthless blocks (no hash, or a duplicate of a cached hash) go in
-front, so they are reused before any cached block is evicted.
+front, so they are reused before any cached block is evicted. The pool tells the policy of each
+ghost hit (an evicted hash asked for again), which SLRU learns its segment sizes from.
 """
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from collections.abc import Iterator
 from itertools import chain
 from engine.config import EvictionPolicy
 
-# SLRU: share of the pool the protected segment may hold before its LRU block is demoted
-PROTECTED_FRACTION = 0.8
+# SLRU: share of the pool the protected segment starts with (ghost hits move it between 0 and the whole pool)
+PROTECTED_START = 0.5
 
 
 class _End:
@@ -88,6 +89,9 @@ class LRUEviction:
     def pop(self):
         return self.queue.popleft()
 
+    def on_ghost_hit(self, reused: bool) -> None:
+        """LRU has nothing to learn."""
+
     def __contains__(self, block) -> bool:
         return block.prev is not None
 
@@ -96,13 +100,21 @@ class LRUEviction:
 
 
 class SLRUEviction:
-    """Segmented LRU: a block hit since it was cached is freed into the protected segment, which
-    one-off prompts cannot flush; victims come from the probation segment first."""
+    """Segmented LRU: a block hit since it was cached (or cached again while still a ghost) is freed
+    into the protected segment, which one-off prompts cannot flush; victims come from the probation
+    segment first.
+
+    The protected segment's bound adapts as ARC's target does: a ghost hit on a block evicted
+    unused says probation was too small (the bound shrinks by one), one on a block that had been
+    protected says protected was (it grows by one). At bound 0 this is exactly LRU.
+    """
 
     def __init__(self, blocks: list) -> None:
         self.probation = FreeBlockQueue(blocks)
         self.protected = FreeBlockQueue()
-        self.max_protected = max(1, int(len(blocks) * PROTECTED_FRACTION))
+        self.num_blocks = len(blocks)
+        # NOTE: protected.num_free <= max_protected <= num_blocks after every operation
+        self.max_protected = int(self.num_blocks * PROTECTED_START)
 
     @property
     def num_free(self) -> int:
@@ -114,12 +126,22 @@ class SLRUEviction:
         elif block.reused:
             block.protected = True
             self.protected.append(block)
-            if self.protected.num_free > self.max_protected:
-                demoted = self.protected.popleft()  # keeps its hash; evicted after every probation block
-                demoted.protected = False
-                self.probation.append(demoted)
+            self._fit()
         else:
             self.probation.append(block)
+
+    def on_ghost_hit(self, reused: bool) -> None:
+        if reused:
+            self.max_protected = min(self.num_blocks, self.max_protected + 1)
+        else:
+            self.max_protected = max(0, self.max_protected - 1)
+            self._fit()
+
+    def _fit(self) -> None:
+        if self.protected.num_free > self.max_protected:
+            demoted = self.protected.popleft()  # keeps its hash; evicted after every probation block
+            demoted.protected = False
+            self.probation.append(demoted)
 
     def remove(self, block) -> None:
         (self.protected if block.protected else self.probation).remove(block)
