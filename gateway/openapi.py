@@ -3,12 +3,14 @@
 The schemas state what the gateway accepts, bounds included, so a fuzzer's valid requests are
 valid here and its invalid ones are invalid for a reason the schema names. Rules that span
 fields (top_logprobs needs logprobs, prompt + max_tokens within the context, prompts x n within
-admission capacity) are in the descriptions only: they are 400s, not schema violations.
+admission capacity) are in the descriptions only: they are 400s, not schema violations. What the
+gateway sends back is described in gateway/openapi_responses.py.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from gateway.openapi_responses import ref, response_schemas
 from gateway.protocol import MAX_SEED
 from gateway.settings import GatewaySettings
 
@@ -26,23 +28,35 @@ def build_openapi(model_name: str, vocab_size: int, limits: GatewaySettings) -> 
                                                 "Create a chat completion"),
             "/v1/completions": _generation(_completion_request(model_name, vocab_size, limits), "Completion",
                                            "Create a text completion"),
-            "/v1/models": {"get": _operation("List the served model", _ref("ModelList"), secured=True)},
-            "/health": {"get": _operation("Liveness of the engine loop", {"type": "object"}, errors=(503,))},
+            "/v1/models": {"get": _operation("List the served model", ref("ModelList"), secured=True)},
+            "/v1/models/{model_id}": {"get": _model_operation()},
+            "/health": {"get": _operation("Liveness of the engine loop", ref("Health"), errors=(503,))},
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
                 "description": "exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
             "/openapi.json": {"get": {"summary": "This document", "responses": {
                 "200": {"description": "OpenAPI 3 document", "content": {_JSON: {"schema": {"type": "object"}}}}}}},
         },
-        "components": {"schemas": _schemas(), "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {"schemas": response_schemas(model_name),
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
     }
 
 
 def _generation(body: dict[str, Any], response: str, summary: str) -> dict[str, Any]:
-    op = _operation(summary, _ref(response), secured=True, errors=(400, 401, 404, 413, 429, 500, 503))
+    op = _operation(summary, ref(response), secured=True, errors=(400, 401, 404, 413, 429, 500, 503))
     op["requestBody"] = {"required": True, "content": {_JSON: {"schema": body}}}
+    chunk = response + "Chunk"
     op["responses"]["200"]["content"]["text/event-stream"] = {
-        "schema": {"type": "string", "description": "with stream: true, `data: {chunk}` events, then `data: [DONE]`"}}
+        "schema": {"type": "string", "description": f"with stream: true, `data: {{{chunk}}}` events, then "
+                   "`data: [DONE]`; a failure after the first event is one `data: {Error}` event, then the end"},
+        "x-stream-chunk": ref(chunk)}  # OpenAPI 3.0 cannot type the events themselves
     return {"post": op}
+
+
+def _model_operation() -> dict[str, Any]:
+    op = _operation("The served model (under either of its names)", ref("Model"), secured=True, errors=(404,))
+    op["parameters"] = [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"},
+                         "description": 'may hold slashes ("org/name")'}]
+    return op
 
 
 def _operation(summary: str, ok: dict[str, Any], *, secured: bool = False,
@@ -50,7 +64,7 @@ def _operation(summary: str, ok: dict[str, Any], *, secured: bool = False,
     responses = {"200": {"description": "success", "content": {_JSON: {"schema": ok}}}}
     for status in errors + ((401,) if secured and 401 not in errors else ()):
         responses[str(status)] = {"description": "an OpenAI error object",
-                                  "content": {_JSON: {"schema": _ref("Error")}}}
+                                  "content": {_JSON: {"schema": ref("Error")}}}
     op: dict[str, Any] = {"summary": summary, "responses": responses}
     if secured:  # no key needed when the server runs without keys
         op["security"] = [{"bearer": []}, {}]
@@ -176,39 +190,3 @@ def _completion_request(model_name: str, vocab_size: int, limits: GatewaySetting
         "echo": {"type": "boolean", "nullable": True, "description": "not with logprobs"},
     })
     return {"type": "object", "required": ["model", "prompt"], "properties": properties}
-
-
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _schemas() -> dict[str, Any]:
-    nullable_str = {"type": "string", "nullable": True}
-    usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
-        "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
-        "total_tokens": {"type": "integer"},
-        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
-    finish = {"type": "string", "nullable": True, "enum": ["stop", "length", None]}
-    head = {"id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
-            "model": {"type": "string"}}
-    return {
-        "Error": {"type": "object", "required": ["error"], "properties": {"error": {
-            "type": "object", "required": ["message", "type", "param", "code"], "properties": {
-                "message": {"type": "string"}, "type": {"type": "string"}, "param": nullable_str,
-                "code": nullable_str}}}},
-        "Usage": usage,
-        "ChatCompletion": {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
-            **head, "usage": _ref("Usage"), "choices": {"type": "array", "items": {
-                "type": "object", "required": ["index", "message", "finish_reason"], "properties": {
-                    "index": {"type": "integer"}, "finish_reason": finish,
-                    "message": {"type": "object", "properties": {"role": {"type": "string"},
-                                                                 "content": {"type": "string"}}}}}}}},
-        "Completion": {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
-            **head, "usage": _ref("Usage"), "choices": {"type": "array", "items": {
-                "type": "object", "required": ["index", "text", "finish_reason"], "properties": {
-                    "index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": finish}}}}},
-        "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
-            "object": {"type": "string"}, "data": {"type": "array", "items": {
-                "type": "object", "required": ["id", "object"], "properties": {
-                    "id": {"type": "string"}, "object": {"type": "string"}}}}}},
-    }

@@ -1,0 +1,149 @@
+"""The response half of the OpenAPI document: the bodies and stream chunks that gateway/formats.py,
+generate.py (usage), routes.py and errors.py build, field for field.
+
+Every object is closed (additionalProperties: false) and lists what is always sent as required, so
+tests/test_openapi_responses.py fails as soon as the gateway sends a field the document does not
+describe, or stops sending one it does.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+_COUNT = {"type": "integer", "minimum": 0}
+_TEXT = {"type": "string"}
+_LOGPROB = {"type": "number", "maximum": 0}
+_CALL_ID = {"type": "string", "pattern": "^call_[0-9a-f]{24}$"}
+
+
+def response_schemas(model_name: str) -> dict[str, Any]:
+    usage = _usage()
+    return {
+        "Error": _error(),
+        "Usage": usage,
+        "ToolCall": _tool_call(),
+        "ChatCompletion": _closed({
+            **_head("chat.completion", "chatcmpl-", model_name),
+            "choices": {"type": "array", "items": _closed({
+                "index": _COUNT, "message": _chat_message(), "logprobs": _nullable(_chat_logprobs()),
+                "finish_reason": {"type": "string", "enum": ["stop", "length", "tool_calls"],
+                                  "description": '"tool_calls" when the message holds tool calls and ended '
+                                                 'normally; one cut short by max_tokens stays "length"'}})},
+            "usage": ref("Usage")}),
+        "ChatCompletionChunk": _closed({
+            **_head("chat.completion.chunk", "chatcmpl-", model_name),
+            "choices": {"type": "array", "description": "empty in the usage chunk", "items": _closed({
+                "index": _COUNT, "delta": _chat_delta(), "logprobs": _nullable(_chat_logprobs()),
+                "finish_reason": _nullable_enum("stop", "length", "tool_calls")})},
+            "usage": _nullable(usage, "null but in the last chunk, with stream_options.include_usage")}),
+        "Completion": _closed({
+            **_head("text_completion", "cmpl-", model_name),
+            "choices": {"type": "array", "items": _closed({
+                "index": _COUNT, "text": _TEXT, "logprobs": _nullable(_completion_logprobs()),
+                "finish_reason": {"type": "string", "enum": ["stop", "length"]}})},
+            "usage": ref("Usage")}),
+        "CompletionChunk": _closed({
+            **_head("text_completion", "cmpl-", model_name),
+            "choices": {"type": "array", "description": "empty in the usage chunk", "items": _closed({
+                "index": _COUNT, "text": _TEXT, "logprobs": _nullable(_completion_logprobs()),
+                "finish_reason": _nullable_enum("stop", "length")})},
+            "usage": _nullable(usage, "null but in the last chunk, with stream_options.include_usage")}),
+        "Model": _model(model_name),
+        "ModelList": _closed({"object": _const("list"), "data": {"type": "array", "items": ref("Model")}}),
+        "Health": _closed({"status": _const("ok"), "replicas_up": _COUNT, "replicas": _COUNT},
+                          optional=("replicas_up", "replicas")),
+    }
+
+
+def _closed(properties: dict[str, Any], *, optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """An object with exactly these fields, each always sent unless named in `optional`."""
+    schema: dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}
+    if required := [name for name in properties if name not in optional]:
+        schema["required"] = required
+    return schema
+
+
+def _nullable(schema: dict[str, Any], description: str | None = None) -> dict[str, Any]:
+    return {**schema, "nullable": True, **({"description": description} if description else {})}
+
+
+def _nullable_enum(*values: str) -> dict[str, Any]:
+    return {"type": "string", "nullable": True, "enum": [*values, None]}
+
+
+def _const(value: str) -> dict[str, Any]:
+    return {"type": "string", "enum": [value]}
+
+
+def ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _head(object_name: str, id_prefix: str, model_name: str) -> dict[str, Any]:
+    return {"id": {"type": "string", "pattern": f"^{id_prefix}[0-9a-f]{{32}}$"}, "object": _const(object_name),
+            "created": _COUNT, "model": {"type": "string", "enum": [model_name]},
+            "system_fingerprint": {"type": "string", "pattern": "^fp_[0-9a-f]{10}$",
+                                   "description": "changes when the model or the engine configuration does"}}
+
+
+def _usage() -> dict[str, Any]:
+    return _closed({
+        "prompt_tokens": _COUNT, "completion_tokens": _COUNT, "total_tokens": _COUNT,
+        "prompt_tokens_details": _closed({"cached_tokens": {
+            **_COUNT, "description": "prompt tokens served from the prefix cache"}}),
+        "completion_tokens_details": {**_closed({name: {**_COUNT, "enum": [0]} for name in (
+            "reasoning_tokens", "audio_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")}),
+            "description": "always zeros (no reasoning, audio or predicted outputs), as OpenAI sends them"},
+    })
+
+
+def _error() -> dict[str, Any]:
+    fields = {"message": _TEXT, "type": _TEXT, "param": _nullable(_TEXT), "code": _nullable(_TEXT)}
+    return _closed({"error": _closed(fields)})
+
+
+def _tool_call() -> dict[str, Any]:
+    return _closed({"id": _CALL_ID, "type": _const("function"),
+                    "function": _closed({"name": _TEXT, "arguments": {**_TEXT, "description": "JSON text"}})})
+
+
+def _chat_message() -> dict[str, Any]:
+    """Plain text, or tool calls with the text around them (null when there is none)."""
+    role = _const("assistant")
+    return {"oneOf": [
+        _closed({"role": role, "content": _TEXT}),
+        _closed({"role": role, "content": _nullable(_TEXT),
+                 "tool_calls": {"type": "array", "items": ref("ToolCall"), "minItems": 1}}),
+    ]}
+
+
+def _chat_delta() -> dict[str, Any]:
+    """The first chunk has the role (and content ""); a call's first delta has its id, type and
+    name, its later ones only index and the next piece of the arguments."""
+    head = _closed({"index": _COUNT, "id": _CALL_ID, "type": _const("function"),
+                    "function": _closed({"name": _TEXT, "arguments": _TEXT})})
+    piece = _closed({"index": _COUNT, "function": _closed({"arguments": _TEXT})})
+    return _closed({"role": _const("assistant"), "content": _TEXT,
+                    "tool_calls": {"type": "array", "items": {"oneOf": [head, piece]}, "minItems": 1}},
+                   optional=("role", "content", "tool_calls"))
+
+
+def _chat_logprobs() -> dict[str, Any]:
+    token = {"token": {**_TEXT, "description": 'a token holding part of a UTF-8 character: "bytes:\\xNN..."'},
+             "logprob": _LOGPROB, "bytes": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                        "maximum": 255}}}
+    top = {"type": "array", "items": _closed(token), "description": "top_logprobs of them; [] without it"}
+    return _closed({"content": {"type": "array", "items": _closed({**token, "top_logprobs": top})}})
+
+
+def _completion_logprobs() -> dict[str, Any]:
+    top = {"type": "object", "additionalProperties": _LOGPROB}
+    return _closed({"tokens": {"type": "array", "items": _TEXT},
+                    "token_logprobs": {"type": "array", "items": _LOGPROB},
+                    "top_logprobs": {"type": "array", "items": top, "nullable": True,
+                                     "description": "token -> logprob, when logprobs > 0"},
+                    "text_offset": {"type": "array", "items": _COUNT}})
+
+
+def _model(model_name: str) -> dict[str, Any]:
+    return _closed({"id": {"type": "string", "enum": [model_name]}, "object": _const("model"), "created": _COUNT,
+                    "owned_by": _const("prefixgate"), "max_model_len": {"type": "integer", "minimum": 1}})
