@@ -81,7 +81,7 @@ def test_fused_cpu_kernel_and_plain_matmuls_agree():
     torch.testing.assert_close(fused, plain)
 
 
-def test_cascade_decode_in_bfloat16_keeps_the_dtype():
+def test_cascade_decode_in_bfloat16_keeps_the_dtype(decode_path):
     torch.manual_seed(3)
     k_cache = torch.randn(32, KV_HEADS, DIM).bfloat16()
     v_cache = torch.randn(32, KV_HEADS, DIM).bfloat16()
@@ -96,30 +96,36 @@ def test_cascade_decode_in_bfloat16_keeps_the_dtype():
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
-def test_paged_kernel_equals_gather_and_sdpa(batch_size):
-    """Long, ragged contexts over scattered blocks (so rows split into several token ranges), in fp32."""
+def test_paged_kernel_equals_gather_and_sdpa(batch_size, dtype):
+    """Long, ragged contexts over scattered blocks; bfloat16 against the same bf16 values in float32."""
     torch.manual_seed(4)
     block_size, num_blocks = 16, 64
-    k_cache = torch.randn(num_blocks * block_size, KV_HEADS, DIM) * 3  # large scores: the softmax rescales often
-    v_cache = torch.randn(num_blocks * block_size, KV_HEADS, DIM)
+    # large scores: the running softmax rescales often
+    k_cache = (torch.randn(num_blocks * block_size, KV_HEADS, DIM) * 3).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, KV_HEADS, DIM).to(dtype)
     rests = []
     for _ in range(batch_size):
         length = int(torch.randint(1, 400, ()))
         blocks = torch.randperm(num_blocks)[:-(-length // block_size)]
         rests.append((blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:length])
     slots, lengths, bias = _padded(rests)
-    q = torch.randn(batch_size, HEADS, DIM)
+    q = torch.randn(batch_size, HEADS, DIM).to(dtype)
     out, lse = paged_decode_cpu.paged_decode(q, k_cache, v_cache, slots, lengths, DIM ** -0.5)
+    assert out.dtype == dtype
+    q, k_cache, v_cache = q.float(), k_cache.float(), v_cache.float()
     keys = attention._gather(k_cache, slots).transpose(1, 2)
     values = attention._gather(v_cache, slots).transpose(1, 2)
     expected, expected_lse = _attend(q.unsqueeze(2), keys, values, bias, DIM ** -0.5)
-    torch.testing.assert_close(out, expected.squeeze(2))
+    tolerance = {} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}  # the output is rounded to bf16
+    torch.testing.assert_close(out.float(), expected.squeeze(2), **tolerance)
     torch.testing.assert_close(lse, expected_lse[:, :, 0, 0])
-    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, rests))
+    torch.testing.assert_close(out.float(), _reference(q, k_cache, v_cache, rests), **tolerance)
 
 
-def test_paged_kernel_serves_fp32_on_cpu_only():
+def test_paged_kernel_serves_fp32_and_bf16_on_cpu_only():
     assert paged_decode_cpu.supports(torch.float32, torch.device("cpu"))
-    assert not paged_decode_cpu.supports(torch.bfloat16, torch.device("cpu"))
+    assert paged_decode_cpu.supports(torch.bfloat16, torch.device("cpu"))
+    assert not paged_decode_cpu.supports(torch.float16, torch.device("cpu"))
     assert not paged_decode_cpu.supports(torch.float32, torch.device("cuda"))

@@ -6,7 +6,7 @@ itself, and at batch 8 it is most of the step. This kernel walks each row's slot
 online softmax and returns the log-sum-exp that cascade attention merges with. numba compiles it once
 (cached on disk). It runs on the calling thread: a numba thread pool beside torch's OpenMP threads
 slowed the matmuls around it more than the second thread saved (measured: a batch-8 step went from
-56 ms to 150 ms). float32 only: other dtypes and devices take the plain path.
+56 ms to 150 ms). float32 and bfloat16 caches (the math is float32); CUDA takes the plain path.
 """
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ import math
 
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype == torch.float32
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -27,9 +28,26 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     Returns the attention output [B, H, D] and its log-sum-exp [B, H]."""
     out = torch.empty(q.shape)
     lse = torch.empty(q.shape[:2])
-    _kernel(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), slots.numpy(), lengths.numpy(),
+    if k_cache.dtype == torch.bfloat16:  # numpy has no bfloat16: the kernel reads the bits
+        k_cache, v_cache = k_cache.view(torch.uint16), v_cache.view(torch.uint16)
+    _kernel(q.float().contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), slots.numpy(), lengths.numpy(),
             np.float32(scale), out.numpy(), lse.numpy())
-    return out, lse
+    return out.to(q.dtype), lse
+
+
+def _row(cache, slot, kv_head, bits):
+    """cache[slot, kv_head] as float32 (compiled per cache dtype below)."""
+
+
+@overload(_row, inline="always")
+def _row_for(cache, slot, kv_head, bits):
+    if cache.dtype == types.uint16:  # bfloat16 bits: a bfloat16 is the top half of a float32
+        def widen(cache, slot, kv_head, bits):
+            for d in range(bits.shape[0]):
+                bits[d] = np.uint32(cache[slot, kv_head, d]) << 16
+            return bits.view(np.float32)
+        return widen
+    return lambda cache, slot, kv_head, bits: cache[slot, kv_head]
 
 
 @njit(fastmath=True, cache=True)
@@ -37,6 +55,7 @@ def _kernel(q, k_cache, v_cache, slots, lengths, scale, out, lse):
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads  # query heads per kv head (GQA)
+    key_bits, value_bits = np.empty(dim, dtype=np.uint32), np.empty(dim, dtype=np.uint32)
     run_max = np.empty(heads, dtype=np.float32)
     run_sum = np.empty(heads, dtype=np.float32)
     acc = np.empty((heads, dim), dtype=np.float32)
@@ -48,20 +67,21 @@ def _kernel(q, k_cache, v_cache, slots, lengths, scale, out, lse):
         for t in range(lengths[b]):
             slot = slots[b, t]
             for kvh in range(kv_heads):
-                key, value = k_cache[slot, kvh], v_cache[slot, kvh]
+                key = _row(k_cache, slot, kvh, key_bits)
+                value = _row(v_cache, slot, kvh, value_bits)
                 for h in range(kvh * group, (kvh + 1) * group):
                     qh, ah = scaled_q[h], acc[h]
                     score = np.float32(0.0)
                     for d in range(dim):
                         score += qh[d] * key[d]
                     if score > run_max[h]:  # a new maximum rescales what was summed so far
-                        rescale = math.exp(run_max[h] - score)
+                        rescale = np.float32(math.exp(run_max[h] - score))
                         run_sum[h] = run_sum[h] * rescale + 1.0
                         for d in range(dim):
                             ah[d] = ah[d] * rescale + value[d]
                         run_max[h] = score
                     else:
-                        p = math.exp(score - run_max[h])
+                        p = np.float32(math.exp(score - run_max[h]))
                         run_sum[h] += p
                         for d in range(dim):
                             ah[d] += p * value[d]
