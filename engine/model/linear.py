@@ -13,7 +13,9 @@ from torch import nn
 
 
 DECODE_ROWS_HINT = 8
-MAX_PACKED_ROWS = 8  # decode steps of up to this many rows use the packed weight
+# steps of up to this many rows use the packed weight (the default max_num_seqs). Measured here (AVX-512 EPYC,
+# the 121 SmolLM2 matmuls of a step): packed 20-33 ms vs F.linear 34-83 ms at 1-32 rows, in fp32 and bf16 alike
+MAX_PACKED_ROWS = 32
 
 
 class Linear(nn.Linear):
