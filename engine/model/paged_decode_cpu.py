@@ -4,13 +4,16 @@ The plain path copies every decode's context out of the cache once per layer (`i
 runs torch's SDPA over the copy: at a 1,000-token context that copy costs more than the attention
 itself, and at batch 8 it is most of the step. This kernel walks each row's slots in place with an
 online softmax and returns the log-sum-exp that cascade attention merges with. numba compiles it once
-(cached on disk). It runs on the calling thread: a numba thread pool beside torch's OpenMP threads
-slowed the matmuls around it more than the second thread saved (measured: a batch-8 step went from
-56 ms to 150 ms). float32 and bfloat16 caches (the math is float32); CUDA takes the plain path.
+(cached on disk). A batch's rows are split over torch's thread count: the caller takes one share and
+plain Python threads (waiting on a lock while idle, the kernel releases the GIL) the others. numba's
+own thread pool is not used: beside torch's OpenMP threads it slowed the matmuls around it more than
+the second thread saved (measured: a batch-8 step went from 56 ms to 150 ms). float32 and bfloat16
+caches (the math is float32); CUDA takes the plain path.
 """
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -30,9 +33,34 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     lse = torch.empty(q.shape[:2])
     if k_cache.dtype == torch.bfloat16:  # numpy has no bfloat16: the kernel reads the bits
         k_cache, v_cache = k_cache.view(torch.uint16), v_cache.view(torch.uint16)
-    _kernel(q.float().contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), slots.numpy(), lengths.numpy(),
+    args = (q.float().contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), slots.numpy(), lengths.numpy(),
             np.float32(scale), out.numpy(), lse.numpy())
+    shares = min(torch.get_num_threads(), q.shape[0])
+    if shares == 1:
+        _kernel(*args)
+    else:  # rows in contiguous shares: one on this thread, the others on the helper threads
+        bounds = [q.shape[0] * i // shares for i in range(shares + 1)]
+        pending = [_helpers(shares - 1).submit(_rows, args, bounds[i], bounds[i + 1]) for i in range(1, shares)]
+        _rows(args, bounds[0], bounds[1])
+        for future in pending:
+            future.result()
     return out.to(q.dtype), lse
+
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (workers, pool), made on first use
+
+
+def _helpers(count: int) -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None or _pool[0] < count:
+        _pool = (count, ThreadPoolExecutor(count, thread_name_prefix="paged-decode"))
+    return _pool[1]
+
+
+def _rows(args: tuple, start: int, end: int) -> None:
+    q, k_cache, v_cache, slots, lengths, scale, out, lse = args
+    _kernel(q[start:end], k_cache, v_cache, slots[start:end], lengths[start:end], scale, out[start:end],
+            lse[start:end])
 
 
 def _row(cache, slot, kv_head, bits):
@@ -50,7 +78,7 @@ def _row_for(cache, slot, kv_head, bits):
     return lambda cache, slot, kv_head, bits: cache[slot, kv_head]
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, nogil=True)
 def _kernel(q, k_cache, v_cache, slots, lengths, scale, out, lse):
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
