@@ -85,6 +85,9 @@ def measure(core: EngineCore, probe: torch.Tensor, batch: int, context: int, ste
 
 def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, steps: int = 24,
         dtype: str = "float32", log=print, **engine_overrides) -> dict:
+    # a pool that holds every sequence of the largest batch: a smaller one would preempt some and time a smaller batch
+    blocks_per_seq = -(-(context + steps + 8) // engine_overrides.get("block_size", EngineConfig().block_size))
+    engine_overrides.setdefault("num_kv_blocks", max(batches) * blocks_per_seq + 8)
     core = EngineCore(EngineConfig(model=model, dtype=dtype, max_num_seqs=max(batches),
                                    max_num_batched_tokens=2048, **engine_overrides))
     probe = torch.ones(PROBE_BYTES // 4)
