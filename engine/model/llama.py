@@ -98,7 +98,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        # in place, into the projection's own output: fresh [tokens, intermediate] buffers for silu and the
+        # product made prefill's elementwise ops 2-3x slower in runs (page faults), ~4% of a 512-token step
+        return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
 
 
 class DecoderLayer(nn.Module):
