@@ -128,3 +128,11 @@ def test_the_transformers_subset_keeps_every_kind_in_proportion():
     assert Counter(r.request_id.split("-")[0] for r in picked) == {"chat": 6, "rag": 2, "unique": 8}
     assert Counter(r.request_id.split("-")[0] for r in subset(Workload("m", "", requests), 3).requests) == {
         "chat": 1, "rag": 1, "unique": 1}
+
+
+def test_chatbot_ttft_reports_every_request_of_the_workload(tiny_llama_dir):
+    from bench import chatbot_ttft
+
+    result = chatbot_ttft.run(str(tiny_llama_dir), TINY)
+    assert len(result["ttfts_s"]) == TINY.chatbot_users
+    assert result["ttfts_s"] == sorted(result["ttfts_s"]) and result["ttft_max_s"] == result["ttfts_s"][-1]
