@@ -23,6 +23,7 @@ from engine.config import EngineConfig, HashAlgo
 from engine.kv.hashing import hash_full_blocks
 from engine.model.loader import resolve_model_path
 from engine.outputs import FinishReason, RequestOutput
+from engine.request import validate_prompt
 from engine.sampling import SamplingParams
 from engine.stats import PrefixCacheStats, SchedulerStats, StepStats
 from engine.tokenizer import load_tokenizer
@@ -94,13 +95,7 @@ class ClusterEngine:
         return hash_full_blocks(prompt_token_ids, self._block_size, cache_salt=cache_salt, algo=self._hash_algo)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self._vocab_size for t in prompt_token_ids):
-            raise ValueError(f"token ids must be in [0, {self._vocab_size})")
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"exceeds the context length ({self.max_model_len})")
+        validate_prompt(prompt_token_ids, params, self._vocab_size, self.max_model_len)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        cache_salt: str | None = None, tenant: str | None = None) -> AsyncIterator[RequestOutput]:

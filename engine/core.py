@@ -14,7 +14,7 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_io import KVBlockIO
 from engine.model.loader import load_config, load_model, resolve_model_path
 from engine.outputs import FinishReason, RequestOutput
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, validate_prompt
 from engine.runner import ModelRunner
 from engine.sampling import SampledToken, Sampler, SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
@@ -72,15 +72,7 @@ class EngineCore:
     # ---- requests in and out
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"exceeds the context length ({self.max_model_len})")
-        if any(t >= self.vocab_size for t in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
+        validate_prompt(prompt_token_ids, params, self.vocab_size, self.max_model_len)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:

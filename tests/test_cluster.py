@@ -71,6 +71,18 @@ def _prompt(seed: int, n: int = 24) -> list[int]:
     return [(seed * 37 + i * 11) % 400 + 20 for i in range(n)]
 
 
+def test_the_client_refuses_what_a_replica_would_refuse(cluster, engine_config):
+    """The client checks a request as the replicas' engine does, before it routes anything."""
+    vocab = cluster._vocab_size
+    bad = {"the prompt is empty": ([], GREEDY),
+           "token ids must be in": ([vocab], GREEDY),
+           "exceeds the context length": (_prompt(1, engine_config.max_model_len), GREEDY),
+           "logit_bias token ids must be in": (_prompt(1), SamplingParams(max_tokens=4, logit_bias={vocab: 1.0}))}
+    for message, (prompt, params) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            cluster.validate(prompt, params)
+
+
 async def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(cluster):
     a, b = _prompt(1), _prompt(2)
     # together: the router spreads the two misses over both replicas (one request each)
