@@ -217,10 +217,7 @@ def _decode(rows: list[dict], path: Path) -> Path:
     ax.set_xticks(batches)
     ax.set_title("Decode step vs the memory-bandwidth roofline (fp32)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _multiturn(chats: dict, path: Path) -> Path:
@@ -233,10 +230,7 @@ def _multiturn(chats: dict, path: Path) -> Path:
         ax.set_title(label, fontsize=9)
         ax.tick_params(labelsize=8)
     fig.suptitle("4 concurrent multi-turn chats (shared 512-token prefix, 128-token turns, 32 output tokens)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _grouped(rows: list[dict], key: str, ylabel: str, title: str, path: Path, log: bool = False) -> Path:
@@ -258,10 +252,7 @@ def _grouped(rows: list[dict], key: str, ylabel: str, title: str, path: Path, lo
     if log:
         ax.set_yscale("log")
     ax.legend(fontsize=8, ncol=len(variants), loc="upper center", bbox_to_anchor=(0.5, -0.08))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _prefill(rows: list[dict], path: Path) -> Path:
@@ -281,10 +272,7 @@ def _prefill(rows: list[dict], path: Path) -> Path:
     ax.set_ylabel("prefill tokens computed")
     ax.set_title("Prefill tokens computed vs the oracle (an infinite cache)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _policy(rows: list[dict], path: Path) -> Path:
@@ -295,6 +283,10 @@ def _policy(rows: list[dict], path: Path) -> Path:
         ax.bar([r["variant"] for r in rows], [r.get(key) or 0 for r in rows], color=["tab:gray", "tab:green"][:len(rows)])
         ax.set_title(label)
     fig.suptitle("prefix_mix: fcfs vs lpm (KV pool smaller than the working set)")
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
