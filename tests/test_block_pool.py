@@ -263,19 +263,30 @@ def slru_pool(num_blocks: int) -> BlockPool:
     return BlockPool(num_blocks, eviction_policy=EvictionPolicy.SLRU)
 
 
-def test_slru_a_block_hit_again_is_protected_from_a_scan():
-    pool = slru_pool(6)
+def _cache_a_hot_prefix(pool: BlockPool) -> list:
+    """Blocks 0 and 1 cached as hashes 0 and 1, freed, hit again, freed again."""
     hot = pool.allocate(2)
     for i, block in enumerate(hot):
         pool.cache_block(block, h(i), (i,))
     pool.free(reversed(hot))
     pool.touch(hot)  # the hot prefix is hit again
     pool.free(reversed(hot))
-    assert ids(pool.free_queue.probation) == [2, 3, 4, 5] and ids(pool.free_queue.protected) == [1, 0]
-    for key in range(10, 16):  # a scan: six one-off blocks, one at a time
+    return hot
+
+
+def _scan(pool: BlockPool) -> None:
+    """Six one-off blocks, cached and freed one at a time."""
+    for key in range(10, 16):
         [block] = pool.allocate(1)
         pool.cache_block(block, h(key), (key,))
         pool.free([block])
+
+
+def test_slru_a_block_hit_again_is_protected_from_a_scan():
+    pool = slru_pool(6)
+    hot = _cache_a_hot_prefix(pool)
+    assert ids(pool.free_queue.probation) == [2, 3, 4, 5] and ids(pool.free_queue.protected) == [1, 0]
+    _scan(pool)
     assert pool.get_cached_block(h(0), (0,)) is hot[0] and pool.get_cached_block(h(1), (1,)) is hot[1]
     assert pool.evictions["capacity"] == 2  # the scan evicted its own oldest blocks only
     assert pool.get_cached_block(h(10), (10,)) is None and pool.get_cached_block(h(11), (11,)) is None
@@ -284,16 +295,8 @@ def test_slru_a_block_hit_again_is_protected_from_a_scan():
 
 def test_lru_loses_the_same_prefix_to_the_same_scan():
     pool = BlockPool(6)
-    hot = pool.allocate(2)
-    for i, block in enumerate(hot):
-        pool.cache_block(block, h(i), (i,))
-    pool.free(reversed(hot))
-    pool.touch(hot)
-    pool.free(reversed(hot))
-    for key in range(10, 16):
-        [block] = pool.allocate(1)
-        pool.cache_block(block, h(key), (key,))
-        pool.free([block])
+    _cache_a_hot_prefix(pool)
+    _scan(pool)
     assert pool.get_cached_block(h(0), (0,)) is None and pool.get_cached_block(h(1), (1,)) is None
     assert pool.evictions["capacity"] == 2 and list(pool.ghosts) == [h(1), h(0)]
 
