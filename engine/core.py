@@ -142,7 +142,7 @@ class EngineCore:
 
     def _observe_step_time(self, chunks: list[ScheduledChunk], seconds: float) -> None:
         """Corrects the step-time target's cost model by the step just run (before its tokens count as computed)."""
-        decodes = [c for c in chunks if c.request.num_tokens - c.request.num_computed_tokens == 1]
+        decodes = [c for c in chunks if not c.request.is_catching_up]
         num_prefill = sum(c.num_tokens for c in chunks) - len(decodes)
         self.step_target.observe(num_prefill, sum(c.request.num_tokens for c in decodes), seconds)
 

@@ -71,6 +71,11 @@ class Request:
         return self.num_computed_tokens < self.num_prompt_tokens
 
     @property
+    def is_catching_up(self) -> bool:
+        """More than the newest token left to compute: a prefill, or a preempted request recomputing its output."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

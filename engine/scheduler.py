@@ -28,17 +28,12 @@ class _StepBudget:
     prefill_tokens: int
 
     def room(self, request: Request) -> int:
-        return min(self.tokens, self.prefill_tokens) if _is_catching_up(request) else self.tokens
+        return min(self.tokens, self.prefill_tokens) if request.is_catching_up else self.tokens
 
     def take(self, request: Request, num_tokens: int) -> None:
-        if _is_catching_up(request):
+        if request.is_catching_up:
             self.prefill_tokens -= num_tokens
         self.tokens -= num_tokens
-
-
-def _is_catching_up(request: Request) -> bool:
-    """More than the newest token left to compute: a prefill, or a preempted request recomputing its output."""
-    return request.num_tokens - request.num_computed_tokens > 1
 
 
 @dataclass(slots=True)
@@ -87,7 +82,7 @@ class Scheduler:
     def _prefill_cap(self) -> int:
         if self.prefill_cap is None:
             return self.max_num_batched_tokens
-        return self.prefill_cap(sum(r.num_tokens for r in self.running if not _is_catching_up(r)))
+        return self.prefill_cap(sum(r.num_tokens for r in self.running if not r.is_catching_up))
 
     def _schedule_running(self, out: SchedulerOutput, budget: _StepBudget) -> None:
         for request in sorted(self.running, key=lambda r: r.is_prefilling):  # decodes first
