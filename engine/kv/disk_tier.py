@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
 import struct
@@ -79,7 +80,7 @@ def decode_block(data: bytes | bytearray, fingerprint: bytes, block_hash: BlockH
         raise CorruptBlock("token ids mismatch")  # a hash collision never serves another prompt's KV
     offset += 8 * num_tokens
     payload = body[offset:]
-    if len(payload) != payload_len or payload_len != dtype.itemsize * _numel(shape):
+    if len(payload) != payload_len or payload_len != dtype.itemsize * math.prod(shape):
         raise CorruptBlock("payload size mismatch")
     return torch.frombuffer(payload, dtype=dtype).view(shape)
 
@@ -90,13 +91,6 @@ def _read(path: Path) -> bytearray:
         data = bytearray(os.fstat(f.fileno()).st_size)
         size = f.readinto(data)
     return data[:size] if size < len(data) else data
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 @dataclass(slots=True)

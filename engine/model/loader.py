@@ -11,9 +11,9 @@ from transformers import AutoConfig, PretrainedConfig
 from engine.model.linear import can_pack, pack_linears
 from engine.model.llama import LlamaForCausalLM
 
-# checkpoint projections that our decoder runs as one matmul: fused name -> the parts, in order
 logger = logging.getLogger("prefixgate.engine")
 
+# checkpoint projections that our decoder runs as one matmul: fused name -> the parts, in order
 FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                      "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
