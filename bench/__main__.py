@@ -2,22 +2,16 @@
 `python -m bench cluster`; `python -m bench tiers`."""
 from __future__ import annotations
 
-import os
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
 
-# Before torch loads OpenMP: on a shared 2-core machine, spinning OpenMP threads burn the time slices
-# the other thread needs (measured here: 5-10x slower steps under load); passive waiting does not.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch
 
-import argparse  # noqa: E402
-import resource  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-
-from bench import report  # noqa: E402
-from bench.suite import ALL_WORKLOADS, Options, Suite  # noqa: E402
+from bench import report
+from bench.suite import ALL_WORKLOADS, Options, Suite
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -7,15 +7,11 @@ For A/B runs against another checkout, run it alternately in both, one process p
 """
 from __future__ import annotations
 
-import os
+import argparse
+import json
+import statistics
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/__main__.py
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-
-from bench import driver, workloads  # noqa: E402
+from bench import driver, workloads
 
 
 def run(model: str = "default", scale: workloads.Scale = workloads.QUICK) -> dict:

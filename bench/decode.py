@@ -7,23 +7,19 @@ other processes shows in both alike. Figures are medians of steps taken in turns
 """
 from __future__ import annotations
 
-import os
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/__main__.py
+import torch
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-
-from engine.config import EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.model import loader  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.model import loader
+from engine.request import Request
+from engine.sampling import SamplingParams
 
 PROBE_BYTES = 256 * 2**20  # far larger than any CPU cache
 
@@ -117,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-pack", action="store_true", help="plain F.linear weights (to measure what packing buys)")
     parser.add_argument("--no-paged-kernel", action="store_true",
                         help="decode attention through gather + SDPA (to measure what the paged CPU kernel buys)")
+    parser.add_argument("--no-compiled-decode", action="store_true",
+                        help="decode steps through eager PyTorch (to measure what the compiled step buys)")
     args = parser.parse_args(argv)
+    if args.no_compiled_decode:
+        from engine.model import decode_step_cpu
+        decode_step_cpu.supports = lambda dtype, device: False
     if args.no_paged_kernel:
         from engine.model import paged_decode_cpu
         paged_decode_cpu.supports = lambda dtype, device: False

@@ -6,17 +6,13 @@ position (after a first difference the continuations usually part ways for good)
 """
 from __future__ import annotations
 
-import os
+import argparse
+import json
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/__main__.py
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from bench import decode  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from bench import decode
+from engine.llm import LLM
+from engine.sampling import SamplingParams
 
 PROMPTS = [
     "What is the capital of France?",

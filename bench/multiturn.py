@@ -8,21 +8,17 @@ steps that also carried a prefill chunk against pure decode steps.
 """
 from __future__ import annotations
 
-import os
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/__main__.py
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from bench import driver  # noqa: E402
-from bench.driver import pct  # noqa: E402
-from bench.workloads import TextMaker, Workload, _chat  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.model.loader import resolve_model_path  # noqa: E402
+from bench import driver
+from bench.driver import pct
+from bench.workloads import TextMaker, Workload, _chat
+from engine.core import EngineCore
+from engine.model.loader import resolve_model_path
 
 CHATS, PREFIX_TOKENS, TURN_TOKENS, OUTPUT_TOKENS = 4, 512, 128, 32
 

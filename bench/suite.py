@@ -240,6 +240,7 @@ class Suite:
     def environment(self) -> dict:
         return {"model": self.model_path, "quick": self.opts.quick, "torch": torch.__version__,
                 "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
                 "load_avg_1m_at_end": os.getloadavg()[0], "cpu": platform.processor() or platform.machine(),
                 "cpu_count": os.cpu_count(), "python": platform.python_version(),
                 "scale": {k: getattr(self.scale, k) for k in self.scale.__slots__}}

@@ -5,7 +5,7 @@ import torch
 
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.model.attention import AttentionMetadata, DecodeBatch, PrefillSeq, SharedPrefix
-from engine.model import paged_decode_cpu
+from engine.model import decode_step_cpu, paged_decode_cpu
 from engine.model.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.scheduler import ScheduledChunk
@@ -22,6 +22,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self._offsets = torch.arange(block_size, device=device)
+        self.compiled_decode = None
+        if decode_step_cpu.supports(kv_cache.dtype, device):
+            self.compiled_decode = decode_step_cpu.CompiledDecode(model)
+            self._warm_up_compiled_decode()
 
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Returns logits [num_sampled, vocab] and the chunks they belong to (those that reach the end)."""
@@ -49,10 +53,26 @@ class ModelRunner:
             if end == request.num_tokens:
                 logits_idx.append(len(input_ids) - 1)
                 sampled.append(chunk)
+        if (self.compiled_decode is not None and not prefills
+                and len(decodes) <= decode_step_cpu.MAX_ROWS):  # every row a decode, in order
+            contexts = [self._slots(ids, 0, end) for _, ids, end in decodes]
+            logits = self.compiled_decode(
+                self._tensor(input_ids), self._tensor(positions), self.kv_slots, self._tensor(slot_mapping),
+                torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True),
+                self._tensor([len(c) for c in contexts]), self._tensor(logits_idx))
+            return logits, sampled
         meta = AttentionMetadata(self._tensor(slot_mapping), prefills, self._decode_batch(decodes))
         logits = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_slots, meta,
                             self._tensor(logits_idx))
         return logits, sampled
+
+    def _warm_up_compiled_decode(self) -> None:
+        """Compiles the step (or loads it from numba's disk cache) now rather than in the first request's
+        decode: a one-row step reading and writing slot 0, whose K/V are put back afterwards."""
+        saved = self.kv_slots[:, :, 0].clone()
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.compiled_decode(zero, zero, self.kv_slots, zero, zero[None, :], zero + 1, zero)
+        self.kv_slots[:, :, 0] = saved
 
     def calibration_step(self, num_prefill_tokens: int, decode_context_tokens: int) -> None:
         """One forward shaped like a step with a prefill chunk and one decode, over scratch slots from 0

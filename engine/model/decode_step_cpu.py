@@ -1,0 +1,276 @@
+"""A whole decode step of a Llama-family model in one compiled call on CPU (float32).
+
+At batch 1 a decode step is 121 small matmuls plus some 1,500 tiny ops (norms, rotary, cache
+writes, residual adds) that eager PyTorch dispatches one by one: on a 2-core machine that dispatch
+cost about a third of the weights' streaming time. Here numba compiles the step (every layer, the
+final norm and the lm_head) into one function: the matmuls and the attention split their work over
+numba's OpenMP threads, the small ops run inline, and decode attention reads K/V where they sit in
+the paged cache. The step's phases run back to back, so the threads need to spin briefly between
+them rather than sleep (GOMP_SPINCOUNT, set by the server and the benchmarks). The runner takes this
+path for decode-only steps of up to MAX_ROWS rows; prefill, larger batches, bfloat16 and CUDA keep
+the PyTorch path.
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange
+from numba.typed import List
+
+from engine.model.llama import LlamaForCausalLM
+
+# decode-only steps of up to this many rows take the compiled step. Measured here (bench/decode.py,
+# AVX-512 EPYC, 2 threads): beyond it oneDNN's packed matmuls outrun these plain register-blocked loops
+MAX_ROWS = 8
+ROWS_PER_TASK = 16  # output rows of a matmul per parallel task: 36 tasks for a 576-wide layer
+
+# numba's workqueue layer (the fallback where no OpenMP is found) must not be entered by two threads at once
+_launch_lock = threading.Lock()
+
+
+def supports(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype == torch.float32
+
+
+class CompiledDecode:
+    """The model's weights as numpy views (no copies) and the compiled step over them."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        config = model.config
+        layers = model.model.layers
+        attn = layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.scale = attn.scale
+        self.eps = config.rms_norm_eps
+        self.qk_norm = attn.qk_norm
+        self.embed = model.model.embed_tokens.weight
+        self.rotary = model.model.rotary_emb
+        self.vocab_size = model.lm_head.weight.shape[0]
+
+        def weights(get) -> List:
+            return List([_array(get(layer)) for layer in layers])
+
+        def biases(get, size: int) -> List:
+            return List([_array(get(layer)) if get(layer) is not None else np.zeros(size, np.float32)
+                         for layer in layers])
+
+        hidden, qkv_size = config.hidden_size, attn.q_size + 2 * attn.kv_size
+        inter = layers[0].mlp.down_proj.weight.shape[1]
+        self.weights = (
+            weights(lambda l: l.input_layernorm.weight),
+            weights(lambda l: l.post_attention_layernorm.weight),
+            weights(lambda l: l.self_attn.qkv_proj.weight),
+            biases(lambda l: l.self_attn.qkv_proj.bias, qkv_size),
+            weights(lambda l: l.self_attn.q_norm.weight) if self.qk_norm else List([np.ones(1, np.float32)]),
+            weights(lambda l: l.self_attn.k_norm.weight) if self.qk_norm else List([np.ones(1, np.float32)]),
+            weights(lambda l: l.self_attn.o_proj.weight),
+            biases(lambda l: l.self_attn.o_proj.bias, hidden),
+            weights(lambda l: l.mlp.gate_up_proj.weight),
+            biases(lambda l: l.mlp.gate_up_proj.bias, 2 * inter),
+            weights(lambda l: l.mlp.down_proj.weight),
+            biases(lambda l: l.mlp.down_proj.bias, hidden),
+            _array(model.model.norm.weight),
+            _array(model.lm_head.weight),
+            np.zeros(self.vocab_size, np.float32),
+        )
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_slots: torch.Tensor,
+                 slot_mapping: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                 logits_indices: torch.Tensor) -> torch.Tensor:
+        """One decode step: row i is the newest token of a sequence whose context (itself included) sits in
+        slots[i, :lengths[i]]; its K/V go to slot_mapping[i]. kv_slots: [2, layers, num_slots, KVH, D].
+        Returns the logits [len(logits_indices), vocab] of the rows in logits_indices."""
+        x = self.embed.index_select(0, input_ids)
+        cos, sin = self.rotary(positions)
+        logits = torch.empty(len(logits_indices), self.vocab_size)
+        with _launch_lock:
+            numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+            _step(x.numpy(), cos.contiguous().numpy(), sin.contiguous().numpy(), kv_slots.numpy(),
+                  slot_mapping.numpy(), slots.numpy(), lengths.numpy(), logits_indices.numpy(), *self.weights,
+                  self.num_heads, self.num_kv_heads, np.float32(self.eps), np.float32(self.scale), self.qk_norm,
+                  logits.numpy())
+        return logits
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    return np.ascontiguousarray(t.detach().numpy())
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _rms_norm(x, weight, eps, out):
+    """out[m] = weight * x[m] / rms(x[m]) for every row m."""
+    for m in range(x.shape[0]):
+        total = np.float32(0.0)
+        for i in range(x.shape[1]):
+            total += x[m, i] * x[m, i]
+        inv = np.float32(1.0) / np.float32(math.sqrt(total / x.shape[1] + eps))
+        for i in range(x.shape[1]):
+            out[m, i] = weight[i] * (x[m, i] * inv)
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _matmul_rows(x, w, b, out, start, end, accumulate):
+    """out[:, start:end] (+)= x @ w[start:end].T + b[start:end], two weight rows by two input rows at a time
+    (four accumulators: each weight row read from cache serves two input rows)."""
+    rows, width = x.shape
+    n = start
+    while n < end:
+        pair = n + 1 < end
+        m = 0
+        while m < rows:
+            m_pair = m + 1 < rows
+            n1, m1 = n + 1 if pair else n, m + 1 if m_pair else m
+            a00 = np.float32(0.0)
+            a01 = np.float32(0.0)
+            a10 = np.float32(0.0)
+            a11 = np.float32(0.0)
+            for k in range(width):
+                w0, w1, x0, x1 = w[n, k], w[n1, k], x[m, k], x[m1, k]
+                a00 += w0 * x0
+                a01 += w1 * x0
+                a10 += w0 * x1
+                a11 += w1 * x1
+            _put(out, m, n, a00 + b[n], accumulate)
+            if pair:
+                _put(out, m, n1, a01 + b[n1], accumulate)
+            if m_pair:
+                _put(out, m1, n, a10 + b[n], accumulate)
+                if pair:
+                    _put(out, m1, n1, a11 + b[n1], accumulate)
+            m += 2
+        n += 2
+
+
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
+def _put(out, m, n, value, accumulate):
+    if accumulate:
+        out[m, n] += value
+    else:
+        out[m, n] = value
+
+
+@njit(fastmath=True, nogil=True, cache=True, parallel=True)
+def _linear(x, w, b, out, accumulate):
+    """out (+)= x @ w.T + b, the weight's rows split over the threads."""
+    tasks = (w.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(tasks):
+        start = task * ROWS_PER_TASK
+        _matmul_rows(x, w, b, out, start, min(start + ROWS_PER_TASK, w.shape[0]), accumulate)
+
+
+@njit(fastmath=True, nogil=True, cache=True, parallel=True)
+def _silu_and_mul(gate_up, out):
+    """out = silu(gate) * up, gate and up being the two halves of gate_up's rows."""
+    inter = out.shape[1]
+    for m in prange(out.shape[0]):
+        for i in range(inter):
+            gate = gate_up[m, i]
+            out[m, i] = gate / (np.float32(1.0) + np.float32(math.exp(-gate))) * gate_up[m, inter + i]
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _rotate(x, start, cos, sin, m, dim):
+    """Rotary embedding of the head at x[m, start:start + dim], in place."""
+    half = dim // 2
+    for d in range(half):
+        x1, x2 = x[m, start + d], x[m, start + half + d]
+        x[m, start + d] = x1 * cos[m, d] - x2 * sin[m, d]
+        x[m, start + half + d] = x2 * cos[m, half + d] + x1 * sin[m, half + d]
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _head_norm(x, start, weight, eps, m, dim):
+    """RMS norm of the head at x[m, start:start + dim] (Qwen3's q/k norm), in place."""
+    total = np.float32(0.0)
+    for d in range(dim):
+        total += x[m, start + d] * x[m, start + d]
+    inv = np.float32(1.0) / np.float32(math.sqrt(total / dim + eps))
+    for d in range(dim):
+        x[m, start + d] = weight[d] * (x[m, start + d] * inv)
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads, q_norm, k_norm, qk_norm, eps):
+    """Rotates q and k in place (after Qwen3's q/k norm) and writes each row's k and v to its slot."""
+    dim = cos.shape[1]
+    q_size, kv_size = heads * dim, kv_heads * dim
+    for m in range(qkv.shape[0]):
+        for h in range(heads):
+            if qk_norm:
+                _head_norm(qkv, h * dim, q_norm, eps, m, dim)
+            _rotate(qkv, h * dim, cos, sin, m, dim)
+        slot = slot_mapping[m]
+        for h in range(kv_heads):
+            k_start = q_size + h * dim
+            if qk_norm:
+                _head_norm(qkv, k_start, k_norm, eps, m, dim)
+            _rotate(qkv, k_start, cos, sin, m, dim)
+            for d in range(dim):
+                k_cache[slot, h, d] = qkv[m, k_start + d]
+                v_cache[slot, h, d] = qkv[m, q_size + kv_size + h * dim + d]
+
+
+@njit(fastmath=True, nogil=True, cache=True, parallel=True)
+def _attention(qkv, k_cache, v_cache, slots, lengths, heads, kv_heads, scale, out):
+    """Each (row, query head) attends its row's slots: scores, then softmax-weighted values. (Measured
+    here: splitting a row's slots over tasks as well, flash-decoding style, made it slower at every batch.)"""
+    dim = out.shape[1] // heads
+    group = heads // kv_heads
+    for task in prange(qkv.shape[0] * heads):
+        m, h = task // heads, task % heads
+        kvh = h // group
+        q = qkv[m, h * dim:(h + 1) * dim]
+        scores = np.empty(lengths[m], np.float32)
+        top = np.float32(-np.inf)
+        for t in range(lengths[m]):
+            key = k_cache[slots[m, t], kvh]
+            score = np.float32(0.0)
+            for d in range(dim):
+                score += q[d] * key[d]
+            scores[t] = score * scale
+            top = max(top, scores[t])
+        acc = np.zeros(dim, np.float32)
+        total = np.float32(0.0)
+        for t in range(lengths[m]):
+            p = np.float32(math.exp(scores[t] - top))
+            total += p
+            value = v_cache[slots[m, t], kvh]
+            for d in range(dim):
+                acc[d] += p * value[d]
+        for d in range(dim):
+            out[m, h * dim + d] = acc[d] / total
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _step(x, cos, sin, kv, slot_mapping, slots, lengths, logits_indices, input_norm, post_norm, qkv_w, qkv_b,
+          q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b, final_norm, lm_head, lm_head_b,
+          heads, kv_heads, eps, scale, qk_norm, logits):
+    rows, hidden = x.shape
+    dim = cos.shape[1]
+    normed = np.empty_like(x)
+    qkv = np.empty((rows, qkv_w[0].shape[0]), np.float32)
+    attn = np.empty((rows, heads * dim), np.float32)
+    gate_up = np.empty((rows, gate_up_w[0].shape[0]), np.float32)
+    act = np.empty((rows, down_w[0].shape[1]), np.float32)
+    for layer in range(len(qkv_w)):
+        k_cache, v_cache = kv[0, layer], kv[1, layer]
+        _rms_norm(x, input_norm[layer], eps, normed)
+        _linear(normed, qkv_w[layer], qkv_b[layer], qkv, False)
+        _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads,
+                        q_norm[layer if qk_norm else 0], k_norm[layer if qk_norm else 0], qk_norm, eps)
+        _attention(qkv, k_cache, v_cache, slots, lengths, heads, kv_heads, scale, attn)
+        _linear(attn, o_w[layer], o_b[layer], x, True)  # the residual add folded into the matmul
+        _rms_norm(x, post_norm[layer], eps, normed)
+        _linear(normed, gate_up_w[layer], gate_up_b[layer], gate_up, False)
+        _silu_and_mul(gate_up, act)
+        _linear(act, down_w[layer], down_b[layer], x, True)
+    last = np.empty((len(logits_indices), hidden), np.float32)
+    for r in range(len(logits_indices)):
+        last[r] = x[logits_indices[r]]
+    _rms_norm(last, final_norm, eps, last)
+    _linear(last, lm_head, lm_head_b, logits, False)
