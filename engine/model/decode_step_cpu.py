@@ -18,7 +18,8 @@ import threading
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.core.extending import intrinsic
 from numba.typed import List
 
 from engine.model.llama import LlamaForCausalLM
@@ -101,6 +102,26 @@ def _array(t: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(t.detach().numpy())
 
 
+@intrinsic
+def _float_from_bits(typingctx, bits):
+    """The float32 whose bits are the int32 `bits`."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.float32))
+    return types.float32(types.int32), codegen
+
+
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
+def _exp(x):
+    """e^x for x <= 0 to ~1e-7 relative, in plain arithmetic that vectorizes over an array (math.exp is a
+    libm call per element): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial, 2^n by bits."""
+    x = max(x, np.float32(-87.0))  # keeps 2^n a normal float; e^-87 is 0 to a softmax anyway
+    n = np.float32(math.floor(x * np.float32(1.442695) + np.float32(0.5)))
+    r = x - n * np.float32(0.693145751953125) - n * np.float32(1.428606765330187e-06)  # ln2 in two parts
+    p = np.float32(1.0) + r * (np.float32(1.0) + r * (np.float32(0.5) + r * (np.float32(1 / 6) + r * (
+        np.float32(1 / 24) + r * (np.float32(1 / 120) + r * np.float32(1 / 720))))))
+    return p * _float_from_bits(np.int32(n + np.float32(127.0)) << 23)
+
+
 @njit(fastmath=True, nogil=True, cache=True)
 def _rms_norm(x, weight, eps, out):
     """out[m] = weight * x[m] / rms(x[m]) for every row m."""
@@ -115,8 +136,29 @@ def _rms_norm(x, weight, eps, out):
 
 @njit(fastmath=True, nogil=True, cache=True)
 def _matmul_rows(x, w, b, out, start, end, accumulate):
-    """out[:, start:end] (+)= x @ w[start:end].T + b[start:end], two weight rows by two input rows at a time
-    (four accumulators: each weight row read from cache serves two input rows)."""
+    """out[:, start:end] (+)= x @ w[start:end].T + b[start:end]."""
+    if x.shape[0] == 1:
+        _matvec_rows(x[0], w, b, out[0], start, end, accumulate)
+    else:
+        _matmul_rows_2x2(x, w, b, out, start, end, accumulate)
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _matvec_rows(x, w, b, out, start, end, accumulate):
+    """The one-row case: a dot product per weight row (measured: 30% more GB/s than the 2x2 blocks at
+    one row, where half their products are thrown away)."""
+    for n in range(start, end):
+        row = w[n]
+        total = np.float32(0.0)
+        for k in range(row.shape[0]):
+            total += row[k] * x[k]
+        out[n] = out[n] + total + b[n] if accumulate else total + b[n]
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _matmul_rows_2x2(x, w, b, out, start, end, accumulate):
+    """Two weight rows by two input rows at a time (four accumulators: each weight row read from memory
+    serves two input rows)."""
     rows, width = x.shape
     n = start
     while n < end:
@@ -170,7 +212,9 @@ def _silu_and_mul(gate_up, out):
     for m in prange(out.shape[0]):
         for i in range(inter):
             gate = gate_up[m, i]
-            out[m, i] = gate / (np.float32(1.0) + np.float32(math.exp(-gate))) * gate_up[m, inter + i]
+            e = _exp(-abs(gate))  # the sigmoid from e^-|gate|, which cannot overflow
+            sigmoid = np.float32(1.0) / (np.float32(1.0) + e)
+            out[m, i] = gate * (sigmoid if gate >= 0 else e * sigmoid) * gate_up[m, inter + i]
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -217,8 +261,9 @@ def _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_hea
 
 @njit(fastmath=True, nogil=True, cache=True, parallel=True)
 def _attention(qkv, k_cache, v_cache, slots, lengths, heads, kv_heads, scale, out):
-    """Each (row, query head) attends its row's slots: scores, then softmax-weighted values. (Measured
-    here: splitting a row's slots over tasks as well, flash-decoding style, made it slower at every batch.)"""
+    """Each (row, query head) attends its row's slots in three passes: scores, their exponentials (a
+    loop that vectorizes), the weighted values. (Measured here: splitting a row's slots over tasks as
+    well, flash-decoding style, made it slower at every batch.)"""
     dim = out.shape[1] // heads
     group = heads // kv_heads
     for task in prange(qkv.shape[0] * heads):
@@ -234,14 +279,15 @@ def _attention(qkv, k_cache, v_cache, slots, lengths, heads, kv_heads, scale, ou
                 score += q[d] * key[d]
             scores[t] = score * scale
             top = max(top, scores[t])
-        acc = np.zeros(dim, np.float32)
         total = np.float32(0.0)
         for t in range(lengths[m]):
-            p = np.float32(math.exp(scores[t] - top))
-            total += p
+            scores[t] = _exp(scores[t] - top)
+            total += scores[t]
+        acc = np.zeros(dim, np.float32)
+        for t in range(lengths[m]):
             value = v_cache[slots[m, t], kvh]
             for d in range(dim):
-                acc[d] += p * value[d]
+                acc[d] += scores[t] * value[d]
         for d in range(dim):
             out[m, h * dim + d] = acc[d] / total
 
