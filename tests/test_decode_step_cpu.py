@@ -7,6 +7,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.model import decode_step_cpu
+from engine.model.loader import load_config, load_model
+from engine.runner import ModelRunner
 
 # three prompts sharing their first two blocks (the eager path attends them by cascade) and one that
 # shares nothing; ragged lengths, so the rows' contexts end mid-block at different offsets
@@ -95,7 +97,41 @@ def test_warm_up_leaves_the_kv_pool_as_it_was(tiny_llama_dir):
     assert torch.equal(runner.kv_slots, before)
 
 
-def test_supported_only_on_cpu_in_float32():
+def test_supported_on_cpu_in_float32_and_bfloat16():
     assert decode_step_cpu.supports(torch.float32, torch.device("cpu"))
-    assert not decode_step_cpu.supports(torch.bfloat16, torch.device("cpu"))
+    assert decode_step_cpu.supports(torch.bfloat16, torch.device("cpu"))
+    assert not decode_step_cpu.supports(torch.float16, torch.device("cpu"))
     assert not decode_step_cpu.supports(torch.float32, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("arch_dir", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_bfloat16_step_is_float32_math_over_bfloat16_weights_and_cache(arch_dir, request):
+    """In bfloat16 the step widens weights and K/V to float32 and computes in float32: its logits are those
+    of the float32 eager model over the same (bf16-valued) weights and cache, up to the rounding of the
+    step's own K/V to bfloat16."""
+    path = request.getfixturevalue(arch_dir)
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64, dtype="bfloat16")
+    runner = llm.core.runner
+    assert runner.compiled_decode is not None
+    reference = load_model(path, load_config(path), torch.bfloat16, torch.device("cpu"), pack=False).float()
+    execute, compiled = runner.execute, runner.compiled_decode
+    compared = []
+
+    def against_float32(chunks):
+        kv32 = runner.kv_slots.float().view(runner.kv_slots.shape[0], runner.kv_slots.shape[1], -1,
+                                            runner.block_size, *runner.kv_slots.shape[3:])
+        hits = []
+        runner.compiled_decode = _Spy(compiled, hits)
+        logits, sampled = execute(chunks)
+        runner.compiled_decode = compiled
+        if hits:
+            float32_runner = ModelRunner(reference, kv32, llm.core.kv, torch.device("cpu"))
+            float32_runner.compiled_decode = None
+            expected, _ = float32_runner.execute(chunks)
+            torch.testing.assert_close(logits, expected, rtol=2e-2, atol=2e-2)
+            compared.append(len(hits))
+        return logits, sampled
+
+    runner.execute = against_float32
+    llm.generate(PROMPTS, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert compared

@@ -1,4 +1,4 @@
-"""A whole decode step of a Llama-family model in one compiled call on CPU (float32).
+"""A whole decode step of a Llama-family model in one compiled call on CPU (float32 or bfloat16).
 
 At batch 1 a decode step is 121 small matmuls plus some 1,500 tiny ops (norms, rotary, cache
 writes, residual adds) that eager PyTorch dispatches one by one: on a 2-core machine that dispatch
@@ -7,8 +7,9 @@ final norm and the lm_head) into one function: the matmuls and the attention spl
 numba's OpenMP threads, the small ops run inline, and decode attention reads K/V where they sit in
 the paged cache. The step's phases run back to back, so the threads need to spin briefly between
 them rather than sleep (GOMP_SPINCOUNT, set by the server and the benchmarks). The runner takes this
-path for decode-only steps of up to MAX_ROWS rows; prefill, larger batches, bfloat16 and CUDA keep
-the PyTorch path.
+path for decode-only steps of up to MAX_ROWS rows; prefill, larger batches and CUDA keep the
+PyTorch path. bfloat16 weights and caches are read as their bits and widened to float32, in which
+the step computes (new K/V are rounded back to bfloat16): half the bytes of float32, on any x86 CPU.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import numba
 import numpy as np
 import torch
 from numba import njit, prange, types
-from numba.core.extending import intrinsic
+from numba.core.extending import intrinsic, overload
 from numba.typed import List
 
 from engine.model.llama import LlamaForCausalLM
@@ -34,7 +35,7 @@ _launch_lock = threading.Lock()
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype == torch.float32
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
 
 
 class CompiledDecode:
@@ -86,12 +87,12 @@ class CompiledDecode:
         """One decode step: row i is the newest token of a sequence whose context (itself included) sits in
         slots[i, :lengths[i]]; its K/V go to slot_mapping[i]. kv_slots: [2, layers, num_slots, KVH, D].
         Returns the logits [len(logits_indices), vocab] of the rows in logits_indices."""
-        x = self.embed.index_select(0, input_ids)
-        cos, sin = self.rotary(positions)
+        x = self.embed.index_select(0, input_ids).float()  # the step computes in float32 whatever the weights
+        cos, sin = (t.float().contiguous() for t in self.rotary(positions))
         logits = torch.empty(len(logits_indices), self.vocab_size)
         with _launch_lock:
             numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-            _step(x.numpy(), cos.contiguous().numpy(), sin.contiguous().numpy(), kv_slots.numpy(),
+            _step(x.numpy(), cos.numpy(), sin.numpy(), _array(kv_slots),
                   slot_mapping.numpy(), slots.numpy(), lengths.numpy(), logits_indices.numpy(), *self.weights,
                   self.num_heads, self.num_kv_heads, np.float32(self.eps), np.float32(self.scale), self.qk_norm,
                   logits.numpy())
@@ -99,7 +100,9 @@ class CompiledDecode:
 
 
 def _array(t: torch.Tensor) -> np.ndarray:
-    return np.ascontiguousarray(t.detach().numpy())
+    """A numpy view of a float32 or bfloat16 tensor (bfloat16 as its uint16 bits)."""
+    t = t.detach()
+    return np.ascontiguousarray((t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy())
 
 
 @intrinsic
@@ -122,6 +125,40 @@ def _exp(x):
     return p * _float_from_bits(np.int32(n + np.float32(127.0)) << 23)
 
 
+@intrinsic
+def _bits_from_float(typingctx, value):
+    """The int32 whose bits are the float32 `value`."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.int32))
+    return types.int32(types.float32), codegen
+
+
+def _f32(value):
+    """A weight or cache element as float32: bfloat16 arrays are read as their uint16 bits (numpy has no
+    bfloat16). Compiled per element type below, so float32 pays nothing."""
+
+
+@overload(_f32, inline="always")
+def _f32_for(value):
+    if value == types.uint16:  # a bfloat16 is the top half of a float32
+        return lambda value: _float_from_bits(np.int32(value) << 16)
+    return lambda value: value
+
+
+def _to_cache(cache, value):
+    """A float32 as an element of `cache`: itself, or bfloat16 bits rounded to nearest even."""
+
+
+@overload(_to_cache, inline="always")
+def _to_cache_for(cache, value):
+    if cache.dtype == types.uint16:
+        def to_bfloat16(cache, value):
+            bits = _bits_from_float(value)
+            return np.uint16((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 & 0xFFFF)
+        return to_bfloat16
+    return lambda cache, value: value
+
+
 @njit(fastmath=True, nogil=True, cache=True)
 def _rms_norm(x, weight, eps, out):
     """out[m] = weight * x[m] / rms(x[m]) for every row m."""
@@ -131,7 +168,7 @@ def _rms_norm(x, weight, eps, out):
             total += x[m, i] * x[m, i]
         inv = np.float32(1.0) / np.float32(math.sqrt(total / x.shape[1] + eps))
         for i in range(x.shape[1]):
-            out[m, i] = weight[i] * (x[m, i] * inv)
+            out[m, i] = _f32(weight[i]) * (x[m, i] * inv)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -151,8 +188,8 @@ def _matvec_rows(x, w, b, out, start, end, accumulate):
         row = w[n]
         total = np.float32(0.0)
         for k in range(row.shape[0]):
-            total += row[k] * x[k]
-        out[n] = out[n] + total + b[n] if accumulate else total + b[n]
+            total += _f32(row[k]) * x[k]
+        out[n] = out[n] + total + _f32(b[n]) if accumulate else total + _f32(b[n])
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -172,18 +209,19 @@ def _matmul_rows_2x2(x, w, b, out, start, end, accumulate):
             a10 = np.float32(0.0)
             a11 = np.float32(0.0)
             for k in range(width):
-                w0, w1, x0, x1 = w[n, k], w[n1, k], x[m, k], x[m1, k]
+                w0, w1, x0, x1 = _f32(w[n, k]), _f32(w[n1, k]), x[m, k], x[m1, k]
                 a00 += w0 * x0
                 a01 += w1 * x0
                 a10 += w0 * x1
                 a11 += w1 * x1
-            _put(out, m, n, a00 + b[n], accumulate)
+            bias0, bias1 = _f32(b[n]), _f32(b[n1])
+            _put(out, m, n, a00 + bias0, accumulate)
             if pair:
-                _put(out, m, n1, a01 + b[n1], accumulate)
+                _put(out, m, n1, a01 + bias1, accumulate)
             if m_pair:
-                _put(out, m1, n, a10 + b[n], accumulate)
+                _put(out, m1, n, a10 + bias0, accumulate)
                 if pair:
-                    _put(out, m1, n1, a11 + b[n1], accumulate)
+                    _put(out, m1, n1, a11 + bias1, accumulate)
             m += 2
         n += 2
 
@@ -235,7 +273,7 @@ def _head_norm(x, start, weight, eps, m, dim):
         total += x[m, start + d] * x[m, start + d]
     inv = np.float32(1.0) / np.float32(math.sqrt(total / dim + eps))
     for d in range(dim):
-        x[m, start + d] = weight[d] * (x[m, start + d] * inv)
+        x[m, start + d] = _f32(weight[d]) * (x[m, start + d] * inv)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -255,8 +293,8 @@ def _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_hea
                 _head_norm(qkv, k_start, k_norm, eps, m, dim)
             _rotate(qkv, k_start, cos, sin, m, dim)
             for d in range(dim):
-                k_cache[slot, h, d] = qkv[m, k_start + d]
-                v_cache[slot, h, d] = qkv[m, q_size + kv_size + h * dim + d]
+                k_cache[slot, h, d] = _to_cache(k_cache, qkv[m, k_start + d])
+                v_cache[slot, h, d] = _to_cache(v_cache, qkv[m, q_size + kv_size + h * dim + d])
 
 
 @njit(fastmath=True, nogil=True, cache=True, parallel=True)
@@ -276,7 +314,7 @@ def _attention(qkv, k_cache, v_cache, slots, lengths, heads, kv_heads, scale, ou
             key = k_cache[slots[m, t], kvh]
             score = np.float32(0.0)
             for d in range(dim):
-                score += q[d] * key[d]
+                score += q[d] * _f32(key[d])
             scores[t] = score * scale
             top = max(top, scores[t])
         total = np.float32(0.0)
@@ -287,7 +325,7 @@ def _attention(qkv, k_cache, v_cache, slots, lengths, heads, kv_heads, scale, ou
         for t in range(lengths[m]):
             value = v_cache[slots[m, t], kvh]
             for d in range(dim):
-                acc[d] += scores[t] * value[d]
+                acc[d] += scores[t] * _f32(value[d])
         for d in range(dim):
             out[m, h * dim + d] = acc[d] / total
 
