@@ -67,3 +67,18 @@ def test_a_step_target_changes_no_output(tiny_llama_dir):
     assert capped.core.scheduler.prefill_cap(0) == 16  # a target no step can meet still moves one block on
     assert [o.token_ids for o in capped.generate(prompts, params)] == \
            [o.token_ids for o in free.generate(prompts, params)]
+
+
+def test_only_steps_with_a_prefill_share_correct_the_cost_model(tiny_llama_dir):
+    """Pure decode steps take another path (the compiled step on CPU): they would skew the correction of
+    the model that sizes prefill shares."""
+    llm = LLM(str(tiny_llama_dir), block_size=16, num_kv_blocks=64, max_step_ms=50)
+    target = llm.core.step_target
+    seen = []
+    observe = target.observe
+    target.observe = lambda num_prefill, *rest: (seen.append(num_prefill), observe(num_prefill, *rest))
+    steps_before = llm.core.num_steps
+    llm.generate([list(range(5, 75)), list(range(9, 42))], SamplingParams(max_tokens=8, temperature=0,
+                                                                           ignore_eos=True))
+    assert seen and all(n > 0 for n in seen)
+    assert llm.core.num_steps - steps_before > len(seen)  # the decode-only steps were left out
