@@ -47,12 +47,12 @@ def plan_for(quick: bool) -> Plan:
                      "rag": ("cache-on", "cache-off"), "nosharing": ("cache-on", "cache-off", "hf-b1"),
                      "bursty": ("cache-on", "cache-off"), "prefix_mix": ("fcfs", "lpm"),
                      "mixed": ("cache-on", "hf-b1")},
-                    {"chatbot": 3, "nosharing": 3, "mixed": 4}, {"nosharing": 2})
+                    {"chatbot": 3, "nosharing": 3}, {"nosharing": 2})
     return Plan({"chatbot": ("cache-on", "cache-off", "hf-b1"), "multiturn": ("cache-on", "cache-off"),
                  "rag": ("cache-on", "cache-off", "hf-b1"), "nosharing": ("cache-on", "cache-off", "hf-b1", "hf-b8"),
                  "bursty": ("cache-on", "cache-off"), "prefix_mix": ("fcfs", "lpm"),
                  "mixed": ("cache-on", "cache-off", "hf-b1", "hf-b8")},
-                {"chatbot": 16, "rag": 8, "mixed": 16}, {"nosharing": 3})
+                {"chatbot": 16, "rag": 8}, {"nosharing": 3})
 
 
 class Suite:
