@@ -135,3 +135,12 @@ def test_bfloat16_step_is_float32_math_over_bfloat16_weights_and_cache(arch_dir,
     runner.execute = against_float32
     llm.generate(PROMPTS, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert compared
+
+
+def test_a_strided_tensor_is_refused_rather_than_copied():
+    """The step writes K/V through its numpy views: a silent copy of the cache would drop those writes."""
+    with pytest.raises(ValueError, match="contiguous"):
+        decode_step_cpu._array(torch.zeros(4, 6).t())
+    cache = torch.zeros(2, 3, dtype=torch.bfloat16)
+    decode_step_cpu._array(cache)[0, 0] = 0x3F80  # the bits of 1.0
+    assert cache[0, 0].item() == 1.0

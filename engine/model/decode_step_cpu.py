@@ -100,9 +100,12 @@ class CompiledDecode:
 
 
 def _array(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a float32 or bfloat16 tensor (bfloat16 as its uint16 bits)."""
+    """A numpy view (never a copy: the step writes K/V through it) of a contiguous float32 or bfloat16
+    tensor, bfloat16 as its uint16 bits."""
+    if not t.is_contiguous():
+        raise ValueError(f"the compiled decode step needs contiguous tensors, got strides {t.stride()}")
     t = t.detach()
-    return np.ascontiguousarray((t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy())
+    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 @intrinsic
