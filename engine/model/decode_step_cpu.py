@@ -45,7 +45,7 @@ class CompiledDecode:
         config = model.config
         layers = model.model.layers
         attn = layers[0].self_attn
-        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.scale = attn.scale
         self.eps = config.rms_norm_eps
         self.qk_norm = attn.qk_norm
