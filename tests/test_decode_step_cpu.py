@@ -7,6 +7,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.model import decode_step_cpu
+from engine.model.bfloat16_bits import numpy_view
 from engine.model.loader import load_config, load_model
 from engine.runner import ModelRunner
 
@@ -140,7 +141,7 @@ def test_bfloat16_step_is_float32_math_over_bfloat16_weights_and_cache(arch_dir,
 def test_a_strided_tensor_is_refused_rather_than_copied():
     """The step writes K/V through its numpy views: a silent copy of the cache would drop those writes."""
     with pytest.raises(ValueError, match="contiguous"):
-        decode_step_cpu._array(torch.zeros(4, 6).t())
+        numpy_view(torch.zeros(4, 6).t())
     cache = torch.zeros(2, 3, dtype=torch.bfloat16)
-    decode_step_cpu._array(cache)[0, 0] = 0x3F80  # the bits of 1.0
+    numpy_view(cache)[0, 0] = 0x3F80  # the bits of 1.0
     assert cache[0, 0].item() == 1.0

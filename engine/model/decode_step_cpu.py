@@ -19,10 +19,10 @@ import threading
 import numba
 import numpy as np
 import torch
-from numba import njit, prange, types
-from numba.core.extending import intrinsic, overload
+from numba import njit, prange
 from numba.typed import List
 
+from engine.model.bfloat16_bits import as_float32, float_from_bits, numpy_view, to_element
 from engine.model.llama import LlamaForCausalLM
 
 # decode-only steps of up to this many rows take the compiled step. Measured here (bench/decode.py,
@@ -54,10 +54,10 @@ class CompiledDecode:
         self.vocab_size = model.lm_head.weight.shape[0]
 
         def weights(get) -> List:
-            return List([_array(get(layer)) for layer in layers])
+            return List([numpy_view(get(layer)) for layer in layers])
 
         def biases(get, size: int) -> List:
-            return List([_array(get(layer)) if get(layer) is not None else np.zeros(size, np.float32)
+            return List([numpy_view(get(layer)) if get(layer) is not None else np.zeros(size, np.float32)
                          for layer in layers])
 
         hidden, qkv_size = config.hidden_size, attn.q_size + 2 * attn.kv_size
@@ -75,8 +75,8 @@ class CompiledDecode:
             biases(lambda l: l.mlp.gate_up_proj.bias, 2 * inter),
             weights(lambda l: l.mlp.down_proj.weight),
             biases(lambda l: l.mlp.down_proj.bias, hidden),
-            _array(model.model.norm.weight),
-            _array(model.lm_head.weight),
+            numpy_view(model.model.norm.weight),
+            numpy_view(model.lm_head.weight),
             np.zeros(self.vocab_size, np.float32),
         )
 
@@ -92,28 +92,11 @@ class CompiledDecode:
         logits = torch.empty(len(logits_indices), self.vocab_size)
         with _launch_lock:
             numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-            _step(x.numpy(), cos.numpy(), sin.numpy(), _array(kv_slots),
+            _step(x.numpy(), cos.numpy(), sin.numpy(), numpy_view(kv_slots),
                   slot_mapping.numpy(), slots.numpy(), lengths.numpy(), logits_indices.numpy(), *self.weights,
                   self.num_heads, self.num_kv_heads, np.float32(self.eps), np.float32(self.scale), self.qk_norm,
                   logits.numpy())
         return logits
-
-
-def _array(t: torch.Tensor) -> np.ndarray:
-    """A numpy view (never a copy: the step writes K/V through it) of a contiguous float32 or bfloat16
-    tensor, bfloat16 as its uint16 bits."""
-    if not t.is_contiguous():
-        raise ValueError(f"the compiled decode step needs contiguous tensors, got strides {t.stride()}")
-    t = t.detach()
-    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
-
-
-@intrinsic
-def _float_from_bits(typingctx, bits):
-    """The float32 whose bits are the int32 `bits`."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float32))
-    return types.float32(types.int32), codegen
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
@@ -125,41 +108,7 @@ def _exp(x):
     r = x - n * np.float32(0.693145751953125) - n * np.float32(1.428606765330187e-06)  # ln2 in two parts
     p = np.float32(1.0) + r * (np.float32(1.0) + r * (np.float32(0.5) + r * (np.float32(1 / 6) + r * (
         np.float32(1 / 24) + r * (np.float32(1 / 120) + r * np.float32(1 / 720))))))
-    return p * _float_from_bits(np.int32(n + np.float32(127.0)) << 23)
-
-
-@intrinsic
-def _bits_from_float(typingctx, value):
-    """The int32 whose bits are the float32 `value`."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.int32))
-    return types.int32(types.float32), codegen
-
-
-def _f32(value):
-    """A weight or cache element as float32: bfloat16 arrays are read as their uint16 bits (numpy has no
-    bfloat16). Compiled per element type below, so float32 pays nothing."""
-
-
-@overload(_f32, inline="always")
-def _f32_for(value):
-    if value == types.uint16:  # a bfloat16 is the top half of a float32
-        return lambda value: _float_from_bits(np.int32(value) << 16)
-    return lambda value: value
-
-
-def _to_cache(cache, value):
-    """A float32 as an element of `cache`: itself, or bfloat16 bits rounded to nearest even."""
-
-
-@overload(_to_cache, inline="always")
-def _to_cache_for(cache, value):
-    if cache.dtype == types.uint16:
-        def to_bfloat16(cache, value):
-            bits = _bits_from_float(value)
-            return np.uint16((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 & 0xFFFF)
-        return to_bfloat16
-    return lambda cache, value: value
+    return p * float_from_bits(np.int32(n + np.float32(127.0)) << 23)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -171,7 +120,7 @@ def _rms_norm(x, weight, eps, out):
             total += x[m, i] * x[m, i]
         inv = np.float32(1.0) / np.float32(math.sqrt(total / x.shape[1] + eps))
         for i in range(x.shape[1]):
-            out[m, i] = _f32(weight[i]) * (x[m, i] * inv)
+            out[m, i] = as_float32(weight[i]) * (x[m, i] * inv)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -191,8 +140,8 @@ def _matvec_rows(x, w, b, out, start, end, accumulate):
         row = w[n]
         total = np.float32(0.0)
         for k in range(row.shape[0]):
-            total += _f32(row[k]) * x[k]
-        out[n] = out[n] + total + _f32(b[n]) if accumulate else total + _f32(b[n])
+            total += as_float32(row[k]) * x[k]
+        out[n] = out[n] + total + as_float32(b[n]) if accumulate else total + as_float32(b[n])
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -212,12 +161,12 @@ def _matmul_rows_2x2(x, w, b, out, start, end, accumulate):
             a10 = np.float32(0.0)
             a11 = np.float32(0.0)
             for k in range(width):
-                w0, w1, x0, x1 = _f32(w[n, k]), _f32(w[n1, k]), x[m, k], x[m1, k]
+                w0, w1, x0, x1 = as_float32(w[n, k]), as_float32(w[n1, k]), x[m, k], x[m1, k]
                 a00 += w0 * x0
                 a01 += w1 * x0
                 a10 += w0 * x1
                 a11 += w1 * x1
-            bias0, bias1 = _f32(b[n]), _f32(b[n1])
+            bias0, bias1 = as_float32(b[n]), as_float32(b[n1])
             _put(out, m, n, a00 + bias0, accumulate)
             if pair:
                 _put(out, m, n1, a01 + bias1, accumulate)
@@ -276,7 +225,7 @@ def _head_norm(x, start, weight, eps, m, dim):
         total += x[m, start + d] * x[m, start + d]
     inv = np.float32(1.0) / np.float32(math.sqrt(total / dim + eps))
     for d in range(dim):
-        x[m, start + d] = _f32(weight[d]) * (x[m, start + d] * inv)
+        x[m, start + d] = as_float32(weight[d]) * (x[m, start + d] * inv)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -296,8 +245,8 @@ def _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_hea
                 _head_norm(qkv, k_start, k_norm, eps, m, dim)
             _rotate(qkv, k_start, cos, sin, m, dim)
             for d in range(dim):
-                k_cache[slot, h, d] = _to_cache(k_cache, qkv[m, k_start + d])
-                v_cache[slot, h, d] = _to_cache(v_cache, qkv[m, q_size + kv_size + h * dim + d])
+                k_cache[slot, h, d] = to_element(k_cache, qkv[m, k_start + d])
+                v_cache[slot, h, d] = to_element(v_cache, qkv[m, q_size + kv_size + h * dim + d])
 
 
 @njit(fastmath=True, nogil=True, cache=True, parallel=True)
@@ -317,7 +266,7 @@ def _attention(qkv, k_cache, v_cache, slots, lengths, heads, kv_heads, scale, ou
             key = k_cache[slots[m, t], kvh]
             score = np.float32(0.0)
             for d in range(dim):
-                score += q[d] * _f32(key[d])
+                score += q[d] * as_float32(key[d])
             scores[t] = score * scale
             top = max(top, scores[t])
         total = np.float32(0.0)
@@ -328,7 +277,7 @@ def _attention(qkv, k_cache, v_cache, slots, lengths, heads, kv_heads, scale, ou
         for t in range(lengths[m]):
             value = v_cache[slots[m, t], kvh]
             for d in range(dim):
-                acc[d] += scores[t] * _f32(value[d])
+                acc[d] += scores[t] * as_float32(value[d])
         for d in range(dim):
             out[m, h * dim + d] = acc[d] / total
 

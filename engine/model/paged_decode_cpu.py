@@ -17,8 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-from numba import njit, types
-from numba.extending import overload
+from numba import njit
+
+from engine.model.bfloat16_bits import as_float32, numpy_view
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
@@ -31,9 +32,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     Returns the attention output [B, H, D] and its log-sum-exp [B, H]."""
     out = torch.empty(q.shape)
     lse = torch.empty(q.shape[:2])
-    if k_cache.dtype == torch.bfloat16:  # numpy has no bfloat16: the kernel reads the bits
-        k_cache, v_cache = k_cache.view(torch.uint16), v_cache.view(torch.uint16)
-    args = (q.float().contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), slots.numpy(), lengths.numpy(),
+    args = (q.float().contiguous().numpy(), numpy_view(k_cache), numpy_view(v_cache), slots.numpy(), lengths.numpy(),
             np.float32(scale), out.numpy(), lse.numpy())
     shares = min(torch.get_num_threads(), q.shape[0])
     if shares == 1:
@@ -63,27 +62,11 @@ def _rows(args: tuple, start: int, end: int) -> None:
             lse[start:end])
 
 
-def _row(cache, slot, kv_head, bits):
-    """cache[slot, kv_head] as float32 (compiled per cache dtype below)."""
-
-
-@overload(_row, inline="always")
-def _row_for(cache, slot, kv_head, bits):
-    if cache.dtype == types.uint16:  # bfloat16 bits: a bfloat16 is the top half of a float32
-        def widen(cache, slot, kv_head, bits):
-            for d in range(bits.shape[0]):
-                bits[d] = np.uint32(cache[slot, kv_head, d]) << 16
-            return bits.view(np.float32)
-        return widen
-    return lambda cache, slot, kv_head, bits: cache[slot, kv_head]
-
-
 @njit(fastmath=True, cache=True, nogil=True)
 def _kernel(q, k_cache, v_cache, slots, lengths, scale, out, lse):
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads  # query heads per kv head (GQA)
-    key_bits, value_bits = np.empty(dim, dtype=np.uint32), np.empty(dim, dtype=np.uint32)
     run_max = np.empty(heads, dtype=np.float32)
     run_sum = np.empty(heads, dtype=np.float32)
     acc = np.empty((heads, dim), dtype=np.float32)
@@ -95,24 +78,23 @@ def _kernel(q, k_cache, v_cache, slots, lengths, scale, out, lse):
         for t in range(lengths[b]):
             slot = slots[b, t]
             for kvh in range(kv_heads):
-                key = _row(k_cache, slot, kvh, key_bits)
-                value = _row(v_cache, slot, kvh, value_bits)
+                key, value = k_cache[slot, kvh], v_cache[slot, kvh]
                 for h in range(kvh * group, (kvh + 1) * group):
                     qh, ah = scaled_q[h], acc[h]
                     score = np.float32(0.0)
                     for d in range(dim):
-                        score += qh[d] * key[d]
+                        score += qh[d] * as_float32(key[d])
                     if score > run_max[h]:  # a new maximum rescales what was summed so far
                         rescale = np.float32(math.exp(run_max[h] - score))
                         run_sum[h] = run_sum[h] * rescale + 1.0
                         for d in range(dim):
-                            ah[d] = ah[d] * rescale + value[d]
+                            ah[d] = ah[d] * rescale + as_float32(value[d])
                         run_max[h] = score
                     else:
                         p = np.float32(math.exp(score - run_max[h]))
                         run_sum[h] += p
                         for d in range(dim):
-                            ah[d] += p * value[d]
+                            ah[d] += p * as_float32(value[d])
         for h in range(heads):
             for d in range(dim):
                 out[b, h, d] = acc[h, d] / run_sum[h]
