@@ -98,30 +98,42 @@ def test_cascade_decode_in_bfloat16_keeps_the_dtype(decode_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
-def test_paged_kernel_equals_gather_and_sdpa(batch_size, dtype):
-    """Long, ragged contexts over scattered blocks; bfloat16 against the same bf16 values in float32."""
+@pytest.mark.parametrize("dim", [DIM, 64, 128])  # 64 and 128 have their own compiled copies of a chunk
+def test_paged_kernel_equals_gather_and_sdpa(batch_size, dtype, dim):
+    """Long, ragged contexts over scattered blocks, split over several chunks; bfloat16 against the same bf16
+    values in float32."""
     torch.manual_seed(4)
     block_size, num_blocks = 16, 64
-    # large scores: the running softmax rescales often
-    k_cache = (torch.randn(num_blocks * block_size, KV_HEADS, DIM) * 3).to(dtype)
-    v_cache = torch.randn(num_blocks * block_size, KV_HEADS, DIM).to(dtype)
+    # large scores: the chunks' maxima differ, so their merge has to rescale
+    k_cache = (torch.randn(num_blocks * block_size, KV_HEADS, dim) * 3).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, KV_HEADS, dim).to(dtype)
     rests = []
     for _ in range(batch_size):
-        length = int(torch.randint(1, 400, ()))
+        length = int(torch.randint(1, 3 * paged_decode_cpu.CHUNK, ()))
         blocks = torch.randperm(num_blocks)[:-(-length // block_size)]
         rests.append((blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:length])
     slots, lengths, bias = _padded(rests)
-    q = torch.randn(batch_size, HEADS, DIM).to(dtype)
-    out, lse = paged_decode_cpu.paged_decode(q, k_cache, v_cache, slots, lengths, DIM ** -0.5)
+    q = torch.randn(batch_size, HEADS, dim).to(dtype)
+    out, lse = paged_decode_cpu.paged_decode(q, k_cache, v_cache, slots, lengths, dim ** -0.5)
     assert out.dtype == dtype
     q, k_cache, v_cache = q.float(), k_cache.float(), v_cache.float()
     keys = attention._gather(k_cache, slots).transpose(1, 2)
     values = attention._gather(v_cache, slots).transpose(1, 2)
-    expected, expected_lse = _attend(q.unsqueeze(2), keys, values, bias, DIM ** -0.5)
+    expected, expected_lse = _attend(q.unsqueeze(2), keys, values, bias, dim ** -0.5)
     tolerance = {} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}  # the output is rounded to bf16
     torch.testing.assert_close(out.float(), expected.squeeze(2), **tolerance)
     torch.testing.assert_close(lse, expected_lse[:, :, 0, 0])
-    torch.testing.assert_close(out.float(), _reference(q, k_cache, v_cache, rests), **tolerance)
+
+
+def test_paged_kernel_row_without_slots_adds_nothing_to_a_cascade_merge():
+    """A row with an empty rest gets output 0 and log-sum-exp -inf: merged with its shared part, the shared
+    part alone decides."""
+    k_cache, v_cache = torch.randn(32, KV_HEADS, DIM), torch.randn(32, KV_HEADS, DIM)
+    slots = torch.tensor([[0, 1, 2], [0, 0, 0]])
+    out, lse = paged_decode_cpu.paged_decode(torch.randn(2, HEADS, DIM), k_cache, v_cache, slots,
+                                             torch.tensor([3, 0]), DIM ** -0.5)
+    assert torch.equal(out[1], torch.zeros(HEADS, DIM))
+    assert torch.all(lse[1] == float("-inf")) and torch.all(torch.isfinite(lse[0]))
 
 
 def test_paged_kernel_serves_fp32_and_bf16_on_cpu_only():

@@ -14,25 +14,21 @@ the step computes (new K/V are rounded back to bfloat16): half the bytes of floa
 from __future__ import annotations
 
 import math
-import threading
 
-import numba
 import numpy as np
 import torch
 from numba import njit, prange
 from numba.typed import List
 
-from engine.model.bfloat16_bits import as_float32, float_from_bits, numpy_view, to_element
+from engine.model import kernel_cache  # noqa: F401  (numba's cache folder, set before any @njit below)
+from engine.model.bfloat16_bits import as_float32, numpy_view, to_element
 from engine.model.llama import LlamaForCausalLM
+from engine.model.paged_decode_cpu import attend, fast_exp, launch_lock, use_threads
 
 # decode-only steps of up to this many rows take the compiled step. Measured here (bench/decode.py,
 # AVX-512 EPYC, 2 threads): beyond it oneDNN's packed matmuls outrun these plain register-blocked loops
 MAX_ROWS = 8
 ROWS_PER_TASK = 16  # output rows of a matmul per parallel task: 36 tasks for a 576-wide layer
-
-# numba's workqueue layer (the fallback where no OpenMP is found) must not be entered by two threads at once
-_launch_lock = threading.Lock()
-
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
@@ -90,25 +86,13 @@ class CompiledDecode:
         x = self.embed.index_select(0, input_ids).float()  # the step computes in float32 whatever the weights
         cos, sin = (t.float().contiguous() for t in self.rotary(positions))
         logits = torch.empty(len(logits_indices), self.vocab_size)
-        with _launch_lock:
-            numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        with launch_lock:
+            use_threads()
             _step(x.numpy(), cos.numpy(), sin.numpy(), numpy_view(kv_slots),
                   slot_mapping.numpy(), slots.numpy(), lengths.numpy(), logits_indices.numpy(), *self.weights,
                   self.num_heads, self.num_kv_heads, np.float32(self.eps), np.float32(self.scale), self.qk_norm,
                   logits.numpy())
         return logits
-
-
-@njit(fastmath=True, nogil=True, cache=True, inline="always")
-def _exp(x):
-    """e^x for x <= 0 to ~1e-7 relative, in plain arithmetic that vectorizes over an array (math.exp is a
-    libm call per element): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial, 2^n by bits."""
-    x = max(x, np.float32(-87.0))  # keeps 2^n a normal float; e^-87 is 0 to a softmax anyway
-    n = np.float32(math.floor(x * np.float32(1.442695) + np.float32(0.5)))
-    r = x - n * np.float32(0.693145751953125) - n * np.float32(1.428606765330187e-06)  # ln2 in two parts
-    p = np.float32(1.0) + r * (np.float32(1.0) + r * (np.float32(0.5) + r * (np.float32(1 / 6) + r * (
-        np.float32(1 / 24) + r * (np.float32(1 / 120) + r * np.float32(1 / 720))))))
-    return p * float_from_bits(np.int32(n + np.float32(127.0)) << 23)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -202,7 +186,7 @@ def _silu_and_mul(gate_up, out):
     for m in prange(out.shape[0]):
         for i in range(inter):
             gate = gate_up[m, i]
-            e = _exp(-abs(gate))  # the sigmoid from e^-|gate|, which cannot overflow
+            e = fast_exp(-abs(gate))  # the sigmoid from e^-|gate|, which cannot overflow
             sigmoid = np.float32(1.0) / (np.float32(1.0) + e)
             out[m, i] = gate * (sigmoid if gate >= 0 else e * sigmoid) * gate_up[m, inter + i]
 
@@ -249,39 +233,6 @@ def _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_hea
                 v_cache[slot, h, d] = to_element(v_cache, qkv[m, q_size + kv_size + h * dim + d])
 
 
-@njit(fastmath=True, nogil=True, cache=True, parallel=True)
-def _attention(qkv, k_cache, v_cache, slots, lengths, heads, kv_heads, scale, out):
-    """Each (row, query head) attends its row's slots in three passes: scores, their exponentials (a
-    loop that vectorizes), the weighted values. (Measured here: splitting a row's slots over tasks as
-    well, flash-decoding style, made it slower at every batch.)"""
-    dim = out.shape[1] // heads
-    group = heads // kv_heads
-    for task in prange(qkv.shape[0] * heads):
-        m, h = task // heads, task % heads
-        kvh = h // group
-        q = qkv[m, h * dim:(h + 1) * dim]
-        scores = np.empty(lengths[m], np.float32)
-        top = np.float32(-np.inf)
-        for t in range(lengths[m]):
-            key = k_cache[slots[m, t], kvh]
-            score = np.float32(0.0)
-            for d in range(dim):
-                score += q[d] * as_float32(key[d])
-            scores[t] = score * scale
-            top = max(top, scores[t])
-        total = np.float32(0.0)
-        for t in range(lengths[m]):
-            scores[t] = _exp(scores[t] - top)
-            total += scores[t]
-        acc = np.zeros(dim, np.float32)
-        for t in range(lengths[m]):
-            value = v_cache[slots[m, t], kvh]
-            for d in range(dim):
-                acc[d] += scores[t] * as_float32(value[d])
-        for d in range(dim):
-            out[m, h * dim + d] = acc[d] / total
-
-
 @njit(fastmath=True, nogil=True, cache=True)
 def _step(x, cos, sin, kv, slot_mapping, slots, lengths, logits_indices, input_norm, post_norm, qkv_w, qkv_b,
           q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b, final_norm, lm_head, lm_head_b,
@@ -291,6 +242,7 @@ def _step(x, cos, sin, kv, slot_mapping, slots, lengths, logits_indices, input_n
     normed = np.empty_like(x)
     qkv = np.empty((rows, qkv_w[0].shape[0]), np.float32)
     attn = np.empty((rows, heads * dim), np.float32)
+    lse = np.empty((rows, heads), np.float32)  # attend's log-sum-exps, which only cascade attention needs
     gate_up = np.empty((rows, gate_up_w[0].shape[0]), np.float32)
     act = np.empty((rows, down_w[0].shape[1]), np.float32)
     for layer in range(len(qkv_w)):
@@ -299,7 +251,7 @@ def _step(x, cos, sin, kv, slot_mapping, slots, lengths, logits_indices, input_n
         _linear(normed, qkv_w[layer], qkv_b[layer], qkv, False)
         _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads,
                         q_norm[layer if qk_norm else 0], k_norm[layer if qk_norm else 0], qk_norm, eps)
-        _attention(qkv, k_cache, v_cache, slots, lengths, heads, kv_heads, scale, attn)
+        attend(qkv[:, :heads * dim], k_cache, v_cache, slots, lengths, heads, scale, attn, lse)
         _linear(attn, o_w[layer], o_b[layer], x, True)  # the residual add folded into the matmul
         _rms_norm(x, post_norm[layer], eps, normed)
         _linear(normed, gate_up_w[layer], gate_up_b[layer], gate_up, False)
