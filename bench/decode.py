@@ -46,12 +46,13 @@ def kv_bytes_per_token(core: EngineCore) -> int:
     return 2 * kv.shape[1] * kv.shape[3] * kv.shape[4] * kv.element_size()
 
 
-def start_decoding(core: EngineCore, batch: int, context: int, steps: int) -> list[Request]:
-    """`batch` requests with distinct `context`-token prompts, prefilled; the next steps are pure decodes."""
+def start_decoding(core: EngineCore, batch: int, context: int, steps: int, shared: int = 0) -> list[Request]:
+    """`batch` requests with `context`-token prompts whose first `shared` tokens are the same (a shared system
+    prompt; the rest differ), prefilled; the next steps are pure decodes."""
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     requests = []
     for b in range(batch):
-        prompt = [(b * 7919 + 31 * i) % (core.vocab_size - 3) + 3 for i in range(context)]
+        prompt = [(b * 7919 * (i >= shared) + 31 * i) % (core.vocab_size - 3) + 3 for i in range(context)]
         requests.append(Request(f"decode-{b}", prompt, params))
         core.add_request(requests[-1])
     while any(not r.output_token_ids for r in requests):
@@ -59,8 +60,8 @@ def start_decoding(core: EngineCore, batch: int, context: int, steps: int) -> li
     return requests
 
 
-def measure(core: EngineCore, probe: torch.Tensor, batch: int, context: int, steps: int) -> dict:
-    requests = start_decoding(core, batch, context, steps)
+def measure(core: EngineCore, probe: torch.Tensor, batch: int, context: int, steps: int, shared: int = 0) -> dict:
+    requests = start_decoding(core, batch, context, steps, shared)
     step_s, bandwidth = [], []
     for i in range(steps):
         bandwidth.append(bandwidth_gb_s(probe, repeats=1))  # every step: one probe now and then swung to 75 GB/s
@@ -72,18 +73,19 @@ def measure(core: EngineCore, probe: torch.Tensor, batch: int, context: int, ste
     step = statistics.median(step_s)
     bw = statistics.median(bandwidth)
     weights = weight_bytes(core.model)
-    kv = kv_bytes_per_token(core) * batch * (context + steps // 2)
+    # K/V a step has to read: the shared prefix once (cascade attention), each sequence's own part once
+    kv = kv_bytes_per_token(core) * (shared + batch * (context - shared + steps // 2))
     roofline_s = (weights + kv) / (bw * 1e9)
     # each step against the probe taken just before it: the bandwidth here drifts by 2x within a minute
     # (other tenants of the host), and a step and its own probe see the same phase of that drift
     ratio = statistics.median((weights + kv) / (b * 1e9) / s for b, s in zip(bandwidth, step_s))
-    return {"batch": batch, "context": context, "step_ms": step * 1e3, "ms_per_token": step * 1e3 / batch,
+    return {"batch": batch, "context": context, "shared_prefix": shared, "step_ms": step * 1e3, "ms_per_token": step * 1e3 / batch,
             "tok_s": batch / step, "bandwidth_gb_s": bw, "weight_mb": weights / 1e6, "kv_mb": kv / 1e6,
             "roofline_ms": roofline_s * 1e3, "roofline_ratio": ratio, "steps": steps}
 
 
 def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, steps: int = 24,
-        dtype: str = "float32", log=print, **engine_overrides) -> dict:
+        dtype: str = "float32", log=print, shared_prefix: int = 0, **engine_overrides) -> dict:
     # a pool that holds every sequence of the largest batch: a smaller one would preempt some and time a smaller batch
     blocks_per_seq = -(-(context + steps + 8) // engine_overrides.get("block_size", EngineConfig().block_size))
     engine_overrides.setdefault("num_kv_blocks", max(batches) * blocks_per_seq + 8)
@@ -95,9 +97,10 @@ def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, step
         core.abort(r.request_id)
     rows = []
     for batch in batches:
-        row = measure(core, probe, batch, context, steps)
+        row = measure(core, probe, batch, context, steps, shared_prefix)
         row["dtype"] = dtype
-        log(f"decode batch {batch:>2} ({dtype}): {row['step_ms']:.1f} ms/step, {row['tok_s']:.1f} tok/s, "
+        shared = f", {shared_prefix} shared" if shared_prefix else ""
+        log(f"decode batch {batch:>2} ({dtype}{shared}): {row['step_ms']:.1f} ms/step, {row['tok_s']:.1f} tok/s, "
             f"roofline {row['roofline_ms']:.1f} ms at {row['bandwidth_gb_s']:.1f} GB/s; each step vs its own probe: "
             f"{row['roofline_ratio']:.0%}")
         rows.append(row)
@@ -114,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,4,8,16")
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="the first N tokens of every prompt are the same (cascade attention reads them once)")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--no-pack", action="store_true", help="plain F.linear weights (to measure what packing buys)")
     parser.add_argument("--no-paged-kernel", action="store_true",
@@ -132,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
 
         import engine.core
         engine.core.load_model = functools.partial(loader.load_model, pack=False)
-    result = run(args.model, tuple(int(b) for b in args.batches.split(",")), args.context, args.steps, args.dtype)
+    result = run(args.model, tuple(int(b) for b in args.batches.split(",")), args.context, args.steps, args.dtype,
+                 shared_prefix=args.shared_prefix)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

@@ -55,9 +55,10 @@ class ModelRunner:
                 sampled.append(chunk)
         if (self.compiled_decode is not None and not prefills
                 and len(decodes) <= decode_step_cpu.MAX_ROWS):  # every row a decode, in order
-            slots, lengths = self._padded([self._slots(ids, 0, end) for _, ids, end in decodes])
+            batch = self._decode_batch(decodes)
             logits = self.compiled_decode(self._tensor(input_ids), self._tensor(positions), self.kv_slots,
-                                          self._tensor(slot_mapping), slots, lengths, self._tensor(logits_idx))
+                                          self._tensor(slot_mapping), batch.slots, batch.lengths,
+                                          self._tensor(logits_idx), batch.shared)
             return logits, sampled
         meta = AttentionMetadata(self._tensor(slot_mapping), prefills, self._decode_batch(decodes))
         logits = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_slots, meta,
@@ -99,7 +100,9 @@ class ModelRunner:
             return None
         shared, rest_starts = self._shared_prefixes([(ids, end) for _, ids, end in decodes])
         rests = [self._slots(ids, rest_start, end) for (_, ids, end), rest_start in zip(decodes, rest_starts)]
-        slots, lengths = self._padded(rests)
+        # one [rows, longest] matrix: padding reads slot 0 and is never counted
+        slots = torch.nn.utils.rnn.pad_sequence(rests, batch_first=True)
+        lengths = self._tensor([len(r) for r in rests])
         bias = None
         if min(map(len, rests)) < slots.shape[1] and not paged_decode_cpu.supports(self.kv_slots.dtype, self.device):
             columns = torch.arange(slots.shape[1], device=self.device)
@@ -107,12 +110,6 @@ class ModelRunner:
             bias = torch.zeros(padding.shape, dtype=self.kv_slots.dtype, device=self.device)
             bias = bias.masked_fill_(padding, float("-inf"))[:, None, None, :]
         return DecodeBatch(self._tensor([i for i, _, _ in decodes]), slots, lengths, bias, shared)
-
-    def _padded(self, contexts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each decode's slots as one [rows, longest] matrix (padding reads slot 0, never counted) and each
-        row's length."""
-        return (torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True),
-                self._tensor([len(c) for c in contexts]))
 
     def _shared_prefixes(self, seqs: list[tuple[list[int], int]]) -> tuple[list[SharedPrefix], list[int]]:
         """Groups decodes by their first block; returns each group's shared leading blocks (cascade

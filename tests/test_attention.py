@@ -12,11 +12,11 @@ from engine.model.attention import DecodeBatch, SharedPrefix, _attend, _attend_m
 HEADS, KV_HEADS, DIM = 6, 2, 16
 
 
-def _reference(q, k_cache, v_cache, contexts):
+def _reference(q, k_cache, v_cache, contexts, dim=DIM):
     out = []
     for b, slots in enumerate(contexts):
         keys, values = k_cache[slots].transpose(0, 1)[None], v_cache[slots].transpose(0, 1)[None]
-        out.append(F.scaled_dot_product_attention(q[b][None, :, None], keys, values, scale=DIM ** -0.5,
+        out.append(F.scaled_dot_product_attention(q[b][None, :, None], keys, values, scale=dim ** -0.5,
                                                   enable_gqa=True)[0, :, 0])
     return torch.stack(out)
 
@@ -114,26 +114,47 @@ def test_paged_kernel_equals_gather_and_sdpa(batch_size, dtype, dim):
         rests.append((blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:length])
     slots, lengths, bias = _padded(rests)
     q = torch.randn(batch_size, HEADS, dim).to(dtype)
-    out, lse = paged_decode_cpu.paged_decode(q, k_cache, v_cache, slots, lengths, dim ** -0.5)
+    out = paged_decode_cpu.paged_decode(q, k_cache, v_cache, slots, lengths, dim ** -0.5)
     assert out.dtype == dtype
     q, k_cache, v_cache = q.float(), k_cache.float(), v_cache.float()
     keys = attention._gather(k_cache, slots).transpose(1, 2)
     values = attention._gather(v_cache, slots).transpose(1, 2)
-    expected, expected_lse = _attend(q.unsqueeze(2), keys, values, bias, dim ** -0.5)
+    expected, _ = _attend(q.unsqueeze(2), keys, values, bias, dim ** -0.5)
     tolerance = {} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}  # the output is rounded to bf16
     torch.testing.assert_close(out.float(), expected.squeeze(2), **tolerance)
-    torch.testing.assert_close(lse, expected_lse[:, :, 0, 0])
 
 
-def test_paged_kernel_row_without_slots_adds_nothing_to_a_cascade_merge():
-    """A row with an empty rest gets output 0 and log-sum-exp -inf: merged with its shared part, the shared
-    part alone decides."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [DIM, 64])
+def test_paged_kernel_cascade_over_long_shared_prefixes(dtype, dim):
+    """Two cascade groups whose shared prefixes span several chunks, and a row in no group: each row gets
+    plain attention over its whole context."""
+    torch.manual_seed(5)
+    k_cache = (torch.randn(2048, KV_HEADS, dim) * 3).to(dtype)
+    v_cache = torch.randn(2048, KV_HEADS, dim).to(dtype)
+    prefix_a = torch.arange(0, 2 * paged_decode_cpu.CHUNK + 16)
+    prefix_b = torch.arange(600, 600 + paged_decode_cpu.CHUNK)
+    rests = [torch.arange(1000, 1003), torch.arange(1100, 1400), torch.arange(1500, 1501), torch.arange(1600, 1620),
+             torch.arange(1700, 1710)]
+    groups = [SharedPrefix(torch.tensor([0, 1, 4]), prefix_a), SharedPrefix(torch.tensor([3, 2]), prefix_b)]
+    contexts = [torch.cat([prefix_a, rests[0]]), torch.cat([prefix_a, rests[1]]), torch.cat([prefix_b, rests[2]]),
+                torch.cat([prefix_b, rests[3]]), torch.cat([prefix_a, rests[4]])]
+    contexts.append(torch.arange(1800, 2000))  # in no group
+    rests.append(contexts[-1])
+    q = torch.randn(len(rests), HEADS, dim).to(dtype)
+    slots, lengths, _ = _padded(rests)
+    out = paged_decode_cpu.paged_decode(q, k_cache, v_cache, slots, lengths, dim ** -0.5, groups)
+    expected = _reference(q.float(), k_cache.float(), v_cache.float(), contexts, dim)
+    tolerance = {} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(out.float(), expected, **tolerance)
+
+
+def test_paged_kernel_row_without_slots_gets_zeros_not_nan():
     k_cache, v_cache = torch.randn(32, KV_HEADS, DIM), torch.randn(32, KV_HEADS, DIM)
     slots = torch.tensor([[0, 1, 2], [0, 0, 0]])
-    out, lse = paged_decode_cpu.paged_decode(torch.randn(2, HEADS, DIM), k_cache, v_cache, slots,
-                                             torch.tensor([3, 0]), DIM ** -0.5)
-    assert torch.equal(out[1], torch.zeros(HEADS, DIM))
-    assert torch.all(lse[1] == float("-inf")) and torch.all(torch.isfinite(lse[0]))
+    out = paged_decode_cpu.paged_decode(torch.randn(2, HEADS, DIM), k_cache, v_cache, slots, torch.tensor([3, 0]),
+                                        DIM ** -0.5)
+    assert torch.equal(out[1], torch.zeros(HEADS, DIM)) and torch.all(torch.isfinite(out[0]))
 
 
 def test_paged_kernel_serves_fp32_and_bf16_on_cpu_only():

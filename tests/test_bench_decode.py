@@ -5,6 +5,7 @@ from bench import decode, multiturn, report
 from bench.driver import run_engine
 from engine.core import EngineCore
 from engine.config import EngineConfig
+from engine.runner import ModelRunner
 
 
 def test_decode_rows_carry_the_roofline(tiny_llama_dir):
@@ -17,6 +18,27 @@ def test_decode_rows_carry_the_roofline(tiny_llama_dir):
     assert result["batch8_over_batch1"] is None  # no batch 8 asked for
     targets = {t["target"] for t in report.decode_targets({"decode": result})}
     assert targets == {"decode batch 1 vs roofline"}
+
+
+def test_decode_with_a_shared_prefix_decodes_by_cascade_and_counts_the_prefix_once(tiny_llama_dir, monkeypatch):
+    """The batch's prompts share their first 32 tokens (8 blocks): the decode steps attend them as one cascade
+    group, and the roofline counts their K/V once."""
+    groups = []
+    shared_prefixes = ModelRunner._shared_prefixes
+
+    def spy(self, seqs):
+        found = shared_prefixes(self, seqs)
+        groups.append([(len(g.rows), len(g.slots)) for g in found[0]])
+        return found
+
+    monkeypatch.setattr(ModelRunner, "_shared_prefixes", spy)
+    result = decode.run(str(tiny_llama_dir), batches=(2,), context=40, steps=4, log=lambda _: None,
+                        num_kv_blocks=64, shared_prefix=32, block_size=4)
+    assert [(2, 32)] in groups
+    row = result["rows"][0]
+    distinct = decode.run(str(tiny_llama_dir), batches=(2,), context=40, steps=4, log=lambda _: None,
+                          num_kv_blocks=64, block_size=4)["rows"][0]
+    assert row["shared_prefix"] == 32 and row["kv_mb"] == distinct["kv_mb"] * (32 + 2 * 10) / (2 * 42)
 
 
 def test_multiturn_workload_shares_the_prefix_and_counts_mixed_steps(tiny_llama_dir):

@@ -79,13 +79,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
                       scale: float) -> torch.Tensor:
     """q: [B, H, D] -> [B, H, D]."""
-    if paged_decode_cpu.supports(q.dtype, q.device):
-        rest, rest_lse = paged_decode_cpu.paged_decode(q, k_cache, v_cache, batch.slots, batch.lengths, scale)
-        rest, rest_lse = rest.unsqueeze(2), rest_lse[:, :, None, None]
-    else:
-        keys = _gather(k_cache, batch.slots).transpose(1, 2)  # [B, KVH, max_rest, D]
-        values = _gather(v_cache, batch.slots).transpose(1, 2)
-        rest, rest_lse = _attend(q.unsqueeze(2), keys, values, batch.bias, scale)  # [B, H, 1, D], [B, H, 1, 1]
+    if paged_decode_cpu.supports(q.dtype, q.device):  # the kernel reads each shared prefix once per group itself
+        return paged_decode_cpu.paged_decode(q, k_cache, v_cache, batch.slots, batch.lengths, scale, batch.shared)
+    keys = _gather(k_cache, batch.slots).transpose(1, 2)  # [B, KVH, max_rest, D]
+    values = _gather(v_cache, batch.slots).transpose(1, 2)
+    rest, rest_lse = _attend(q.unsqueeze(2), keys, values, batch.bias, scale)  # [B, H, 1, D], [B, H, 1, 1]
     for group in batch.shared:
         shared_keys = k_cache.index_select(0, group.slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
         shared_values = v_cache.index_select(0, group.slots).transpose(0, 1).unsqueeze(0)

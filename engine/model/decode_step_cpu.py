@@ -14,6 +14,7 @@ the step computes (new K/V are rounded back to bfloat16): half the bytes of floa
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -21,9 +22,10 @@ from numba import njit, prange
 from numba.typed import List
 
 from engine.model import kernel_cache  # noqa: F401  (numba's cache folder, set before any @njit below)
+from engine.model.attention import SharedPrefix
 from engine.model.bfloat16_bits import as_float32, numpy_view, to_element
 from engine.model.llama import LlamaForCausalLM
-from engine.model.paged_decode_cpu import attend, fast_exp, launch_lock, use_threads
+from engine.model.paged_decode_cpu import attend, cascade_groups, fast_exp, launch_lock, use_threads
 
 # decode-only steps of up to this many rows take the compiled step. Measured here (bench/decode.py,
 # AVX-512 EPYC, 2 threads): beyond it oneDNN's packed matmuls outrun these plain register-blocked loops
@@ -79,17 +81,20 @@ class CompiledDecode:
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_slots: torch.Tensor,
                  slot_mapping: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-                 logits_indices: torch.Tensor) -> torch.Tensor:
+                 logits_indices: torch.Tensor, shared: Sequence[SharedPrefix] = ()) -> torch.Tensor:
         """One decode step: row i is the newest token of a sequence whose context (itself included) sits in
-        slots[i, :lengths[i]]; its K/V go to slot_mapping[i]. kv_slots: [2, layers, num_slots, KVH, D].
-        Returns the logits [len(logits_indices), vocab] of the rows in logits_indices."""
+        slots[i, :lengths[i]], after its cascade group's shared slots if it is in one of `shared`; its K/V go
+        to slot_mapping[i]. kv_slots: [2, layers, num_slots, KVH, D]. Returns the logits
+        [len(logits_indices), vocab] of the rows in logits_indices."""
         x = self.embed.index_select(0, input_ids).float()  # the step computes in float32 whatever the weights
         cos, sin = (t.float().contiguous() for t in self.rotary(positions))
         logits = torch.empty(len(logits_indices), self.vocab_size)
+        group, shared_slots, shared_lengths = cascade_groups(shared, len(input_ids))
         with launch_lock:
             use_threads()
             _step(x.numpy(), cos.numpy(), sin.numpy(), numpy_view(kv_slots),
-                  slot_mapping.numpy(), slots.numpy(), lengths.numpy(), logits_indices.numpy(), *self.weights,
+                  slot_mapping.numpy(), slots.numpy(), lengths.numpy(), group, shared_slots, shared_lengths,
+                  logits_indices.numpy(), *self.weights,
                   self.num_heads, self.num_kv_heads, np.float32(self.eps), np.float32(self.scale), self.qk_norm,
                   logits.numpy())
         return logits
@@ -234,15 +239,15 @@ def _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_hea
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _step(x, cos, sin, kv, slot_mapping, slots, lengths, logits_indices, input_norm, post_norm, qkv_w, qkv_b,
-          q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b, final_norm, lm_head, lm_head_b,
-          heads, kv_heads, eps, scale, qk_norm, logits):
+def _step(x, cos, sin, kv, slot_mapping, slots, lengths, group, shared_slots, shared_lengths, logits_indices,
+          input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b,
+          final_norm, lm_head, lm_head_b, heads, kv_heads, eps, scale, qk_norm, logits):
     rows, hidden = x.shape
     dim = cos.shape[1]
     normed = np.empty_like(x)
     qkv = np.empty((rows, qkv_w[0].shape[0]), np.float32)
+    q = np.empty((rows, heads * dim), np.float32)  # contiguous, as the eager path passes it: one compiled attend
     attn = np.empty((rows, heads * dim), np.float32)
-    lse = np.empty((rows, heads), np.float32)  # attend's log-sum-exps, which only cascade attention needs
     gate_up = np.empty((rows, gate_up_w[0].shape[0]), np.float32)
     act = np.empty((rows, down_w[0].shape[1]), np.float32)
     for layer in range(len(qkv_w)):
@@ -251,7 +256,8 @@ def _step(x, cos, sin, kv, slot_mapping, slots, lengths, logits_indices, input_n
         _linear(normed, qkv_w[layer], qkv_b[layer], qkv, False)
         _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads,
                         q_norm[layer if qk_norm else 0], k_norm[layer if qk_norm else 0], qk_norm, eps)
-        attend(qkv[:, :heads * dim], k_cache, v_cache, slots, lengths, heads, scale, attn, lse)
+        q[:] = qkv[:, :heads * dim]
+        attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_lengths, heads, scale, attn)
         _linear(attn, o_w[layer], o_b[layer], x, True)  # the residual add folded into the matmul
         _rms_norm(x, post_norm[layer], eps, normed)
         _linear(normed, gate_up_w[layer], gate_up_b[layer], gate_up, False)

@@ -2,22 +2,25 @@
 
 The plain path copies every decode's context out of the cache once per layer (`index_select`) and then
 runs torch's SDPA over the copy: at a 1,000-token context that copy costs more than the attention
-itself. This kernel walks each row's slots in place and returns the log-sum-exp that cascade attention
-merges with. The compiled decode step (decode_step_cpu.py) and the per-layer eager path both call it.
+itself. This kernel walks each row's slots in place. The compiled decode step (decode_step_cpu.py) and
+the per-layer eager path both call it.
 
-Work is split flash-decoding style: each row's context is cut into chunks of CHUNK slots, the chunks of
-all rows are spread over numba's threads, and each row's partial softmaxes are merged at the end by
-their maxima. A chunk takes three passes: scores (each cached key is read once for every query head of
-its GQA group), their exponentials (a loop that vectorizes), the weighted values. Head sizes 64 and 128
-get their own compiled copy of the chunk, so the per-slot dot products have a constant length that
-LLVM unrolls into whole vector registers (measured here at head size 64: bfloat16 attention took 0.7x
-the time of the same code with a run-time length). float32 and bfloat16 caches (the math is float32);
-CUDA takes the plain path.
+Work is split flash-decoding style: each row's context is cut into chunks of CHUNK slots, the chunks
+are spread over numba's threads, and each row's partial softmaxes are merged at the end by their
+maxima. Rows whose block tables start with the same blocks (a shared system prompt) form a cascade
+group: the chunks of that shared prefix are read once for all of the group's rows, which turns the
+prefix's K/V traffic of a batch into that of one sequence. A chunk takes three passes: scores (each
+cached key is read once for every row and query head that needs it), their exponentials (a loop that
+vectorizes), the weighted values. Head sizes 64 and 128 get their own compiled copy of the chunk, so
+the per-slot dot products have a constant length that LLVM unrolls into whole vector registers
+(measured here at head size 64: bfloat16 attention took 0.7x the time of the same code with a run-time
+length). float32 and bfloat16 caches (the math is float32); CUDA takes the plain path.
 """
 from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 
 import numba
 import numpy as np
@@ -40,17 +43,31 @@ def supports(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                 lengths: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [B, H, D]; caches: [num_slots, KVH, D]; slots: [B, S] (row b reads slots[b, :lengths[b]]).
-    Returns the attention output [B, H, D] and its log-sum-exp [B, H]."""
+                 lengths: torch.Tensor, scale: float, shared: Sequence = ()) -> torch.Tensor:
+    """q: [B, H, D]; caches: [num_slots, KVH, D]; slots: [B, S] (row b reads slots[b, :lengths[b]]);
+    shared: cascade groups (attention.SharedPrefix: .rows read .slots as well, before their own slots).
+    Returns the attention output [B, H, D]."""
     rows, heads, dim = q.shape
     out = torch.empty(rows, heads * dim)
-    lse = torch.empty(rows, heads)
+    group, shared_slots, shared_lengths = cascade_groups(shared, rows)
     with launch_lock:
         use_threads()
         attend(q.float().reshape(rows, heads * dim).contiguous().numpy(), numpy_view(k_cache), numpy_view(v_cache),
-               slots.numpy(), lengths.numpy(), heads, np.float32(scale), out.numpy(), lse.numpy())
-    return out.view(rows, heads, dim).to(q.dtype), lse
+               slots.numpy(), lengths.numpy(), group, shared_slots, shared_lengths, heads, np.float32(scale),
+               out.numpy())
+    return out.view(rows, heads, dim).to(q.dtype)
+
+
+def cascade_groups(shared: Sequence, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """attend's form of cascade groups: each row's group (-1: none), the groups' slots [G, longest] and
+    their lengths [G]."""
+    group = np.full(rows, -1, np.int64)
+    for g, prefix in enumerate(shared):
+        group[prefix.rows.numpy()] = g
+    if not shared:
+        return group, np.zeros((0, 1), np.int64), np.zeros(0, np.int64)
+    return (group, torch.nn.utils.rnn.pad_sequence([p.slots for p in shared], batch_first=True).numpy(),
+            np.array([len(p.slots) for p in shared], np.int64))
 
 
 def use_threads() -> None:
@@ -71,9 +88,11 @@ def fast_exp(x):
 
 
 @njit(fastmath=True, nogil=True, cache=True, parallel=True)
-def attend(q, k_cache, v_cache, slots, lengths, heads, scale, out, lse):
-    """q, out: [rows, heads * dim] (q may be a strided view, out is contiguous); caches: [num_slots, KVH, dim]; row m attends
-    slots[m, :lengths[m]]; lse: [rows, heads]. A row with no slots gets 0 and a log-sum-exp of -inf."""
+def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_lengths, heads, scale, out):
+    """q, out: [rows, heads * dim], contiguous; caches: [num_slots, KVH, dim].
+    Row m attends slots[m, :lengths[m]] and, when group[m] >= 0, its group's shared_slots[g, :shared_lengths[g]]
+    too: the chunks of a shared prefix are read once for every row of the group (cascade attention).
+    A row with no slots at all gets 0."""
     rows = q.shape[0]
     dim = q.shape[1] // heads
     # (3-D, so that no index is computed: numba checks a computed index for wraparound, and that check
@@ -83,81 +102,121 @@ def attend(q, k_cache, v_cache, slots, lengths, heads, scale, out, lse):
         for h in range(heads):
             for d in range(dim):
                 scaled[m, h, d] = q[m, h * dim + d] * scale
-    first = np.empty(rows + 1, np.int64)  # row m's chunks are tasks first[m] to first[m + 1] - 1
-    first[0] = 0
+    own = (lengths + CHUNK - 1) // CHUNK
+    # a shared chunk serves every row of its group: 1/size of CHUNK each, so that all tasks cost about the
+    # same (the threads take equal runs of tasks; measured: CHUNK-long shared chunks left one thread
+    # with all of them, and the cascade took 1.6-2.4x the time of reading the prefix once per row)
+    size = np.zeros(len(shared_lengths), np.int64)
     for m in range(rows):
-        first[m + 1] = first[m] + (lengths[m] + CHUNK - 1) // CHUNK
-    tasks = first[rows]
-    task_row = np.empty(tasks, np.int64)
+        if group[m] >= 0:
+            size[group[m]] += 1
+    shared_chunk = np.maximum(CHUNK // np.maximum(size, 1), 16)
+    common = (shared_lengths + shared_chunk - 1) // shared_chunk
+    # row m's partial softmaxes: first[m] to first[m + 1] - 1, its own chunks then its group's
+    first = np.zeros(rows + 1, np.int64)
     for m in range(rows):
-        task_row[first[m]:first[m + 1]] = m
-    acc = np.empty((tasks, heads, dim), np.float32)  # each chunk's unnormalized output,
-    top = np.empty((tasks, heads), np.float32)  # its largest score
-    total = np.empty((tasks, heads), np.float32)  # and its sum of e^(score - top)
+        first[m + 1] = first[m] + own[m] + (common[group[m]] if group[m] >= 0 else 0)
+    # the tasks: every row's own chunks, then every group's shared chunks; task i fills the partials
+    # member_partial[member_first[i]:member_first[i + 1]] of the rows member_row[...] from slots
+    # source[i] (a row m, or rows + g for group g), chunk_start[i] to chunk_end[i] - 1
+    tasks = own.sum() + common.sum()
+    source = np.empty(tasks, np.int64)
+    chunk_start = np.empty(tasks, np.int64)
+    chunk_end = np.empty(tasks, np.int64)
+    member_first = np.empty(tasks + 1, np.int64)
+    member_row = np.empty(first[rows], np.int64)
+    member_partial = np.empty(first[rows], np.int64)
+    task, member = 0, 0
+    for m in range(rows):
+        for c in range(own[m]):
+            source[task], chunk_start[task], member_first[task] = m, c * CHUNK, member
+            chunk_end[task] = min((c + 1) * CHUNK, lengths[m])
+            member_row[member], member_partial[member] = m, first[m] + c
+            task, member = task + 1, member + 1
+    for g in range(len(shared_lengths)):
+        for c in range(common[g]):
+            source[task], chunk_start[task], member_first[task] = rows + g, c * shared_chunk[g], member
+            chunk_end[task] = min((c + 1) * shared_chunk[g], shared_lengths[g])
+            for m in range(rows):
+                if group[m] == g:
+                    member_row[member], member_partial[member] = m, first[m] + own[m] + c
+                    member += 1
+            task += 1
+    member_first[tasks] = member
+    acc = np.empty((first[rows], heads, dim), np.float32)  # each partial's unnormalized output,
+    top = np.empty((first[rows], heads), np.float32)  # its largest score
+    total = np.empty((first[rows], heads), np.float32)  # and its sum of e^(score - top)
     for task in prange(tasks):
-        m = task_row[task]
-        start = (task - first[m]) * CHUNK
-        count = min(CHUNK, lengths[m] - start)
-        if dim == 64:
-            _chunk(scaled[m], k_cache, v_cache, slots[m, start:start + count], 64, acc[task], top[task], total[task])
-        elif dim == 128:
-            _chunk(scaled[m], k_cache, v_cache, slots[m, start:start + count], 128, acc[task], top[task],
-                   total[task])
+        if source[task] < rows:
+            context = slots[source[task], chunk_start[task]:chunk_end[task]]
         else:
-            _chunk(scaled[m], k_cache, v_cache, slots[m, start:start + count], dim, acc[task], top[task],
-                   total[task])
+            context = shared_slots[source[task] - rows, chunk_start[task]:chunk_end[task]]
+        members = member_row[member_first[task]:member_first[task + 1]]
+        partials = member_partial[member_first[task]:member_first[task + 1]]
+        if dim == 64:
+            _chunk(scaled, members, partials, k_cache, v_cache, context, 64, acc, top, total)
+        elif dim == 128:
+            _chunk(scaled, members, partials, k_cache, v_cache, context, 128, acc, top, total)
+        else:
+            _chunk(scaled, members, partials, k_cache, v_cache, context, dim, acc, top, total)
     merged = out.reshape(rows, heads, dim)
     for m in prange(rows):
         for h in range(heads):
             row_top = np.float32(-np.inf)
-            for task in range(first[m], first[m + 1]):
-                row_top = max(row_top, top[task, h])
+            for partial in range(first[m], first[m + 1]):
+                row_top = max(row_top, top[partial, h])
             row_total = np.float32(0.0)
             for d in range(dim):
                 merged[m, h, d] = 0.0
-            for task in range(first[m], first[m + 1]):
-                weight = np.float32(math.exp(top[task, h] - row_top))
-                row_total += weight * total[task, h]
+            for partial in range(first[m], first[m + 1]):
+                weight = np.float32(math.exp(top[partial, h] - row_top))
+                row_total += weight * total[partial, h]
                 for d in range(dim):
-                    merged[m, h, d] += weight * acc[task, h, d]
+                    merged[m, h, d] += weight * acc[partial, h, d]
             if row_total > 0:
                 for d in range(dim):
                     merged[m, h, d] /= row_total
-            lse[m, h] = row_top + math.log(row_total) if row_total > 0 else -np.inf
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
-def _chunk(q, k_cache, v_cache, slots, dim, acc, top, total):
-    """One chunk of one row: q [heads, dim] already scaled; acc [heads, dim], top and total [heads] out."""
-    heads = acc.shape[0]
+def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
+    """One chunk of slots for the rows `members` (q [rows, heads, dim], already scaled): each key and value is
+    read once for all of them. Fills acc[p] [heads, dim], top[p] and total[p] [heads] of each row's partial p."""
+    heads = q.shape[1]
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads  # query heads per kv head (GQA)
     count = len(slots)
-    scores = np.empty((heads, count), np.float32)
+    scores = np.empty((len(members), heads, count), np.float32)
     for t in range(count):
         slot = slots[t]
         for kvh in range(kv_heads):
-            for h in range(kvh * group, (kvh + 1) * group):
-                score = np.float32(0.0)
-                for d in range(dim):
-                    score += q[h, d] * as_float32(k_cache[slot, kvh, d])
-                scores[h, t] = score
-    for h in range(heads):
-        largest = np.float32(-np.inf)
-        for t in range(count):
-            largest = max(largest, scores[h, t])
-        summed = np.float32(0.0)
-        for t in range(count):
-            e = fast_exp(scores[h, t] - largest)
-            scores[h, t] = e
-            summed += e
-        top[h] = largest
-        total[h] = summed
-    acc[:] = 0.0
+            for i in range(len(members)):
+                m = members[i]
+                for h in range(kvh * group, (kvh + 1) * group):
+                    score = np.float32(0.0)
+                    for d in range(dim):
+                        score += q[m, h, d] * as_float32(k_cache[slot, kvh, d])
+                    scores[i, h, t] = score
+    for i in range(len(members)):
+        p = partials[i]
+        for h in range(heads):
+            largest = np.float32(-np.inf)
+            for t in range(count):
+                largest = max(largest, scores[i, h, t])
+            summed = np.float32(0.0)
+            for t in range(count):
+                e = fast_exp(scores[i, h, t] - largest)
+                scores[i, h, t] = e
+                summed += e
+            top[p, h] = largest
+            total[p, h] = summed
+        acc[p] = 0.0
     for t in range(count):
         slot = slots[t]
         for kvh in range(kv_heads):
-            for h in range(kvh * group, (kvh + 1) * group):
-                p = scores[h, t]
-                for d in range(dim):
-                    acc[h, d] += p * as_float32(v_cache[slot, kvh, d])
+            for i in range(len(members)):
+                p = partials[i]
+                for h in range(kvh * group, (kvh + 1) * group):
+                    weight = scores[i, h, t]
+                    for d in range(dim):
+                        acc[p, h, d] += weight * as_float32(v_cache[slot, kvh, d])
