@@ -99,8 +99,10 @@ def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, step
     for batch in batches:
         row = measure(core, probe, batch, context, steps, shared_prefix)
         row["dtype"] = dtype
+        row["kv_cache_dtype"] = str(core.runner.kv_slots.dtype).removeprefix("torch.")
+        kv = f", K/V {row['kv_cache_dtype']}" if row["kv_cache_dtype"] != dtype else ""
         shared = f", {shared_prefix} shared" if shared_prefix else ""
-        log(f"decode batch {batch:>2} ({dtype}{shared}): {row['step_ms']:.1f} ms/step, {row['tok_s']:.1f} tok/s, "
+        log(f"decode batch {batch:>2} ({dtype}{kv}{shared}): {row['step_ms']:.1f} ms/step, {row['tok_s']:.1f} tok/s, "
             f"roofline {row['roofline_ms']:.1f} ms at {row['bandwidth_gb_s']:.1f} GB/s; each step vs its own probe: "
             f"{row['roofline_ratio']:.0%}")
         rows.append(row)
@@ -114,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__)
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="K/V storage (auto: the model's dtype)")
     parser.add_argument("--batches", default="1,4,8,16")
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=24)
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         import engine.core
         engine.core.load_model = functools.partial(loader.load_model, pack=False)
     result = run(args.model, tuple(int(b) for b in args.batches.split(",")), args.context, args.steps, args.dtype,
-                 shared_prefix=args.shared_prefix)
+                 shared_prefix=args.shared_prefix, kv_cache_dtype=args.kv_cache_dtype)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

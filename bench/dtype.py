@@ -1,8 +1,10 @@
 """bf16 against fp32: decode speed and how far greedy output drifts. `python -m bench.dtype`.
 
-Drift: each prompt of a fixed set is answered greedily in both dtypes; we count the prompts whose
-answers differ, where the first difference falls, and the output tokens that differ position by
-position (after a first difference the continuations usually part ways for good).
+Two bf16 variants against the fp32 model: the whole model in bf16 (`--dtype bfloat16`), and fp32
+weights with K/V stored in bf16 (`--kv-cache-dtype bfloat16`). Drift: each prompt of a fixed set is
+answered greedily in each; we count the prompts whose answers differ, where the first difference
+falls, and the output tokens that differ position by position (after a first difference the
+continuations usually part ways for good). Speed: decode steps at batch 1 and 8.
 """
 from __future__ import annotations
 
@@ -26,8 +28,12 @@ PROMPTS = [
 ]
 
 
-def greedy_answers(model: str, dtype: str, max_tokens: int) -> list[list[int]]:
-    llm = LLM(model, dtype=dtype)
+VARIANTS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+            "float32, bf16 K/V": {"dtype": "float32", "kv_cache_dtype": "bfloat16"}}
+
+
+def greedy_answers(model: str, max_tokens: int, **engine) -> list[list[int]]:
+    llm = LLM(model, **engine)
     tokenizer = llm.core.tokenizer
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -49,14 +55,15 @@ def drift(reference: list[list[int]], other: list[list[int]]) -> dict:
 
 
 def run(model: str = "default", max_tokens: int = 32, log=print) -> dict:
-    fp32 = greedy_answers(model, "float32", max_tokens)
-    bf16 = greedy_answers(model, "bfloat16", max_tokens)
-    result = {"drift": drift(fp32, bf16), "speed": {}}
-    d = result["drift"]
-    log(f"bf16 vs fp32 greedy, {d['prompts']} prompts x {max_tokens} tokens: {d['prompts_differing']} prompts "
-        f"differ (first difference at {d['first_difference_at']}), {d['tokens_differing']}/{d['tokens']} tokens")
-    for dtype in ("float32", "bfloat16"):
-        result["speed"][dtype] = decode.run(model, batches=(1,), steps=16, dtype=dtype, log=log)["rows"][0]
+    fp32 = greedy_answers(model, max_tokens, **VARIANTS["float32"])
+    result = {"drift": {}, "speed": {}}
+    for name, engine in VARIANTS.items():
+        if name != "float32":
+            d = result["drift"][name] = drift(fp32, greedy_answers(model, max_tokens, **engine))
+            log(f"{name} vs float32 greedy, {d['prompts']} prompts x {max_tokens} tokens: {d['prompts_differing']} "
+                f"prompts differ (first difference at {d['first_difference_at']}), "
+                f"{d['tokens_differing']}/{d['tokens']} tokens")
+        result["speed"][name] = decode.run(model, batches=(1, 8), steps=16, log=log, **engine)["rows"]
     return result
 
 

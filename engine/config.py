@@ -42,6 +42,7 @@ class EngineConfig:
     kv_disk_gb: float = 10.0  # disk tier size bound in GiB (its own LRU drops the oldest files)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"  # K/V storage: auto (the model's dtype) | float32 | bfloat16 | float16
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     model_cache_dir: str | None = None  # where the default model is converted to
@@ -65,6 +66,8 @@ class EngineConfig:
         _check(self.max_step_ms is None or self.max_step_ms > 0, "max_step_ms must be > 0")
         _check(self.device in ("auto", "cpu", "cuda"), f"unknown device {self.device!r}")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype!r}")
+        _check(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"),
+               f"unknown kv_cache_dtype {self.kv_cache_dtype!r}")
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

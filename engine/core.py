@@ -35,6 +35,7 @@ class EngineCore:
         self.config = config
         self.device = _resolve_device(config.device)
         dtype = _resolve_dtype(config.dtype, self.device)
+        kv_dtype = dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         path = resolve_model_path(config.model, config.model_cache_dir)
@@ -43,7 +44,7 @@ class EngineCore:
         self.model = load_model(path, hf_config, dtype, self.device)
         self.tokenizer = load_tokenizer(path, _eos_token_ids(path, hf_config))
         self.vocab_size = hf_config.vocab_size
-        kv_cache = _allocate_kv_cache(config, hf_config, dtype, self.device)
+        kv_cache = _allocate_kv_cache(config, hf_config, kv_dtype, self.device)
         self.num_blocks = kv_cache.shape[2]
         self.max_model_len = _context_length(config, hf_config, self.num_blocks)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
@@ -51,7 +52,7 @@ class EngineCore:
                                  eviction_policy=config.eviction_policy)
         if config.kv_disk_dir and config.enable_prefix_caching:
             kv_io = KVBlockIO(kv_cache)
-            self.kv.use_disk_tier(_disk_tier(config, path, dtype, kv_io), kv_io)
+            self.kv.use_disk_tier(_disk_tier(config, path, dtype, kv_dtype, kv_io), kv_io)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, kv_cache, self.kv, self.device)
         self.step_target: StepTimeTarget | None = None
@@ -326,9 +327,11 @@ def _step_target(config: EngineConfig, runner: ModelRunner, num_blocks: int) -> 
     return StepTimeTarget(cost, config.max_step_ms / 1000, minimum=config.block_size)
 
 
-def _disk_tier(config: EngineConfig, model_path, dtype: torch.dtype, kv_io: KVBlockIO) -> DiskTier:
-    fingerprint = model_fingerprint(model_path, dtype, config.block_size, kv_io.block_shape, config.hash_algo.value)
-    return DiskTier(config.kv_disk_dir, int(config.kv_disk_gb * 2**30), fingerprint, kv_io.block_shape, dtype)
+def _disk_tier(config: EngineConfig, model_path, dtype: torch.dtype, kv_dtype: torch.dtype,
+               kv_io: KVBlockIO) -> DiskTier:
+    fingerprint = model_fingerprint(model_path, dtype, config.block_size, kv_io.block_shape, config.hash_algo.value,
+                                    kv_dtype)
+    return DiskTier(config.kv_disk_dir, int(config.kv_disk_gb * 2**30), fingerprint, kv_io.block_shape, kv_dtype)
 
 
 def _allocate_kv_cache(config: EngineConfig, hf_config, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -23,7 +23,8 @@ class ModelRunner:
         self.device = device
         self._offsets = torch.arange(block_size, device=device)
         self.compiled_decode = None
-        if decode_step_cpu.supports(kv_cache.dtype, device):
+        self.dtype = model.lm_head.weight.dtype  # the model's; the K/V pool's may differ (kv_cache_dtype)
+        if decode_step_cpu.supports(self.dtype, device) and decode_step_cpu.supports(kv_cache.dtype, device):
             self.compiled_decode = decode_step_cpu.CompiledDecode(model)
             self._warm_up_compiled_decode()
 
@@ -107,7 +108,7 @@ class ModelRunner:
         if min(map(len, rests)) < slots.shape[1] and not paged_decode_cpu.supports(self.kv_slots.dtype, self.device):
             columns = torch.arange(slots.shape[1], device=self.device)
             padding = columns[None, :] >= lengths[:, None]
-            bias = torch.zeros(padding.shape, dtype=self.kv_slots.dtype, device=self.device)
+            bias = torch.zeros(padding.shape, dtype=self.dtype, device=self.device)
             bias = bias.masked_fill_(padding, float("-inf"))[:, None, None, :]
         return DecodeBatch(self._tensor([i for i, _, _ in decodes]), slots, lengths, bias, shared)
 

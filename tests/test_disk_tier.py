@@ -186,7 +186,8 @@ def test_a_restart_serves_the_first_repeated_prompt_from_disk(tiny_llama_dir, tm
     restarted.close()
 
 
-@pytest.mark.parametrize("change", [{"block_size": 8}, {"dtype": "bfloat16"}, {"hash_algo": "xxhash"}])
+@pytest.mark.parametrize("change", [{"block_size": 8}, {"dtype": "bfloat16"}, {"kv_cache_dtype": "bfloat16"},
+                                    {"hash_algo": "xxhash"}])
 def test_a_model_dtype_or_block_size_change_never_serves_old_files(tiny_llama_dir, tmp_path, change):
     llm = make_llm(tiny_llama_dir, tmp_path)
     llm.generate(HOT, greedy())

@@ -33,12 +33,16 @@ MAX_PENDING_BYTES = 256 * 2**20  # spills waiting for the writer; beyond this a 
 
 
 def model_fingerprint(model_path: Path, dtype: torch.dtype, block_size: int, block_shape: tuple[int, ...],
-                      hash_algo: str) -> bytes:
-    """What makes a block's KV valid: model config and weights, dtype, block size, KV shape, hash function."""
+                      hash_algo: str, kv_dtype: torch.dtype | None = None) -> bytes:
+    """What makes a block's KV valid: model config and weights, dtype (the one the K/V were computed in, and
+    the one they are stored in where that differs), block size, KV shape, hash function."""
     config = json.loads((Path(model_path) / "config.json").read_text())
     weights = [(p.name, p.stat().st_size, _sample_digest(p)) for p in sorted(Path(model_path).glob("*.safetensors"))]
-    identity = json.dumps({"config": config, "weights": weights, "dtype": str(dtype), "block_size": block_size,
-                           "block_shape": list(block_shape), "hash_algo": hash_algo}, sort_keys=True)
+    identity = {"config": config, "weights": weights, "dtype": str(dtype), "block_size": block_size,
+                "block_shape": list(block_shape), "hash_algo": hash_algo}
+    if kv_dtype not in (None, dtype):  # (an unchanged identity keeps the blocks saved before this field)
+        identity["kv_dtype"] = str(kv_dtype)
+    identity = json.dumps(identity, sort_keys=True)
     return hashlib.sha256(identity.encode()).digest()
 
 

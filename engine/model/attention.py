@@ -56,16 +56,17 @@ class AttentionMetadata:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D]. Returns [T, H, D]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D], in the model's dtype or the one chosen for
+    K/V (kv_cache_dtype): K/V are stored in theirs and read back in q's. Returns [T, H, D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     if not meta.prefills and meta.decodes is not None:  # a decode-only step: every row is a decode, in order
         return _decode_attention(q, k_cache, v_cache, meta.decodes, scale)
     out = torch.empty_like(q)
     for seq in meta.prefills:
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
-        keys = k_cache.index_select(0, seq.context_slots).transpose(0, 1).unsqueeze(0)
-        values = v_cache.index_select(0, seq.context_slots).transpose(0, 1).unsqueeze(0)
+        keys = k_cache.index_select(0, seq.context_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        values = v_cache.index_select(0, seq.context_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
         query = q[rows].transpose(0, 1).unsqueeze(0)
         attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=seq.mask,
                                               is_causal=seq.mask is None, scale=scale, enable_gqa=True)
@@ -79,14 +80,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
                       scale: float) -> torch.Tensor:
     """q: [B, H, D] -> [B, H, D]."""
-    if paged_decode_cpu.supports(q.dtype, q.device):  # the kernel reads each shared prefix once per group itself
+    if paged_decode_cpu.supports(k_cache.dtype, q.device):  # it reads each shared prefix once per group itself
         return paged_decode_cpu.paged_decode(q, k_cache, v_cache, batch.slots, batch.lengths, scale, batch.shared)
-    keys = _gather(k_cache, batch.slots).transpose(1, 2)  # [B, KVH, max_rest, D]
-    values = _gather(v_cache, batch.slots).transpose(1, 2)
+    keys = _gather(k_cache, batch.slots).to(q.dtype).transpose(1, 2)  # [B, KVH, max_rest, D]
+    values = _gather(v_cache, batch.slots).to(q.dtype).transpose(1, 2)
     rest, rest_lse = _attend(q.unsqueeze(2), keys, values, batch.bias, scale)  # [B, H, 1, D], [B, H, 1, 1]
     for group in batch.shared:
-        shared_keys = k_cache.index_select(0, group.slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
-        shared_values = v_cache.index_select(0, group.slots).transpose(0, 1).unsqueeze(0)
+        shared_keys = k_cache.index_select(0, group.slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
+        shared_values = v_cache.index_select(0, group.slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
         # the group's G queries attend the shared blocks as one sequence of G queries: K/V read once
         shared, shared_lse = _attend(q[group.rows].transpose(0, 1).unsqueeze(0), shared_keys, shared_values,
                                      None, scale)
