@@ -162,3 +162,25 @@ def test_paged_kernel_serves_fp32_and_bf16_on_cpu_only():
     assert paged_decode_cpu.supports(torch.bfloat16, torch.device("cpu"))
     assert not paged_decode_cpu.supports(torch.float16, torch.device("cpu"))
     assert not paged_decode_cpu.supports(torch.float32, torch.device("cuda"))
+
+
+def test_bf16_caches_beside_float32_queries(decode_path):
+    """kv_cache_dtype=bfloat16 beside a float32 model: both decode paths read bf16 K/V for float32 queries
+    and answer in float32, as attention over the same K/V values in float32 would."""
+    torch.manual_seed(6)
+    k_cache, v_cache = torch.randn(64, KV_HEADS, DIM).bfloat16(), torch.randn(64, KV_HEADS, DIM).bfloat16()
+    shared, rests = torch.arange(0, 12), [torch.arange(12, 15), torch.arange(20, 27), torch.arange(40, 45)]
+    q = torch.randn(3, HEADS, DIM)
+    contexts = [torch.cat([shared, rests[0]]), torch.cat([shared, rests[1]]), rests[2]]
+    expected = _reference(q, k_cache.float(), v_cache.float(), contexts)
+    slots, lengths, mask = _padded(rests)
+    batch = DecodeBatch(torch.arange(3), slots, lengths, mask, [SharedPrefix(torch.tensor([0, 1]), shared)])
+    out = _decode_attention(q, k_cache, v_cache, batch, DIM ** -0.5)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected)
+
+
+def test_a_row_in_two_cascade_groups_is_refused():
+    groups = [SharedPrefix(torch.tensor([0, 1]), torch.arange(4)), SharedPrefix(torch.tensor([1, 2]), torch.arange(8))]
+    with pytest.raises(ValueError, match="one cascade group"):
+        paged_decode_cpu.cascade_groups(groups, 3)

@@ -6,11 +6,14 @@ from pathlib import Path
 
 import numba
 
-from engine.model import kernel_cache
+from engine.model import decode_step_cpu, kernel_cache, paged_decode_cpu
 
 
 def test_the_kernels_cache_in_the_folder_for_their_sources():
-    assert numba.config.CACHE_DIR == str(kernel_cache.folder())
+    folder = str(kernel_cache.folder())
+    assert numba.config.CACHE_DIR == folder
+    for kernel in (paged_decode_cpu.attend, decode_step_cpu._step):
+        assert kernel._cache._cache_path.startswith(folder)
 
 
 def test_an_edit_of_any_kernel_source_changes_the_folder(monkeypatch, tmp_path):

@@ -8,8 +8,9 @@ numba's OpenMP threads, the small ops run inline, and decode attention reads K/V
 the paged cache. The step's phases run back to back, so the threads need to spin briefly between
 them rather than sleep (GOMP_SPINCOUNT, set by the server and the benchmarks). The runner takes this
 path for decode-only steps of up to MAX_ROWS rows; prefill, larger batches and CUDA keep the
-PyTorch path. bfloat16 weights and caches are read as their bits and widened to float32, in which
-the step computes (new K/V are rounded back to bfloat16): half the bytes of float32, on any x86 CPU.
+PyTorch path. bfloat16 weights and caches (either or both: kv_cache_dtype may differ from the model's)
+are read as their bits and widened to float32, in which the step computes (new K/V are rounded to
+bfloat16): half the bytes of float32, on any x86 CPU.
 """
 from __future__ import annotations
 
@@ -91,12 +92,12 @@ class CompiledDecode:
         logits = torch.empty(len(logits_indices), self.vocab_size)
         group, shared_slots, shared_lengths = cascade_groups(shared, len(input_ids))
         with launch_lock:
-            use_threads()
+            threads = use_threads()
             _step(x.numpy(), cos.numpy(), sin.numpy(), numpy_view(kv_slots),
                   slot_mapping.numpy(), slots.numpy(), lengths.numpy(), group, shared_slots, shared_lengths,
                   logits_indices.numpy(), *self.weights,
                   self.num_heads, self.num_kv_heads, np.float32(self.eps), np.float32(self.scale), self.qk_norm,
-                  logits.numpy())
+                  threads, logits.numpy())
         return logits
 
 
@@ -241,7 +242,7 @@ def _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_hea
 @njit(fastmath=True, nogil=True, cache=True)
 def _step(x, cos, sin, kv, slot_mapping, slots, lengths, group, shared_slots, shared_lengths, logits_indices,
           input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b,
-          final_norm, lm_head, lm_head_b, heads, kv_heads, eps, scale, qk_norm, logits):
+          final_norm, lm_head, lm_head_b, heads, kv_heads, eps, scale, qk_norm, threads, logits):
     rows, hidden = x.shape
     dim = cos.shape[1]
     normed = np.empty_like(x)
@@ -257,7 +258,7 @@ def _step(x, cos, sin, kv, slot_mapping, slots, lengths, group, shared_slots, sh
         _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads,
                         q_norm[layer if qk_norm else 0], k_norm[layer if qk_norm else 0], qk_norm, eps)
         q[:] = qkv[:, :heads * dim]
-        attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_lengths, heads, scale, attn)
+        attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_lengths, heads, scale, threads, attn)
         _linear(attn, o_w[layer], o_b[layer], x, True)  # the residual add folded into the matmul
         _rms_norm(x, post_norm[layer], eps, normed)
         _linear(normed, gate_up_w[layer], gate_up_b[layer], gate_up, False)

@@ -8,13 +8,14 @@ the per-layer eager path both call it.
 Work is split flash-decoding style: each row's context is cut into chunks of CHUNK slots, the chunks
 are spread over numba's threads, and each row's partial softmaxes are merged at the end by their
 maxima. Rows whose block tables start with the same blocks (a shared system prompt) form a cascade
-group: the chunks of that shared prefix are read once for all of the group's rows, which turns the
-prefix's K/V traffic of a batch into that of one sequence. A chunk takes three passes: scores (each
-cached key is read once for every row and query head that needs it), their exponentials (a loop that
-vectorizes), the weighted values. Head sizes 64 and 128 get their own compiled copy of the chunk, so
+group: a task takes a chunk of that shared prefix for all of the group's rows, so the chunk comes from
+memory once and from the cache for the other rows, which turns the prefix's K/V traffic of a batch
+into that of one sequence. Tasks are dealt to the threads by cost (rows x slots). For each row a chunk
+takes three passes: scores (each cached key read once for the query heads of its GQA group), their
+exponentials (a loop that vectorizes), the weighted values. Head sizes 64 and 128 get their own compiled copy of the chunk, so
 the per-slot dot products have a constant length that LLVM unrolls into whole vector registers
 (measured here at head size 64: bfloat16 attention took 0.7x the time of the same code with a run-time
-length). float32 and bfloat16 caches (the math is float32); CUDA takes the plain path.
+length). float32 and bfloat16 caches (the math is float32); other dtypes and CUDA take the plain path.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from engine.model.bfloat16_bits import as_float32, float_from_bits, numpy_view
 # context slots a parallel task attends: a batch-1 step at a 1,000-token context makes 4 tasks for the
 # threads, and the partials to merge stay few (measured: 128 and 512 were no faster)
 CHUNK = 256
+MIN_SHARED_CHUNK = 64  # context slots of a cascade group's task, at the least
 
 # numba's workqueue layer (the fallback where no OpenMP is found) must not be entered by two threads at once
 launch_lock = threading.Lock()
@@ -51,10 +53,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty(rows, heads * dim)
     group, shared_slots, shared_lengths = cascade_groups(shared, rows)
     with launch_lock:
-        use_threads()
+        threads = use_threads()
         attend(q.float().reshape(rows, heads * dim).contiguous().numpy(), numpy_view(k_cache), numpy_view(v_cache),
                slots.numpy(), lengths.numpy(), group, shared_slots, shared_lengths, heads, np.float32(scale),
-               out.numpy())
+               threads, out.numpy())
     return out.view(rows, heads, dim).to(q.dtype)
 
 
@@ -63,16 +65,22 @@ def cascade_groups(shared: Sequence, rows: int) -> tuple[np.ndarray, np.ndarray,
     their lengths [G]."""
     group = np.full(rows, -1, np.int64)
     for g, prefix in enumerate(shared):
-        group[prefix.rows.numpy()] = g
+        members = prefix.rows.numpy()
+        if np.any(group[members] >= 0):
+            raise ValueError("a row can be in one cascade group only")
+        group[members] = g
     if not shared:
         return group, np.zeros((0, 1), np.int64), np.zeros(0, np.int64)
     return (group, torch.nn.utils.rnn.pad_sequence([p.slots for p in shared], batch_first=True).numpy(),
             np.array([len(p.slots) for p in shared], np.int64))
 
 
-def use_threads() -> None:
-    """numba's parallel regions use as many threads as torch's (the setting is per calling thread)."""
-    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+def use_threads() -> int:
+    """numba's parallel regions use as many threads as torch's (the setting is per calling thread); returns
+    that number."""
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    numba.set_num_threads(threads)
+    return threads
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
@@ -88,7 +96,7 @@ def fast_exp(x):
 
 
 @njit(fastmath=True, nogil=True, cache=True, parallel=True)
-def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_lengths, heads, scale, out):
+def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_lengths, heads, scale, threads, out):
     """q, out: [rows, heads * dim], contiguous; caches: [num_slots, KVH, dim].
     Row m attends slots[m, :lengths[m]] and, when group[m] >= 0, its group's shared_slots[g, :shared_lengths[g]]
     too: the chunks of a shared prefix are read once for every row of the group (cascade attention).
@@ -103,14 +111,15 @@ def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_leng
             for d in range(dim):
                 scaled[m, h, d] = q[m, h * dim + d] * scale
     own = (lengths + CHUNK - 1) // CHUNK
-    # a shared chunk serves every row of its group: 1/size of CHUNK each, so that all tasks cost about the
+    # a shared chunk serves every row of its group: 1/size of CHUNK each, so that tasks cost about the
     # same (the threads take equal runs of tasks; measured: CHUNK-long shared chunks left one thread
-    # with all of them, and the cascade took 1.6-2.4x the time of reading the prefix once per row)
+    # with all of them, and the cascade took 1.6-2.4x the time of reading the prefix once per row), but
+    # at least MIN_SHARED_CHUNK slots, which bounds the partials of a large group
     size = np.zeros(len(shared_lengths), np.int64)
     for m in range(rows):
         if group[m] >= 0:
             size[group[m]] += 1
-    shared_chunk = np.maximum(CHUNK // np.maximum(size, 1), 16)
+    shared_chunk = np.maximum(CHUNK // np.maximum(size, 1), MIN_SHARED_CHUNK)
     common = (shared_lengths + shared_chunk - 1) // shared_chunk
     # row m's partial softmaxes: first[m] to first[m + 1] - 1, its own chunks then its group's
     first = np.zeros(rows + 1, np.int64)
@@ -146,77 +155,94 @@ def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_leng
     acc = np.empty((first[rows], heads, dim), np.float32)  # each partial's unnormalized output,
     top = np.empty((first[rows], heads), np.float32)  # its largest score
     total = np.empty((first[rows], heads), np.float32)  # and its sum of e^(score - top)
-    for task in prange(tasks):
-        if source[task] < rows:
-            context = slots[source[task], chunk_start[task]:chunk_end[task]]
-        else:
-            context = shared_slots[source[task] - rows, chunk_start[task]:chunk_end[task]]
-        members = member_row[member_first[task]:member_first[task + 1]]
-        partials = member_partial[member_first[task]:member_first[task + 1]]
-        if dim == 64:
-            _chunk(scaled, members, partials, k_cache, v_cache, context, 64, acc, top, total)
-        elif dim == 128:
-            _chunk(scaled, members, partials, k_cache, v_cache, context, 128, acc, top, total)
-        else:
-            _chunk(scaled, members, partials, k_cache, v_cache, context, dim, acc, top, total)
+    # the tasks dealt to one bin per thread, the costliest first to the least loaded bin: numba hands each
+    # thread an equal run of a prange's iterations, and a cascade task costs members x slots (measured:
+    # in task order one thread got every cascade task, and the cascade took 1.2-2.4x the time of reading
+    # the prefix once per row)
+    cost = (chunk_end - chunk_start) * (member_first[1:] - member_first[:-1])
+    bins = min(threads, tasks)
+    load = np.zeros(bins, np.int64)
+    task_bin = np.empty(tasks, np.int64)
+    for task in np.argsort(-cost):
+        task_bin[task] = np.argmin(load)
+        load[task_bin[task]] += cost[task]
+    by_bin = np.argsort(task_bin, kind="mergesort")
+    bin_first = np.searchsorted(task_bin[by_bin], np.arange(bins + 1))
+    for b in prange(bins):
+        for task in by_bin[bin_first[b]:bin_first[b + 1]]:
+            _task(scaled, k_cache, v_cache, slots, shared_slots, rows, source[task], chunk_start[task],
+                  chunk_end[task], member_row[member_first[task]:member_first[task + 1]],
+                  member_partial[member_first[task]:member_first[task + 1]], dim, acc, top, total)
     merged = out.reshape(rows, heads, dim)
+    merged[:] = 0.0
     for m in prange(rows):
+        if first[m] == first[m + 1]:
+            continue
         for h in range(heads):
-            row_top = np.float32(-np.inf)
-            for partial in range(first[m], first[m + 1]):
+            # (maxima start from a value, not -inf: fastmath lets LLVM assume no infinities)
+            row_top = top[first[m], h]
+            for partial in range(first[m] + 1, first[m + 1]):
                 row_top = max(row_top, top[partial, h])
             row_total = np.float32(0.0)
-            for d in range(dim):
-                merged[m, h, d] = 0.0
             for partial in range(first[m], first[m + 1]):
                 weight = np.float32(math.exp(top[partial, h] - row_top))
                 row_total += weight * total[partial, h]
                 for d in range(dim):
                     merged[m, h, d] += weight * acc[partial, h, d]
-            if row_total > 0:
-                for d in range(dim):
-                    merged[m, h, d] /= row_total
+            for d in range(dim):
+                merged[m, h, d] /= row_total
+
+
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
+def _task(q, k_cache, v_cache, slots, shared_slots, rows, source, start, end, members, partials, dim, acc, top,
+          total):
+    """Slots start to end - 1 of a row's own context (source < rows) or of a group's shared prefix, for the
+    rows `members`, with a compiled copy of the chunk for the common head sizes."""
+    context = slots[source, start:end] if source < rows else shared_slots[source - rows, start:end]
+    if dim == 64:
+        _chunk(q, members, partials, k_cache, v_cache, context, 64, acc, top, total)
+    elif dim == 128:
+        _chunk(q, members, partials, k_cache, v_cache, context, 128, acc, top, total)
+    else:
+        _chunk(q, members, partials, k_cache, v_cache, context, dim, acc, top, total)
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
 def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
-    """One chunk of slots for the rows `members` (q [rows, heads, dim], already scaled): each key and value is
-    read once for all of them. Fills acc[p] [heads, dim], top[p] and total[p] [heads] of each row's partial p."""
+    """One chunk of slots for the rows `members` (q [rows, heads, dim], already scaled), one row after the
+    other (measured: rows innermost, every key serving all rows at once, ran 1.3x slower). Fills acc[p]
+    [heads, dim], top[p] and total[p] [heads] of each row's partial p."""
     heads = q.shape[1]
     kv_heads = k_cache.shape[1]
-    group = heads // kv_heads  # query heads per kv head (GQA)
+    per_kv = heads // kv_heads  # query heads per kv head (GQA)
     count = len(slots)
-    scores = np.empty((len(members), heads, count), np.float32)
-    for t in range(count):
-        slot = slots[t]
-        for kvh in range(kv_heads):
-            for i in range(len(members)):
-                m = members[i]
-                for h in range(kvh * group, (kvh + 1) * group):
+    scores = np.empty((heads, count), np.float32)
+    for i in range(len(members)):  # the chunk's K/V come from memory for the first row, then from the cache
+        m, p = members[i], partials[i]
+        for t in range(count):
+            slot = slots[t]
+            for kvh in range(kv_heads):
+                for h in range(kvh * per_kv, (kvh + 1) * per_kv):
                     score = np.float32(0.0)
                     for d in range(dim):
                         score += q[m, h, d] * as_float32(k_cache[slot, kvh, d])
-                    scores[i, h, t] = score
-    for i in range(len(members)):
-        p = partials[i]
+                    scores[h, t] = score
         for h in range(heads):
-            largest = np.float32(-np.inf)
-            for t in range(count):
-                largest = max(largest, scores[i, h, t])
+            largest = scores[h, 0]
+            for t in range(1, count):
+                largest = max(largest, scores[h, t])
             summed = np.float32(0.0)
             for t in range(count):
-                e = fast_exp(scores[i, h, t] - largest)
-                scores[i, h, t] = e
+                e = fast_exp(scores[h, t] - largest)
+                scores[h, t] = e
                 summed += e
             top[p, h] = largest
             total[p, h] = summed
         acc[p] = 0.0
-    for t in range(count):
-        slot = slots[t]
-        for kvh in range(kv_heads):
-            for i in range(len(members)):
-                p = partials[i]
-                for h in range(kvh * group, (kvh + 1) * group):
-                    weight = scores[i, h, t]
+        for t in range(count):
+            slot = slots[t]
+            for kvh in range(kv_heads):
+                for h in range(kvh * per_kv, (kvh + 1) * per_kv):
+                    weight = scores[h, t]
                     for d in range(dim):
                         acc[p, h, d] += weight * as_float32(v_cache[slot, kvh, d])
