@@ -100,7 +100,7 @@ def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_leng
     """q, out: [rows, heads * dim], contiguous; caches: [num_slots, KVH, dim].
     Row m attends slots[m, :lengths[m]] and, when group[m] >= 0, its group's shared_slots[g, :shared_lengths[g]]
     too: the chunks of a shared prefix are read once for every row of the group (cascade attention).
-    A row with no slots at all gets 0."""
+    A row with no slots at all gets 0. threads: numba's thread count (use_threads()), one bin of tasks each."""
     rows = q.shape[0]
     dim = q.shape[1] // heads
     # (3-D, so that no index is computed: numba checks a computed index for wraparound, and that check
