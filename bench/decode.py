@@ -127,11 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-pack", action="store_true", help="plain F.linear weights (to measure what packing buys)")
     parser.add_argument("--no-paged-kernel", action="store_true",
                         help="decode attention through gather + SDPA (to measure what the paged CPU kernel buys; "
-                             "the compiled step, built on that kernel, goes too)")
+                             "the compiled step, whose supports() asks the kernel's, goes too)")
     parser.add_argument("--no-compiled-decode", action="store_true",
                         help="decode steps through eager PyTorch (to measure what the compiled step buys)")
     args = parser.parse_args(argv)
-    if args.no_compiled_decode or args.no_paged_kernel:
+    if args.no_compiled_decode:
         from engine.model import decode_step_cpu
         decode_step_cpu.supports = lambda dtype, device: False
     if args.no_paged_kernel:

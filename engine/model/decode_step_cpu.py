@@ -23,6 +23,7 @@ from numba import njit, prange
 from numba.typed import List
 
 from engine.model import kernel_cache  # noqa: F401  (numba's cache folder, set before any @njit below)
+from engine.model import paged_decode_cpu
 from engine.model.attention import SharedPrefix
 from engine.model.bfloat16_bits import as_float32, numpy_view, to_element
 from engine.model.llama import LlamaForCausalLM
@@ -33,8 +34,11 @@ from engine.model.paged_decode_cpu import attend, cascade_groups, fast_exp, laun
 MAX_ROWS = 8
 ROWS_PER_TASK = 16  # output rows of a matmul per parallel task: 36 tasks for a 576-wide layer
 
+
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    """Where the attention kernel the step is built on runs (its own switch, so the benchmarks can turn the
+    step off alone)."""
+    return paged_decode_cpu.supports(dtype, device)
 
 
 class CompiledDecode:

@@ -111,10 +111,9 @@ def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_leng
             for d in range(dim):
                 scaled[m, h, d] = q[m, h * dim + d] * scale
     own = (lengths + CHUNK - 1) // CHUNK
-    # a shared chunk serves every row of its group: 1/size of CHUNK each, so that tasks cost about the
-    # same (the threads take equal runs of tasks; measured: CHUNK-long shared chunks left one thread
-    # with all of them, and the cascade took 1.6-2.4x the time of reading the prefix once per row), but
-    # at least MIN_SHARED_CHUNK slots, which bounds the partials of a large group
+    # a shared chunk serves every row of its group: 1/size of CHUNK each, so that a cascade task costs
+    # about what a row's own chunk does and the tasks can be dealt evenly (below), but at least
+    # MIN_SHARED_CHUNK slots, which bounds the partials of a large group
     size = np.zeros(len(shared_lengths), np.int64)
     for m in range(rows):
         if group[m] >= 0:
