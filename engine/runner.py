@@ -24,7 +24,8 @@ class ModelRunner:
         self._offsets = torch.arange(block_size, device=device)
         self.compiled_decode = None
         self.dtype = model.lm_head.weight.dtype  # the model's; the K/V pool's may differ (kv_cache_dtype)
-        if decode_step_cpu.supports(self.dtype, device) and decode_step_cpu.supports(kv_cache.dtype, device):
+        if (decode_step_cpu.supports(self.dtype, device) and decode_step_cpu.supports(kv_cache.dtype, device)
+                and model.lm_head.packed is not None):  # the step multiplies by the packed weights
             self.compiled_decode = decode_step_cpu.CompiledDecode(model)
             self._warm_up_compiled_decode()
 

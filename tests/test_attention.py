@@ -2,6 +2,7 @@
 paged CPU kernel equals the gather + SDPA path."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -184,3 +185,18 @@ def test_a_row_in_two_cascade_groups_is_refused():
     groups = [SharedPrefix(torch.tensor([0, 1]), torch.arange(4)), SharedPrefix(torch.tensor([1, 2]), torch.arange(8))]
     with pytest.raises(ValueError, match="one cascade group"):
         paged_decode_cpu.cascade_groups(groups, 3)
+
+
+def test_fast_exp_matches_exp_over_the_softmax_range():
+    """x <= 0 down to the clamp, with the points where x log2(e) is half an integer (the rounding's ties)."""
+    from numba import njit
+
+    @njit(fastmath=True)
+    def exps(xs):
+        out = np.empty_like(xs)
+        for i in range(len(xs)):
+            out[i] = paged_decode_cpu.fast_exp(xs[i])
+        return out
+
+    xs = np.concatenate([np.linspace(-87.0, 0.0, 100_001), -(np.arange(0, 120) + 0.5) * np.log(2)]).astype(np.float32)
+    np.testing.assert_allclose(exps(xs), np.exp(xs.astype(np.float64)), rtol=1e-6, atol=0)

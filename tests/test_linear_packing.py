@@ -1,13 +1,10 @@
-"""Pre-packed oneDNN linear weights give the logits of the plain row-major weights."""
+"""Packed linear weights (engine/model/packed_matmul_cpu.py) give the logits of the plain row-major weights."""
 from __future__ import annotations
 
-import pytest
 import torch
 
-from engine.model.linear import Linear, can_pack
+from engine.model.linear import Linear
 from engine.model.loader import load_config, load_model
-
-pytestmark = pytest.mark.skipif(not can_pack(torch.float32, torch.device("cpu")), reason="no oneDNN on this build")
 
 
 def test_packed_and_plain_weights_give_the_same_logits(tiny_llama_dir):

@@ -3,8 +3,8 @@
 At batch 1 a decode step is 121 small matmuls plus some 1,500 tiny ops (norms, rotary, cache
 writes, residual adds) that eager PyTorch dispatches one by one: on a 2-core machine that dispatch
 cost about a third of the weights' streaming time. Here numba compiles the step (every layer, the
-final norm and the lm_head) into one function: the matmuls and the attention split their work over
-numba's OpenMP threads, the small ops run inline, and decode attention reads K/V where they sit in
+final norm and the lm_head) into one function: the matmuls (over the packed weights of
+packed_matmul_cpu.py) and the attention split their work over numba's OpenMP threads, the small ops run inline, and decode attention reads K/V where they sit in
 the paged cache. The step's phases run back to back, so the threads need to spin briefly between
 them rather than sleep (GOMP_SPINCOUNT, set by the server and the benchmarks). The runner takes this
 path for decode-only steps of up to MAX_ROWS rows; prefill, larger batches and CUDA keep the
@@ -26,13 +26,14 @@ from engine.model import kernel_cache  # noqa: F401  (numba's cache folder, set 
 from engine.model import paged_decode_cpu
 from engine.model.attention import SharedPrefix
 from engine.model.bfloat16_bits import as_float32, numpy_view, to_element
+from engine.model.linear import MAX_PACKED_ROWS
 from engine.model.llama import LlamaForCausalLM
+from engine.model.packed_matmul_cpu import matmul
 from engine.model.paged_decode_cpu import attend, cascade_groups, fast_exp, launch_lock, use_threads
 
-# decode-only steps of up to this many rows take the compiled step. Measured here (bench/decode.py,
-# AVX-512 EPYC, 2 threads): beyond it oneDNN's packed matmuls outrun these plain register-blocked loops
-MAX_ROWS = 8
-ROWS_PER_TASK = 16  # output rows of a matmul per parallel task: 36 tasks for a 576-wide layer
+# decode-only steps of up to this many rows take the compiled step: as many as the packed weights serve
+# (linear.MAX_PACKED_ROWS). Measured here (bench/decode.py): batch 16 44.7 ms against 50-63 ms eager
+MAX_ROWS = MAX_PACKED_ROWS
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
@@ -59,28 +60,27 @@ class CompiledDecode:
         def weights(get) -> List:
             return List([numpy_view(get(layer)) for layer in layers])
 
-        def biases(get, size: int) -> List:
-            return List([numpy_view(get(layer)) if get(layer) is not None else np.zeros(size, np.float32)
+        def biases(get) -> List:  # (empty: none)
+            return List([numpy_view(get(layer)) if get(layer) is not None else np.zeros(0, np.float32)
                          for layer in layers])
 
-        hidden, qkv_size = config.hidden_size, attn.q_size + 2 * attn.kv_size
-        inter = layers[0].mlp.down_proj.weight.shape[1]
+        self.out_features = (attn.qkv_proj.out_features, layers[0].mlp.gate_up_proj.out_features)
         self.weights = (
             weights(lambda l: l.input_layernorm.weight),
             weights(lambda l: l.post_attention_layernorm.weight),
-            weights(lambda l: l.self_attn.qkv_proj.weight),
-            biases(lambda l: l.self_attn.qkv_proj.bias, qkv_size),
+            weights(lambda l: l.self_attn.qkv_proj.packed),
+            biases(lambda l: l.self_attn.qkv_proj.bias),
             weights(lambda l: l.self_attn.q_norm.weight) if self.qk_norm else List([np.ones(1, np.float32)]),
             weights(lambda l: l.self_attn.k_norm.weight) if self.qk_norm else List([np.ones(1, np.float32)]),
-            weights(lambda l: l.self_attn.o_proj.weight),
-            biases(lambda l: l.self_attn.o_proj.bias, hidden),
-            weights(lambda l: l.mlp.gate_up_proj.weight),
-            biases(lambda l: l.mlp.gate_up_proj.bias, 2 * inter),
-            weights(lambda l: l.mlp.down_proj.weight),
-            biases(lambda l: l.mlp.down_proj.bias, hidden),
+            weights(lambda l: l.self_attn.o_proj.packed),
+            biases(lambda l: l.self_attn.o_proj.bias),
+            weights(lambda l: l.mlp.gate_up_proj.packed),
+            biases(lambda l: l.mlp.gate_up_proj.bias),
+            weights(lambda l: l.mlp.down_proj.packed),
+            biases(lambda l: l.mlp.down_proj.bias),
             numpy_view(model.model.norm.weight),
-            numpy_view(model.lm_head.weight),
-            np.zeros(self.vocab_size, np.float32),
+            numpy_view(model.lm_head.packed),
+            np.zeros(0, np.float32),
         )
 
     @torch.inference_mode()
@@ -99,7 +99,7 @@ class CompiledDecode:
             threads = use_threads()
             _step(x.numpy(), cos.numpy(), sin.numpy(), numpy_view(kv_slots),
                   slot_mapping.numpy(), slots.numpy(), lengths.numpy(), group, shared_slots, shared_lengths,
-                  logits_indices.numpy(), *self.weights,
+                  logits_indices.numpy(), *self.weights, *self.out_features,
                   self.num_heads, self.num_kv_heads, np.float32(self.eps), np.float32(self.scale), self.qk_norm,
                   threads, logits.numpy())
         return logits
@@ -115,78 +115,6 @@ def _rms_norm(x, weight, eps, out):
         inv = np.float32(1.0) / np.float32(math.sqrt(total / x.shape[1] + eps))
         for i in range(x.shape[1]):
             out[m, i] = as_float32(weight[i]) * (x[m, i] * inv)
-
-
-@njit(fastmath=True, nogil=True, cache=True)
-def _matmul_rows(x, w, b, out, start, end, accumulate):
-    """out[:, start:end] (+)= x @ w[start:end].T + b[start:end]."""
-    if x.shape[0] == 1:
-        _matvec_rows(x[0], w, b, out[0], start, end, accumulate)
-    else:
-        _matmul_rows_2x2(x, w, b, out, start, end, accumulate)
-
-
-@njit(fastmath=True, nogil=True, cache=True)
-def _matvec_rows(x, w, b, out, start, end, accumulate):
-    """The one-row case: a dot product per weight row (measured: 30% more GB/s than the 2x2 blocks at
-    one row, where half their products are thrown away)."""
-    for n in range(start, end):
-        row = w[n]
-        total = np.float32(0.0)
-        for k in range(row.shape[0]):
-            total += as_float32(row[k]) * x[k]
-        out[n] = out[n] + total + as_float32(b[n]) if accumulate else total + as_float32(b[n])
-
-
-@njit(fastmath=True, nogil=True, cache=True)
-def _matmul_rows_2x2(x, w, b, out, start, end, accumulate):
-    """Two weight rows by two input rows at a time (four accumulators: each weight row read from memory
-    serves two input rows)."""
-    rows, width = x.shape
-    n = start
-    while n < end:
-        pair = n + 1 < end
-        m = 0
-        while m < rows:
-            m_pair = m + 1 < rows
-            n1, m1 = n + 1 if pair else n, m + 1 if m_pair else m
-            a00 = np.float32(0.0)
-            a01 = np.float32(0.0)
-            a10 = np.float32(0.0)
-            a11 = np.float32(0.0)
-            for k in range(width):
-                w0, w1, x0, x1 = as_float32(w[n, k]), as_float32(w[n1, k]), x[m, k], x[m1, k]
-                a00 += w0 * x0
-                a01 += w1 * x0
-                a10 += w0 * x1
-                a11 += w1 * x1
-            bias0, bias1 = as_float32(b[n]), as_float32(b[n1])
-            _put(out, m, n, a00 + bias0, accumulate)
-            if pair:
-                _put(out, m, n1, a01 + bias1, accumulate)
-            if m_pair:
-                _put(out, m1, n, a10 + bias0, accumulate)
-                if pair:
-                    _put(out, m1, n1, a11 + bias1, accumulate)
-            m += 2
-        n += 2
-
-
-@njit(fastmath=True, nogil=True, cache=True, inline="always")
-def _put(out, m, n, value, accumulate):
-    if accumulate:
-        out[m, n] += value
-    else:
-        out[m, n] = value
-
-
-@njit(fastmath=True, nogil=True, cache=True, parallel=True)
-def _linear(x, w, b, out, accumulate):
-    """out (+)= x @ w.T + b, the weight's rows split over the threads."""
-    tasks = (w.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in prange(tasks):
-        start = task * ROWS_PER_TASK
-        _matmul_rows(x, w, b, out, start, min(start + ROWS_PER_TASK, w.shape[0]), accumulate)
 
 
 @njit(fastmath=True, nogil=True, cache=True, parallel=True)
@@ -246,30 +174,31 @@ def _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_hea
 @njit(fastmath=True, nogil=True, cache=True)
 def _step(x, cos, sin, kv, slot_mapping, slots, lengths, group, shared_slots, shared_lengths, logits_indices,
           input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b,
-          final_norm, lm_head, lm_head_b, heads, kv_heads, eps, scale, qk_norm, threads, logits):
+          final_norm, lm_head, lm_head_b, qkv_size, gate_up_size, heads, kv_heads, eps, scale, qk_norm, threads,
+          logits):
     rows, hidden = x.shape
     dim = cos.shape[1]
     normed = np.empty_like(x)
-    qkv = np.empty((rows, qkv_w[0].shape[0]), np.float32)
+    qkv = np.empty((rows, qkv_size), np.float32)
     q = np.empty((rows, heads * dim), np.float32)  # contiguous, as the eager path passes it: one compiled attend
     attn = np.empty((rows, heads * dim), np.float32)
-    gate_up = np.empty((rows, gate_up_w[0].shape[0]), np.float32)
-    act = np.empty((rows, down_w[0].shape[1]), np.float32)
+    gate_up = np.empty((rows, gate_up_size), np.float32)
+    act = np.empty((rows, gate_up_size // 2), np.float32)
     for layer in range(len(qkv_w)):
         k_cache, v_cache = kv[0, layer], kv[1, layer]
         _rms_norm(x, input_norm[layer], eps, normed)
-        _linear(normed, qkv_w[layer], qkv_b[layer], qkv, False)
+        matmul(normed, qkv_w[layer], qkv_b[layer], qkv, False, threads)
         _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads,
                         q_norm[layer if qk_norm else 0], k_norm[layer if qk_norm else 0], qk_norm, eps)
         q[:] = qkv[:, :heads * dim]
         attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_lengths, heads, scale, threads, attn)
-        _linear(attn, o_w[layer], o_b[layer], x, True)  # the residual add folded into the matmul
+        matmul(attn, o_w[layer], o_b[layer], x, True, threads)  # the residual add folded into the matmul
         _rms_norm(x, post_norm[layer], eps, normed)
-        _linear(normed, gate_up_w[layer], gate_up_b[layer], gate_up, False)
+        matmul(normed, gate_up_w[layer], gate_up_b[layer], gate_up, False, threads)
         _silu_and_mul(gate_up, act)
-        _linear(act, down_w[layer], down_b[layer], x, True)
+        matmul(act, down_w[layer], down_b[layer], x, True, threads)
     last = np.empty((len(logits_indices), hidden), np.float32)
     for r in range(len(logits_indices)):
         last[r] = x[logits_indices[r]]
     _rms_norm(last, final_norm, eps, last)
-    _linear(last, lm_head, lm_head_b, logits, False)
+    matmul(last, lm_head, lm_head_b, logits, False, threads)

@@ -35,7 +35,7 @@ def load_config(path: Path) -> PretrainedConfig:
 
 def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
                pack: bool = True) -> LlamaForCausalLM:
-    """`pack`: reorder the linear weights for oneDNN where that is supported (CPU); see linear.py."""
+    """`pack`: add packed copies of the linear weights for small batches where supported (CPU); see linear.py."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
@@ -59,9 +59,9 @@ def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, device:
     model = model.to(device=device, dtype=dtype).eval()
     if pack and can_pack(dtype, device):
         pack_linears(model)
-    elif device.type == "cpu" and dtype != torch.float32:
-        logger.warning("%s on a CPU without the instructions oneDNN needs for it (avx512_bf16/AMX or "
-                       "avx_ne_convert): plain matmuls, likely slower than float32", dtype)
+    if device.type == "cpu" and dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        logger.warning("bfloat16 on a CPU without the instructions oneDNN needs for it (avx512bw/vl/dq, "
+                       "avx_ne_convert or AMX): prefill's plain bf16 matmuls are likely slower than float32")
     return model
 
 

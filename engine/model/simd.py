@@ -1,0 +1,97 @@
+"""LLVM vector code for the CPU kernels' innermost loops (numba intrinsics build their IR with these).
+
+numba vectorizes plain loops, but it cannot keep a vector in a register across iterations, broadcast a
+scalar against a vector, or sum 16 vectors lane-wise into one: the loops below need all three. Vectors
+are 16 float32 lanes: one AVX-512 register here; LLVM splits them in halves on AVX2 or NEON.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils
+
+LANES = 16
+I32, I64 = ir.IntType(32), ir.IntType(64)
+FLOATS = ir.VectorType(ir.FloatType(), LANES)
+_BITS = ir.VectorType(ir.IntType(16), LANES)
+_WORDS = ir.VectorType(I32, LANES)
+
+
+def const(value: int) -> ir.Constant:
+    return ir.Constant(I64, value)
+
+
+def load(builder: ir.IRBuilder, pointer, bits: bool) -> ir.Value:
+    """16 float32 from `pointer` (float*), or 16 bfloat16 bits (uint16*) widened to float32."""
+    if not bits:
+        return builder.load(builder.bitcast(pointer, FLOATS.as_pointer()), align=4)
+    raw = builder.load(builder.bitcast(pointer, _BITS.as_pointer()), align=2)
+    # a bfloat16 is the top half of a float32
+    return builder.bitcast(builder.shl(builder.zext(raw, _WORDS), ir.Constant(_WORDS, [16] * LANES)), FLOATS)
+
+
+def store(builder: ir.IRBuilder, value: ir.Value, pointer) -> None:
+    builder.store(value, builder.bitcast(pointer, FLOATS.as_pointer()), align=4)
+
+
+def broadcast(builder: ir.IRBuilder, scalar: ir.Value) -> ir.Value:
+    lane0 = builder.insert_element(ir.Constant(FLOATS, ir.Undefined), scalar, ir.Constant(I32, 0))
+    return builder.shuffle_vector(lane0, ir.Constant(FLOATS, ir.Undefined), ir.Constant(_WORDS, [0] * LANES))
+
+
+def fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+    """a * b + c, lane-wise, in one instruction."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(FLOATS, [FLOATS] * 3), "llvm.fma.v16f32")
+    return builder.call(fn, [a, b, c])
+
+
+def accumulate(builder: ir.IRBuilder, count: ir.Value, accumulators: int, body) -> list[ir.Value]:
+    """Vector sums over i < count (an i64) that stay in registers for the whole loop: body(i, sums) returns
+    the next `accumulators` sums; returns the last ones (zeros when count is 0)."""
+    zero = ir.Constant(FLOATS, None)
+    entry = builder.block
+    loop = builder.append_basic_block("sum.loop")
+    done = builder.append_basic_block("sum.done")
+    builder.cbranch(builder.icmp_signed(">", count, const(0)), loop, done)
+    builder.position_at_end(loop)
+    i = builder.phi(I64)
+    sums = [builder.phi(FLOATS) for _ in range(accumulators)]
+    added = body(i, sums)
+    following = builder.add(i, const(1))
+    body_end = builder.block
+    i.add_incoming(const(0), entry)
+    i.add_incoming(following, body_end)
+    for phi, value in zip(sums, added):
+        phi.add_incoming(zero, entry)
+        phi.add_incoming(value, body_end)
+    builder.cbranch(builder.icmp_signed("<", following, count), loop, done)
+    builder.position_at_end(done)
+    results = []
+    for value in added:
+        result = builder.phi(FLOATS)
+        result.add_incoming(zero, entry)
+        result.add_incoming(value, body_end)
+        results.append(result)
+    return results
+
+
+def sum_lanes_of_each(builder: ir.IRBuilder, vector) -> ir.Value:
+    """The vector whose lane i is the sum of the lanes of vector(i), for i < 16: a tree of lane swaps and adds,
+    45 instructions in all, where 16 horizontal sums would take about 8 each. vector(i) is called in
+    order, as the tree needs it, so that few vectors are alive at once."""
+
+    def merge(x, y, run):  # x, y: lane runs of `run` partial sums per item -> x's items then y's, runs of run/2
+        half = run // 2
+        starts = [r * run for r in range(LANES // run)]
+        low = [s + i for s in starts for i in range(half)]
+        high = [s + half + i for s in starts for i in range(half)]
+        pick_low = ir.Constant(_WORDS, low + [LANES + i for i in low])
+        pick_high = ir.Constant(_WORDS, high + [LANES + i for i in high])
+        return builder.fadd(builder.shuffle_vector(x, y, pick_low), builder.shuffle_vector(x, y, pick_high))
+
+    def reduce(items):  # -> (vector, run)
+        if len(items) == 1:
+            return vector(items[0]), LANES
+        (left, run), (right, _) = reduce(items[:len(items) // 2]), reduce(items[len(items) // 2:])
+        return merge(left, right, run), run // 2
+
+    return reduce([*range(LANES)])[0]
