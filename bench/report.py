@@ -99,10 +99,18 @@ def decode_targets(extra: dict) -> list[dict]:
         out.append(_target("decode batch 1 vs roofline", ">= 70% of (weights + KV) / measured bandwidth",
                            f"{r['step_ms']:.1f} ms vs roofline {r['roofline_ms']:.1f} ms at {r['bandwidth_gb_s']:.1f} "
                            f"GB/s (medians); each step vs its own probe: {r['roofline_ratio']:.0%}", r["roofline_ratio"] >= 0.7))
-    ratio = decode.get("batch8_over_batch1")
-    if ratio is not None:
-        out.append(_target("decode batch 8 vs batch 1 step", "<= 1.5x the batch-1 step",
-                           f"{rows[8]['step_ms']:.1f} vs {rows[1]['step_ms']:.1f} ms = {ratio:.2f}x", ratio <= 1.5))
+    for key, label in (("decode", "decode batch 8 vs batch 1 step"),
+                       ("decode_shared", "decode batch 8 vs batch 1 step, shared prefix")):
+        run = extra.get(key)
+        ratio = run and run.get("batch8_over_batch1")
+        if ratio is not None:
+            one, eight = ({r["batch"]: r for r in run["rows"]}[b] for b in (1, 8))
+            # what the two steps' bytes alone make of it: K/V grow with the batch, so 1.5x can be out of reach
+            floor = (eight["weight_mb"] + eight["kv_mb"]) / (one["weight_mb"] + one["kv_mb"])
+            shared = f", {one['shared_prefix']} of {one['context']} tokens shared" if one["shared_prefix"] else ""
+            out.append(_target(label, "<= 1.5x the batch-1 step",
+                               f"{eight['step_ms']:.1f} vs {one['step_ms']:.1f} ms = {ratio:.2f}x (at the roofline: "
+                               f"{floor:.2f}x{shared})", ratio <= 1.5))
     chats = extra.get("multiturn4", {}).get("http") or extra.get("multiturn4", {}).get("in_process")
     pure = chats and chats["steps"]["pure_step_ms_p50"]
     if chats and pure:
@@ -159,10 +167,10 @@ def render(results: dict) -> str:
     for p in results["extra"].get("prefill_efficiency", []):
         parts.append(f"prefill {p['tokens']} tokens: {p['tokens_per_s']:.0f} tok/s = {p['achieved_gflops']:.1f} GFLOP/s "
                      f"= {p['efficiency']:.0%} of measured fp32 matmul {p['matmul_gflops']:.1f} GFLOP/s")
-    decode = results["extra"].get("decode")
-    if decode:
-        for r in decode["rows"]:
-            parts.append(f"decode batch {r['batch']:>2} ({r['context']}-token contexts): {r['step_ms']:.1f} ms/step = "
+    for key in ("decode", "decode_shared"):
+        for r in (results["extra"].get(key) or {}).get("rows", []):
+            shared = f", {r['shared_prefix']} shared" if r["shared_prefix"] else ""
+            parts.append(f"decode batch {r['batch']:>2} ({r['context']}-token contexts{shared}): {r['step_ms']:.1f} ms/step = "
                          f"{r['ms_per_token']:.1f} ms/token, {r['tok_s']:.1f} tok/s; roofline {r['roofline_ms']:.1f} ms "
                          f"({r['weight_mb']:.0f} MB weights + {r['kv_mb']:.0f} MB KV at {r['bandwidth_gb_s']:.1f} GB/s) "
                          f"; each step vs its own probe: {r['roofline_ratio']:.0%}")
@@ -197,19 +205,23 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
     if mix:
         paths.append(_policy(mix, out_dir / "fcfs_vs_lpm.png"))
     if results["extra"].get("decode"):
-        paths.append(_decode(results["extra"]["decode"]["rows"], out_dir / "decode_roofline.png"))
+        shared = (results["extra"].get("decode_shared") or {}).get("rows", [])
+        paths.append(_decode(results["extra"]["decode"]["rows"], shared, out_dir / "decode_roofline.png"))
     chats = results["extra"].get("multiturn4")
     if chats:
         paths.append(_multiturn(chats, out_dir / "multiturn_itl.png"))
     return paths
 
 
-def _decode(rows: list[dict], path: Path) -> Path:
+def _decode(rows: list[dict], shared: list[dict], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     batches = [r["batch"] for r in rows]
     ax.plot(batches, [r["step_ms"] for r in rows], "o-", label="decode step (measured)")
     ax.plot(batches, [r["roofline_ms"] for r in rows], "s--", label="roofline: (weights + KV) / bandwidth")
-    for r in rows:
+    if shared:
+        ax.plot([r["batch"] for r in shared], [r["step_ms"] for r in shared], "^-",
+                label=f"decode step, {shared[0]['shared_prefix']} tokens shared (measured)")
+    for r in rows + shared:
         ax.annotate(f"{r['roofline_ratio']:.0%}", (r["batch"], r["step_ms"]), textcoords="offset points",
                     xytext=(0, 6), ha="center", fontsize=8)
     ax.set_xlabel("decodes per step (batch)")

@@ -16,6 +16,7 @@ from bench.workloads import FULL, QUICK, Scale, Workload
 from engine.config import HashAlgo
 from engine.model.loader import resolve_model_path
 
+SHARED_PREFIX = 960  # tokens of the 1,000-token decode contexts that every prompt shares (bench.decode)
 ALL_WORKLOADS = ("chatbot", "multiturn", "rag", "nosharing", "bursty", "prefix_mix", "mixed")
 
 
@@ -169,6 +170,9 @@ class Suite:
         from bench import decode
         batches, steps = ((1, 8), 12) if self.opts.quick else ((1, 4, 8, 16), 24)
         self.extra["decode"] = decode.run(self.model_path, batches, steps=steps, log=self.log)
+        # the product's case: a shared system prompt (960 of the 1,000 tokens), which cascade attention reads once
+        self.extra["decode_shared"] = decode.run(self.model_path, (1, 8), steps=steps, log=self.log,
+                                                 shared_prefix=SHARED_PREFIX)
 
     def multiturn_http(self) -> None:
         from bench import multiturn

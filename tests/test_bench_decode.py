@@ -54,3 +54,18 @@ def test_multiturn_workload_shares_the_prefix_and_counts_mixed_steps(tiny_llama_
     assert row["cached_tokens"] > 0  # every chat after the first hits the shared system prompt
     breakdown = steps.breakdown()
     assert breakdown["decode_steps"] > 0 and 0 <= breakdown["with_prefill"] <= breakdown["decode_steps"]
+
+
+def test_batch8_targets_name_the_roofline_ratio_for_distinct_and_shared_prompts():
+    def run(shared, kv_mb_8, step_8):
+        rows = [{"batch": b, "context": 1000, "shared_prefix": shared, "weight_mb": 500.0, "kv_mb": kv,
+                 "step_ms": step, "roofline_ms": 10.0, "bandwidth_gb_s": 50.0, "roofline_ratio": 0.8}
+                for b, kv, step in ((1, 50.0, 14.0), (8, kv_mb_8, step_8))]
+        return {"rows": rows, "batch8_over_batch1": step_8 / 14.0}
+
+    targets = {t["target"]: t for t in report.decode_targets({"decode": run(0, 400.0, 28.0),
+                                                              "decode_shared": run(960, 80.0, 19.6)})}
+    distinct = targets["decode batch 8 vs batch 1 step"]
+    assert distinct["status"] == "missed" and "2.00x (at the roofline: 1.64x)" in distinct["figure"]
+    shared = targets["decode batch 8 vs batch 1 step, shared prefix"]
+    assert shared["status"] == "met" and "1.40x (at the roofline: 1.05x, 960 of 1000 tokens shared)" in shared["figure"]

@@ -74,10 +74,10 @@ def accumulate(builder: ir.IRBuilder, count: ir.Value, accumulators: int, body) 
     return results
 
 
-def sum_lanes_of_each(builder: ir.IRBuilder, vector) -> ir.Value:
-    """The vector whose lane i is the sum of the lanes of vector(i), for i < 16: a tree of lane swaps and adds,
-    45 instructions in all, where 16 horizontal sums would take about 8 each. vector(i) is called in
-    order, as the tree needs it, so that few vectors are alive at once."""
+def sum_lanes_of_each(builder: ir.IRBuilder, vectors) -> list[ir.Value]:
+    """For vectors(i) -> [v_0(i), ..., v_n(i)], i < 16: the n vectors whose lane i is the sum of the lanes of
+    v_h(i). A tree of lane swaps and adds, 45 instructions per result, where 16 horizontal sums would take
+    about 8 each. vectors(i) is called in order, as the tree needs it, so that few vectors are alive at once."""
 
     def merge(x, y, run):  # x, y: lane runs of `run` partial sums per item -> x's items then y's, runs of run/2
         half = run // 2
@@ -88,10 +88,10 @@ def sum_lanes_of_each(builder: ir.IRBuilder, vector) -> ir.Value:
         pick_high = ir.Constant(_WORDS, high + [LANES + i for i in high])
         return builder.fadd(builder.shuffle_vector(x, y, pick_low), builder.shuffle_vector(x, y, pick_high))
 
-    def reduce(items):  # -> (vector, run)
+    def reduce(items):  # -> (vectors, run)
         if len(items) == 1:
-            return vector(items[0]), LANES
+            return vectors(items[0]), LANES
         (left, run), (right, _) = reduce(items[:len(items) // 2]), reduce(items[len(items) // 2:])
-        return merge(left, right, run), run // 2
+        return [merge(x, y, run) for x, y in zip(left, right)], run // 2
 
     return reduce([*range(LANES)])[0]
