@@ -17,7 +17,9 @@ each key read once for the query heads of its GQA group (up to 4 at once), its p
 lane-wise and the 16 sums then folded into one vector, so no key pays a horizontal sum of its own; the weighted values stay in registers across the chunk's keys. Measured here
 (8 rows, 1,000-token contexts, 30 layers, K/V in cache): 7.5 ms against 11-13 ms for the plain loops;
 from memory both take 15-17 ms, bound by how fast the K/V arrive. Other head sizes take the plain
-loops. float32 and bfloat16 caches (the math is float32); other dtypes and CUDA take the plain path.
+loops (one compiled copy of the chunk serves every head size: the copies per size that the plain loops
+once had made the kernel's first compile 27 s instead of 20). float32 and bfloat16 caches (the math is
+float32); other dtypes and CUDA take the plain path.
 """
 from __future__ import annotations
 
@@ -204,14 +206,9 @@ def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_leng
 def _task(q, k_cache, v_cache, slots, shared_slots, rows, source, start, end, members, partials, dim, acc, top,
           total):
     """Slots start to end - 1 of a row's own context (source < rows) or of a group's shared prefix, for the
-    rows `members`, with a compiled copy of the chunk for the common head sizes."""
+    rows `members`."""
     context = slots[source, start:end] if source < rows else shared_slots[source - rows, start:end]
-    if dim == 64:
-        _chunk(q, members, partials, k_cache, v_cache, context, 64, acc, top, total)
-    elif dim == 128:
-        _chunk(q, members, partials, k_cache, v_cache, context, 128, acc, top, total)
-    else:
-        _chunk(q, members, partials, k_cache, v_cache, context, dim, acc, top, total)
+    _chunk(q, members, partials, k_cache, v_cache, context, dim, acc, top, total)
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
