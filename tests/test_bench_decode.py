@@ -69,3 +69,25 @@ def test_batch8_targets_name_the_roofline_ratio_for_distinct_and_shared_prompts(
     assert distinct["status"] == "missed" and "2.00x (at the roofline: 1.64x)" in distinct["figure"]
     shared = targets["decode batch 8 vs batch 1 step, shared prefix"]
     assert shared["status"] == "met" and "1.40x (at the roofline: 1.05x, 960 of 1000 tokens shared)" in shared["figure"]
+
+
+def test_matmul_bench_times_every_kernel_over_the_models_step_shapes(tiny_llama_dir):
+    from bench import matmul
+    from engine.model.loader import load_config
+    config = load_config(tiny_llama_dir)
+    result = matmul.run(str(tiny_llama_dir), rows=(1, 9), repeats=1, log=lambda _: None)
+    assert [r["rows"] for r in result["rows"]] == [1, 9]
+    assert all(r["matmuls"] == 4 * config.num_hidden_layers + 1 for r in result["rows"])
+    assert {"packed (engine)", "F.linear"} <= set(result["rows"][0]["ms"]) and all(
+        ms > 0 for r in result["rows"] for ms in r["ms"].values())
+
+
+def test_attention_bench_runs_the_kernel_over_every_layer_and_counts_a_shared_prefix_once(tiny_llama_dir):
+    from bench import attention
+    from engine.model.loader import load_config
+    runs = {shared: attention.run(str(tiny_llama_dir), batch=3, context=40, shared_prefix=shared, repeats=2,
+                                  log=lambda _: None) for shared in (0, 24)}
+    assert all(r["ms"] > 0 and r["layers"] == load_config(tiny_llama_dir).num_hidden_layers for r in runs.values())
+    assert runs[24]["kv_mb"] == pytest.approx(runs[0]["kv_mb"] * (24 + 3 * 16) / (3 * 40))
+    assert attention.run(str(tiny_llama_dir), batch=2, context=100, in_cache=True, repeats=1,
+                         log=lambda _: None)["in_cache"]

@@ -1,0 +1,101 @@
+"""The weight matmuls of one decode step, by kernel: `python -m bench.matmul`.
+
+A decode step multiplies its few rows by every weight once (per layer the fused qkv, o, gate/up and down
+projections, then the lm_head): 121 matmuls for SmolLM2-135M. This times them alone, with random weights
+of the model's shapes, for each kernel the engine has had: the packed-weight microkernel
+(engine/model/packed_matmul_cpu.py, what the engine uses), oneDNN over its own packed layout (what it used
+before) and `F.linear` over the row-major weight (what prefill uses). The kernels take turns within each
+repeat, so that load from other processes shows in all alike; times are medians.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.model import packed_matmul_cpu
+from engine.model.bfloat16_bits import numpy_view
+from engine.model.loader import load_config, resolve_model_path
+from engine.model.paged_decode_cpu import use_threads
+
+
+def step_shapes(config) -> list[tuple[int, int]]:
+    """(out_features, in_features) of every weight matmul of a decode step."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+    layer = [(qkv, config.hidden_size), (config.hidden_size, config.num_attention_heads * head_dim),
+             (2 * config.intermediate_size, config.hidden_size), (config.hidden_size, config.intermediate_size)]
+    return layer * config.num_hidden_layers + [(config.vocab_size, config.hidden_size)]
+
+
+def run(model: str = "default", rows=(1, 8, 16, 32), repeats: int = 15, dtype: str = "float32", log=print) -> dict:
+    torch_dtype = getattr(torch, dtype)
+    shapes = step_shapes(load_config(resolve_model_path(model)))
+    gen = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(shape, generator=gen) * 0.02).to(torch_dtype) for shape in shapes]
+    packed = [numpy_view(packed_matmul_cpu.pack(w)) for w in weights]
+    onednn = None
+    if torch.backends.mkldnn.is_available():
+        try:
+            onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
+        except RuntimeError:  # bf16 without the instructions oneDNN needs for it
+            onednn = None
+    no_bias = np.zeros(0, np.float32)
+    threads = use_threads()
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    results = []
+    for m in rows:
+        inputs = {k: torch.randn(m, k, generator=gen).to(torch_dtype) for k in {k for _, k in shapes}}
+        floats = {k: x.float().numpy() for k, x in inputs.items()}
+        outs = [np.empty((m, n), np.float32) for n, _ in shapes]
+
+        def ours():
+            for (_, k), w, out in zip(shapes, packed, outs):
+                packed_matmul_cpu.matmul(floats[k], w, no_bias, out, False, threads)
+
+        def plain():
+            for (_, k), w in zip(shapes, weights):
+                F.linear(inputs[k], w)
+
+        kernels = {"packed (engine)": ours, "F.linear": plain}
+        if onednn is not None:
+            def dnnl():
+                for (_, k), w in zip(shapes, onednn):
+                    torch.ops.mkldnn._linear_pointwise(inputs[k], w, None, "none", [], "")
+            kernels["oneDNN packed"] = dnnl
+        times = {name: [] for name in kernels}
+        for _ in range(repeats + 1):  # the first round warms up (compiles, allocates)
+            for name, kernel in kernels.items():
+                start = time.perf_counter()
+                kernel()
+                times[name].append(time.perf_counter() - start)
+        row = {"rows": m, "matmuls": len(shapes), "weight_mb": weight_bytes / 1e6, "dtype": dtype,
+               "ms": {name: statistics.median(t[1:]) * 1e3 for name, t in times.items()}}
+        log(f"{len(shapes)} matmuls, {m:>2} rows ({dtype}): " + ", ".join(
+            f"{name} {ms:.1f} ms ({weight_bytes / ms / 1e6:.0f} GB/s)" for name, ms in row["ms"].items()))
+        results.append(row)
+    return {"rows": results, "threads": torch.get_num_threads()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.matmul", description=__doc__)
+    parser.add_argument("--model", default="default", help="whose shapes (its config only; the weights are random)")
+    parser.add_argument("--rows", default="1,8,16,32")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    result = run(args.model, tuple(int(r) for r in args.rows.split(",")), args.repeats, args.dtype)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
