@@ -13,10 +13,11 @@ other. This is the layout and microkernel of oneDNN-style GEMMs, written as LLVM
 
 numba cannot express vector registers, so the microkernel is a numba intrinsic that emits the loop as
 LLVM IR (<16 x float> and llvm.fma); LLVM lowers it to AVX-512 here, and splits it into halves on AVX2
-or NEON. Measured here (2-core AVX-512 EPYC, the 121 matmuls of a SmolLM2-135M step, bench/decode.py
-and the README): at 8 rows 12-16 ms against 20-26 ms for the loops it replaces and 14-17 ms for
-oneDNN's packed weights; at 1 row level with the loops, faster than oneDNN. bfloat16 weights are packed
-as their bits and widened to float32 in the loop (the arithmetic is float32).
+or NEON. Measured here (`python -m bench.matmul`: 2-core AVX-512 EPYC, the 121 matmuls of a SmolLM2-135M
+step, fp32): 13.8 / 16.9 / 19.7 / 33.6 ms at 1 / 8 / 16 / 32 rows against 17.7 / 19.3 / 21.7 / 32.8 ms for
+oneDNN's packed weights; the loops it replaces took 24-26 ms at 8 rows. bfloat16 weights are packed as
+their bits and widened to float32 in the loop (the arithmetic is float32): faster than oneDNN at one
+row, slower at 8 (12.1 vs 9.7 ms), where oneDNN's native bf16 dot products win.
 """
 from __future__ import annotations
 

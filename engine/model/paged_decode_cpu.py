@@ -14,11 +14,13 @@ into that of one sequence. Tasks are dealt to the threads by cost (rows x slots)
 takes three passes: scores, their exponentials (a loop that vectorizes), the weighted values. At head
 sizes 64 and 128 the first and last are LLVM vector kernels (simd.py): scores come 16 keys at a time,
 each key read once for the query heads of its GQA group (up to 4 at once), its products summed
-lane-wise and the 16 sums then folded into one vector, so no key pays a horizontal sum of its own; the weighted values stay in registers across the chunk's keys. Measured here
-(8 rows, 1,000-token contexts, 30 layers, K/V in cache): 7.5 ms against 11-13 ms for the plain loops;
-from memory both take 15-17 ms, bound by how fast the K/V arrive. Other head sizes take the plain
-loops (one compiled copy of the chunk serves every head size: the copies per size that the plain loops
-once had made the kernel's first compile 27 s instead of 20). float32 and bfloat16 caches (the math is
+lane-wise and the 16 sums then folded into one vector, so no key pays a horizontal sum of its own; the
+weighted values stay in registers across the chunk's keys. Measured here (`python -m bench.attention`:
+8 rows, 1,000-token contexts, 30 layers): with 960 tokens shared 7.0 ms against 11-15 ms for the plain
+loops; with distinct contexts read from memory no difference the noise lets through (15-20 ms: the
+arithmetic and the wait for K/V add up instead of overlapping). Other head sizes take the plain
+loops (one compiled copy of the chunk serves every head size: a copy per size, as the plain loops once
+had, took the kernel's first compile from 20 to 27 s). float32 and bfloat16 caches (the math is
 float32); other dtypes and CUDA take the plain path.
 """
 from __future__ import annotations
