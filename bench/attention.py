@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from engine.model.bfloat16_bits import numpy_view
+from engine.model.llama import head_dim
 from engine.model.loader import load_config, resolve_model_path
 from engine.model.paged_decode_cpu import attend, use_threads
 
@@ -26,7 +27,7 @@ def run(model: str = "default", batch: int = 8, context: int = 1000, shared_pref
         kv_cache_dtype: str = "float32", in_cache: bool = False, repeats: int = 20, log=print) -> dict:
     config = load_config(resolve_model_path(model))
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dim = head_dim(config)
     own = context - shared_prefix
     num_slots = shared_prefix + batch * own
     gen = torch.Generator().manual_seed(0)

@@ -21,15 +21,15 @@ import torch.nn.functional as F
 
 from engine.model import packed_matmul_cpu
 from engine.model.bfloat16_bits import numpy_view
+from engine.model.llama import head_dim
 from engine.model.loader import load_config, resolve_model_path
 from engine.model.paged_decode_cpu import use_threads
 
 
 def step_shapes(config) -> list[tuple[int, int]]:
     """(out_features, in_features) of every weight matmul of a decode step."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
-    layer = [(qkv, config.hidden_size), (config.hidden_size, config.num_attention_heads * head_dim),
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim(config)
+    layer = [(qkv, config.hidden_size), (config.hidden_size, config.num_attention_heads * head_dim(config)),
              (2 * config.intermediate_size, config.hidden_size), (config.hidden_size, config.intermediate_size)]
     return layer * config.num_hidden_layers + [(config.vocab_size, config.hidden_size)]
 

@@ -10,6 +10,7 @@ from engine.config import EngineConfig, HashAlgo
 from engine.core import EngineCore
 from engine.kv.hashing import hash_full_blocks
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.model.llama import head_dim
 from engine.model.loader import load_config
 from engine.request import Request
 from engine.sampling import SampledToken, SamplingParams
@@ -92,10 +93,10 @@ def flops_per_prompt_token(hf_config, num_tokens: int) -> float:
     num_tokens/2 keys; the LM head runs for one position per prompt and is left out."""
     h = hf_config.hidden_size
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    head_dim = getattr(hf_config, "head_dim", None) or h // heads
+    dim = head_dim(hf_config)
     inter = hf_config.intermediate_size
-    weights = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h + 3 * h * inter
-    attention = 2 * heads * head_dim * (num_tokens / 2)  # QK^T and AV, per token
+    weights = h * heads * dim + 2 * h * kv_heads * dim + heads * dim * h + 3 * h * inter
+    attention = 2 * heads * dim * (num_tokens / 2)  # QK^T and AV, per token
     return hf_config.num_hidden_layers * 2 * (weights + attention)
 
 

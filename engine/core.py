@@ -12,6 +12,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.disk_tier import DiskTier, model_fingerprint
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_io import KVBlockIO
+from engine.model.llama import head_dim
 from engine.model.loader import load_config, load_model, resolve_model_path
 from engine.outputs import FinishReason, RequestOutput
 from engine.request import Request, RequestStatus, validate_prompt
@@ -335,12 +336,11 @@ def _disk_tier(config: EngineConfig, model_path, dtype: torch.dtype, kv_dtype: t
 
 
 def _allocate_kv_cache(config: EngineConfig, hf_config, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    kv_heads = hf_config.num_key_value_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    kv_heads, dim = hf_config.num_key_value_heads, head_dim(hf_config)
     layers = hf_config.num_hidden_layers
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
-        bytes_per_block = 2 * layers * config.block_size * kv_heads * head_dim * dtype.itemsize
+        bytes_per_block = 2 * layers * config.block_size * kv_heads * dim * dtype.itemsize
         num_blocks = max(2, config.kv_cache_memory_mb * 2**20 // bytes_per_block)
     # NOTE: one tensor for the whole pool, allocated once; a token's slot is block_id * block_size + offset
-    return torch.zeros(2, layers, num_blocks, config.block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    return torch.zeros(2, layers, num_blocks, config.block_size, kv_heads, dim, dtype=dtype, device=device)

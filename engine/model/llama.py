@@ -16,6 +16,11 @@ from engine.model.linear import Linear
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def head_dim(config: PretrainedConfig) -> int:
+    """Size of one attention head: the config's own where it names one (Qwen3), else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -61,7 +66,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_dim = head_dim(config)
         qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
         hidden = config.hidden_size
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -122,8 +127,7 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary_emb = RotaryEmbedding(config, head_dim)
+        self.rotary_emb = RotaryEmbedding(config, head_dim(config))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig
 
 from engine.model.linear import can_pack, pack_linears
-from engine.model.llama import LlamaForCausalLM
+from engine.model.llama import LlamaForCausalLM, head_dim
 
 logger = logging.getLogger("prefixgate.engine")
 
@@ -54,8 +54,7 @@ def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, device:
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {missing[:5]}")
     # buffers (rotary frequencies) are not in the checkpoint: build them for real
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    model.model.rotary_emb = type(model.model.rotary_emb)(config, head_dim)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config, head_dim(config))
     model = model.to(device=device, dtype=dtype).eval()
     if pack and can_pack(dtype, device):
         pack_linears(model)
