@@ -125,8 +125,7 @@ def _tile_product(typingctx, x, rows, packed, tile, out):
         weights = builder.gep(packed_ary.data, [builder.mul(tile_arg, builder.mul(k_len, const(TILE)))])
 
         def step(k, acc):  # acc[r * vectors + v] += x[r, k] * packed[tile, k, v * LANES:(v + 1) * LANES]
-            at = builder.gep(weights, [builder.mul(k, const(TILE))])
-            w = [simd.load(builder, builder.gep(at, [const(v * LANES)]), bits) for v in range(vectors)]
+            w = simd.load_pieces(builder, builder.gep(weights, [builder.mul(k, const(TILE))]), vectors, bits)
             summed = []
             for r in range(num_rows):
                 x_rk = simd.broadcast(builder, builder.load(

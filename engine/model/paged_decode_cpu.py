@@ -25,6 +25,7 @@ float32); other dtypes and CUDA take the plain path.
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Sequence
@@ -298,21 +299,18 @@ def _key_scores(typingctx, q, m, h, group, k_cache, kvh, slots, t, dim, scores):
         q_arg, m_arg, h_arg, _, k_arg, kvh_arg, slots_arg, t_arg, _, scores_arg = args
         q_ty, _, _, _, k_ty, _, slots_ty, _, _, scores_ty = signature.args
 
-        def at(ty, value, indices):
-            return cgutils.get_item_pointer(context, builder, ty, context.make_array(ty)(context, builder, value),
-                                            indices)
+        at = functools.partial(simd.element_pointer, context, builder)  # at(array type, array, indices)
 
         def head(i):
             return builder.add(h_arg, simd.const(i))
 
         queries = [at(q_ty, q_arg, [m_arg, head(i), simd.const(0)]) for i in range(heads)]
-        q_pieces = [[simd.load(builder, builder.gep(query, [simd.const(c * simd.LANES)]), False) for c in range(pieces)]
-                    for query in queries]
+        q_pieces = [simd.load_pieces(builder, query, pieces, False) for query in queries]
 
         def key_products(j):  # per head, lane-wise partial sums of q . key j
             slot = builder.load(at(slots_ty, slots_arg, [builder.add(t_arg, simd.const(j))]))
             key = at(k_ty, k_arg, [slot, kvh_arg, simd.const(0)])
-            k_pieces = [simd.load(builder, builder.gep(key, [simd.const(c * simd.LANES)]), bits) for c in range(pieces)]
+            k_pieces = simd.load_pieces(builder, key, pieces, bits)
             products = []
             for query in q_pieces:
                 summed = builder.fmul(query[0], k_pieces[0])
@@ -341,19 +339,15 @@ def _weighted_values(typingctx, weights, h, v_cache, kvh, slots, dim, acc, p):
         w_arg, h_arg, v_arg, kvh_arg, slots_arg, _, acc_arg, p_arg = args
         w_ty, _, v_ty, _, slots_ty, _, acc_ty, _ = signature.args
 
-        def array(ty, value):
-            return context.make_array(ty)(context, builder, value)
+        at = functools.partial(simd.element_pointer, context, builder)  # at(array type, array, indices)
 
-        def at(ty, value, indices):
-            return cgutils.get_item_pointer(context, builder, ty, array(ty, value), indices)
-
-        count = cgutils.unpack_tuple(builder, array(slots_ty, slots_arg).shape, 1)[0]
+        count = cgutils.unpack_tuple(builder, context.make_array(slots_ty)(context, builder, slots_arg).shape, 1)[0]
 
         def step(t, sums):  # sums += weights[h, t] * v_cache[slots[t], kvh]
             weight = simd.broadcast(builder, builder.load(at(w_ty, w_arg, [h_arg, t])))
             value = at(v_ty, v_arg, [builder.load(at(slots_ty, slots_arg, [t])), kvh_arg, simd.const(0)])
-            return [simd.fma(builder, weight, simd.load(builder, builder.gep(value, [simd.const(c * simd.LANES)]), bits),
-                             sums[c]) for c in range(pieces)]
+            return [simd.fma(builder, weight, piece, sums[c])
+                    for c, piece in enumerate(simd.load_pieces(builder, value, pieces, bits))]
 
         results = simd.accumulate(builder, count, pieces, step)
         out = at(acc_ty, acc_arg, [p_arg, h_arg, simd.const(0)])

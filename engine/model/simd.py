@@ -20,6 +20,12 @@ def const(value: int) -> ir.Constant:
     return ir.Constant(I64, value)
 
 
+def element_pointer(context, builder: ir.IRBuilder, array_type, array, indices: list[ir.Value]) -> ir.Value:
+    """Pointer to array[indices] of a numba array argument (its own strides)."""
+    view = context.make_array(array_type)(context, builder, array)
+    return cgutils.get_item_pointer(context, builder, array_type, view, indices)
+
+
 def load(builder: ir.IRBuilder, pointer, bits: bool) -> ir.Value:
     """16 float32 from `pointer` (float*), or 16 bfloat16 bits (uint16*) widened to float32."""
     if not bits:
@@ -27,6 +33,11 @@ def load(builder: ir.IRBuilder, pointer, bits: bool) -> ir.Value:
     raw = builder.load(builder.bitcast(pointer, _BITS.as_pointer()), align=2)
     # a bfloat16 is the top half of a float32
     return builder.bitcast(builder.shl(builder.zext(raw, _WORDS), ir.Constant(_WORDS, [16] * LANES)), FLOATS)
+
+
+def load_pieces(builder: ir.IRBuilder, pointer, pieces: int, bits: bool) -> list[ir.Value]:
+    """The 16 * pieces elements from `pointer` on as `pieces` vectors (load: float32, or bfloat16 bits)."""
+    return [load(builder, builder.gep(pointer, [const(c * LANES)]), bits) for c in range(pieces)]
 
 
 def store(builder: ir.IRBuilder, value: ir.Value, pointer) -> None:
