@@ -17,10 +17,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.model.attention import SharedPrefix
 from engine.model.bfloat16_bits import numpy_view
 from engine.model.llama import head_dim
 from engine.model.loader import load_config, resolve_model_path
-from engine.model.paged_decode_cpu import attend, use_threads
+from engine.model.paged_decode_cpu import attend, cascade_groups, use_threads
 
 
 def run(model: str = "default", batch: int = 8, context: int = 1000, shared_prefix: int = 0,
@@ -40,11 +41,8 @@ def run(model: str = "default", batch: int = 8, context: int = 1000, shared_pref
     if in_cache:
         rows = [shared_prefix + b * own + np.arange(own) % 64 for b in range(batch)]
     slots, lengths = np.stack(rows).astype(np.int64), np.full(batch, own, np.int64)
-    group = np.full(batch, 0 if shared_prefix else -1, np.int64)
-    shared_slots = np.arange(max(shared_prefix, 1), dtype=np.int64)[None, :]
-    shared_lengths = np.array([shared_prefix] if shared_prefix else [], np.int64)
-    if not shared_prefix:
-        shared_slots = np.zeros((0, 1), np.int64)
+    groups = [SharedPrefix(torch.arange(batch), torch.arange(shared_prefix))] if shared_prefix else []
+    group, shared_slots, shared_lengths = cascade_groups(groups, batch)
     out = np.empty((batch, heads * dim), np.float32)
     threads = use_threads()
     scale = np.float32(dim ** -0.5)
