@@ -5,8 +5,9 @@ writes, residual adds) that eager PyTorch dispatches one by one: on a 2-core mac
 cost about a third of the weights' streaming time. Here numba compiles the step (every layer, the
 final norm and the lm_head) into one function: the matmuls (over the packed weights of
 packed_matmul_cpu.py) and the attention split their work over numba's OpenMP threads, the small ops
-run inline, and decode attention reads K/V where they sit in the paged cache. The step's phases run back to back, so the threads need to spin briefly between
-them rather than sleep (GOMP_SPINCOUNT, set by the server and the benchmarks). The runner takes this
+run inline, and decode attention reads K/V where they sit in the paged cache. The step's phases run
+back to back, so the threads need to spin briefly between them rather than sleep (GOMP_SPINCOUNT, set
+by the server and the benchmarks). The runner takes this
 path for decode-only steps of up to MAX_ROWS rows; prefill, larger batches and CUDA keep the
 PyTorch path. bfloat16 weights and caches (either or both: kv_cache_dtype may differ from the model's)
 are read as their bits and widened to float32, in which the step computes (new K/V are rounded to
