@@ -202,13 +202,15 @@ def test_fast_exp_matches_exp_over_the_softmax_range():
     np.testing.assert_allclose(exps(xs), np.exp(xs.astype(np.float64)), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (8, 2), (10, 2), (12, 1)])
-def test_paged_kernel_scores_every_gqa_group_size(heads, kv_heads):
-    """1 to 12 query heads per kv head: groups of up to 4 are scored together, larger ones 4 at a time."""
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 2), (8, 2), (10, 2), (12, 1)])
+def test_paged_kernel_serves_every_gqa_group_size(heads, kv_heads, dim):
+    """1 to 12 query heads per kv head: keys are scored for up to 4 heads at once, values weighted for up to 4
+    (head size 64) or 2 (128), larger groups in turns of those."""
     torch.manual_seed(6)
-    k_cache, v_cache = torch.randn(600, kv_heads, 64) * 3, torch.randn(600, kv_heads, 64)
+    k_cache, v_cache = torch.randn(600, kv_heads, dim) * 3, torch.randn(600, kv_heads, dim)
     contexts = [torch.arange(0, 37), torch.arange(100, 400), torch.randperm(600)[:90]]
-    q = torch.randn(len(contexts), heads, 64)
+    q = torch.randn(len(contexts), heads, dim)
     slots, lengths, _ = _padded(contexts)
-    out = paged_decode_cpu.paged_decode(q, k_cache, v_cache, slots, lengths, 64 ** -0.5)
-    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, contexts, 64))
+    out = paged_decode_cpu.paged_decode(q, k_cache, v_cache, slots, lengths, dim ** -0.5)
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, contexts, dim))

@@ -15,10 +15,10 @@ takes three passes: scores, their exponentials (a loop that vectorizes), the wei
 sizes 64 and 128 the first and last are LLVM vector kernels (simd.py): scores come 16 keys at a time,
 each key read once for the query heads of its GQA group (up to 4 at once), its products summed
 lane-wise and the 16 sums then folded into one vector, so no key pays a horizontal sum of its own; the
-weighted values stay in registers across the chunk's keys. Measured here (`python -m bench.attention`:
-8 rows, 1,000-token contexts, 30 layers): with 960 tokens shared 7.0 ms against 11-15 ms for the plain
-loops; with distinct contexts read from memory no difference the noise lets through (15-20 ms: the
-arithmetic and the wait for K/V add up instead of overlapping). Other head sizes take the plain
+weighted values stay in registers across the chunk's keys, each value read once for up to 4 heads (2 at
+head size 128). Measured here (`python -m bench.attention`: 8 rows, 1,000-token contexts, 30 layers):
+K/V in cache 3.8-4.2 ms, from memory 12.7-13.6 ms (the arithmetic and the wait for K/V add up instead of
+overlapping), 960 tokens shared 5.9-7.6 ms, batch 1 1.4-2.4 ms. Other head sizes take the plain
 loops (one compiled copy of the chunk serves every head size: a copy per size, as the plain loops once
 had, took the kernel's first compile from 20 to 27 s). float32 and bfloat16 caches (the math is
 float32); other dtypes and CUDA take the plain path.
@@ -123,6 +123,41 @@ def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_leng
         for h in range(heads):
             for d in range(dim):
                 scaled[m, h, d] = q[m, h * dim + d] * scale
+    first, source, chunk_start, chunk_end, member_first, member_row, member_partial, by_bin, bin_first = _plan(
+        lengths, group, shared_lengths, threads)
+    acc = np.empty((first[rows], heads, dim), np.float32)  # each partial's unnormalized output,
+    top = np.empty((first[rows], heads), np.float32)  # its largest score
+    total = np.empty((first[rows], heads), np.float32)  # and its sum of e^(score - top)
+    for b in prange(len(bin_first) - 1):
+        for task in by_bin[bin_first[b]:bin_first[b + 1]]:
+            _task(scaled, k_cache, v_cache, slots, shared_slots, rows, source[task], chunk_start[task],
+                  chunk_end[task], member_row[member_first[task]:member_first[task + 1]],
+                  member_partial[member_first[task]:member_first[task + 1]], dim, acc, top, total)
+    merged = out.reshape(rows, heads, dim)
+    for m in prange(rows):
+        merged[m] = 0.0
+        if first[m] == first[m + 1]:
+            continue
+        for h in range(heads):
+            # (maxima start from a value, not -inf: fastmath lets LLVM assume no infinities)
+            row_top = top[first[m], h]
+            for partial in range(first[m] + 1, first[m + 1]):
+                row_top = max(row_top, top[partial, h])
+            row_total = np.float32(0.0)
+            for partial in range(first[m], first[m + 1]):
+                weight = np.float32(math.exp(top[partial, h] - row_top))
+                row_total += weight * total[partial, h]
+                for d in range(dim):
+                    merged[m, h, d] += weight * acc[partial, h, d]
+            for d in range(dim):
+                merged[m, h, d] /= row_total
+
+
+@njit(nogil=True, cache=True)
+def _plan(lengths, group, shared_lengths, threads):
+    """attend's tasks and their bins (a function of its own: in attend's parallel body numba would launch
+    each of these small array operations as a parallel loop, measured: 60 us a call)."""
+    rows = len(lengths)
     own = (lengths + CHUNK - 1) // CHUNK
     # a shared chunk serves every row of its group: 1/size of CHUNK each, so that a cascade task costs
     # about what a row's own chunk does and the tasks can be dealt evenly (below), but at least
@@ -164,9 +199,6 @@ def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_leng
                     member += 1
             task += 1
     member_first[tasks] = member
-    acc = np.empty((first[rows], heads, dim), np.float32)  # each partial's unnormalized output,
-    top = np.empty((first[rows], heads), np.float32)  # its largest score
-    total = np.empty((first[rows], heads), np.float32)  # and its sum of e^(score - top)
     # the tasks dealt to one bin per thread, the costliest first to the least loaded bin: numba hands each
     # thread an equal run of a prange's iterations, and a cascade task costs members x slots (measured:
     # in task order one thread got every cascade task, and the cascade took 1.2-2.4x the time of reading
@@ -180,29 +212,7 @@ def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_leng
         load[task_bin[task]] += cost[task]
     by_bin = np.argsort(task_bin, kind="mergesort")
     bin_first = np.searchsorted(task_bin[by_bin], np.arange(bins + 1))
-    for b in prange(bins):
-        for task in by_bin[bin_first[b]:bin_first[b + 1]]:
-            _task(scaled, k_cache, v_cache, slots, shared_slots, rows, source[task], chunk_start[task],
-                  chunk_end[task], member_row[member_first[task]:member_first[task + 1]],
-                  member_partial[member_first[task]:member_first[task + 1]], dim, acc, top, total)
-    merged = out.reshape(rows, heads, dim)
-    merged[:] = 0.0
-    for m in prange(rows):
-        if first[m] == first[m + 1]:
-            continue
-        for h in range(heads):
-            # (maxima start from a value, not -inf: fastmath lets LLVM assume no infinities)
-            row_top = top[first[m], h]
-            for partial in range(first[m] + 1, first[m + 1]):
-                row_top = max(row_top, top[partial, h])
-            row_total = np.float32(0.0)
-            for partial in range(first[m], first[m + 1]):
-                weight = np.float32(math.exp(top[partial, h] - row_top))
-                row_total += weight * total[partial, h]
-                for d in range(dim):
-                    merged[m, h, d] += weight * acc[partial, h, d]
-            for d in range(dim):
-                merged[m, h, d] /= row_total
+    return first, source, chunk_start, chunk_end, member_first, member_row, member_partial, by_bin, bin_first
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
@@ -252,18 +262,18 @@ def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
                 summed += e
             top[p, h] = largest
             total[p, h] = summed
-        for h in range(heads):
-            kvh = h // per_kv
+        for kvh in range(kv_heads):
             if dim == 64:
-                _weighted_values(scores, h, v_cache, kvh, slots, 64, acc, p)
+                _weighted_values_of_group(scores, kvh * per_kv, per_kv, v_cache, kvh, slots, 64, acc, p)
             elif dim == 128:
-                _weighted_values(scores, h, v_cache, kvh, slots, 128, acc, p)
+                _weighted_values_of_group(scores, kvh * per_kv, per_kv, v_cache, kvh, slots, 128, acc, p)
             else:
-                acc[p, h] = 0.0
-                for t in range(count):
-                    weight = scores[h, t]
-                    for d in range(dim):
-                        acc[p, h, d] += weight * as_float32(v_cache[slots[t], kvh, d])
+                for h in range(kvh * per_kv, (kvh + 1) * per_kv):
+                    acc[p, h] = 0.0
+                    for t in range(count):
+                        weight = scores[h, t]
+                        for d in range(dim):
+                            acc[p, h, d] += weight * as_float32(v_cache[slots[t], kvh, d])
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
@@ -326,33 +336,64 @@ def _key_scores(typingctx, q, m, h, group, k_cache, kvh, slots, t, dim, scores):
     return types.void(q, m, h, group, k_cache, kvh, slots, t, dim, scores), codegen
 
 
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
+def _weighted_values_of_group(weights, h, per_kv, v_cache, kvh, slots, dim, acc, p):
+    """_weighted_values for the per_kv query heads from h: up to 4 at once at head size 64 and 2 at 128 (the
+    sums must fit the registers), the group size a constant."""
+    if per_kv == 1:
+        _weighted_values(weights, h, 1, v_cache, kvh, slots, dim, acc, p)
+    elif per_kv == 2:
+        _weighted_values(weights, h, 2, v_cache, kvh, slots, dim, acc, p)
+    elif per_kv == 3 and dim == 64:
+        _weighted_values(weights, h, 3, v_cache, kvh, slots, dim, acc, p)
+    elif dim == 64:
+        for first in range(h, h + per_kv - 3, 4):
+            _weighted_values(weights, first, 4, v_cache, kvh, slots, dim, acc, p)
+        for rest in range(h + per_kv - per_kv % 4, h + per_kv):
+            _weighted_values(weights, rest, 1, v_cache, kvh, slots, dim, acc, p)
+    else:
+        for first in range(h, h + per_kv - 1, 2):
+            _weighted_values(weights, first, 2, v_cache, kvh, slots, dim, acc, p)
+        if per_kv % 2:
+            _weighted_values(weights, h + per_kv - 1, 1, v_cache, kvh, slots, dim, acc, p)
+
+
 @intrinsic
-def _weighted_values(typingctx, weights, h, v_cache, kvh, slots, dim, acc, p):
-    """acc[p, h] = sum over t of weights[h, t] * v_cache[slots[t], kvh], dim (a constant: 64 or 128) long: the
-    sum stays in registers across the keys, each weight broadcast against its value's vectors."""
-    if not isinstance(dim, types.IntegerLiteral):
+def _weighted_values(typingctx, weights, h, group, v_cache, kvh, slots, dim, acc, p):
+    """acc[p, h + i] = sum over t of weights[h + i, t] * v_cache[slots[t], kvh] for i < group: `group` query
+    heads of one kv head, each value read once for all of them; group and dim (64 or 128) are constants. The
+    sums stay in registers across the keys, each weight broadcast against its value's vectors."""
+    if not isinstance(dim, types.IntegerLiteral) or not isinstance(group, types.IntegerLiteral):
         return None
     pieces = dim.literal_value // simd.LANES
+    heads = group.literal_value
     bits = v_cache.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
-        w_arg, h_arg, v_arg, kvh_arg, slots_arg, _, acc_arg, p_arg = args
-        w_ty, _, v_ty, _, slots_ty, _, acc_ty, _ = signature.args
+        w_arg, h_arg, _, v_arg, kvh_arg, slots_arg, _, acc_arg, p_arg = args
+        w_ty, _, _, v_ty, _, slots_ty, _, acc_ty, _ = signature.args
 
         at = functools.partial(simd.element_pointer, context, builder)  # at(array type, array, indices)
 
+        def head(i):
+            return builder.add(h_arg, simd.const(i))
+
         count = cgutils.unpack_tuple(builder, context.make_array(slots_ty)(context, builder, slots_arg).shape, 1)[0]
 
-        def step(t, sums):  # sums += weights[h, t] * v_cache[slots[t], kvh]
-            weight = simd.broadcast(builder, builder.load(at(w_ty, w_arg, [h_arg, t])))
+        def step(t, sums):  # sums[i] += weights[h + i, t] * v_cache[slots[t], kvh]
             value = at(v_ty, v_arg, [builder.load(at(slots_ty, slots_arg, [t])), kvh_arg, simd.const(0)])
-            return [simd.fma(builder, weight, piece, sums[c])
-                    for c, piece in enumerate(simd.load_pieces(builder, value, pieces, bits))]
+            v_pieces = simd.load_pieces(builder, value, pieces, bits)
+            added = []
+            for i in range(heads):
+                weight = simd.broadcast(builder, builder.load(at(w_ty, w_arg, [head(i), t])))
+                added += [simd.fma(builder, weight, piece, sums[i * pieces + c]) for c, piece in enumerate(v_pieces)]
+            return added
 
-        results = simd.accumulate(builder, count, pieces, step)
-        out = at(acc_ty, acc_arg, [p_arg, h_arg, simd.const(0)])
-        for c, result in enumerate(results):
-            simd.store(builder, result, builder.gep(out, [simd.const(c * simd.LANES)]))
+        results = simd.accumulate(builder, count, heads * pieces, step)
+        for i in range(heads):
+            out = at(acc_ty, acc_arg, [p_arg, head(i), simd.const(0)])
+            for c in range(pieces):
+                simd.store(builder, results[i * pieces + c], builder.gep(out, [simd.const(c * simd.LANES)]))
         return context.get_dummy_value()
 
-    return types.void(weights, h, v_cache, kvh, slots, dim, acc, p), codegen
+    return types.void(weights, h, group, v_cache, kvh, slots, dim, acc, p), codegen
