@@ -37,6 +37,11 @@ TILE = 2 * LANES  # output columns of a packed tile
 # input rows one pass over a tile serves: 8 rows x 2 accumulators, 2 weight vectors and a broadcast fit
 # AVX-512's 32 registers
 ROW_GROUP = 8
+# from 4 rows on the arithmetic keeps the core from asking for the next weights in time: each step of the
+# microkernel prefetches the tile's line 4 KB ahead (measured, 121 matmuls at 8 rows: 0.68-0.79x oneDNN's
+# time with it, 0.81-0.88x without; at one row it was no faster)
+PREFETCH_ROWS = 4
+PREFETCH_BYTES = 4096
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -125,7 +130,11 @@ def _tile_product(typingctx, x, rows, packed, tile, out):
         weights = builder.gep(packed_ary.data, [builder.mul(tile_arg, builder.mul(k_len, const(TILE)))])
 
         def step(k, acc):  # acc[r * vectors + v] += x[r, k] * packed[tile, k, v * LANES:(v + 1) * LANES]
-            w = simd.load_pieces(builder, builder.gep(weights, [builder.mul(k, const(TILE))]), vectors, bits)
+            here = builder.gep(weights, [builder.mul(k, const(TILE))])
+            if num_rows >= PREFETCH_ROWS:  # this step's weights PREFETCH_BYTES on, a cache line at a time
+                for line in range(0, TILE * (2 if bits else 4), simd.CACHE_LINE):
+                    simd.prefetch(builder, here, PREFETCH_BYTES + line)
+            w = simd.load_pieces(builder, here, vectors, bits)
             summed = []
             for r in range(num_rows):
                 x_rk = simd.broadcast(builder, builder.load(

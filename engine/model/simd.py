@@ -10,6 +10,7 @@ from llvmlite import ir
 from numba.core import cgutils
 
 LANES = 16
+CACHE_LINE = 64  # bytes
 I32, I64 = ir.IntType(32), ir.IntType(64)
 FLOATS = ir.VectorType(ir.FloatType(), LANES)
 _BITS = ir.VectorType(ir.IntType(16), LANES)
@@ -42,6 +43,15 @@ def load_pieces(builder: ir.IRBuilder, pointer, pieces: int, bits: bool) -> list
 
 def store(builder: ir.IRBuilder, value: ir.Value, pointer) -> None:
     builder.store(value, builder.bitcast(pointer, FLOATS.as_pointer()), align=4)
+
+
+def prefetch(builder: ir.IRBuilder, pointer, offset: int) -> None:
+    """Asks for the cache line `offset` bytes past `pointer` ahead of its load (into every cache level)."""
+    byte = ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte, I32, I32, I32]),
+                                        "llvm.prefetch.p0")
+    line = builder.gep(builder.bitcast(pointer, byte), [const(offset)])
+    builder.call(fn, [line, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])  # read, keep, data
 
 
 def broadcast(builder: ir.IRBuilder, scalar: ir.Value) -> ir.Value:
