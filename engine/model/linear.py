@@ -15,8 +15,8 @@ from torch import nn
 from engine.model import packed_matmul_cpu
 
 # steps of up to this many rows use the packed weight (the default max_num_seqs). Measured here (AVX-512 EPYC,
-# python -m bench.matmul: the 121 SmolLM2 matmuls of a step): packed 13.8-16.9 ms at 1-8 rows and 33.6 ms at
-# 32 against 37-81 ms with F.linear
+# python -m bench.matmul: the 121 SmolLM2 matmuls of a step): packed 12.4-13.1 ms at 1-8 rows and 29.6 ms at
+# 32 against 33-74 ms with F.linear
 MAX_PACKED_ROWS = 32
 
 
