@@ -17,8 +17,9 @@ or NEON. Measured here (`python -m bench.matmul`: 2-core AVX-512 EPYC, the 121 m
 step, fp32): 12.4 / 13.1 / 16.9 / 29.6 ms at 1 / 8 / 16 / 32 rows against 14.8 / 17.3 / 20.0 / 30.5 ms for
 oneDNN's packed weights (13.8 / 16.9 / 19.7 / 33.6 against 17.7 / 19.3 / 21.7 / 32.8 in a run before the
 prefetch below); the loops it replaces took 24-26 ms at 8 rows. bfloat16 weights are packed as
-their bits and widened to float32 in the loop (the arithmetic is float32): faster than oneDNN at one
-row, slower at 8 (12.1 vs 9.7 ms), where oneDNN's native bf16 dot products win.
+their bits and widened to float32 in the loop (the arithmetic is float32): faster than oneDNN's native
+bf16 dot products at one row (7.4 vs 9.6 ms) and, since the prefetch, at 8 (7.6 vs 10.1; 12.1 vs 9.7
+without it).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ TILE = 2 * LANES  # output columns of a packed tile
 # AVX-512's 32 registers
 ROW_GROUP = 8
 # from 4 rows on the arithmetic keeps the core from asking for the next weights in time: each step of the
-# microkernel prefetches the tile's line 4 KB ahead (measured, 121 matmuls at 8 rows: 0.68-0.79x oneDNN's
+# microkernel prefetches the tile's lines 4 KB ahead (measured, 121 matmuls at 8 rows: 0.68-0.79x oneDNN's
 # time with it, 0.81-0.88x without; at one row it was no faster)
 PREFETCH_ROWS = 4
 PREFETCH_BYTES = 4096
