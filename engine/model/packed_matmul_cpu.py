@@ -79,7 +79,7 @@ def matmul(x, packed, bias, out, accumulate, threads):
             width = min(TILE, out.shape[1] - start)
             for first in range(0, x.shape[0], ROW_GROUP):
                 group = x[first:first + ROW_GROUP]
-                _tile_rows(group, packed, tile, scratch)
+                _tile_product(group, packed, tile, scratch)
                 for m in range(group.shape[0]):
                     for j in range(width):
                         value = scratch[m, j] + (as_float32(bias[start + j]) if len(bias) else np.float32(0.0))
@@ -89,66 +89,45 @@ def matmul(x, packed, bias, out, accumulate, threads):
                             out[first + m, start + j] = value
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _tile_rows(x, packed, tile, out):
-    """_tile_product with the row count as a constant, which the microkernel needs (x has 1 to 8 rows)."""
-    rows = x.shape[0]
-    if rows == 1:
-        _tile_product(x, 1, packed, tile, out)
-    elif rows == 2:
-        _tile_product(x, 2, packed, tile, out)
-    elif rows == 3:
-        _tile_product(x, 3, packed, tile, out)
-    elif rows == 4:
-        _tile_product(x, 4, packed, tile, out)
-    elif rows == 5:
-        _tile_product(x, 5, packed, tile, out)
-    elif rows == 6:
-        _tile_product(x, 6, packed, tile, out)
-    elif rows == 7:
-        _tile_product(x, 7, packed, tile, out)
-    else:
-        _tile_product(x, 8, packed, tile, out)
-
-
 @intrinsic
-def _tile_product(typingctx, x, rows, packed, tile, out):
-    """out[r, :] = x[r, :] @ packed[tile] for r < rows (a compile-time constant): x [>= rows, K] float32 with
-    unit stride along K, packed [tiles, K, TILE] contiguous, out [>= rows, TILE] float32 with unit stride."""
-    if not isinstance(rows, types.IntegerLiteral):
-        return None  # numba then retries with the literal value of the constant the caller passes
-    num_rows = rows.literal_value
+def _tile_product(typingctx, x, packed, tile, out):
+    """out[r, :] = x[r, :] @ packed[tile] for each of x's 1 to ROW_GROUP rows: x [rows, K] float32 with unit
+    stride along K, packed [tiles, K, TILE] contiguous, out [>= rows, TILE] float32 with unit stride. Each
+    row count has its own unrolled loop (simd.cases)."""
     vectors = TILE // LANES
     bits = packed.dtype == types.uint16  # bfloat16 bits
 
     def codegen(context, builder, signature, args):
-        x_arg, _, packed_arg, tile_arg, out_arg = args
+        x_arg, packed_arg, tile_arg, out_arg = args
         x_ary = context.make_array(signature.args[0])(context, builder, x_arg)
-        packed_ary = context.make_array(signature.args[2])(context, builder, packed_arg)
-        out_ary = context.make_array(signature.args[4])(context, builder, out_arg)
-        k_len = cgutils.unpack_tuple(builder, x_ary.shape, 2)[1]
+        packed_ary = context.make_array(signature.args[1])(context, builder, packed_arg)
+        out_ary = context.make_array(signature.args[3])(context, builder, out_arg)
+        rows, k_len = cgutils.unpack_tuple(builder, x_ary.shape, 2)
         x_row = builder.udiv(cgutils.unpack_tuple(builder, x_ary.strides, 2)[0], const(4))  # in elements
         out_row = builder.udiv(cgutils.unpack_tuple(builder, out_ary.strides, 2)[0], const(4))
         weights = builder.gep(packed_ary.data, [builder.mul(tile_arg, builder.mul(k_len, const(TILE)))])
 
-        def step(k, acc):  # acc[r * vectors + v] += x[r, k] * packed[tile, k, v * LANES:(v + 1) * LANES]
-            here = builder.gep(weights, [builder.mul(k, const(TILE))])
-            if num_rows >= PREFETCH_ROWS:  # this step's weights PREFETCH_BYTES on, a cache line at a time
-                for line in range(0, TILE * (2 if bits else 4), simd.CACHE_LINE):
-                    simd.prefetch(builder, here, PREFETCH_BYTES + line)
-            w = simd.load_pieces(builder, here, vectors, bits)
-            summed = []
-            for r in range(num_rows):
-                x_rk = simd.broadcast(builder, builder.load(
-                    builder.gep(x_ary.data, [builder.add(builder.mul(const(r), x_row), k)])))
-                summed += [simd.fma(builder, w[v], x_rk, acc[r * vectors + v]) for v in range(vectors)]
-            return summed
+        def product(num_rows):
+            def step(k, acc):  # acc[r * vectors + v] += x[r, k] * packed[tile, k, v * LANES:(v + 1) * LANES]
+                here = builder.gep(weights, [builder.mul(k, const(TILE))])
+                if num_rows >= PREFETCH_ROWS:  # this step's weights PREFETCH_BYTES on, a cache line at a time
+                    for line in range(0, TILE * (2 if bits else 4), simd.CACHE_LINE):
+                        simd.prefetch(builder, here, PREFETCH_BYTES + line)
+                w = simd.load_pieces(builder, here, vectors, bits)
+                summed = []
+                for r in range(num_rows):
+                    x_rk = simd.broadcast(builder, builder.load(
+                        builder.gep(x_ary.data, [builder.add(builder.mul(const(r), x_row), k)])))
+                    summed += [simd.fma(builder, w[v], x_rk, acc[r * vectors + v]) for v in range(vectors)]
+                return summed
 
-        results = simd.accumulate(builder, k_len, num_rows * vectors, step)
-        for r in range(num_rows):
-            for v in range(vectors):
-                simd.store(builder, results[r * vectors + v],
-                           builder.gep(out_ary.data, [builder.add(builder.mul(const(r), out_row), const(v * LANES))]))
+            results = simd.accumulate(builder, k_len, num_rows * vectors, step)
+            for r in range(num_rows):
+                for v in range(vectors):
+                    simd.store(builder, results[r * vectors + v], builder.gep(
+                        out_ary.data, [builder.add(builder.mul(const(r), out_row), const(v * LANES))]))
+
+        simd.cases(builder, rows, range(1, ROW_GROUP + 1), product)
         return context.get_dummy_value()
 
-    return types.void(x, rows, packed, tile, out), codegen
+    return types.void(x, packed, tile, out), codegen

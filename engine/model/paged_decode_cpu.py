@@ -46,6 +46,8 @@ from engine.model.bfloat16_bits import as_float32, float_from_bits, numpy_view
 CHUNK = 256
 MIN_SHARED_CHUNK = 64  # context slots of a cascade group's task, at the least
 KEYS = simd.LANES  # keys _key_scores scores at once
+SCORE_HEADS = 4  # query heads _key_scores takes per pass over the keys (their sums must fit the registers)
+VALUE_VECTORS = 16  # sums _weighted_values keeps in registers: 4 heads at head size 64, 2 at 128
 
 # numba's workqueue layer (the fallback where no OpenMP is found) must not be entered by two threads at once
 launch_lock = threading.Lock()
@@ -239,10 +241,12 @@ def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
         m, p = members[i], partials[i]
         for t in range(0, vector_keys, KEYS):  # (keys outermost: the chunk's K rows stream in order)
             for kvh in range(kv_heads):
-                if dim == 64:
-                    _key_scores_of_group(q, m, kvh * per_kv, per_kv, k_cache, kvh, slots, t, 64, scores)
-                else:
-                    _key_scores_of_group(q, m, kvh * per_kv, per_kv, k_cache, kvh, slots, t, 128, scores)
+                last = (kvh + 1) * per_kv  # the GQA group's heads, SCORE_HEADS a pass
+                for h in range(kvh * per_kv, last, SCORE_HEADS):
+                    if dim == 64:
+                        _key_scores(q, m, h, min(SCORE_HEADS, last - h), k_cache, kvh, slots, t, 64, scores)
+                    else:
+                        _key_scores(q, m, h, min(SCORE_HEADS, last - h), k_cache, kvh, slots, t, 128, scores)
         for h in range(heads):
             kvh = h // per_kv
             for t in range(vector_keys, count):
@@ -263,12 +267,16 @@ def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
             top[p, h] = largest
             total[p, h] = summed
         for kvh in range(kv_heads):
-            if dim == 64:
-                _weighted_values_of_group(scores, kvh * per_kv, per_kv, v_cache, kvh, slots, 64, acc, p)
-            elif dim == 128:
-                _weighted_values_of_group(scores, kvh * per_kv, per_kv, v_cache, kvh, slots, 128, acc, p)
+            last = (kvh + 1) * per_kv
+            if dim == 64 or dim == 128:  # the group's heads, as many a pass as their sums fit the registers
+                per_pass = VALUE_VECTORS * simd.LANES // dim
+                for h in range(kvh * per_kv, last, per_pass):
+                    if dim == 64:
+                        _weighted_values(scores, h, min(per_pass, last - h), v_cache, kvh, slots, 64, acc, p)
+                    else:
+                        _weighted_values(scores, h, min(per_pass, last - h), v_cache, kvh, slots, 128, acc, p)
             else:
-                for h in range(kvh * per_kv, (kvh + 1) * per_kv):
+                for h in range(kvh * per_kv, last):
                     acc[p, h] = 0.0
                     for t in range(count):
                         weight = scores[h, t]
@@ -276,37 +284,19 @@ def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
                             acc[p, h, d] += weight * as_float32(v_cache[slots[t], kvh, d])
 
 
-@njit(fastmath=True, nogil=True, cache=True, inline="always")
-def _key_scores_of_group(q, m, h, per_kv, k_cache, kvh, slots, t, dim, scores):
-    """_key_scores for the per_kv query heads from h, with the group size as the constant it needs (up to 4 at
-    once: beyond, the accumulators would not fit the registers)."""
-    if per_kv == 1:
-        _key_scores(q, m, h, 1, k_cache, kvh, slots, t, dim, scores)
-    elif per_kv == 2:
-        _key_scores(q, m, h, 2, k_cache, kvh, slots, t, dim, scores)
-    elif per_kv == 3:
-        _key_scores(q, m, h, 3, k_cache, kvh, slots, t, dim, scores)
-    else:
-        for first in range(h, h + per_kv - 3, 4):
-            _key_scores(q, m, first, 4, k_cache, kvh, slots, t, dim, scores)
-        for rest in range(h + per_kv - per_kv % 4, h + per_kv):
-            _key_scores(q, m, rest, 1, k_cache, kvh, slots, t, dim, scores)
-
-
 @intrinsic
 def _key_scores(typingctx, q, m, h, group, k_cache, kvh, slots, t, dim, scores):
     """scores[h + i, t:t + KEYS] = q[m, h + i] . k_cache[slots[t + j], kvh] for i < group and j < KEYS: `group`
-    query heads of one kv head (GQA), each key read once for all of them; group and dim (64 or 128) are
-    constants. Each key's products are summed lane-wise into one vector per head and the KEYS vectors then
+    (1 to SCORE_HEADS) query heads of one kv head (GQA), each key read once for all of them; dim (64 or 128)
+    is a constant. Each key's products are summed lane-wise into one vector per head and the KEYS vectors then
     into one (simd.sum_lanes_of_each), so no key pays a horizontal sum of its own."""
-    if not isinstance(dim, types.IntegerLiteral) or not isinstance(group, types.IntegerLiteral):
-        return None  # numba then retries with the literal values of the constants the caller passes
+    if not isinstance(dim, types.IntegerLiteral):
+        return None  # numba then retries with the literal value of the constant the caller passes
     pieces = dim.literal_value // simd.LANES
-    heads = group.literal_value
     bits = k_cache.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
-        q_arg, m_arg, h_arg, _, k_arg, kvh_arg, slots_arg, t_arg, _, scores_arg = args
+        q_arg, m_arg, h_arg, group_arg, k_arg, kvh_arg, slots_arg, t_arg, _, scores_arg = args
         q_ty, _, _, _, k_ty, _, slots_ty, _, _, scores_ty = signature.args
 
         at = functools.partial(simd.element_pointer, context, builder)  # at(array type, array, indices)
@@ -314,63 +304,44 @@ def _key_scores(typingctx, q, m, h, group, k_cache, kvh, slots, t, dim, scores):
         def head(i):
             return builder.add(h_arg, simd.const(i))
 
-        queries = [at(q_ty, q_arg, [m_arg, head(i), simd.const(0)]) for i in range(heads)]
-        q_pieces = [simd.load_pieces(builder, query, pieces, False) for query in queries]
+        def scores_of(heads):
+            queries = [at(q_ty, q_arg, [m_arg, head(i), simd.const(0)]) for i in range(heads)]
+            q_pieces = [simd.load_pieces(builder, query, pieces, False) for query in queries]
 
-        def key_products(j):  # per head, lane-wise partial sums of q . key j
-            slot = builder.load(at(slots_ty, slots_arg, [builder.add(t_arg, simd.const(j))]))
-            key = at(k_ty, k_arg, [slot, kvh_arg, simd.const(0)])
-            k_pieces = simd.load_pieces(builder, key, pieces, bits)
-            products = []
-            for query in q_pieces:
-                summed = builder.fmul(query[0], k_pieces[0])
-                for c in range(1, pieces):
-                    summed = simd.fma(builder, query[c], k_pieces[c], summed)
-                products.append(summed)
-            return products
+            def key_products(j):  # per head, lane-wise partial sums of q . key j
+                slot = builder.load(at(slots_ty, slots_arg, [builder.add(t_arg, simd.const(j))]))
+                key = at(k_ty, k_arg, [slot, kvh_arg, simd.const(0)])
+                k_pieces = simd.load_pieces(builder, key, pieces, bits)
+                products = []
+                for query in q_pieces:
+                    summed = builder.fmul(query[0], k_pieces[0])
+                    for c in range(1, pieces):
+                        summed = simd.fma(builder, query[c], k_pieces[c], summed)
+                    products.append(summed)
+                return products
 
-        for i, result in enumerate(simd.sum_lanes_of_each(builder, key_products)):
-            simd.store(builder, result, at(scores_ty, scores_arg, [head(i), t_arg]))
+            for i, result in enumerate(simd.sum_lanes_of_each(builder, key_products)):
+                simd.store(builder, result, at(scores_ty, scores_arg, [head(i), t_arg]))
+
+        simd.cases(builder, group_arg, range(1, SCORE_HEADS + 1), scores_of)
         return context.get_dummy_value()
 
     return types.void(q, m, h, group, k_cache, kvh, slots, t, dim, scores), codegen
 
 
-@njit(fastmath=True, nogil=True, cache=True, inline="always")
-def _weighted_values_of_group(weights, h, per_kv, v_cache, kvh, slots, dim, acc, p):
-    """_weighted_values for the per_kv query heads from h: up to 4 at once at head size 64 and 2 at 128 (the
-    sums must fit the registers), the group size a constant."""
-    if per_kv == 1:
-        _weighted_values(weights, h, 1, v_cache, kvh, slots, dim, acc, p)
-    elif per_kv == 2:
-        _weighted_values(weights, h, 2, v_cache, kvh, slots, dim, acc, p)
-    elif per_kv == 3 and dim == 64:
-        _weighted_values(weights, h, 3, v_cache, kvh, slots, dim, acc, p)
-    elif dim == 64:
-        for first in range(h, h + per_kv - 3, 4):
-            _weighted_values(weights, first, 4, v_cache, kvh, slots, dim, acc, p)
-        for rest in range(h + per_kv - per_kv % 4, h + per_kv):
-            _weighted_values(weights, rest, 1, v_cache, kvh, slots, dim, acc, p)
-    else:
-        for first in range(h, h + per_kv - 1, 2):
-            _weighted_values(weights, first, 2, v_cache, kvh, slots, dim, acc, p)
-        if per_kv % 2:
-            _weighted_values(weights, h + per_kv - 1, 1, v_cache, kvh, slots, dim, acc, p)
-
-
 @intrinsic
 def _weighted_values(typingctx, weights, h, group, v_cache, kvh, slots, dim, acc, p):
     """acc[p, h + i] = sum over t of weights[h + i, t] * v_cache[slots[t], kvh] for i < group: `group` query
-    heads of one kv head, each value read once for all of them; group and dim (64 or 128) are constants. The
-    sums stay in registers across the keys, each weight broadcast against its value's vectors."""
-    if not isinstance(dim, types.IntegerLiteral) or not isinstance(group, types.IntegerLiteral):
+    heads of one kv head (up to VALUE_VECTORS vectors of sums: 4 heads at head size 64, 2 at 128), each value
+    read once for all of them; dim (64 or 128) is a constant. The sums stay in registers across the keys,
+    each weight broadcast against its value's vectors."""
+    if not isinstance(dim, types.IntegerLiteral):
         return None
     pieces = dim.literal_value // simd.LANES
-    heads = group.literal_value
     bits = v_cache.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
-        w_arg, h_arg, _, v_arg, kvh_arg, slots_arg, _, acc_arg, p_arg = args
+        w_arg, h_arg, group_arg, v_arg, kvh_arg, slots_arg, _, acc_arg, p_arg = args
         w_ty, _, _, v_ty, _, slots_ty, _, acc_ty, _ = signature.args
 
         at = functools.partial(simd.element_pointer, context, builder)  # at(array type, array, indices)
@@ -380,20 +351,24 @@ def _weighted_values(typingctx, weights, h, group, v_cache, kvh, slots, dim, acc
 
         count = cgutils.unpack_tuple(builder, context.make_array(slots_ty)(context, builder, slots_arg).shape, 1)[0]
 
-        def step(t, sums):  # sums[i] += weights[h + i, t] * v_cache[slots[t], kvh]
-            value = at(v_ty, v_arg, [builder.load(at(slots_ty, slots_arg, [t])), kvh_arg, simd.const(0)])
-            v_pieces = simd.load_pieces(builder, value, pieces, bits)
-            added = []
-            for i in range(heads):
-                weight = simd.broadcast(builder, builder.load(at(w_ty, w_arg, [head(i), t])))
-                added += [simd.fma(builder, weight, piece, sums[i * pieces + c]) for c, piece in enumerate(v_pieces)]
-            return added
+        def weighted_values_of(heads):
+            def step(t, sums):  # sums[i] += weights[h + i, t] * v_cache[slots[t], kvh]
+                value = at(v_ty, v_arg, [builder.load(at(slots_ty, slots_arg, [t])), kvh_arg, simd.const(0)])
+                v_pieces = simd.load_pieces(builder, value, pieces, bits)
+                added = []
+                for i in range(heads):
+                    weight = simd.broadcast(builder, builder.load(at(w_ty, w_arg, [head(i), t])))
+                    added += [simd.fma(builder, weight, piece, sums[i * pieces + c])
+                              for c, piece in enumerate(v_pieces)]
+                return added
 
-        results = simd.accumulate(builder, count, heads * pieces, step)
-        for i in range(heads):
-            out = at(acc_ty, acc_arg, [p_arg, head(i), simd.const(0)])
-            for c in range(pieces):
-                simd.store(builder, results[i * pieces + c], builder.gep(out, [simd.const(c * simd.LANES)]))
+            results = simd.accumulate(builder, count, heads * pieces, step)
+            for i in range(heads):
+                out = at(acc_ty, acc_arg, [p_arg, head(i), simd.const(0)])
+                for c in range(pieces):
+                    simd.store(builder, results[i * pieces + c], builder.gep(out, [simd.const(c * simd.LANES)]))
+
+        simd.cases(builder, group_arg, range(1, VALUE_VECTORS // pieces + 1), weighted_values_of)
         return context.get_dummy_value()
 
     return types.void(weights, h, group, v_cache, kvh, slots, dim, acc, p), codegen

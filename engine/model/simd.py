@@ -65,6 +65,21 @@ def fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Valu
     return builder.call(fn, [a, b, c])
 
 
+def cases(builder: ir.IRBuilder, value: ir.Value, counts: range, emit) -> None:
+    """emit(n) for the n in `counts` that `value` (an integer known at run time only) equals, as the arms of
+    one switch: for code whose unrolled shape needs n as a constant (how many rows or heads a kernel's
+    registers hold). A value outside `counts` takes the last arm."""
+    done = builder.append_basic_block("cases.done")
+    arms = {n: builder.append_basic_block(f"case.{n}") for n in counts}
+    switch = builder.switch(value, arms[counts[-1]])
+    for n, arm in arms.items():
+        switch.add_case(ir.Constant(value.type, n), arm)
+        builder.position_at_end(arm)
+        emit(n)
+        builder.branch(done)
+    builder.position_at_end(done)
+
+
 def accumulate(builder: ir.IRBuilder, count: ir.Value, accumulators: int, body) -> list[ir.Value]:
     """Vector sums over i < count (an i64) that stay in registers for the whole loop: body(i, sums) returns
     the next `accumulators` sums; returns the last ones (zeros when count is 0)."""
