@@ -19,9 +19,10 @@ import torch
 
 from engine.model.attention import SharedPrefix
 from engine.model.bfloat16_bits import numpy_view
+from engine.model.cpu_threads import use_threads
 from engine.model.llama import head_dim
 from engine.model.loader import load_config, resolve_model_path
-from engine.model.paged_decode_cpu import attend, cascade_groups, use_threads
+from engine.model.paged_decode_cpu import attend, cascade_groups
 
 
 def run(model: str = "default", batch: int = 8, context: int = 1000, shared_prefix: int = 0,

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 
 from engine.model import packed_matmul_cpu
 from engine.model.bfloat16_bits import numpy_view
+from engine.model.cpu_threads import use_threads
 from engine.model.llama import head_dim
 from engine.model.loader import load_config, resolve_model_path
-from engine.model.paged_decode_cpu import use_threads
 
 
 def step_shapes(config) -> list[tuple[int, int]]:

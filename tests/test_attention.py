@@ -214,3 +214,27 @@ def test_paged_kernel_serves_every_gqa_group_size(heads, kv_heads, dim):
     slots, lengths, _ = _padded(contexts)
     out = paged_decode_cpu.paged_decode(q, k_cache, v_cache, slots, lengths, dim ** -0.5)
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, contexts, dim))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads, kv_heads, members", [(6, 2, 4), (6, 2, 11), (4, 4, 12), (8, 2, 5), (12, 1, 2)])
+def test_large_cascade_groups_take_the_matmul_path_and_agree(heads, kv_heads, members, dim, dtype):
+    """A group with at least CASCADE_QUERIES queries per kv head is scored and weighted as two matmuls per
+    chunk (_cascade): several row groups of the microkernel, chunks whose length is no multiple of 16 or 32,
+    a prefix of scattered blocks, a row outside the group, and K/V in float32 and bfloat16."""
+    assert members * heads // kv_heads >= paged_decode_cpu.CASCADE_QUERIES
+    torch.manual_seed(7)
+    k_cache = (torch.randn(1400, kv_heads, dim) * 3).to(dtype)
+    v_cache = torch.randn(1400, kv_heads, dim).to(dtype)
+    blocks = torch.randperm(40)[:19]
+    prefix = (blocks[:, None] * 16 + torch.arange(16)).flatten()[:299]  # 299 slots: chunks of 64, last of 43
+    rests = [torch.arange(700 + 20 * b, 700 + 20 * b + 1 + b) for b in range(members)] + [torch.arange(1300, 1350)]
+    contexts = [torch.cat([prefix, r]) for r in rests[:-1]] + [rests[-1]]
+    q = torch.randn(len(rests), heads, dim).to(dtype)
+    slots, lengths, _ = _padded(rests)
+    out = paged_decode_cpu.paged_decode(q, k_cache, v_cache, slots, lengths, dim ** -0.5,
+                                        [SharedPrefix(torch.arange(members), prefix)])
+    expected = _reference(q.float(), k_cache.float(), v_cache.float(), contexts, dim)
+    tolerance = {} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(out.float(), expected, **tolerance)

@@ -27,10 +27,11 @@ from engine.model import kernel_cache  # noqa: F401  (numba's cache folder, set 
 from engine.model import paged_decode_cpu
 from engine.model.attention import SharedPrefix
 from engine.model.bfloat16_bits import as_float32, numpy_view, to_element
+from engine.model.cpu_threads import launch_lock, use_threads
 from engine.model.linear import MAX_PACKED_ROWS
 from engine.model.llama import LlamaForCausalLM
 from engine.model.packed_matmul_cpu import matmul
-from engine.model.paged_decode_cpu import attend, cascade_groups, fast_exp, launch_lock, use_threads
+from engine.model.paged_decode_cpu import attend, cascade_groups, fast_exp
 
 # decode-only steps of up to this many rows take the compiled step: as many as the packed weights serve
 # (linear.MAX_PACKED_ROWS). Measured here (bench/decode.py): batch 16 44.7 ms against 50-63 ms eager

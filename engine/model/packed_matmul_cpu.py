@@ -32,7 +32,7 @@ from numba.extending import intrinsic
 from engine.model import kernel_cache  # noqa: F401  (numba's cache folder, set before any @njit below)
 from engine.model import simd
 from engine.model.bfloat16_bits import as_float32, numpy_view
-from engine.model.paged_decode_cpu import launch_lock, use_threads
+from engine.model.cpu_threads import launch_lock, use_threads
 from engine.model.simd import LANES, const
 
 TILE = 2 * LANES  # output columns of a packed tile
@@ -79,7 +79,7 @@ def matmul(x, packed, bias, out, accumulate, threads):
             width = min(TILE, out.shape[1] - start)
             for first in range(0, x.shape[0], ROW_GROUP):
                 group = x[first:first + ROW_GROUP]
-                _tile_product(group, packed, tile, scratch)
+                tile_product(group, packed, tile, scratch)
                 for m in range(group.shape[0]):
                     for j in range(width):
                         value = scratch[m, j] + (as_float32(bias[start + j]) if len(bias) else np.float32(0.0))
@@ -90,10 +90,11 @@ def matmul(x, packed, bias, out, accumulate, threads):
 
 
 @intrinsic
-def _tile_product(typingctx, x, packed, tile, out):
+def tile_product(typingctx, x, packed, tile, out):
     """out[r, :] = x[r, :] @ packed[tile] for each of x's 1 to ROW_GROUP rows: x [rows, K] float32 with unit
     stride along K, packed [tiles, K, TILE] contiguous, out [>= rows, TILE] float32 with unit stride. Each
-    row count has its own unrolled loop (simd.cases)."""
+    row count has its own unrolled loop (simd.cases). Also the two matmuls of a cascade attention task
+    (paged_decode_cpu._cascade)."""
     vectors = TILE // LANES
     bits = packed.dtype == types.uint16  # bfloat16 bits
 

@@ -16,9 +16,17 @@ sizes 64 and 128 the first and last are LLVM vector kernels (simd.py): scores co
 each key read once for the query heads of its GQA group (up to 4 at once), its products summed
 lane-wise and the 16 sums then folded into one vector, so no key pays a horizontal sum of its own; the
 weighted values stay in registers across the chunk's keys, each value read once for up to 4 heads (2 at
-head size 128). Measured here (`python -m bench.attention`: 8 rows, 1,000-token contexts, 30 layers):
-K/V in cache 3.8-4.2 ms, from memory 12.7-13.6 ms (the arithmetic and the wait for K/V add up instead of
-overlapping), 960 tokens shared 5.9-7.6 ms, batch 1 1.4-2.4 ms. Other head sizes take the plain
+head size 128).
+
+A cascade task with many queries per kv head (CASCADE_QUERIES: 4 rows of SmolLM2's 3 query heads) is
+instead two matmuls by the matmul microkernel (_cascade): the chunk's keys are transposed into the packed
+weight layout so that the scores of up to 8 queries come 32 keys at a time with the keys in vector
+lanes, no sums across lanes at all; the values, copied into the same layout, are weighted by the
+exponentials the same way. While it computes, such a task asks for the K/V of its thread's next task,
+a share between its steps. Measured here (`python -m bench.attention`: 8 rows, 1,000-token contexts,
+30 layers): K/V in cache 3.7-3.9 ms, from memory 12.2-12.7 ms (the arithmetic and the wait for K/V add
+up instead of overlapping), 960 tokens shared 4.0-4.9 ms (4.5-5.3 before the matmul form), 16 rows
+with 960 shared 6.7-6.8 ms (7.8), batch 1 1.4-2.9 ms. Other head sizes take the plain
 loops (one compiled copy of the chunk serves every head size: a copy per size, as the plain loops once
 had, took the kernel's first compile from 20 to 27 s). float32 and bfloat16 caches (the math is
 float32); other dtypes and CUDA take the plain path.
@@ -27,10 +35,8 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from collections.abc import Sequence
 
-import numba
 import numpy as np
 import torch
 from numba import njit, prange, types
@@ -40,6 +46,8 @@ from numba.extending import intrinsic
 from engine.model import kernel_cache  # noqa: F401  (numba's cache folder, set before any @njit below)
 from engine.model import simd
 from engine.model.bfloat16_bits import as_float32, float_from_bits, numpy_view
+from engine.model.cpu_threads import launch_lock, use_threads
+from engine.model.packed_matmul_cpu import ROW_GROUP, TILE, tile_product
 
 # context slots a parallel task attends: a batch-1 step at a 1,000-token context makes 4 tasks for the
 # threads, and the partials to merge stay few (measured: 128 and 512 were no faster)
@@ -47,10 +55,10 @@ CHUNK = 256
 MIN_SHARED_CHUNK = 64  # context slots of a cascade group's task, at the least
 KEYS = simd.LANES  # keys _key_scores scores at once
 SCORE_HEADS = 4  # query heads _key_scores takes per pass over the keys (their sums must fit the registers)
+# query vectors of one kv head (rows x its query heads) from which a chunk is two matmuls (_cascade); measured
+# in cache, 64 slots, 3 query heads per kv head: 1.2x slower at 2 rows, even at 3, 1.1x faster at 4, 1.3x at 8
+CASCADE_QUERIES = 12
 VALUE_VECTORS = 16  # sums _weighted_values keeps in registers: 4 heads at head size 64, 2 at 128
-
-# numba's workqueue layer (the fallback where no OpenMP is found) must not be entered by two threads at once
-launch_lock = threading.Lock()
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
@@ -88,14 +96,6 @@ def cascade_groups(shared: Sequence, rows: int) -> tuple[np.ndarray, np.ndarray,
             np.array([len(p.slots) for p in shared], np.int64))
 
 
-def use_threads() -> int:
-    """numba's parallel regions use as many threads as torch's (the setting is per calling thread); returns
-    that number."""
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    numba.set_num_threads(threads)
-    return threads
-
-
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
 def fast_exp(x):
     """e^x for x <= 0 to ~1e-7 relative, in plain arithmetic that vectorizes over an array (math.exp is a
@@ -131,9 +131,16 @@ def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_leng
     top = np.empty((first[rows], heads), np.float32)  # its largest score
     total = np.empty((first[rows], heads), np.float32)  # and its sum of e^(score - top)
     for b in prange(len(bin_first) - 1):
-        for task in by_bin[bin_first[b]:bin_first[b + 1]]:
-            _task(scaled, k_cache, v_cache, slots, shared_slots, rows, source[task], chunk_start[task],
-                  chunk_end[task], member_row[member_first[task]:member_first[task + 1]],
+        for k in range(bin_first[b], bin_first[b + 1]):
+            task = by_bin[k]
+            # the slots of the bin's next task (none after the last), which a cascade task asks for while it computes
+            last = k + 1 == bin_first[b + 1]
+            after = by_bin[k if last else k + 1]
+            following = _context(slots, shared_slots, rows, source[after], chunk_start[after],
+                                 chunk_start[after] if last else chunk_end[after])
+            _task(scaled, k_cache, v_cache, _context(slots, shared_slots, rows, source[task], chunk_start[task],
+                                                     chunk_end[task]), following,
+                  member_row[member_first[task]:member_first[task + 1]],
                   member_partial[member_first[task]:member_first[task + 1]], dim, acc, top, total)
     merged = out.reshape(rows, heads, dim)
     for m in prange(rows):
@@ -218,12 +225,18 @@ def _plan(lengths, group, shared_lengths, threads):
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
-def _task(q, k_cache, v_cache, slots, shared_slots, rows, source, start, end, members, partials, dim, acc, top,
-          total):
-    """Slots start to end - 1 of a row's own context (source < rows) or of a group's shared prefix, for the
-    rows `members`."""
-    context = slots[source, start:end] if source < rows else shared_slots[source - rows, start:end]
-    _chunk(q, members, partials, k_cache, v_cache, context, dim, acc, top, total)
+def _context(slots, shared_slots, rows, source, start, end):
+    """Slots start to end - 1 of a row's own context (source < rows) or of a group's shared prefix."""
+    return slots[source, start:end] if source < rows else shared_slots[source - rows, start:end]
+
+
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
+def _task(q, k_cache, v_cache, context, following, members, partials, dim, acc, top, total):
+    """The slots `context` for the rows `members`; `following`: the slots of the thread's next task."""
+    if (dim == 64 or dim == 128) and len(members) * (q.shape[1] // k_cache.shape[1]) >= CASCADE_QUERIES:
+        _cascade(q, members, partials, k_cache, v_cache, context, following, dim, acc, top, total)
+    else:
+        _chunk(q, members, partials, k_cache, v_cache, context, dim, acc, top, total)
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
@@ -282,6 +295,174 @@ def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
                         weight = scores[h, t]
                         for d in range(dim):
                             acc[p, h, d] += weight * as_float32(v_cache[slots[t], kvh, d])
+
+
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
+def _cascade(q, members, partials, k_cache, v_cache, slots, following, dim, acc, top, total):
+    """_chunk for many queries (members x query heads per kv head) at head size 64 or 128, as matmuls by the
+    matmul microkernel (packed_matmul_cpu): per kv head, the chunk's keys are packed as a matmul weight (by
+    16 x 16 transposes) and scored against the queries of all its heads of every member with the keys in
+    vector lanes, so no sums across lanes; then a softmax per query, and the values, packed likewise,
+    weighted by the exponentials as a second matmul."""
+    kv_heads = k_cache.shape[1]
+    per_kv = q.shape[1] // kv_heads
+    count = len(slots)
+    padded = (count + TILE - 1) // TILE * TILE
+    keys = np.empty((kv_heads, padded // TILE, dim, TILE), np.float32)  # scores = queries @ keys[kvh]
+    values = np.empty((kv_heads, dim // TILE, count, TILE), np.float32)  # outputs = exponentials @ values[kvh]
+    queries = np.empty((len(members) * per_kv, dim), np.float32)  # row i * per_kv + j: members[i]'s head j
+    scores = np.empty((len(queries), padded), np.float32)
+    outputs = np.empty((len(queries), dim), np.float32)
+    whole = count - count % KEYS
+    # the next task's K/V are asked for from L2 in shares between the steps below, ahead of their first read
+    # (measured: from memory it took as long as this task's arithmetic, one after the other; in one burst it
+    # was no faster)
+    groups = (len(queries) + ROW_GROUP - 1) // ROW_GROUP
+    steps = kv_heads * (groups * (padded // TILE + dim // TILE) + len(queries))
+    share, ahead = (len(following) + steps - 1) // steps, 0
+    # every kv head's K and V in one pass over the slots (the chunk's one read from memory, in address order)
+    for t in range(0, whole, KEYS):
+        for kvh in range(kv_heads):
+            if dim == 64:
+                _pack_keys(k_cache, kvh, slots, t, 64, keys[kvh])
+            else:
+                _pack_keys(k_cache, kvh, slots, t, 128, keys[kvh])
+    for t in range(whole, padded):  # the last keys, then zeros to the tile's end
+        for kvh in range(kv_heads):
+            for d in range(dim):
+                keys[kvh, t // TILE, d, t % TILE] = (as_float32(k_cache[slots[t], kvh, d]) if t < count
+                                                     else np.float32(0.0))
+    for t in range(count):
+        for kvh in range(kv_heads):
+            for c in range(dim // TILE):
+                _copy(values[kvh, c, t], v_cache[slots[t], kvh, c * TILE:], TILE)
+    for kvh in range(kv_heads):
+        for i in range(len(members)):
+            for j in range(per_kv):
+                for c in range(dim // TILE):
+                    _copy(queries[i * per_kv + j, c * TILE:], q[members[i], kvh * per_kv + j, c * TILE:], TILE)
+        for first in range(0, len(queries), ROW_GROUP):
+            for tile in range(padded // TILE):
+                tile_product(queries[first:first + ROW_GROUP], keys[kvh], tile,
+                              scores[first:first + ROW_GROUP, tile * TILE:])
+                ahead = _prefetch(k_cache, v_cache, following, ahead, share)
+        for i in range(len(members)):
+            for j in range(per_kv):
+                top[partials[i], kvh * per_kv + j], total[partials[i], kvh * per_kv + j] = _exponentials(
+                    scores[i * per_kv + j, :count])
+                ahead = _prefetch(k_cache, v_cache, following, ahead, share)
+        for first in range(0, len(queries), ROW_GROUP):
+            for tile in range(dim // TILE):
+                tile_product(scores[first:first + ROW_GROUP, :count], values[kvh], tile,
+                              outputs[first:first + ROW_GROUP, tile * TILE:])
+                ahead = _prefetch(k_cache, v_cache, following, ahead, share)
+        for i in range(len(members)):
+            for j in range(per_kv):
+                for c in range(dim // TILE):
+                    _copy(acc[partials[i], kvh * per_kv + j, c * TILE:], outputs[i * per_kv + j, c * TILE:], TILE)
+
+
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
+def _exponentials(scores):
+    """scores[t] = e^(scores[t] - largest) in place; returns the largest score and the sum of the exponentials."""
+    whole = len(scores) - len(scores) % simd.LANES
+    largest = _largest(scores, whole // simd.LANES) if whole else scores[0]
+    for t in range(whole, len(scores)):
+        largest = max(largest, scores[t])
+    summed = np.float32(0.0)
+    for t in range(len(scores)):
+        e = fast_exp(scores[t] - largest)
+        scores[t] = e
+        summed += e
+    return largest, summed
+
+
+@intrinsic
+def _largest(typingctx, row, vectors):
+    """The largest of row[:vectors * LANES] (vectors >= 1; row float32 with unit stride): numba leaves a
+    maximum over a loop scalar, one compare after the other."""
+    def codegen(context, builder, signature, args):
+        row_arg, vectors_arg = args
+        start = simd.element_pointer(context, builder, signature.args[0], row_arg, [simd.const(0)])
+        first = simd.broadcast(builder, builder.load(start))
+        [result] = simd.accumulate(builder, vectors_arg, 1, lambda i, acc: [simd.maximum(builder, acc[0], simd.load(
+            builder, builder.gep(start, [builder.mul(i, simd.const(simd.LANES))]), False))], first)
+        return simd.largest_lane(builder, result)
+
+    return types.float32(row, vectors), codegen
+
+
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
+def _prefetch(k_cache, v_cache, slots, ahead, share):
+    """Asks for the K/V of slots[ahead:ahead + share] from L2 outward; returns the next `ahead`."""
+    for t in range(ahead, min(ahead + share, len(slots))):
+        _prefetch_row(k_cache, slots[t])
+        _prefetch_row(v_cache, slots[t])
+    return ahead + share
+
+
+@intrinsic
+def _prefetch_row(typingctx, cache, slot):
+    """Asks for cache[slot] (every kv head's) from L2 outward, ahead of its use."""
+    def codegen(context, builder, signature, args):
+        cache_ty = signature.args[0]
+        cache_arg, slot_arg = args
+        row = simd.element_pointer(context, builder, cache_ty, cache_arg, [slot_arg, simd.const(0), simd.const(0)])
+        shape = cgutils.unpack_tuple(builder, context.make_array(cache_ty)(context, builder, cache_arg).shape, 3)
+        size = builder.mul(builder.mul(shape[1], shape[2]), simd.const(context.get_abi_sizeof(
+            context.get_data_type(cache_ty.dtype))))
+        lines = builder.udiv(builder.add(size, simd.const(simd.CACHE_LINE - 1)), simd.const(simd.CACHE_LINE))
+        with cgutils.for_range(builder, lines) as loop:
+            simd.prefetch(builder, row, builder.mul(loop.index, simd.const(simd.CACHE_LINE)), locality=2)
+        return context.get_dummy_value()
+
+    return types.void(cache, slot), codegen
+
+
+@intrinsic
+def _copy(typingctx, dst, src, n):
+    """dst[:n] = src[:n] (float32, or bfloat16 bits widened) for n a constant multiple of LANES, both with unit
+    stride: straight vector moves (numba's loop over computed indices does not vectorize, measured 17x slower)."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    bits = src.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        dst_arg, src_arg, _ = args
+        to = simd.element_pointer(context, builder, signature.args[0], dst_arg, [simd.const(0)])
+        start = simd.element_pointer(context, builder, signature.args[1], src_arg, [simd.const(0)])
+        for c, vector in enumerate(simd.load_pieces(builder, start, n.literal_value // simd.LANES, bits)):
+            simd.store(builder, vector, builder.gep(to, [simd.const(c * simd.LANES)]))
+        return context.get_dummy_value()
+
+    return types.void(dst, src, n), codegen
+
+
+@intrinsic
+def _pack_keys(typingctx, k_cache, kvh, slots, t, dim, keys):
+    """keys[t // TILE, d, t % TILE + j] = k_cache[slots[t + j], kvh, d] for j < KEYS (t a multiple of KEYS) and
+    every d: KEYS keys into the layout of packed_matmul_cpu.pack, float32, by one 16 x 16 transpose per 16
+    of their elements. dim (64 or 128) is a constant."""
+    if not isinstance(dim, types.IntegerLiteral):
+        return None
+    pieces = dim.literal_value // simd.LANES
+    bits = k_cache.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        k_arg, kvh_arg, slots_arg, t_arg, _, keys_arg = args
+        k_ty, _, slots_ty, _, _, keys_ty = signature.args
+        at = functools.partial(simd.element_pointer, context, builder)  # at(array type, array, indices)
+        rows = [at(k_ty, k_arg, [builder.load(at(slots_ty, slots_arg, [builder.add(t_arg, simd.const(j))])), kvh_arg,
+                                  simd.const(0)]) for j in range(KEYS)]
+        tile, column = builder.sdiv(t_arg, simd.const(TILE)), builder.srem(t_arg, simd.const(TILE))
+        for c in range(pieces):
+            columns = simd.transpose(builder, [simd.load(builder, builder.gep(row, [simd.const(c * simd.LANES)]), bits)
+                                               for row in rows])
+            for d, vector in enumerate(columns):
+                simd.store(builder, vector, at(keys_ty, keys_arg, [tile, simd.const(c * simd.LANES + d), column]))
+        return context.get_dummy_value()
+
+    return types.void(k_cache, kvh, slots, t, dim, keys), codegen
 
 
 @intrinsic

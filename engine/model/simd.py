@@ -45,13 +45,14 @@ def store(builder: ir.IRBuilder, value: ir.Value, pointer) -> None:
     builder.store(value, builder.bitcast(pointer, FLOATS.as_pointer()), align=4)
 
 
-def prefetch(builder: ir.IRBuilder, pointer, offset: int) -> None:
-    """Asks for the cache line `offset` bytes past `pointer` ahead of its load (into every cache level)."""
+def prefetch(builder: ir.IRBuilder, pointer, offset, locality: int = 3) -> None:
+    """Asks for the cache line `offset` bytes (an int or an i64) past `pointer` ahead of its load: into every
+    cache level (locality 3), or from L2 outward (2)."""
     byte = ir.IntType(8).as_pointer()
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte, I32, I32, I32]),
                                         "llvm.prefetch.p0")
-    line = builder.gep(builder.bitcast(pointer, byte), [const(offset)])
-    builder.call(fn, [line, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])  # read, keep, data
+    line = builder.gep(builder.bitcast(pointer, byte), [const(offset) if isinstance(offset, int) else offset])
+    builder.call(fn, [line, ir.Constant(I32, 0), ir.Constant(I32, locality), ir.Constant(I32, 1)])  # read, data
 
 
 def broadcast(builder: ir.IRBuilder, scalar: ir.Value) -> ir.Value:
@@ -80,10 +81,22 @@ def cases(builder: ir.IRBuilder, value: ir.Value, counts: range, emit) -> None:
     builder.position_at_end(done)
 
 
-def accumulate(builder: ir.IRBuilder, count: ir.Value, accumulators: int, body) -> list[ir.Value]:
+def maximum(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
+    """The larger of a and b, lane-wise."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(FLOATS, [FLOATS] * 2), "llvm.maxnum.v16f32")
+    return builder.call(fn, [a, b])
+
+
+def largest_lane(builder: ir.IRBuilder, vector: ir.Value) -> ir.Value:
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.FloatType(), [FLOATS]),
+                                        "llvm.vector.reduce.fmax.v16f32")
+    return builder.call(fn, [vector])
+
+
+def accumulate(builder: ir.IRBuilder, count: ir.Value, accumulators: int, body, start=None) -> list[ir.Value]:
     """Vector sums over i < count (an i64) that stay in registers for the whole loop: body(i, sums) returns
-    the next `accumulators` sums; returns the last ones (zeros when count is 0)."""
-    zero = ir.Constant(FLOATS, None)
+    the next `accumulators` sums; returns the last ones (start, zeros unless given, when count is 0)."""
+    zero = ir.Constant(FLOATS, None) if start is None else start
     entry = builder.block
     loop = builder.append_basic_block("sum.loop")
     done = builder.append_basic_block("sum.done")
@@ -108,6 +121,22 @@ def accumulate(builder: ir.IRBuilder, count: ir.Value, accumulators: int, body) 
         result.add_incoming(value, body_end)
         results.append(result)
     return results
+
+
+def transpose(builder: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
+    """The 16 x 16 transpose of 16 vectors (lane j of row i becomes lane i of row j): four rounds, each
+    swapping the off-diagonal blocks of a run of rows (8, 4, 2 then 1) with two-source lane shuffles."""
+    rows = list(rows)
+    run = LANES // 2
+    while run:
+        keep = ir.Constant(_WORDS, [j if not j & run else LANES + j - run for j in range(LANES)])
+        swap = ir.Constant(_WORDS, [j + run if not j & run else LANES + j for j in range(LANES)])
+        for i in range(LANES):
+            if not i & run:
+                a, b = rows[i], rows[i + run]
+                rows[i], rows[i + run] = builder.shuffle_vector(a, b, keep), builder.shuffle_vector(a, b, swap)
+        run //= 2
+    return rows
 
 
 def sum_lanes_of_each(builder: ir.IRBuilder, vectors) -> list[ir.Value]:

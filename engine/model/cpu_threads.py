@@ -1,0 +1,18 @@
+"""The threads of the numba CPU kernels: as many as torch's, and one launch at a time."""
+from __future__ import annotations
+
+import threading
+
+import numba
+import torch
+
+# numba's workqueue layer (the fallback where no OpenMP is found) must not be entered by two threads at once
+launch_lock = threading.Lock()
+
+
+def use_threads() -> int:
+    """numba's parallel regions use as many threads as torch's (the setting is per calling thread); returns
+    that number."""
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    numba.set_num_threads(threads)
+    return threads
