@@ -4,9 +4,9 @@ numba throws a cached function away only when its own file changes, but the comp
 (decode_step_cpu.py) has the attention kernel, the matmuls, the vector code and the bfloat16 reads of
 the other files compiled into it: after an edit of those alone it would go on loading the old machine
 code. A folder keyed by a hash of every kernel source turns any such edit into a fresh compile. Import
-this module before defining a kernel with cache=True (numba picks the folder when the decorator runs). NUMBA_CACHE_DIR, if set, is the
-parent of those folders; else the user cache ($XDG_CACHE_HOME or ~/.cache, then prefixgate/numba).
-Folders of older versions stay until removed (a few MB each).
+this module before defining a kernel with cache=True (numba picks the folder when the decorator runs).
+NUMBA_CACHE_DIR, if set, is the parent of those folders; else the user cache ($XDG_CACHE_HOME or
+~/.cache, then prefixgate/numba). Folders of older versions stay until removed (a few MB each).
 """
 from __future__ import annotations
 

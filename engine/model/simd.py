@@ -1,8 +1,8 @@
 """LLVM vector code for the CPU kernels' innermost loops (numba intrinsics build their IR with these).
 
 numba vectorizes plain loops, but it cannot keep a vector in a register across iterations, broadcast a
-scalar against a vector, or sum 16 vectors lane-wise into one: the loops below need all three. Vectors
-are 16 float32 lanes: one AVX-512 register here; LLVM splits them in halves on AVX2 or NEON.
+scalar against a vector, sum 16 vectors lane-wise into one or transpose them: the kernels need all four.
+Vectors are 16 float32 lanes: one AVX-512 register here; LLVM splits them in halves on AVX2 or NEON.
 """
 from __future__ import annotations
 
@@ -88,6 +88,7 @@ def maximum(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
 
 
 def largest_lane(builder: ir.IRBuilder, vector: ir.Value) -> ir.Value:
+    """The largest of the vector's lanes, as a float."""
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.FloatType(), [FLOATS]),
                                         "llvm.vector.reduce.fmax.v16f32")
     return builder.call(fn, [vector])
@@ -96,7 +97,7 @@ def largest_lane(builder: ir.IRBuilder, vector: ir.Value) -> ir.Value:
 def accumulate(builder: ir.IRBuilder, count: ir.Value, accumulators: int, body, start=None) -> list[ir.Value]:
     """Vector sums over i < count (an i64) that stay in registers for the whole loop: body(i, sums) returns
     the next `accumulators` sums; returns the last ones (start, zeros unless given, when count is 0)."""
-    zero = ir.Constant(FLOATS, None) if start is None else start
+    initial = ir.Constant(FLOATS, None) if start is None else start
     entry = builder.block
     loop = builder.append_basic_block("sum.loop")
     done = builder.append_basic_block("sum.done")
@@ -110,14 +111,14 @@ def accumulate(builder: ir.IRBuilder, count: ir.Value, accumulators: int, body, 
     i.add_incoming(const(0), entry)
     i.add_incoming(following, body_end)
     for phi, value in zip(sums, added):
-        phi.add_incoming(zero, entry)
+        phi.add_incoming(initial, entry)
         phi.add_incoming(value, body_end)
     builder.cbranch(builder.icmp_signed("<", following, count), loop, done)
     builder.position_at_end(done)
     results = []
     for value in added:
         result = builder.phi(FLOATS)
-        result.add_incoming(zero, entry)
+        result.add_incoming(initial, entry)
         result.add_incoming(value, body_end)
         results.append(result)
     return results
