@@ -4,7 +4,9 @@ A decode step reads every weight once plus each sequence's K/V, so its floor is
 (weight bytes + K/V bytes read) / memory bandwidth. The bandwidth is measured here with a streaming
 read (a large tensor's sum on torch's threads) before every timed step, so that load from other
 processes shows in both alike. Step times and bandwidths are medians; the roofline ratio is the
-median over steps of each step against the probe taken just before it.
+median over steps of each step against the probe taken just before it. Where batches 1 and 8 are both
+asked for, batch 8's steps are timed once more in turns with a batch-1 engine over the same weights, so
+that their ratio compares steps of the same moment (measure_in_turns).
 """
 from __future__ import annotations
 
@@ -84,6 +86,28 @@ def measure(core: EngineCore, probe: torch.Tensor, batch: int, context: int, ste
             "roofline_ms": roofline_s * 1e3, "roofline_ratio": ratio, "steps": steps}
 
 
+def measure_in_turns(core: EngineCore, partner: EngineCore, batch: int, context: int, steps: int,
+                     shared: int = 0) -> dict:
+    """`batch` decodes on `core`, each step right after a batch-1 step on `partner` (an engine over the same
+    weights): the two steps of a pair see the same moment of the machine, whose memory bandwidth swings by 2x
+    within a minute, so their ratio carries less of that noise than two medians taken a few seconds apart."""
+    batched = start_decoding(core, batch, context, steps, shared)
+    single = start_decoding(partner, 1, context, steps, shared)
+    pairs = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        partner.step()
+        middle = time.perf_counter()
+        core.step()
+        pairs.append((middle - start, time.perf_counter() - middle))
+    for engine, requests in ((core, batched), (partner, single)):
+        for r in requests:
+            engine.abort(r.request_id)
+    return {"batch": batch, "pairs": steps, "ratio": statistics.median(b / one for one, b in pairs),
+            "batch1_ms": statistics.median(one for one, _ in pairs) * 1e3,
+            "batch_ms": statistics.median(b for _, b in pairs) * 1e3}
+
+
 def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, steps: int = 24,
         dtype: str = "float32", log=print, shared_prefix: int = 0, **engine_overrides) -> dict:
     # a pool that holds every sequence of the largest batch: a smaller one would preempt some and time a smaller batch
@@ -108,8 +132,18 @@ def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, step
         rows.append(row)
     b1 = next((r for r in rows if r["batch"] == 1), None)
     b8 = next((r for r in rows if r["batch"] == 8), None)
+    in_turns = None
+    if b1 and b8:
+        # a batch-1 engine over the same weights, whose steps take turns with batch 8's
+        partner = EngineCore(EngineConfig(model=model, dtype=dtype, max_num_seqs=1, max_num_batched_tokens=2048,
+                                          max_model_len=context + steps + 8,
+                                          **{**engine_overrides, "num_kv_blocks": blocks_per_seq + 8}),
+                             model=core.model)
+        in_turns = measure_in_turns(core, partner, 8, context, steps, shared_prefix)
+        log(f"decode batch 8 / batch 1, steps in turns: {in_turns['ratio']:.2f}x (median of {steps} pairs; "
+            f"{in_turns['batch_ms']:.1f} vs {in_turns['batch1_ms']:.1f} ms)")
     return {"rows": rows, "batch8_over_batch1": b8["step_ms"] / b1["step_ms"] if b1 and b8 else None,
-            "threads": torch.get_num_threads()}
+            "batch8_in_turns": in_turns, "threads": torch.get_num_threads()}
 
 
 def main(argv: list[str] | None = None) -> int:

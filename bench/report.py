@@ -108,9 +108,15 @@ def decode_targets(extra: dict) -> list[dict]:
             # what the two steps' bytes alone make of it: K/V grow with the batch, so 1.5x can be out of reach
             floor = (eight["weight_mb"] + eight["kv_mb"]) / (one["weight_mb"] + one["kv_mb"])
             shared = f", {one['shared_prefix']} of {one['context']} tokens shared" if one["shared_prefix"] else ""
+            figure = f"{eight['step_ms']:.1f} vs {one['step_ms']:.1f} ms = {ratio:.2f}x"
+            # steps timed in turns see the same memory speed: their ratio decides where there is one
+            turns = run.get("batch8_in_turns")
+            if turns:
+                figure = (f"in turns {turns['batch_ms']:.1f} vs {turns['batch1_ms']:.1f} ms = {turns['ratio']:.2f}x; "
+                          f"apart {figure}")
+                ratio = turns["ratio"]
             out.append(_target(label, "<= 1.5x the batch-1 step",
-                               f"{eight['step_ms']:.1f} vs {one['step_ms']:.1f} ms = {ratio:.2f}x (at the roofline: "
-                               f"{floor:.2f}x{shared})", ratio <= 1.5))
+                               f"{figure} (at the roofline: {floor:.2f}x{shared})", ratio <= 1.5))
     chats = extra.get("multiturn4", {}).get("http") or extra.get("multiturn4", {}).get("in_process")
     pure = chats and chats["steps"]["pure_step_ms_p50"]
     if chats and pure:

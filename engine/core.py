@@ -12,7 +12,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.disk_tier import DiskTier, model_fingerprint
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_io import KVBlockIO
-from engine.model.llama import head_dim
+from engine.model.llama import LlamaForCausalLM, head_dim
 from engine.model.loader import load_config, load_model, resolve_model_path
 from engine.outputs import FinishReason, RequestOutput
 from engine.request import Request, RequestStatus, validate_prompt
@@ -32,7 +32,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class EngineCore:
     """Single-threaded engine: everything here runs on the thread that calls step()."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None = None) -> None:
+        """model: weights another engine already loaded for the same model, dtype and device, to share
+        instead of loading them again (each engine keeps its own KV cache)."""
         self.config = config
         self.device = _resolve_device(config.device)
         dtype = _resolve_dtype(config.dtype, self.device)
@@ -42,7 +44,7 @@ class EngineCore:
         path = resolve_model_path(config.model, config.model_cache_dir)
         hf_config = load_config(path)
         self.model_path = path
-        self.model = load_model(path, hf_config, dtype, self.device)
+        self.model = model if model is not None else load_model(path, hf_config, dtype, self.device)
         self.tokenizer = load_tokenizer(path, _eos_token_ids(path, hf_config))
         self.vocab_size = hf_config.vocab_size
         kv_cache = _allocate_kv_cache(config, hf_config, kv_dtype, self.device)

@@ -69,6 +69,29 @@ def test_batch8_targets_name_the_roofline_ratio_for_distinct_and_shared_prompts(
     assert distinct["status"] == "missed" and "2.00x (at the roofline: 1.64x)" in distinct["figure"]
     shared = targets["decode batch 8 vs batch 1 step, shared prefix"]
     assert shared["status"] == "met" and "1.40x (at the roofline: 1.05x, 960 of 1000 tokens shared)" in shared["figure"]
+    # where batch 8's steps were also timed in turns with batch 1's, that ratio decides
+    in_turns = run(960, 80.0, 19.6) | {"batch8_in_turns": {"ratio": 1.6, "batch_ms": 17.6, "batch1_ms": 11.0}}
+    shared = report.decode_targets({"decode": run(0, 400.0, 28.0), "decode_shared": in_turns})[-1]
+    assert shared["status"] == "missed" and shared["figure"].startswith("in turns 17.6 vs 11.0 ms = 1.60x; apart 19.6")
+
+
+def test_batch8_steps_are_timed_in_turns_with_a_batch1_engine_over_the_same_weights(tiny_llama_dir, monkeypatch):
+    engines = []
+    init = EngineCore.__init__
+
+    def spy(self, config, model=None):
+        init(self, config, model)
+        engines.append(self)
+
+    monkeypatch.setattr(EngineCore, "__init__", spy)
+    result = decode.run(str(tiny_llama_dir), batches=(1, 8), context=40, steps=3, log=lambda _: None,
+                        num_kv_blocks=64, block_size=4)
+    turns = result["batch8_in_turns"]
+    assert turns["pairs"] == 3 and turns["ratio"] > 0 and turns["batch_ms"] > 0 and turns["batch1_ms"] > 0
+    main, partner = engines
+    assert partner.model is main.model and partner.runner.kv_slots is not main.runner.kv_slots
+    assert not main.requests and not partner.requests  # every decode aborted: no KV blocks left held
+    assert partner.kv.pool.num_free_blocks == len(partner.kv.pool.blocks)
 
 
 def test_matmul_bench_times_every_kernel_over_the_models_step_shapes(tiny_llama_dir):
