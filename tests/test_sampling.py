@@ -42,6 +42,20 @@ def test_filtered_probs_top_p_keeps_smallest_head():
     assert _filtered_probs(logits, top_k=2, top_p=1.0).tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0])
 
 
+def test_greedy_rows_pick_the_first_of_equal_maxima_as_torch_does():
+    """The CPU sampler takes numpy's argmax: the same ids as torch's, ties (the first wins), NaN and
+    all -inf rows included, float32 and bfloat16 logits alike."""
+    logits = torch.randn(6, 300)
+    logits[1, [7, 200]] = 50.0  # a tie
+    logits[2, 9] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, 299] = 1e30
+    for rows in (logits, logits.bfloat16()):
+        picked = Sampler()(rows, [SamplingParams(temperature=0.0)] * 6, [None] * 6)
+        assert [t.token_id for t in picked] == rows.float().argmax(dim=-1).tolist()
+        assert picked[1].token_id == 7 and picked[2].token_id == 9 and picked[3].token_id == 0
+
+
 def test_logprobs_are_those_of_the_chosen_tokens():
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
     out = Sampler()(logits, [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0)], [None, None])
