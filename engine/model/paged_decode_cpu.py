@@ -269,16 +269,7 @@ def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
                     score += q[m, h, d] * as_float32(k_cache[slot, kvh, d])
                 scores[h, t] = score
         for h in range(heads):
-            largest = scores[h, 0]
-            for t in range(1, count):
-                largest = max(largest, scores[h, t])
-            summed = np.float32(0.0)
-            for t in range(count):
-                e = fast_exp(scores[h, t] - largest)
-                scores[h, t] = e
-                summed += e
-            top[p, h] = largest
-            total[p, h] = summed
+            top[p, h], total[p, h] = _exponentials(scores[h])
         for kvh in range(kv_heads):
             last = (kvh + 1) * per_kv
             if dim == 64 or dim == 128:  # the group's heads, as many a pass as their sums fit the registers
