@@ -43,10 +43,12 @@ def test_bfloat16_weights_are_widened_exactly():
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)  # only the bfloat16 rounding of the output
 
 
-def test_accumulate_adds_into_out_and_leaves_nothing_past_it():
+@pytest.mark.parametrize("rows, out_features", [(10, 45), (3, 2 * TILE), (ROW_GROUP + 2, 3 * TILE)])
+def test_accumulate_adds_into_out_and_leaves_nothing_past_it(rows, out_features):
+    # whole tiles go straight from the microkernel into out, a tile's last columns through its scratch
     gen = torch.Generator().manual_seed(1)
-    weight, x = torch.randn(45, 24, generator=gen), torch.randn(10, 24, generator=gen)
-    residual = torch.randn(10, 45, generator=gen)
+    weight, x = torch.randn(out_features, 24, generator=gen), torch.randn(rows, 24, generator=gen)
+    residual = torch.randn(rows, out_features, generator=gen)
     out = residual.clone().numpy()
     matmul(x.numpy(), numpy_view(pack(weight)), np.zeros(0, np.float32), out, True,
            packed_matmul_cpu.use_threads())

@@ -14,7 +14,7 @@ other. This is the layout and microkernel of oneDNN-style GEMMs, written as LLVM
 numba cannot express vector registers, so the microkernel is a numba intrinsic that emits the loop as
 LLVM IR (<16 x float> and llvm.fma); LLVM lowers it to AVX-512 here, and splits it into halves on AVX2
 or NEON. Measured here (`python -m bench.matmul`: 2-core AVX-512 EPYC, the 121 matmuls of a SmolLM2-135M
-step, fp32): 12.4 / 13.1 / 16.9 / 29.6 ms at 1 / 8 / 16 / 32 rows against 14.8 / 17.3 / 20.0 / 30.5 ms for
+step, fp32): 11.1 / 11.9 / 14.3 / 24.2 ms at 1 / 8 / 16 / 32 rows against 14.0 / 16.5 / 18.8 / 28.5 ms for
 oneDNN's packed weights (13.8 / 16.9 / 19.7 / 33.6 against 17.7 / 19.3 / 21.7 / 32.8 in a run before the
 prefetch below); the loops it replaces took 24-26 ms at 8 rows. bfloat16 weights are packed as
 their bits and widened to float32 in the loop (the arithmetic is float32): faster than oneDNN's native
@@ -79,7 +79,15 @@ def matmul(x, packed, bias, out, accumulate, threads):
             width = min(TILE, out.shape[1] - start)
             for first in range(0, x.shape[0], ROW_GROUP):
                 group = x[first:first + ROW_GROUP]
-                tile_product(group, packed, tile, scratch)
+                # a whole tile with no bias goes straight from the registers to out (measured, 8 rows: the
+                # scalar pass through scratch cost 0.7 ms of the 121 matmuls' arithmetic)
+                if width == TILE and not len(bias):
+                    if accumulate:
+                        tile_product(group, packed, tile, out[first:first + ROW_GROUP, start:], True)
+                    else:
+                        tile_product(group, packed, tile, out[first:first + ROW_GROUP, start:], False)
+                    continue
+                tile_product(group, packed, tile, scratch, False)
                 for m in range(group.shape[0]):
                     for j in range(width):
                         value = scratch[m, j] + (as_float32(bias[start + j]) if len(bias) else np.float32(0.0))
@@ -90,16 +98,18 @@ def matmul(x, packed, bias, out, accumulate, threads):
 
 
 @intrinsic
-def tile_product(typingctx, x, packed, tile, out):
-    """out[r, :] = x[r, :] @ packed[tile] for each of x's 1 to ROW_GROUP rows: x [rows, K] float32 with unit
-    stride along K, packed [tiles, K, TILE] contiguous, out [>= rows, TILE] float32 with unit stride. Each
-    row count has its own unrolled loop (simd.cases). Also the two matmuls of a cascade attention task
-    (paged_decode_cpu._cascade)."""
+def tile_product(typingctx, x, packed, tile, out, accumulate):
+    """out[r, :TILE] = x[r, :] @ packed[tile] (+= if the constant `accumulate`) for each of x's 1 to ROW_GROUP
+    rows: x [rows, K] float32 with unit stride along K, packed [tiles, K, TILE] contiguous, out [>= rows,
+    >= TILE] float32 with unit stride along its rows. Each row count has its own unrolled loop (simd.cases).
+    Also the two matmuls of a cascade attention task (paged_decode_cpu._cascade)."""
+    if not isinstance(accumulate, types.BooleanLiteral):
+        return None  # numba then retries with the literal value of the constant the caller passes
     vectors = TILE // LANES
     bits = packed.dtype == types.uint16  # bfloat16 bits
 
     def codegen(context, builder, signature, args):
-        x_arg, packed_arg, tile_arg, out_arg = args
+        x_arg, packed_arg, tile_arg, out_arg, _ = args
         x_ary = context.make_array(signature.args[0])(context, builder, x_arg)
         packed_ary = context.make_array(signature.args[1])(context, builder, packed_arg)
         out_ary = context.make_array(signature.args[3])(context, builder, out_arg)
@@ -125,10 +135,12 @@ def tile_product(typingctx, x, packed, tile, out):
             results = simd.accumulate(builder, k_len, num_rows * vectors, step)
             for r in range(num_rows):
                 for v in range(vectors):
-                    simd.store(builder, results[r * vectors + v], builder.gep(
-                        out_ary.data, [builder.add(builder.mul(const(r), out_row), const(v * LANES))]))
+                    to = builder.gep(out_ary.data, [builder.add(builder.mul(const(r), out_row), const(v * LANES))])
+                    result = results[r * vectors + v]
+                    simd.store(builder, builder.fadd(simd.load(builder, to, False), result)
+                               if accumulate.literal_value else result, to)
 
         simd.cases(builder, rows, range(1, ROW_GROUP + 1), product)
         return context.get_dummy_value()
 
-    return types.void(x, packed, tile, out), codegen
+    return types.void(x, packed, tile, out, accumulate), codegen

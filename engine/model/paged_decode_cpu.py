@@ -335,7 +335,7 @@ def _cascade(q, members, partials, k_cache, v_cache, slots, following, dim, acc,
         for first in range(0, len(queries), ROW_GROUP):
             for tile in range(padded // TILE):
                 tile_product(queries[first:first + ROW_GROUP], keys[kvh], tile,
-                              scores[first:first + ROW_GROUP, tile * TILE:])
+                             scores[first:first + ROW_GROUP, tile * TILE:], False)
                 ahead = _prefetch(k_cache, v_cache, following, ahead, share)
         for i in range(len(members)):
             for j in range(per_kv):
@@ -345,7 +345,7 @@ def _cascade(q, members, partials, k_cache, v_cache, slots, following, dim, acc,
         for first in range(0, len(queries), ROW_GROUP):
             for tile in range(dim // TILE):
                 tile_product(scores[first:first + ROW_GROUP, :count], values[kvh], tile,
-                              outputs[first:first + ROW_GROUP, tile * TILE:])
+                             outputs[first:first + ROW_GROUP, tile * TILE:], False)
                 ahead = _prefetch(k_cache, v_cache, following, ahead, share)
         for i in range(len(members)):
             for j in range(per_kv):
