@@ -71,7 +71,11 @@ class HFTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         with self._lock:
-            return self._tok.decode(token_ids, skip_special_tokens=True)
+            if self._tok.clean_up_tokenization_spaces:
+                return self._tok.decode(token_ids, skip_special_tokens=True)
+            # what transformers' decode comes down to without its cleanup, less its checks of every id
+            # (measured: 1.3 against 3.1 us a call; the detokenizer makes two a request a step)
+            return self._tok.backend_tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The token's own bytes, also when they are part of a UTF-8 character (decode would say U+FFFD)."""

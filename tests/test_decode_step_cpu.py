@@ -2,6 +2,7 @@
 decode-only steps of up to MAX_ROWS rows."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -96,6 +97,16 @@ def test_warm_up_leaves_the_kv_pool_as_it_was(tiny_llama_dir):
     before = runner.kv_slots.clone()
     runner._warm_up_compiled_decode()
     assert torch.equal(runner.kv_slots, before)
+
+
+def test_rotary_rows_are_the_rotary_modules_own_output_as_the_table_grows(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=64)
+    step = llm.core.runner.compiled_decode
+    for positions in ([0, 7], [1023, 5], [4000, 1024, 2]):  # the last two grow the table past 1,024 rows
+        got_cos, got_sin = step._rotary_rows(np.array(positions))
+        want_cos, want_sin = step.rotary(torch.tensor(positions))
+        assert np.array_equal(got_cos, want_cos.numpy()) and np.array_equal(got_sin, want_sin.numpy())
+    assert len(step._cos) >= 4001
 
 
 def test_supported_on_cpu_in_float32_and_bfloat16():

@@ -90,10 +90,11 @@ def cascade_groups(shared: Sequence, rows: int) -> tuple[np.ndarray, np.ndarray,
         if np.any(group[members] >= 0):
             raise ValueError("a row can be in one cascade group only")
         group[members] = g
-    if not shared:
-        return group, np.zeros((0, 1), np.int64), np.zeros(0, np.int64)
-    return (group, torch.nn.utils.rnn.pad_sequence([p.slots for p in shared], batch_first=True).numpy(),
-            np.array([len(p.slots) for p in shared], np.int64))
+    lengths = np.array([len(p.slots) for p in shared], np.int64)
+    slots = np.zeros((len(shared), max(lengths, default=1)), np.int64)  # padded with slot 0, never read
+    for g, prefix in enumerate(shared):
+        slots[g, :lengths[g]] = prefix.slots.numpy()
+    return group, slots, lengths
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
