@@ -84,14 +84,14 @@ def cases(builder: ir.IRBuilder, value: ir.Value, counts: range, emit) -> None:
 def maximum(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
     """The larger of a and b, lane-wise."""
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(FLOATS, [FLOATS] * 2), "llvm.maxnum.v16f32")
-    return builder.call(fn, [a, b])
+    return builder.call(fn, [a, b], fastmath=("fast",))
 
 
 def largest_lane(builder: ir.IRBuilder, vector: ir.Value) -> ir.Value:
     """The largest of the vector's lanes, as a float."""
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.FloatType(), [FLOATS]),
                                         "llvm.vector.reduce.fmax.v16f32")
-    return builder.call(fn, [vector])
+    return builder.call(fn, [vector], fastmath=("fast",))
 
 
 def accumulate(builder: ir.IRBuilder, count: ir.Value, accumulators: int, body, start=None) -> list[ir.Value]:
