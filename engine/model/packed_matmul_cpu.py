@@ -40,10 +40,12 @@ TILE = 2 * LANES  # output columns of a packed tile
 # AVX-512's 32 registers
 ROW_GROUP = 8
 # from 4 rows on the arithmetic keeps the core from asking for the next weights in time: each step of the
-# microkernel prefetches the tile's lines 4 KB ahead (measured, 121 matmuls at 8 rows: 0.68-0.79x oneDNN's
-# time with it, 0.81-0.88x without; at one row it was no faster)
+# microkernel prefetches the tile's lines 6 KB ahead (measured, 121 matmuls at 8 rows: 0.68-0.79x oneDNN's
+# time with it, 0.81-0.88x without; at one row it was no faster). The distance trades memory spells: over
+# 8,216 paired rounds, 6 KB against 4 KB took 0.3-0.4 ms off the 8.2-9.6 ms where memory streamed at 60+
+# GB/s and added 0.1 ms to the 11-12 ms at 40-60 GB/s (8 KB: -0.43 and +0.25)
 PREFETCH_ROWS = 4
-PREFETCH_BYTES = 4096
+PREFETCH_BYTES = 6144
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -80,7 +82,7 @@ def matmul(x, packed, bias, out, accumulate, threads):
             for first in range(0, x.shape[0], ROW_GROUP):
                 group = x[first:first + ROW_GROUP]
                 # a whole tile with no bias goes straight from the registers to out (measured, 8 rows: the
-                # scalar pass through scratch cost 0.7 ms of the 121 matmuls' arithmetic)
+                # scalar pass through scratch cost 0.6-0.9 ms of a step's 121 matmuls)
                 if width == TILE and not len(bias):
                     if accumulate:
                         tile_product(group, packed, tile, out[first:first + ROW_GROUP, start:], True)
