@@ -238,3 +238,16 @@ def test_large_cascade_groups_take_the_matmul_path_and_agree(heads, kv_heads, me
     expected = _reference(q.float(), k_cache.float(), v_cache.float(), contexts, dim)
     tolerance = {} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     torch.testing.assert_close(out.float(), expected, **tolerance)
+
+
+def test_tasks_are_dealt_so_both_threads_get_own_chunks_beside_the_cascade():
+    """8 rows sharing 960 slots (15 cascade tasks of 64 slots, the matmul form) and 40 own slots each
+    (8 plain tasks): a plain row-slot is dealt as PLAIN_COST cascade ones, so the own chunks do not all
+    land on one thread. Every task is dealt once."""
+    rows, per_kv, dim = 8, 3, 64
+    plan = paged_decode_cpu._plan(np.full(rows, 40, np.int64), np.zeros(rows, np.int64), np.array([960], np.int64),
+                                  2, per_kv, dim)
+    source, by_bin, bin_first = plan[1], plan[7], plan[8]
+    assert sorted(by_bin) == list(range(len(source)))
+    own_per_bin = [int((source[by_bin[bin_first[b]:bin_first[b + 1]]] < rows).sum()) for b in range(2)]
+    assert sum(own_per_bin) == rows and min(own_per_bin) >= 2

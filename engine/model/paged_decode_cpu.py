@@ -58,6 +58,11 @@ SCORE_HEADS = 4  # query heads _key_scores takes per pass over the keys (their s
 # query vectors of one kv head (rows x its query heads) from which a chunk is two matmuls (_cascade); measured
 # in cache, 64 slots, 3 query heads per kv head: 1.2x slower at 2 rows, even at 3, 1.1x faster at 4, 1.3x at 8
 CASCADE_QUERIES = 12
+# a row-slot of a task in the plain loops costs this many of one in _cascade's matmuls, to deal tasks by
+# (measured in decode steps, 8 rows, 960 of 1,000 slots shared: 4.5 us for a row's own 40 slots against 12 us for
+# a 64-slot cascade task of 8 rows, 5x a row-slot; 1.8x with K/V in cache. With 1 (slots x rows), one thread
+# got every own chunk and waited for none: attention 4.18-4.30 ms a step against 3.98-4.15 with 3 or 4)
+PLAIN_COST = 3
 VALUE_VECTORS = 16  # sums _weighted_values keeps in registers: 4 heads at head size 64, 2 at 128
 
 
@@ -127,7 +132,7 @@ def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_leng
             for d in range(dim):
                 scaled[m, h, d] = q[m, h * dim + d] * scale
     first, source, chunk_start, chunk_end, member_first, member_row, member_partial, by_bin, bin_first = _plan(
-        lengths, group, shared_lengths, threads)
+        lengths, group, shared_lengths, threads, heads // k_cache.shape[1], dim)
     acc = np.empty((first[rows], heads, dim), np.float32)  # each partial's unnormalized output,
     top = np.empty((first[rows], heads), np.float32)  # its largest score
     total = np.empty((first[rows], heads), np.float32)  # and its sum of e^(score - top)
@@ -164,7 +169,7 @@ def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_leng
 
 
 @njit(nogil=True, cache=True)
-def _plan(lengths, group, shared_lengths, threads):
+def _plan(lengths, group, shared_lengths, threads, per_kv, dim):
     """attend's tasks and their bins (a function of its own: in attend's parallel body numba would launch
     each of these small array operations as a parallel loop, measured: 60 us a call)."""
     rows = len(lengths)
@@ -212,8 +217,12 @@ def _plan(lengths, group, shared_lengths, threads):
     # the tasks dealt to one bin per thread, the costliest first to the least loaded bin: numba hands each
     # thread an equal run of a prange's iterations, and a cascade task costs members x slots (measured:
     # in task order one thread got every cascade task, and the cascade took 1.2-2.4x the time of reading
-    # the prefix once per row)
-    cost = (chunk_end - chunk_start) * (member_first[1:] - member_first[:-1])
+    # the prefix once per row), PLAIN_COST times that in the plain loops
+    cost = np.empty(tasks, np.int64)
+    for task in range(tasks):
+        members = member_first[task + 1] - member_first[task]
+        cost[task] = (chunk_end[task] - chunk_start[task]) * members * (
+            1 if _matmul_form(members, per_kv, dim) else PLAIN_COST)
     bins = min(threads, tasks)
     load = np.zeros(bins, np.int64)
     task_bin = np.empty(tasks, np.int64)
@@ -234,10 +243,16 @@ def _context(slots, shared_slots, rows, source, start, end):
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
 def _task(q, k_cache, v_cache, context, following, members, partials, dim, acc, top, total):
     """The slots `context` for the rows `members`; `following`: the slots of the thread's next task."""
-    if (dim == 64 or dim == 128) and len(members) * (q.shape[1] // k_cache.shape[1]) >= CASCADE_QUERIES:
+    if _matmul_form(len(members), q.shape[1] // k_cache.shape[1], dim):
         _cascade(q, members, partials, k_cache, v_cache, context, following, dim, acc, top, total)
     else:
         _chunk(q, members, partials, k_cache, v_cache, context, dim, acc, top, total)
+
+
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
+def _matmul_form(members, per_kv, dim):
+    """Whether a task of `members` rows (per_kv query heads per kv head) runs as _cascade's two matmuls."""
+    return (dim == 64 or dim == 128) and members * per_kv >= CASCADE_QUERIES
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
