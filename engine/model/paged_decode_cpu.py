@@ -321,7 +321,7 @@ def _cascade(q, members, partials, k_cache, v_cache, slots, following, dim, acc,
     scores = np.empty((len(queries), padded), np.float32)
     outputs = np.empty((len(queries), dim), np.float32)
     whole = count - count % KEYS
-    # the next task's K/V are asked for from L2 in shares between the steps below, ahead of their first read
+    # the next task's K/V are asked for in shares between the steps below, ahead of their first read
     # (measured: from memory it took as long as this task's arithmetic, one after the other; in one burst it
     # was no faster)
     groups = (len(queries) + ROW_GROUP - 1) // ROW_GROUP
@@ -401,7 +401,7 @@ def _largest(typingctx, row, vectors):
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
 def _prefetch(k_cache, v_cache, slots, ahead, share):
-    """Asks for the K/V of slots[ahead:ahead + share] from L2 outward; returns the next `ahead`."""
+    """Asks for the K/V of slots[ahead:ahead + share] into every cache level; returns the next `ahead`."""
     for t in range(ahead, min(ahead + share, len(slots))):
         _prefetch_row(k_cache, slots[t])
         _prefetch_row(v_cache, slots[t])
@@ -410,7 +410,8 @@ def _prefetch(k_cache, v_cache, slots, ahead, share):
 
 @intrinsic
 def _prefetch_row(typingctx, cache, slot):
-    """Asks for cache[slot] (every kv head's) from L2 outward, ahead of its use."""
+    """Asks for cache[slot] (every kv head's) into every cache level, ahead of its use (measured in decode-like
+    steps, 8 rows with 960 slots shared: attention 3.82-4.10 ms a step against 3.98-4.36 ms from L2 outward)."""
     def codegen(context, builder, signature, args):
         cache_ty = signature.args[0]
         cache_arg, slot_arg = args
@@ -420,7 +421,7 @@ def _prefetch_row(typingctx, cache, slot):
             context.get_data_type(cache_ty.dtype))))
         lines = builder.udiv(builder.add(size, simd.const(simd.CACHE_LINE - 1)), simd.const(simd.CACHE_LINE))
         with cgutils.for_range(builder, lines) as loop:
-            simd.prefetch(builder, row, builder.mul(loop.index, simd.const(simd.CACHE_LINE)), locality=2)
+            simd.prefetch(builder, row, builder.mul(loop.index, simd.const(simd.CACHE_LINE)))
         return context.get_dummy_value()
 
     return types.void(cache, slot), codegen
