@@ -61,7 +61,7 @@ CASCADE_QUERIES = 12
 # a row-slot of a task in the plain loops costs this many of one in _cascade's matmuls, to deal tasks by
 # (measured in decode steps, 8 rows, 960 of 1,000 slots shared: 4.5 us for a row's own 40 slots against 12 us for
 # a 64-slot cascade task of 8 rows, 5x a row-slot; 1.8x with K/V in cache. With 1 (slots x rows), one thread
-# got every own chunk and waited for none: attention 4.18-4.30 ms a step against 3.98-4.15 with 3 or 4)
+# got every own chunk while the other waited at the join: attention 4.18-4.30 ms a step, 3.98-4.15 with 3 or 4)
 PLAIN_COST = 3
 VALUE_VECTORS = 16  # sums _weighted_values keeps in registers: 4 heads at head size 64, 2 at 128
 
