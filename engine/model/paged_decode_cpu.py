@@ -252,7 +252,13 @@ def _task(q, k_cache, v_cache, context, following, members, partials, dim, acc, 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
 def _matmul_form(members, per_kv, dim):
     """Whether a task of `members` rows (per_kv query heads per kv head) runs as _cascade's two matmuls."""
-    return (dim == 64 or dim == 128) and members * per_kv >= CASCADE_QUERIES
+    return _vector_head_size(dim) and members * per_kv >= CASCADE_QUERIES
+
+
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
+def _vector_head_size(dim):
+    """Whether the vector kernels (_key_scores, _weighted_values, _pack_keys) are compiled for head size dim."""
+    return dim == 64 or dim == 128
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
@@ -264,7 +270,7 @@ def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
     kv_heads = k_cache.shape[1]
     per_kv = heads // kv_heads  # query heads per kv head (GQA)
     count = len(slots)
-    vector_keys = count - count % KEYS if dim in (64, 128) else 0  # keys the vector kernels score
+    vector_keys = count - count % KEYS if _vector_head_size(dim) else 0  # keys the vector kernels score
     scores = np.empty((heads, count), np.float32)
     for i in range(len(members)):  # the chunk's K/V come from memory for the first row, then from the cache
         m, p = members[i], partials[i]
@@ -292,7 +298,7 @@ def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
             top[p, h], total[p, h] = _exponentials(scores[h])
         for kvh in range(kv_heads):
             last = (kvh + 1) * per_kv
-            if dim == 64 or dim == 128:  # the group's heads, as many a pass as their sums fit the registers
+            if _vector_head_size(dim):  # the group's heads, as many a pass as their sums fit the registers
                 per_pass = VALUE_VECTORS * simd.LANES // dim
                 for h in range(kvh * per_kv, last, per_pass):
                     if dim == 64:
@@ -413,9 +419,8 @@ def _largest(typingctx, row, vectors):
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
 def _prefetch(k_cache, v_cache, slots, ahead, share):
     """Asks for the K/V of slots[ahead:ahead + share] into every cache level; returns the next `ahead`."""
-    for t in range(ahead, min(ahead + share, len(slots))):
-        _prefetch_row(k_cache, slots[t])
-        _prefetch_row(v_cache, slots[t])
+    _prefetch_rows(k_cache, slots, ahead, share)
+    _prefetch_rows(v_cache, slots, ahead, share)
     return ahead + share
 
 

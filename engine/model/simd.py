@@ -45,14 +45,14 @@ def store(builder: ir.IRBuilder, value: ir.Value, pointer) -> None:
     builder.store(value, builder.bitcast(pointer, FLOATS.as_pointer()), align=4)
 
 
-def prefetch(builder: ir.IRBuilder, pointer, offset, locality: int = 3) -> None:
-    """Asks for the cache line `offset` bytes (an int or an i64) past `pointer` ahead of its load: into every
-    cache level (locality 3), or from L2 outward (2)."""
+def prefetch(builder: ir.IRBuilder, pointer, offset) -> None:
+    """Asks for the cache line `offset` bytes (an int or an i64) past `pointer` ahead of its load, into every
+    cache level."""
     byte = ir.IntType(8).as_pointer()
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte, I32, I32, I32]),
                                         "llvm.prefetch.p0")
     line = builder.gep(builder.bitcast(pointer, byte), [const(offset) if isinstance(offset, int) else offset])
-    builder.call(fn, [line, ir.Constant(I32, 0), ir.Constant(I32, locality), ir.Constant(I32, 1)])  # read, data
+    builder.call(fn, [line, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])  # read, keep, data
 
 
 def broadcast(builder: ir.IRBuilder, scalar: ir.Value) -> ir.Value:
