@@ -114,3 +114,6 @@ def test_attention_bench_runs_the_kernel_over_every_layer_and_counts_a_shared_pr
     assert runs[24]["kv_mb"] == pytest.approx(runs[0]["kv_mb"] * (24 + 3 * 16) / (3 * 40))
     assert attention.run(str(tiny_llama_dir), batch=2, context=100, in_cache=True, repeats=1,
                          log=lambda _: None)["in_cache"]
+    between = attention.run(str(tiny_llama_dir), batch=3, context=40, shared_prefix=24, repeats=1,
+                            between_matmuls=True, log=lambda _: None)
+    assert between["between_matmuls"] and between["ms"] > 0 and between["kv_mb"] == runs[24]["kv_mb"]
