@@ -2,11 +2,12 @@
 
 A decode step reads every weight once plus each sequence's K/V, so its floor is
 (weight bytes + K/V bytes read) / memory bandwidth. The bandwidth is measured here with a streaming
-read (a large tensor's sum on torch's threads) before every timed step, so that load from other
-processes shows in both alike. Step times and bandwidths are medians; the roofline ratio is the
+read (a large tensor's sum on torch's threads, or on the GPU with --device cuda) before every timed
+step, so that load from other processes shows in both alike. Step times and bandwidths are medians; the roofline ratio is the
 median over steps of each step against the probe taken just before it. Where batches 1 and 8 are both
 asked for, batch 8's steps are timed once more in turns with a batch-1 engine over the same weights, so
-that their ratio compares steps of the same moment (measure_in_turns).
+that their ratio compares steps of the same moment (measure_in_turns). --transformers times plain
+`transformers` decoding the same prompts (its own KV cache, one forward per token) in the same run.
 """
 from __future__ import annotations
 
@@ -24,17 +25,24 @@ from engine.model import loader
 from engine.request import Request
 from engine.sampling import SamplingParams
 
-PROBE_BYTES = 256 * 2**20  # far larger than any CPU cache
+PROBE_BYTES = {"cpu": 256 * 2**20, "cuda": 2**30}  # far larger than any cache (an H100's L2 is 50 MB)
 
 
 def bandwidth_gb_s(probe: torch.Tensor, repeats: int = 3) -> float:
     """Streaming read: the best of a few sums over a tensor far larger than the caches."""
     best = float("inf")
     for _ in range(repeats):
+        _synchronize(probe.device)
         start = time.perf_counter()
         probe.sum()
+        _synchronize(probe.device)
         best = min(best, time.perf_counter() - start)
     return probe.numel() * probe.element_size() / best / 1e9
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -86,6 +94,28 @@ def measure(core: EngineCore, probe: torch.Tensor, batch: int, context: int, ste
             "roofline_ms": roofline_s * 1e3, "roofline_ratio": ratio, "steps": steps}
 
 
+def transformers_step_ms(model_path: str, batch: int, context: int, steps: int, dtype: str,
+                         device: torch.device) -> float:
+    """Median ms of one plain `transformers` decode step (a forward of each row's newest token over its own
+    KV cache, then greedy argmax) after prefilling `batch` prompts of `context` tokens."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+    vocab = hf.config.vocab_size
+    prompts = torch.tensor([[(b * 7919 + 31 * i) % (vocab - 3) + 3 for i in range(context)] for b in range(batch)],
+                           device=device)
+    times = []
+    with torch.inference_mode():
+        out = hf(prompts, use_cache=True)
+        for _ in range(steps):
+            _synchronize(device)
+            start = time.perf_counter()
+            newest = out.logits[:, -1].argmax(-1, keepdim=True)
+            out = hf(newest, past_key_values=out.past_key_values, use_cache=True)
+            out.logits[:, -1].argmax(-1).tolist()  # the engine's sampler reads its ids too
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
 def measure_in_turns(core: EngineCore, partner: EngineCore, batch: int, context: int, steps: int,
                      shared: int = 0) -> dict:
     """`batch` decodes on `core`, each step right after a batch-1 step on `partner` (an engine over the same
@@ -109,13 +139,14 @@ def measure_in_turns(core: EngineCore, partner: EngineCore, batch: int, context:
 
 
 def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, steps: int = 24,
-        dtype: str = "float32", log=print, shared_prefix: int = 0, **engine_overrides) -> dict:
+        dtype: str = "float32", log=print, shared_prefix: int = 0, transformers: bool = False,
+        **engine_overrides) -> dict:
     # a pool that holds every sequence of the largest batch: a smaller one would preempt some and time a smaller batch
     blocks_per_seq = -(-(context + steps + 8) // engine_overrides.get("block_size", EngineConfig().block_size))
     engine_overrides.setdefault("num_kv_blocks", max(batches) * blocks_per_seq + 8)
     core = EngineCore(EngineConfig(model=model, dtype=dtype, max_num_seqs=max(batches),
                                    max_num_batched_tokens=2048, **engine_overrides))
-    probe = torch.ones(PROBE_BYTES // 4)
+    probe = torch.ones(PROBE_BYTES[core.device.type] // 4, device=core.device)
     start_decoding(core, 1, 64, 4)  # warm-up: first forwards pay for allocations
     for r in list(core.requests.values()):
         core.abort(r.request_id)
@@ -126,9 +157,14 @@ def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, step
         row["kv_cache_dtype"] = str(core.runner.kv_slots.dtype).removeprefix("torch.")
         kv = f", K/V {row['kv_cache_dtype']}" if row["kv_cache_dtype"] != dtype else ""
         shared = f", {shared_prefix} shared" if shared_prefix else ""
-        log(f"decode batch {batch:>2} ({dtype}{kv}{shared}): {row['step_ms']:.1f} ms/step, {row['tok_s']:.1f} tok/s, "
-            f"roofline {row['roofline_ms']:.1f} ms at {row['bandwidth_gb_s']:.1f} GB/s; each step vs its own probe: "
-            f"{row['roofline_ratio']:.0%}")
+        row["device"] = core.device.type
+        if transformers:
+            row["transformers_step_ms"] = transformers_step_ms(str(core.model_path), batch, context, steps, dtype,
+                                                               core.device)
+        baseline = f"; transformers {row['transformers_step_ms']:.2f} ms/step" if transformers else ""
+        log(f"decode batch {batch:>2} ({core.device.type}, {dtype}{kv}{shared}): {row['step_ms']:.2f} ms/step, "
+            f"{row['tok_s']:.1f} tok/s, roofline {row['roofline_ms']:.2f} ms at {row['bandwidth_gb_s']:.1f} GB/s; "
+            f"each step vs its own probe: {row['roofline_ratio']:.0%}{baseline}")
         rows.append(row)
     b1 = next((r for r in rows if r["batch"] == 1), None)
     b8 = next((r for r in rows if r["batch"] == 8), None)
@@ -149,6 +185,7 @@ def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, step
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__)
     parser.add_argument("--model", default="default")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="K/V storage (auto: the model's dtype)")
@@ -158,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="the first N tokens of every prompt are the same (cascade attention reads them once)")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--transformers", action="store_true",
+                        help="also time plain transformers decoding the same prompts, batch by batch")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="CUDA: no graphs of decode steps (to measure what they buy)")
     parser.add_argument("--no-pack", action="store_true", help="plain F.linear weights (to measure what packing buys)")
     parser.add_argument("--no-paged-kernel", action="store_true",
                         help="decode attention through gather + SDPA (to measure what the paged CPU kernel buys; "
@@ -177,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         import engine.core
         engine.core.load_model = functools.partial(loader.load_model, pack=False)
     result = run(args.model, tuple(int(b) for b in args.batches.split(",")), args.context, args.steps, args.dtype,
-                 shared_prefix=args.shared_prefix, kv_cache_dtype=args.kv_cache_dtype)
+                 shared_prefix=args.shared_prefix, transformers=args.transformers, kv_cache_dtype=args.kv_cache_dtype,
+                 device=args.device, enforce_eager=args.enforce_eager)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

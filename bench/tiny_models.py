@@ -127,3 +127,26 @@ def build_llama3_tiktoken_model(path: Path, seed: int = 0) -> Path:
                          tie_word_embeddings=True, eos_token_id=len(ranks) + 9, bos_token_id=len(ranks))
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     return path
+
+
+def build_random_like(path: Path, source: Path, seed: int = 0) -> Path:
+    """Random weights of the shapes in `source`'s config.json, with its tokenizer files: a stand-in for a model
+    whose weights a machine cannot fetch, good for timing (not for answers)."""
+    import shutil
+
+    from transformers import AutoConfig
+    path, source = Path(path), Path(source)
+    path.mkdir(parents=True, exist_ok=True)
+    for name in source.iterdir():
+        if name.suffix != ".safetensors" and name.is_file():
+            shutil.copy(name, path / name.name)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+    if len(sys.argv) != 4 or sys.argv[1] != "like":
+        raise SystemExit("usage: python -m bench.tiny_models like SOURCE_DIR OUT_DIR")
+    print(build_random_like(Path(sys.argv[3]), Path(sys.argv[2])))

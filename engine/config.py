@@ -43,6 +43,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
     kv_cache_dtype: str = "auto"  # K/V storage: auto (the model's dtype) | float32 | bfloat16 | float16
+    enforce_eager: bool = False  # CUDA: launch every decode step's kernels one by one (no CUDA graphs)
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     model_cache_dir: str | None = None  # where the default model is converted to

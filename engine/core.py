@@ -58,6 +58,9 @@ class EngineCore:
             self.kv.use_disk_tier(_disk_tier(config, path, dtype, kv_dtype, kv_io), kv_io)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, kv_cache, self.kv, self.device)
+        if not config.enforce_eager and self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len):
+            logger.info("captured CUDA graphs of decode steps for batch sizes %s",
+                        self.runner.graph_decode.batch_sizes)
         self.step_target: StepTimeTarget | None = None
         if config.max_step_ms is not None:
             self.step_target = _step_target(config, self.runner, self.num_blocks)

@@ -24,6 +24,7 @@ class ModelRunner:
         self.device = device
         self._offsets = np.arange(block_size)
         self.compiled_decode = None
+        self.graph_decode = None  # decode steps as CUDA graphs (capture_cuda_graphs)
         self.dtype = model.lm_head.weight.dtype  # the model's; the K/V pool's may differ (kv_cache_dtype)
         if (decode_step_cpu.supports(self.dtype, device) and decode_step_cpu.supports(kv_cache.dtype, device)
                 and model.lm_head.packed is not None):  # the step multiplies by the packed weights
@@ -63,10 +64,26 @@ class ModelRunner:
                                           self._tensor(slot_mapping), batch.slots, batch.lengths,
                                           self._tensor(logits_idx), batch.shared)
             return logits, sampled
+        if self.graph_decode is not None and not prefills and len(decodes) <= self.graph_decode.max_rows:
+            logits = self.graph_decode(input_ids, positions, slot_mapping, [ids for _, ids, _ in decodes],
+                                       [end for _, _, end in decodes])
+            return logits, sampled
         meta = AttentionMetadata(self._tensor(slot_mapping), prefills, self._decode_batch(decodes))
         logits = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_slots, meta,
                             self._tensor(logits_idx))
         return logits, sampled
+
+    def capture_cuda_graphs(self, max_rows: int, max_model_len: int) -> bool:
+        """Records decode-only steps of up to max_rows rows as CUDA graphs (decode_graph_cuda.py); False where
+        they do not apply (not CUDA, or a head size the Triton kernel has no block shape for)."""
+        if self.device.type != "cuda":
+            return False
+        from engine.model import paged_decode_cuda  # (Triton comes with CUDA builds of torch)
+        if not paged_decode_cuda.supports(self.kv_slots.shape[-1]):
+            return False
+        from engine.model.decode_graph_cuda import GraphDecode
+        self.graph_decode = GraphDecode(self.model, self.kv_slots, self.block_size, max_rows, max_model_len)
+        return True
 
     def _warm_up_compiled_decode(self) -> None:
         """Compiles the step (or loads it from numba's disk cache) now rather than in the first request's

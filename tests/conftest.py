@@ -5,10 +5,13 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from bench.tiny_models import build_tiktoken_model, build_tiny_model
 
 IN_CI = bool(os.environ.get("CI"))
+if not torch.cuda.is_available():  # Triton kernels (the CUDA decode path) run on CPU tensors in its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

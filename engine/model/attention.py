@@ -45,12 +45,23 @@ class DecodeBatch:
 
 
 @dataclass(slots=True)
+class BlockTableDecode:
+    """Every row of a decode-only step, read through block tables by a kernel (paged_decode_cuda.py): fixed
+    shapes and no per-step gather, so a CUDA graph can replay the step (decode_graph_cuda.py). Each row
+    reads its whole context; a shared prefix is read once per row, from the GPU's L2 after the first."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int32 block ids, row by row (unused tail: anything)
+    context_lens: torch.Tensor  # [B] int32, each row's tokens including its newest
+    block_size: int
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Built once per step by the runner, shared by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] slot of each new token
     prefills: list[PrefillSeq]
-    decodes: DecodeBatch | None
+    decodes: DecodeBatch | BlockTableDecode | None
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -77,9 +88,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
-                      scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      batch: DecodeBatch | BlockTableDecode, scale: float) -> torch.Tensor:
     """q: [B, H, D] -> [B, H, D]."""
+    if isinstance(batch, BlockTableDecode):
+        from engine.model import paged_decode_cuda  # (Triton: imported only where a CUDA step runs)
+        return paged_decode_cuda.paged_decode(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
+                                              batch.block_size)
     if paged_decode_cpu.supports(k_cache.dtype, q.device):  # it reads each shared prefix once per group itself
         return paged_decode_cpu.paged_decode(q, k_cache, v_cache, batch.slots, batch.lengths, scale, batch.shared)
     keys = _gather(k_cache, batch.slots).to(q.dtype).transpose(1, 2)  # [B, KVH, max_rest, D]

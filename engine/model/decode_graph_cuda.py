@@ -1,0 +1,101 @@
+"""Decode steps on CUDA replayed from captured CUDA graphs.
+
+A decode step of a small model is hundreds of tiny kernels (SmolLM2: about 15 per layer, 30
+layers); launched one by one from Python each costs more than it computes, so the GPU idles
+between them. At start-up the runner runs one decode step per batch size in GRAPH_BATCH_SIZES
+(up to max_num_seqs) under `torch.cuda.graph`, which records its kernels; a step then copies its
+token ids, positions, slots, block tables and context lengths into the graph's fixed input buffers
+and replays the recording in one launch. Attention reads K/V through the block tables
+(paged_decode_cuda.py), so nothing in the recording depends on a context's length. A step of n
+rows replays the smallest graph of at least n rows; the padding rows repeat the last real row (the
+same K/V written to the same slot), and their logits are dropped.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.model.attention import AttentionMetadata, BlockTableDecode
+from engine.model.llama import LlamaForCausalLM
+
+MAX_GRAPH_ROWS = 256  # larger decode steps run eagerly (their launches are a small share of their work)
+
+
+def graph_batch_sizes(max_rows: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8, up to the first size that holds max_rows (vLLM's ladder)."""
+    cap = min(max_rows, MAX_GRAPH_ROWS)
+    sizes = [1, 2, 4, 8]
+    while sizes[-1] < cap:
+        sizes.append(sizes[-1] + 8)
+    return [s for s in sizes if s < cap] + [next(s for s in sizes if s >= cap)]
+
+
+class GraphDecode:
+    """One captured decode step per batch size, over the engine's KV pool and one set of input buffers."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_slots: torch.Tensor, block_size: int, max_rows: int,
+                 max_model_len: int) -> None:
+        self.model = model
+        self.kv_slots = kv_slots
+        self.block_size = block_size
+        self.batch_sizes = graph_batch_sizes(max_rows)
+        rows, device = self.batch_sizes[-1], kv_slots.device
+        width = -(-max_model_len // block_size)
+        self.tokens = torch.zeros(3, rows, dtype=torch.long, device=device)  # ids, positions, slots
+        self.context_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
+        self.row_ids = torch.arange(rows, device=device)
+        self._host_tokens = torch.zeros(3, rows, dtype=torch.long).pin_memory()
+        self._host_context_lens = torch.ones(rows, dtype=torch.int32).pin_memory()
+        self._host_tables = torch.zeros(rows, width, dtype=torch.int32).pin_memory()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self._capture()
+
+    @property
+    def max_rows(self) -> int:
+        return self.batch_sizes[-1]
+
+    def _forward(self, rows: int) -> torch.Tensor:
+        ids, positions, slots = self.tokens[:, :rows]
+        meta = AttentionMetadata(slots, [], BlockTableDecode(self.block_tables[:rows], self.context_lens[:rows],
+                                                             self.block_size))
+        return self.model(ids, positions, self.kv_slots, meta, self.row_ids[:rows])
+
+    def _capture(self) -> None:
+        """Largest first, all in one memory pool (the smaller graphs reuse the largest one's buffers). The
+        recorded steps write slot 0's K/V, which is put back afterwards."""
+        saved = self.kv_slots[:, :, 0].clone()
+        pool = None
+        for rows in reversed(self.batch_sizes):
+            self._forward(rows)  # warm-up outside the recording: Triton compiles, cuBLAS picks its kernels
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[rows] = self._forward(rows)
+            pool = graph.pool()
+            self.graphs[rows] = graph
+        self.kv_slots[:, :, 0] = saved
+        torch.cuda.synchronize()
+
+    def __call__(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
+                 block_tables: list[list[int]], context_lens: list[int]) -> torch.Tensor:
+        """Logits [n, vocab] of an n-row decode-only step, n <= max_rows (a view into the graph's output: read
+        it before the next call)."""
+        n = len(input_ids)
+        rows = next(size for size in self.batch_sizes if size >= n)
+        pad = [n - 1] * (rows - n)  # padding rows repeat the last row
+        order = list(range(n)) + pad
+        tokens = self._host_tokens.numpy()
+        tokens[0, :rows] = np.asarray(input_ids)[order]
+        tokens[1, :rows] = np.asarray(positions)[order]
+        tokens[2, :rows] = np.asarray(slot_mapping)[order]
+        self._host_context_lens.numpy()[:rows] = np.asarray(context_lens)[order]
+        tables = self._host_tables.numpy()
+        for row, source in enumerate(order):
+            tables[row, :len(block_tables[source])] = block_tables[source]
+        # (the pinned buffers are rewritten only after the sampler has read this step's logits, a sync)
+        self.tokens[:, :rows].copy_(self._host_tokens[:, :rows], non_blocking=True)
+        self.context_lens[:rows].copy_(self._host_context_lens[:rows], non_blocking=True)
+        self.block_tables[:rows].copy_(self._host_tables[:rows], non_blocking=True)
+        self.graphs[rows].replay()
+        return self.logits[rows][:n]

@@ -1,0 +1,123 @@
+"""Paged decode attention for CUDA in Triton: each query reads its K/V where they sit in the block pool.
+
+The CPU kernel's design (paged_decode_cpu.py) with block tables instead of slot lists, so its inputs
+have fixed shapes and a whole decode step can be captured as a CUDA graph (decode_graph_cuda.py):
+`block_tables` [rows, max blocks] and `context_lens` [rows] are device tensors the graph reads at
+replay. The context is cut into partitions of PARTITION tokens that run as separate programs
+(flash-decoding): at batch 1 a 1,000-token context would otherwise be 3 programs on a 132-SM GPU.
+Each program scores one kv head's group of query heads (padded to the 16 rows a dot needs)
+against its partition with an online softmax and writes a partial output and its log-sum-exp; a second kernel merges the partitions.
+Programs past a row's context exit at once, so one grid serves every context length.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PARTITION = 256  # tokens of one program (a multiple of TILE)
+TILE = 32  # keys scored at once
+MERGE_PARTS = 16  # partitions the merge reads at once
+
+
+def supports(head_dim: int) -> bool:
+    """Triton's block shapes are powers of two: the head size must be one (64 and 128 are)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+@triton.jit
+def _partition_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr, part_lse_ptr,
+                      scale, stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_bt_row,
+                      max_parts, num_heads,
+                      BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr, TILE: tl.constexpr):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    context = tl.load(context_lens_ptr + row)
+    start = part * PARTITION
+    if start < context:
+        group = tl.arange(0, GROUP_PAD)
+        heads = kv_head * GROUP + group
+        in_group = group < GROUP
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + dims[None, :],
+                    mask=in_group[:, None], other=0.0).to(tl.float32)
+        best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        end = tl.minimum(start + PARTITION, context)
+        for first in range(start, end, TILE):
+            positions = first + tl.arange(0, TILE)
+            valid = positions < end
+            blocks = tl.load(block_tables_ptr + row * stride_bt_row + positions // BLOCK_SIZE, mask=valid, other=0)
+            slots = blocks.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
+            kv_offsets = slots[:, None] * stride_kv_slot + kv_head * stride_kv_head + dims[None, :]
+            keys = tl.load(k_ptr + kv_offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+            # explicit IEEE dots: Triton turns a broadcast-multiply-sum into a TF32 dot (1e-3 off in float32)
+            scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [GROUP_PAD, TILE]
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            new_best = tl.maximum(best, tl.max(scores, axis=1))
+            weights = tl.exp(scores - new_best[:, None])
+            rescale = tl.exp(best - new_best)
+            values = tl.load(v_ptr + kv_offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+            acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision="ieee")
+            total = total * rescale + tl.sum(weights, axis=1)
+            best = new_best
+        # partials: [rows, heads, max_parts, HEAD_DIM] and [rows, heads, max_parts]
+        part_index = (row * num_heads + heads) * max_parts + part
+        tl.store(part_out_ptr + part_index[:, None] * HEAD_DIM + dims[None, :], acc / total[:, None],
+                 mask=in_group[:, None])
+        tl.store(part_lse_ptr + part_index, best + tl.log(total), mask=in_group)
+
+
+@triton.jit
+def _merge_kernel(part_out_ptr, part_lse_ptr, context_lens_ptr, out_ptr, stride_out_row, stride_out_head,
+                  max_parts, num_heads, HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr, PARTS: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    num_parts = tl.cdiv(tl.load(context_lens_ptr + row), PARTITION)
+    base = (row * num_heads + head) * max_parts
+    parts = tl.arange(0, PARTS)
+    dims = tl.arange(0, HEAD_DIM)
+    best = tl.full([PARTS], float("-inf"), tl.float32)
+    for first in range(0, num_parts, PARTS):
+        lse = tl.load(part_lse_ptr + base + first + parts, mask=first + parts < num_parts, other=float("-inf"))
+        best = tl.maximum(best, lse)
+    top = tl.max(best, axis=0)
+    total = tl.zeros([PARTS], tl.float32)
+    acc = tl.zeros([PARTS, HEAD_DIM], tl.float32)
+    for first in range(0, num_parts, PARTS):
+        present = first + parts < num_parts
+        weights = tl.exp(tl.load(part_lse_ptr + base + first + parts, mask=present, other=float("-inf")) - top)
+        outs = tl.load(part_out_ptr + (base + first + parts)[:, None] * HEAD_DIM + dims[None, :],
+                       mask=present[:, None], other=0.0)
+        acc += weights[:, None] * outs
+        total += weights
+    norm = tl.sum(total, axis=0)
+    # a row with no context (never sent by the runner) gets zeros rather than NaN
+    merged = tl.where(norm > 0, tl.sum(acc, axis=0) / tl.maximum(norm, 1e-30), 0.0)
+    tl.store(out_ptr + row * stride_out_row + head * stride_out_head + dims, merged.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
+    """q: [B, H, D]; caches: [num_slots, KVH, D] (the slots of the block pool, any float dtype);
+    block_tables: [B, max_blocks] int32; context_lens: [B] int32 (each row's tokens, its newest included).
+    Returns [B, H, D] in q's dtype. No host sync: safe inside a CUDA graph capture."""
+    rows, num_heads, dim = q.shape
+    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
+    kv_heads = k_cache.shape[1]
+    group = num_heads // kv_heads
+    max_parts = triton.cdiv(block_tables.shape[1] * block_size, PARTITION)
+    part_out = torch.empty(rows, num_heads, max_parts, dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(rows, num_heads, max_parts, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    _partition_kernel[(rows, kv_heads, max_parts)](
+        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), max_parts, num_heads,
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
+        PARTITION=PARTITION, TILE=TILE)
+    _merge_kernel[(rows, num_heads)](part_out, part_lse, context_lens, out, out.stride(0), out.stride(1), max_parts,
+                                     num_heads, HEAD_DIM=dim, PARTITION=PARTITION, PARTS=MERGE_PARTS)
+    return out

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# On a machine with a CUDA GPU (CI has none): the CUDA tests, then decode speed against the roofline with
+# CUDA graphs, without them (--enforce-eager) and plain transformers, in one run.
+# usage: scripts/cuda_check.sh [MODEL_DIR] [OUT_DIR]   (MODEL_DIR: default, or a stand-in from
+#        `python -m bench.tiny_models like SOURCE OUT` where the weights cannot be fetched)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+model=${1:-default}
+out=${2:-bench/results}
+mkdir -p "$out"
+python -m pytest -q -o filterwarnings=ignore::DeprecationWarning tests/test_paged_decode_cuda.py \
+  tests/test_decode_graph_cuda.py "tests/test_engine_hardening.py::test_seeded_sampling_on_cuda"
+decode() { python -m bench.decode --device cuda --model "$model" --steps 32 "$@"; }
+decode --dtype bfloat16 --batches 1,4,8,16,32 --transformers --json "$out/decode_cuda_bf16.json"
+decode --dtype bfloat16 --batches 1,4,8,16,32 --enforce-eager --json "$out/decode_cuda_bf16_eager.json"
+decode --dtype float32 --batches 1,8,32 --transformers --json "$out/decode_cuda_fp32.json"
+decode --dtype bfloat16 --batches 1,8 --shared-prefix 960 --json "$out/decode_cuda_bf16_shared.json"

@@ -1,0 +1,113 @@
+"""The Triton paged decode kernel (CUDA graphs' attention) against gather + softmax, on CUDA where there is
+one and through Triton's interpreter on CPU (conftest sets TRITON_INTERPRET there), so CI checks its
+block-table addressing, partitions and merge without a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.attention import AttentionMetadata, BlockTableDecode, DecodeBatch
+from engine.model.llama import head_dim
+from engine.model.loader import load_config, load_model
+from tests.conftest import IN_CI
+
+try:
+    from engine.model import paged_decode_cuda
+except ImportError:  # no Triton: make test installs it (the test extra)
+    if IN_CI:
+        raise
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _reference(q, k_cache, v_cache, block_tables, context_lens, scale, block_size):
+    """Each row's context gathered through its block table, softmax in float64."""
+    out = []
+    group = q.shape[1] // k_cache.shape[1]
+    for row, length in enumerate(context_lens.tolist()):
+        positions = torch.arange(length, device=q.device)
+        slots = block_tables[row, positions // block_size].long() * block_size + positions % block_size
+        keys = k_cache[slots].double().transpose(0, 1).repeat_interleave(group, 0)  # [H, n, D]
+        values = v_cache[slots].double().transpose(0, 1).repeat_interleave(group, 0)
+        weights = (torch.einsum("hd,hnd->hn", q[row].double(), keys) * scale).softmax(-1)
+        out.append(torch.einsum("hn,hnd->hd", weights, values))
+    return torch.stack(out)
+
+
+def _case(heads, kv_heads, dim, block_size, lengths, cache_dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 4
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    width = max(-(-n // block_size) for n in lengths) + 3  # unused tail columns, as in a real table
+    # scattered blocks, never shared between rows (the pool hands each row its own)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables, used = [], 0
+    for n in lengths:
+        need = -(-n // block_size)
+        tables.append(torch.cat([order[used:used + need], torch.full((width - need,), 10**6)]))
+        used += need
+    block_tables = torch.stack(tables).int()
+    q = torch.randn(len(lengths), heads, dim, generator=gen)
+    context_lens = torch.tensor(lengths, dtype=torch.int32)
+    return [t.to(DEVICE) for t in (q, k_cache, v_cache, block_tables, context_lens)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size,lengths", [
+    (9, 3, 64, 16, [1000, 1, 257]),  # SmolLM2's heads; partitions of 256 cut inside a block
+    (4, 2, 16, 1, [3, 255, 256]),  # the tiny test models; block size 1
+    (8, 8, 128, 64, [513]),  # no GQA, head size 128
+    (12, 1, 32, 16, [40, 17]),  # one kv head for 12 query heads (group padded to 16)
+])
+def test_kernel_matches_reference(heads, kv_heads, dim, block_size, lengths):
+    q, k_cache, v_cache, block_tables, context_lens = _case(heads, kv_heads, dim, block_size, lengths, torch.float32)
+    scale = dim ** -0.5
+    out = paged_decode_cuda.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, block_size)
+    expected = _reference(q, k_cache, v_cache, block_tables, context_lens, scale, block_size)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_reads_a_bf16_cache_for_fp32_queries():
+    q, k_cache, v_cache, block_tables, context_lens = _case(9, 3, 64, 16, [300, 20], torch.bfloat16, seed=3)
+    out = paged_decode_cuda.paged_decode(q, k_cache, v_cache, block_tables, context_lens, 0.125, 16)
+    expected = _reference(q, k_cache, v_cache, block_tables, context_lens, 0.125, 16)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_supports_power_of_two_head_sizes_only():
+    assert [d for d in (16, 64, 80, 96, 128, 256) if paged_decode_cuda.supports(d)] == [16, 64, 128, 256]
+
+
+def test_model_step_through_block_tables_equals_the_slot_path(tiny_llama_dir):
+    """A decode step of the whole model, attention through BlockTableDecode (the graph's metadata) against
+    the per-row slot lists of DecodeBatch: same logits."""
+    config = load_config(tiny_llama_dir)
+    model = load_model(tiny_llama_dir, config, torch.float32, DEVICE, pack=False)
+    block_size, lengths = 4, [9, 30, 1]
+    layers, kv_heads, dim = config.num_hidden_layers, config.num_key_value_heads, head_dim(config)
+    gen = torch.Generator().manual_seed(5)
+    kv = torch.randn(2, layers, 64 * block_size, kv_heads, dim, generator=gen).to(DEVICE)
+    tables = [[7, 3, 12], [20, 1, 2, 40, 41, 42, 50, 51], [9]]
+    slots = [[t[p // block_size] * block_size + p % block_size for p in range(n)] for t, n in zip(tables, lengths)]
+    ids = torch.tensor([5, 17, 33], device=DEVICE)
+    positions = torch.tensor([n - 1 for n in lengths], device=DEVICE)
+    new_slots = torch.tensor([s[-1] for s in slots], device=DEVICE)
+    rows = torch.arange(3, device=DEVICE)
+    padded = torch.zeros(3, max(lengths), dtype=torch.long)
+    for row, s in enumerate(slots):
+        padded[row, :len(s)] = torch.tensor(s)
+    by_slots = DecodeBatch(rows, padded.to(DEVICE), torch.tensor(lengths, device=DEVICE), None, [])
+    width = max(map(len, tables))
+    by_tables = BlockTableDecode(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                              device=DEVICE),
+                                 torch.tensor(lengths, dtype=torch.int32, device=DEVICE), block_size)
+    if DEVICE.type == "cuda":  # the slot path's padding needs its -inf bias there
+        bias = torch.zeros(3, 1, 1, max(lengths), device=DEVICE)
+        for row, n in enumerate(lengths):
+            bias[row, ..., n:] = float("-inf")
+        by_slots.bias = bias
+    logits = [model(ids, positions, kv.clone(), AttentionMetadata(new_slots, [], batch), rows)
+              for batch in (by_slots, by_tables)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
