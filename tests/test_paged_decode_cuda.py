@@ -35,12 +35,12 @@ def _reference(q, k_cache, v_cache, block_tables, context_lens, scale, block_siz
     return torch.stack(out)
 
 
-def _case(heads, kv_heads, dim, block_size, lengths, cache_dtype, seed=0):
+def _case(heads, kv_heads, dim, block_size, lengths, cache_dtype, seed=0, width=None):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in lengths) + 4
     k_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=gen).to(cache_dtype)
     v_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=gen).to(cache_dtype)
-    width = max(-(-n // block_size) for n in lengths) + 3  # unused tail columns, as in a real table
+    width = width or max(-(-n // block_size) for n in lengths) + 3  # unused tail columns, as in a real table
     # scattered blocks, never shared between rows (the pool hands each row its own)
     order = torch.randperm(num_blocks, generator=gen)
     tables, used = [], 0
@@ -55,7 +55,7 @@ def _case(heads, kv_heads, dim, block_size, lengths, cache_dtype, seed=0):
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size,lengths", [
-    (9, 3, 64, 16, [1000, 1, 257]),  # SmolLM2's heads; partitions of 256 cut inside a block
+    (9, 3, 64, 16, [1000, 1, 257]),  # SmolLM2's heads; many partitions of 64
     (4, 2, 16, 1, [3, 255, 256]),  # the tiny test models; block size 1
     (8, 8, 128, 64, [513]),  # no GQA, head size 128
     (12, 1, 32, 16, [40, 17]),  # one kv head for 12 query heads (group padded to 16)
@@ -69,11 +69,32 @@ def test_kernel_matches_reference(heads, kv_heads, dim, block_size, lengths):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_partitions_grow_with_the_table_width():
+    """A table for 200 blocks of 64 (12,800 tokens) takes partitions of 128, so a row has at most 100 partials."""
+    q, k_cache, v_cache, block_tables, context_lens = _case(4, 2, 16, 64, [700, 64, 129], torch.float32, seed=4,
+                                                            width=200)
+    out = paged_decode_cuda.paged_decode(q, k_cache, v_cache, block_tables, context_lens, 0.25, 64)
+    expected = _reference(q, k_cache, v_cache, block_tables, context_lens, 0.25, 64)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_reads_a_bf16_cache_for_fp32_queries():
     q, k_cache, v_cache, block_tables, context_lens = _case(9, 3, 64, 16, [300, 20], torch.bfloat16, seed=3)
     out = paged_decode_cuda.paged_decode(q, k_cache, v_cache, block_tables, context_lens, 0.125, 16)
     expected = _reference(q, k_cache, v_cache, block_tables, context_lens, 0.125, 16)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_queries_over_a_bf16_cache_take_16_bit_dots():
+    """A bf16 model: scores and weighted values in bf16 operands with float32 sums (the weights rounded to bf16
+    for the second dot), within bf16's rounding of the exact result. (On CPU, in Triton's interpreter, the kernel
+    keeps float32 dots: the interpreter's 16-bit dots are wrong.)"""
+    q, k_cache, v_cache, block_tables, context_lens = _case(9, 3, 64, 16, [300, 20, 1], torch.bfloat16, seed=6)
+    q = q.to(torch.bfloat16)
+    out = paged_decode_cuda.paged_decode(q, k_cache, v_cache, block_tables, context_lens, 0.125, 16)
+    expected = _reference(q, k_cache, v_cache, block_tables, context_lens, 0.125, 16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, rtol=3e-2, atol=3e-2)
 
 
 def test_supports_power_of_two_head_sizes_only():

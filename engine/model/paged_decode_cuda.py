@@ -3,10 +3,11 @@
 The CPU kernel's design (paged_decode_cpu.py) with block tables instead of slot lists, so its inputs
 have fixed shapes and a whole decode step can be captured as a CUDA graph (decode_graph_cuda.py):
 `block_tables` [rows, max blocks] and `context_lens` [rows] are device tensors the graph reads at
-replay. The context is cut into partitions of PARTITION tokens that run as separate programs
-(flash-decoding): at batch 1 a 1,000-token context would otherwise be 3 programs on a 132-SM GPU.
+replay. The context is cut into partitions (64 tokens for contexts up to 8,192) that run as separate
+programs (flash-decoding): at batch 1 a 1,000-token context would otherwise be 3 programs on a 132-SM GPU.
 Each program scores one kv head's group of query heads (padded to the 16 rows a dot needs)
-against its partition with an online softmax and writes a partial output and its log-sum-exp; a second kernel merges the partitions.
+against its partition with an online softmax (tensor-core dots where q and K/V are both 16-bit,
+IEEE float32 dots otherwise) and writes a partial output and its log-sum-exp; a second kernel merges the partitions.
 Programs past a row's context exit at once, so one grid serves every context length.
 """
 from __future__ import annotations
@@ -15,7 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-PARTITION = 256  # tokens of one program (a multiple of TILE)
+# tokens of one program: short partitions shorten each program's serial chain of tiles, which is what a decode
+# at batch 1 waits for; they grow past MIN_PARTITION only to keep a row's partials within MAX_PARTS
+MIN_PARTITION = 64
+MAX_PARTS = 128
 TILE = 32  # keys scored at once
 MERGE_PARTS = 16  # partitions the merge reads at once
 
@@ -30,7 +34,8 @@ def _partition_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, p
                       scale, stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_bt_row,
                       max_parts, num_heads,
                       BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr, TILE: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr, TILE: tl.constexpr,
+                      HALF_DOTS: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -42,7 +47,9 @@ def _partition_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, p
         in_group = group < GROUP
         dims = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + dims[None, :],
-                    mask=in_group[:, None], other=0.0).to(tl.float32)
+                    mask=in_group[:, None], other=0.0)
+        if not HALF_DOTS:
+            q = q.to(tl.float32)
         best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -53,15 +60,20 @@ def _partition_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, p
             blocks = tl.load(block_tables_ptr + row * stride_bt_row + positions // BLOCK_SIZE, mask=valid, other=0)
             slots = blocks.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
             kv_offsets = slots[:, None] * stride_kv_slot + kv_head * stride_kv_head + dims[None, :]
-            keys = tl.load(k_ptr + kv_offsets, mask=valid[:, None], other=0.0).to(tl.float32)
-            # explicit IEEE dots: Triton turns a broadcast-multiply-sum into a TF32 dot (1e-3 off in float32)
-            scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [GROUP_PAD, TILE]
+            keys = tl.load(k_ptr + kv_offsets, mask=valid[:, None], other=0.0)
+            if HALF_DOTS:  # tensor cores on 16-bit operands, float32 sums (as FlashAttention)
+                scores = tl.dot(q, tl.trans(keys)) * scale  # [GROUP_PAD, TILE]
+            else:  # explicit IEEE: Triton's default float32 dot is TF32 (1e-3 off)
+                scores = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee") * scale
             scores = tl.where(valid[None, :], scores, float("-inf"))
             new_best = tl.maximum(best, tl.max(scores, axis=1))
             weights = tl.exp(scores - new_best[:, None])
             rescale = tl.exp(best - new_best)
-            values = tl.load(v_ptr + kv_offsets, mask=valid[:, None], other=0.0).to(tl.float32)
-            acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision="ieee")
+            values = tl.load(v_ptr + kv_offsets, mask=valid[:, None], other=0.0)
+            if HALF_DOTS:  # the weights rounded to the values' dtype for the dot, as FlashAttention does
+                acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
+            else:
+                acc = acc * rescale[:, None] + tl.dot(weights, values.to(tl.float32), input_precision="ieee")
             total = total * rescale + tl.sum(weights, axis=1)
             best = new_best
         # partials: [rows, heads, max_parts, HEAD_DIM] and [rows, heads, max_parts]
@@ -109,15 +121,19 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
     kv_heads = k_cache.shape[1]
     group = num_heads // kv_heads
-    max_parts = triton.cdiv(block_tables.shape[1] * block_size, PARTITION)
+    max_context = block_tables.shape[1] * block_size
+    partition = max(MIN_PARTITION, triton.next_power_of_2(triton.cdiv(max_context, MAX_PARTS)))
+    max_parts = triton.cdiv(max_context, partition)
     part_out = torch.empty(rows, num_heads, max_parts, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(rows, num_heads, max_parts, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    # (on CPU tensors the kernel runs in Triton's interpreter, the tests' way, whose 16-bit dots are wrong)
+    half_dots = q.is_cuda and q.dtype == k_cache.dtype and q.element_size() == 2
     _partition_kernel[(rows, kv_heads, max_parts)](
         q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), max_parts, num_heads,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
-        PARTITION=PARTITION, TILE=TILE)
+        PARTITION=partition, TILE=TILE, HALF_DOTS=half_dots)
     _merge_kernel[(rows, num_heads)](part_out, part_lse, context_lens, out, out.stride(0), out.stride(1), max_parts,
-                                     num_heads, HEAD_DIM=dim, PARTITION=PARTITION, PARTS=MERGE_PARTS)
+                                     num_heads, HEAD_DIM=dim, PARTITION=partition, PARTS=MERGE_PARTS)
     return out
