@@ -78,6 +78,7 @@ def measure(core: EngineCore, probe: torch.Tensor, batch: int, context: int, ste
         start = time.perf_counter()
         core.step()
         step_s.append(time.perf_counter() - start)
+    replay_ms = graph_replay_ms(core, batch)  # while the requests still hold their blocks
     for r in requests:
         core.abort(r.request_id)
     step = statistics.median(step_s)
@@ -91,7 +92,25 @@ def measure(core: EngineCore, probe: torch.Tensor, batch: int, context: int, ste
     ratio = statistics.median((weights + kv) / (b * 1e9) / s for b, s in zip(bandwidth, step_s))
     return {"batch": batch, "context": context, "shared_prefix": shared, "step_ms": step * 1e3, "ms_per_token": step * 1e3 / batch,
             "tok_s": batch / step, "bandwidth_gb_s": bw, "weight_mb": weights / 1e6, "kv_mb": kv / 1e6,
-            "roofline_ms": roofline_s * 1e3, "roofline_ratio": ratio, "steps": steps}
+            "roofline_ms": roofline_s * 1e3, "roofline_ratio": ratio, "steps": steps, "graph_replay_ms": replay_ms}
+
+
+def graph_replay_ms(core: EngineCore, batch: int, repeats: int = 50) -> float | None:
+    """CUDA: the GPU's share of a step, the median replay of the step's graph alone (the rest of a step is
+    the engine's Python: scheduling, block tables, sampling, detokenizing). The replays rewrite the K/V of
+    the last step's slots with the same values."""
+    graphs = core.runner.graph_decode
+    if graphs is None or batch > graphs.max_rows:
+        return None
+    graph = graphs.graphs[next(size for size in graphs.batch_sizes if size >= batch)]
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def transformers_step_ms(model_path: str, batch: int, context: int, steps: int, dtype: str,
@@ -162,6 +181,8 @@ def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, step
             row["transformers_step_ms"] = transformers_step_ms(str(core.model_path), batch, context, steps, dtype,
                                                                core.device)
         baseline = f"; transformers {row['transformers_step_ms']:.2f} ms/step" if transformers else ""
+        if row["graph_replay_ms"] is not None:
+            baseline += f"; graph replay alone {row['graph_replay_ms']:.2f} ms"
         log(f"decode batch {batch:>2} ({core.device.type}, {dtype}{kv}{shared}): {row['step_ms']:.2f} ms/step, "
             f"{row['tok_s']:.1f} tok/s, roofline {row['roofline_ms']:.2f} ms at {row['bandwidth_gb_s']:.1f} GB/s; "
             f"each step vs its own probe: {row['roofline_ratio']:.0%}{baseline}")

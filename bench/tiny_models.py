@@ -129,9 +129,10 @@ def build_llama3_tiktoken_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def build_random_like(path: Path, source: Path, seed: int = 0) -> Path:
-    """Random weights of the shapes in `source`'s config.json, with its tokenizer files: a stand-in for a model
-    whose weights a machine cannot fetch, good for timing (not for answers)."""
+def build_random_like(path: Path, source: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
+                      **overrides) -> Path:
+    """Random weights of the shapes in `source`'s config.json (changed by `overrides`), with its tokenizer files:
+    a stand-in for a model whose weights a machine cannot fetch, good for timing (not for answers)."""
     import shutil
 
     from transformers import AutoConfig
@@ -141,12 +142,15 @@ def build_random_like(path: Path, source: Path, seed: int = 0) -> Path:
         if name.suffix != ".safetensors" and name.is_file():
             shutil.copy(name, path / name.name)
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=torch.float32).save_pretrained(path)
+    config = AutoConfig.from_pretrained(source, **overrides)
+    AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(path)
     return path
 
 
 if __name__ == "__main__":
     import sys
-    if len(sys.argv) != 4 or sys.argv[1] != "like":
-        raise SystemExit("usage: python -m bench.tiny_models like SOURCE_DIR OUT_DIR")
-    print(build_random_like(Path(sys.argv[3]), Path(sys.argv[2])))
+    if len(sys.argv) < 4 or sys.argv[1] != "like":
+        raise SystemExit("usage: python -m bench.tiny_models like SOURCE_DIR OUT_DIR [config_key=int ...] [--bf16]")
+    changes = {k: int(v) for k, v in (a.split("=", 1) for a in sys.argv[4:] if "=" in a)}
+    kind = torch.bfloat16 if "--bf16" in sys.argv else torch.float32
+    print(build_random_like(Path(sys.argv[3]), Path(sys.argv[2]), dtype=kind, **changes))

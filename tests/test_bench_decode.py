@@ -117,3 +117,28 @@ def test_attention_bench_runs_the_kernel_over_every_layer_and_counts_a_shared_pr
     between = attention.run(str(tiny_llama_dir), batch=3, context=40, shared_prefix=24, repeats=1,
                             between_matmuls=True, log=lambda _: None)
     assert between["between_matmuls"] and between["ms"] > 0 and between["kv_mb"] == runs[24]["kv_mb"]
+
+
+def test_step_profile_lists_a_steps_ops(tiny_llama_dir):
+    from bench import step_profile
+    result = step_profile.run(str(tiny_llama_dir), batch=2, context=40, steps=2)
+    assert result["device"] == "cpu" and result["batch"] == 2
+    assert result["rows"] and all(r["us_per_step"] >= 0 and r["per_step"] > 0 for r in result["rows"])
+    assert result["total_us_per_step"] == pytest.approx(sum(r["us_per_step"] for r in result["rows"]))
+
+
+def test_decode_rows_have_no_graph_replay_on_cpu(tiny_llama_dir):
+    row = decode.run(str(tiny_llama_dir), batches=(1,), context=40, steps=2, log=lambda _: None,
+                     num_kv_blocks=64)["rows"][0]
+    assert row["device"] == "cpu" and row["graph_replay_ms"] is None
+
+
+def test_random_like_keeps_the_tokenizer_and_takes_the_new_shapes(tiny_llama_dir, tmp_path):
+    from transformers import AutoConfig
+
+    from bench.tiny_models import build_random_like
+    out = build_random_like(tmp_path / "wide", tiny_llama_dir, hidden_size=96, num_hidden_layers=3)
+    config = AutoConfig.from_pretrained(out)
+    assert (config.hidden_size, config.num_hidden_layers) == (96, 3)
+    assert (out / "tokenizer.json").read_bytes() == (tiny_llama_dir / "tokenizer.json").read_bytes()
+    assert EngineCore(EngineConfig(model=str(out), num_kv_blocks=16)).model.config.hidden_size == 96

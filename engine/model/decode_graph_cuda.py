@@ -56,7 +56,8 @@ class GraphDecode:
     def max_rows(self) -> int:
         return self.batch_sizes[-1]
 
-    def _forward(self, rows: int) -> torch.Tensor:
+    def forward(self, rows: int) -> torch.Tensor:
+        """The recorded step run eagerly over the input buffers: the kernels each replay launches."""
         ids, positions, slots = self.tokens[:, :rows]
         meta = AttentionMetadata(slots, [], BlockTableDecode(self.block_tables[:rows], self.context_lens[:rows],
                                                              self.block_size))
@@ -68,10 +69,10 @@ class GraphDecode:
         saved = self.kv_slots[:, :, 0].clone()
         pool = None
         for rows in reversed(self.batch_sizes):
-            self._forward(rows)  # warm-up outside the recording: Triton compiles, cuBLAS picks its kernels
+            self.forward(rows)  # warm-up outside the recording: Triton compiles, cuBLAS picks its kernels
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[rows] = self._forward(rows)
+                self.logits[rows] = self.forward(rows)
             pool = graph.pool()
             self.graphs[rows] = graph
         self.kv_slots[:, :, 0] = saved

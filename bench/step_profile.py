@@ -1,0 +1,78 @@
+"""Where a decode step's time goes, kernel by kernel: `python -m bench.step_profile [--device cuda]`.
+
+On CUDA it runs the recorded decode step's forward eagerly (the profiler sees a graph replay as one
+launch; the forward launches the same kernels) under torch's profiler and prints how often each GPU
+kernel ran a step and its time: their sum is what a replay comes down to, less the gaps between
+launches. --enforce-eager profiles the eager step instead (attention by gather, no graph). On CPU it
+profiles whole steps and prints each op's own time.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from bench.decode import start_decoding
+from engine.config import EngineConfig
+from engine.core import EngineCore
+
+
+def run(model: str = "default", device: str = "cpu", dtype: str = "float32", batch: int = 1, context: int = 1000,
+        steps: int = 8, enforce_eager: bool = False, **engine_overrides) -> dict:
+    blocks = batch * -(-(context + steps + 16) // 16) + 8
+    core = EngineCore(EngineConfig(model=model, device=device, dtype=dtype, enforce_eager=enforce_eager,
+                                   max_num_seqs=batch, max_num_batched_tokens=2048, num_kv_blocks=blocks,
+                                   **engine_overrides))
+    start_decoding(core, batch, context, steps + 8)
+    core.step()  # warm-up; it leaves its inputs in the graph's buffers
+    graphs = core.runner.graph_decode
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if core.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            if graphs is not None:  # (rewrites the last step's K/V with the same values)
+                graphs.forward(next(size for size in graphs.batch_sizes if size >= batch))
+                torch.cuda.synchronize()
+            else:
+                core.step()
+    on_gpu = core.device.type == "cuda"
+    count: collections.Counter = collections.Counter()
+    time_us: collections.Counter = collections.Counter()
+    for event in prof.events():
+        if on_gpu and event.device_type == DeviceType.CUDA:
+            count[event.name] += 1
+            time_us[event.name] += event.time_range.elapsed_us()
+        elif not on_gpu and event.device_type == DeviceType.CPU:
+            count[event.name] += 1
+            time_us[event.name] += event.self_cpu_time_total
+    rows = [{"name": name, "per_step": count[name] / steps, "us_per_step": time_us[name] / steps}
+            for name, _ in time_us.most_common()]
+    return {"device": core.device.type, "dtype": dtype, "batch": batch, "context": context, "rows": rows,
+            "kernels_per_step": sum(count.values()) / steps if on_gpu else None,
+            "total_us_per_step": sum(time_us.values()) / steps}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=1000)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: profile the eager step (no graph)")
+    args = parser.parse_args(argv)
+    result = run(args.model, args.device, args.dtype, args.batch, args.context, enforce_eager=args.enforce_eager)
+    what = "kernels" if result["device"] == "cuda" else "ops (self time)"
+    print(f"decode step, batch {args.batch}, {args.context}-token contexts, {args.device} {args.dtype}: {what} "
+          f"{result['total_us_per_step']:.0f} us a step"
+          + (f", {result['kernels_per_step']:.0f} kernels" if result["kernels_per_step"] else ""))
+    for row in result["rows"][:args.top]:
+        print(f"{row['us_per_step']:9.1f} us {row['per_step']:6.1f}x  {row['name'][:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
