@@ -3,10 +3,11 @@
 A decode step reads every weight once plus each sequence's K/V, so its floor is
 (weight bytes + K/V bytes read) / memory bandwidth. The bandwidth is measured here with a streaming
 read (a large tensor's sum on torch's threads, or on the GPU with --device cuda) before every timed
-step, so that load from other processes shows in both alike. Step times and bandwidths are medians; the roofline ratio is the
-median over steps of each step against the probe taken just before it. Where batches 1 and 8 are both
-asked for, batch 8's steps are timed once more in turns with a batch-1 engine over the same weights, so
-that their ratio compares steps of the same moment (measure_in_turns). --transformers times plain
+step, so that load from other processes shows in both alike. Step times and bandwidths are medians;
+the roofline ratio is the median over steps of each step against the probe taken just before it.
+Where batches 1 and 8 are both asked for, batch 8's steps are timed once more in turns with a batch-1
+engine over the same weights, so that their ratio compares steps of the same moment
+(measure_in_turns). --transformers times plain
 `transformers` decoding the same prompts (its own KV cache, one forward per token) in the same run.
 """
 from __future__ import annotations
@@ -90,9 +91,10 @@ def measure(core: EngineCore, probe: torch.Tensor, batch: int, context: int, ste
     # each step against the probe taken just before it: the bandwidth here drifts by 2x within a minute
     # (other tenants of the host), and a step and its own probe see the same phase of that drift
     ratio = statistics.median((weights + kv) / (b * 1e9) / s for b, s in zip(bandwidth, step_s))
-    return {"batch": batch, "context": context, "shared_prefix": shared, "step_ms": step * 1e3, "ms_per_token": step * 1e3 / batch,
-            "tok_s": batch / step, "bandwidth_gb_s": bw, "weight_mb": weights / 1e6, "kv_mb": kv / 1e6,
-            "roofline_ms": roofline_s * 1e3, "roofline_ratio": ratio, "steps": steps, "graph_replay_ms": replay_ms}
+    return {"batch": batch, "context": context, "shared_prefix": shared, "step_ms": step * 1e3,
+            "ms_per_token": step * 1e3 / batch, "tok_s": batch / step, "bandwidth_gb_s": bw, "weight_mb": weights / 1e6, "kv_mb": kv / 1e6,
+            "roofline_ms": roofline_s * 1e3, "roofline_ratio": ratio, "steps": steps,
+            "graph_replay_ms": replay_ms}
 
 
 def graph_replay_ms(core: EngineCore, batch: int, repeats: int = 50) -> float | None:

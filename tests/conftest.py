@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-weight models built once per test session."""
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 
@@ -12,6 +13,8 @@ from bench.tiny_models import build_tiktoken_model, build_tiny_model
 IN_CI = bool(os.environ.get("CI"))
 if not torch.cuda.is_available():  # Triton kernels (the CUDA decode path) run on CPU tensors in its interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# where the Triton kernels' tests run them: the GPU, or Triton's interpreter on CPU tensors
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture(scope="session")
@@ -49,3 +52,14 @@ def require_binary(name: str) -> str:
             pytest.fail(message)
         pytest.skip(message)
     return path
+
+
+def triton_module(name: str):
+    """engine.model.<name>, a module of Triton kernels: fails under CI when Triton is missing (the test extra
+    installs it), skips the calling test module elsewhere."""
+    try:
+        return importlib.import_module(f"engine.model.{name}")
+    except ImportError:
+        if IN_CI:
+            raise
+        pytest.skip("triton is not installed", allow_module_level=True)

@@ -7,16 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.llama import RMSNorm, apply_rotary
-from tests.conftest import IN_CI
+from tests.conftest import KERNEL_DEVICE as DEVICE, triton_module
 
-try:
-    from engine.model import fused_cuda
-except ImportError:  # no Triton: make test installs it (the test extra)
-    if IN_CI:
-        raise
-    pytest.skip("triton is not installed", allow_module_level=True)
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+fused_cuda = triton_module("fused_cuda")
 
 
 def _randn(*shape, dtype=torch.float32, seed=0):

@@ -9,16 +9,9 @@ import torch
 from engine.model.attention import AttentionMetadata, BlockTableDecode, DecodeBatch
 from engine.model.llama import head_dim
 from engine.model.loader import load_config, load_model
-from tests.conftest import IN_CI
+from tests.conftest import KERNEL_DEVICE as DEVICE, triton_module
 
-try:
-    from engine.model import paged_decode_cuda
-except ImportError:  # no Triton: make test installs it (the test extra)
-    if IN_CI:
-        raise
-    pytest.skip("triton is not installed", allow_module_level=True)
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+paged_decode_cuda = triton_module("paged_decode_cuda")
 
 
 def _reference(q, k_cache, v_cache, block_tables, context_lens, scale, block_size):

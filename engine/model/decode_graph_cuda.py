@@ -1,8 +1,8 @@
 """Decode steps on CUDA replayed from captured CUDA graphs.
 
-A decode step of a small model is hundreds of tiny kernels (SmolLM2: about 15 per layer, 30
+A decode step of a small model is hundreds of tiny kernels (SmolLM2: 464, 15 a layer for 30
 layers); launched one by one from Python each costs more than it computes, so the GPU idles
-between them. At start-up the runner runs one decode step per batch size in GRAPH_BATCH_SIZES
+between them. At start-up the runner runs one decode step per batch size of graph_batch_sizes
 (up to max_num_seqs) under `torch.cuda.graph`, which records its kernels; a step then copies its
 token ids, positions, slots, block tables and context lengths into the graph's fixed input buffers
 and replays the recording in one launch. Attention reads K/V through the block tables

@@ -2,9 +2,10 @@
 
 Eager PyTorch runs RMSNorm as 7 kernels in bfloat16 (cast, square, mean, add, rsqrt, multiply, scale),
 rotary as 5 per tensor and SiLU-and-multiply as 2. On a GPU each launch costs more than its
-arithmetic: even replayed from a CUDA graph a kernel takes 2-3 us, so a SmolLM2 decode step of ~1,000
-kernels took 3.9 ms against a 0.12 ms memory roofline. Each function here is one kernel that computes
-in float32 and rounds once. The CPU keeps the eager ops (and its compiled decode step).
+arithmetic: even replayed from a CUDA graph a kernel takes 2-4 us, and a SmolLM2 decode step took
+3.9 ms against a 0.12 ms memory roofline (2.2 ms with these kernels; H100, bf16, batch 1). Each function
+here is one kernel that computes in float32 and rounds once. The CPU keeps the eager ops (and its
+compiled decode step).
 """
 from __future__ import annotations
 
@@ -87,4 +88,3 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[(gate_up.shape[0], triton.cdiv(width, block))](gate_up, out, gate_up.stride(0), width,
                                                                        BLOCK=block)
     return out
-

@@ -4,11 +4,11 @@ The CPU kernel's design (paged_decode_cpu.py) with block tables instead of slot 
 have fixed shapes and a whole decode step can be captured as a CUDA graph (decode_graph_cuda.py):
 `block_tables` [rows, max blocks] and `context_lens` [rows] are device tensors the graph reads at
 replay. The context is cut into partitions (64 tokens for contexts up to 8,192) that run as separate
-programs (flash-decoding): at batch 1 a 1,000-token context would otherwise be 3 programs on a 132-SM GPU.
-Each program scores one kv head's group of query heads (padded to the 16 rows a dot needs)
-against its partition with an online softmax (tensor-core dots where q and K/V are both 16-bit,
-IEEE float32 dots otherwise) and writes a partial output and its log-sum-exp; a second kernel merges the partitions.
-Programs past a row's context exit at once, so one grid serves every context length.
+programs (flash-decoding): at batch 1 one program per kv head would walk the whole context alone.
+Each program scores one kv head's group of query heads (padded to the 16 rows a dot needs) against
+its partition with an online softmax (tensor-core dots where q and K/V are both 16-bit, IEEE float32
+dots otherwise) and writes a partial output and its log-sum-exp; a second kernel merges a row's
+partials. Programs past a row's context exit at once, so one grid serves every context length.
 """
 from __future__ import annotations
 
