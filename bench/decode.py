@@ -92,9 +92,9 @@ def measure(core: EngineCore, probe: torch.Tensor, batch: int, context: int, ste
     # (other tenants of the host), and a step and its own probe see the same phase of that drift
     ratio = statistics.median((weights + kv) / (b * 1e9) / s for b, s in zip(bandwidth, step_s))
     return {"batch": batch, "context": context, "shared_prefix": shared, "step_ms": step * 1e3,
-            "ms_per_token": step * 1e3 / batch, "tok_s": batch / step, "bandwidth_gb_s": bw, "weight_mb": weights / 1e6, "kv_mb": kv / 1e6,
-            "roofline_ms": roofline_s * 1e3, "roofline_ratio": ratio, "steps": steps,
-            "graph_replay_ms": replay_ms}
+            "ms_per_token": step * 1e3 / batch, "tok_s": batch / step, "bandwidth_gb_s": bw,
+            "weight_mb": weights / 1e6, "kv_mb": kv / 1e6, "roofline_ms": roofline_s * 1e3, "roofline_ratio": ratio,
+            "steps": steps, "graph_replay_ms": replay_ms}
 
 
 def graph_replay_ms(core: EngineCore, batch: int, repeats: int = 50) -> float | None:
