@@ -47,7 +47,9 @@ def test_graphs_give_transformers_greedy_tokens(arch, chunk, max_seqs, request):
     expected = [_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
     llm = LLM(str(model_dir), device="cuda", dtype="float32", block_size=16, num_kv_blocks=256,
               max_num_seqs=max_seqs, max_num_batched_tokens=chunk)
-    assert llm.core.runner.graph_decode is not None
+    graphs = llm.core.runner.graph_decode
+    assert graphs is not None and graphs.batch_sizes == [1, 2, 4, 8][:max_seqs.bit_length()]
+    assert graphs.logits.shape == (max_seqs, hf.config.vocab_size)  # one output buffer for every graph
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected  # 5 rows: padded to a graph of 8
     again = llm.generate(prompts[:3], GREEDY)  # cache hits, 3 rows in a graph of 4
     assert [o.token_ids for o in again] == expected[:3]

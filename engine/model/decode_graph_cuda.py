@@ -48,8 +48,10 @@ class GraphDecode:
         self._host_tokens = torch.zeros(3, rows, dtype=torch.long).pin_memory()
         self._host_context_lens = torch.ones(rows, dtype=torch.int32).pin_memory()
         self._host_tables = torch.zeros(rows, width, dtype=torch.int32).pin_memory()
+        # every graph writes its logits here: outputs left inside the pool would stay allocated, one per graph
+        # (256 graph rows x a 128k vocabulary: 2 GB over the ladder)
+        self.logits = torch.empty(rows, model.lm_head.out_features, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
         self._capture()
 
     @property
@@ -72,7 +74,7 @@ class GraphDecode:
             self.forward(rows)  # warm-up outside the recording: Triton compiles, cuBLAS picks its kernels
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[rows] = self.forward(rows)
+                self.logits[:rows].copy_(self.forward(rows))
             pool = graph.pool()
             self.graphs[rows] = graph
         self.kv_slots[:, :, 0] = saved
@@ -80,8 +82,8 @@ class GraphDecode:
 
     def __call__(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
                  block_tables: list[list[int]], context_lens: list[int]) -> torch.Tensor:
-        """Logits [n, vocab] of an n-row decode-only step, n <= max_rows (a view into the graph's output: read
-        it before the next call)."""
+        """Logits [n, vocab] of an n-row decode-only step, n <= max_rows (a view into the graphs' output buffer:
+        read it before the next call)."""
         n = len(input_ids)
         rows = next(size for size in self.batch_sizes if size >= n)
         pad = [n - 1] * (rows - n)  # padding rows repeat the last row
@@ -99,4 +101,4 @@ class GraphDecode:
         self.context_lens[:rows].copy_(self._host_context_lens[:rows], non_blocking=True)
         self.block_tables[:rows].copy_(self._host_tables[:rows], non_blocking=True)
         self.graphs[rows].replay()
-        return self.logits[rows][:n]
+        return self.logits[:n]
