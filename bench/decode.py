@@ -228,7 +228,14 @@ def main(argv: list[str] | None = None) -> int:
                              "the compiled step, whose supports() asks the kernel's, goes too)")
     parser.add_argument("--no-compiled-decode", action="store_true",
                         help="decode steps through eager PyTorch (to measure what the compiled step buys)")
+    parser.add_argument("--plot", default=None, help="plot the run's step times against the roofline here (PNG)")
+    parser.add_argument("--replot", nargs="+", default=None, metavar="JSON",
+                        help="measure nothing: plot these saved --json runs together into --plot")
     args = parser.parse_args(argv)
+    if args.replot:
+        from bench import report
+        report.decode_runs([json.loads(Path(p).read_text())["rows"] for p in args.replot], Path(args.plot))
+        return 0
     if args.no_compiled_decode:
         from engine.model import decode_step_cpu
         decode_step_cpu.supports = lambda dtype, device: False
@@ -245,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                  device=args.device, enforce_eager=args.enforce_eager)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        from bench import report
+        report.decode_runs([result["rows"]], Path(args.plot))
     return 0
 
 

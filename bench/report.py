@@ -238,6 +238,36 @@ def _decode(rows: list[dict], shared: list[dict], path: Path) -> Path:
     return _save(fig, path)
 
 
+def decode_runs(runs: list[list[dict]], path: Path) -> Path:
+    """Step time against batch for bench.decode runs (each a list of rows), on a log scale: each run's steps,
+    the first run's roofline and, where measured, plain transformers and the CUDA graph's replay alone."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    first = runs[0]
+    batches = [r["batch"] for r in first]
+    for rows in runs:
+        ax.plot([r["batch"] for r in rows], [r["step_ms"] for r in rows], "o-", label=f"prefixgate, {_engine(rows[0])}")
+        if rows[0].get("graph_replay_ms") is not None:
+            ax.plot([r["batch"] for r in rows], [r["graph_replay_ms"] for r in rows], ".:",
+                    label="its CUDA graph's replay alone")
+        if rows[0].get("transformers_step_ms") is not None:
+            ax.plot([r["batch"] for r in rows], [r["transformers_step_ms"] for r in rows], "x-",
+                    label=f"plain transformers, {rows[0].get('device', 'cpu')} {rows[0]['dtype']}")
+    ax.plot(batches, [r["roofline_ms"] for r in first], "s--", label="roofline: (weights + KV) / bandwidth")
+    ax.set_yscale("log")
+    ax.set_xlabel("decodes per step (batch)")
+    ax.set_ylabel("ms per step (log)")
+    ax.set_xticks(batches)
+    ax.set_title(f"Decode step vs roofline: {first[0]['weight_mb']:,.0f} MB of weights, {first[0]['context']}-token contexts")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _engine(row: dict) -> str:
+    device = row.get("device", "cpu")
+    graphs = ", CUDA graphs" if row.get("graph_replay_ms") is not None else (", eager" if device == "cuda" else "")
+    return f"{device} {row['dtype']}{graphs}"
+
+
 def _multiturn(chats: dict, path: Path) -> Path:
     runs = {k: v for k, v in chats.items() if isinstance(v, dict) and "itl_p50_s" in v}
     metrics = [("ttft_p50_s", "TTFT p50 (s)"), ("itl_p50_s", "ITL p50 (s)"), ("itl_p95_s", "ITL p95 (s)"),

@@ -15,3 +15,5 @@ decode --dtype bfloat16 --batches 1,4,8,16,32 --transformers --json "$out/decode
 decode --dtype bfloat16 --batches 1,4,8,16,32 --enforce-eager --json "$out/decode_cuda_bf16_eager.json"
 decode --dtype float32 --batches 1,8,32 --transformers --json "$out/decode_cuda_fp32.json"
 decode --dtype bfloat16 --batches 1,8 --shared-prefix 960 --json "$out/decode_cuda_bf16_shared.json"
+python -m bench.decode --replot "$out/decode_cuda_bf16.json" "$out/decode_cuda_bf16_eager.json" \
+  --plot "$out/decode_cuda_bf16.png"

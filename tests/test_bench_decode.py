@@ -142,3 +142,13 @@ def test_random_like_keeps_the_tokenizer_and_takes_the_new_shapes(tiny_llama_dir
     assert (config.hidden_size, config.num_hidden_layers) == (96, 3)
     assert (out / "tokenizer.json").read_bytes() == (tiny_llama_dir / "tokenizer.json").read_bytes()
     assert EngineCore(EngineConfig(model=str(out), num_kv_blocks=16)).model.config.hidden_size == 96
+
+
+def test_saved_decode_runs_plot_together(tiny_llama_dir, tmp_path):
+    runs = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, batches in zip(runs, [(1, 2), (1,)]):
+        assert decode.main(["--model", str(tiny_llama_dir), "--batches", ",".join(map(str, batches)), "--context", "40",
+                            "--steps", "2", "--json", str(path)]) == 0
+    plot = tmp_path / "runs.png"
+    assert decode.main(["--replot", *map(str, runs), "--plot", str(plot)]) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
