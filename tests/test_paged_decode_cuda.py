@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.attention import AttentionMetadata, BlockTableDecode, DecodeBatch
+from engine.model.attention import AttentionMetadata, DecodeBatch
+from engine.model.decode_graph_cuda import GraphInputs
 from engine.model.llama import head_dim
 from engine.model.loader import load_config, load_model
 from tests.conftest import KERNEL_DEVICE as DEVICE, triton_module
@@ -94,9 +95,10 @@ def test_supports_power_of_two_head_sizes_only():
     assert [d for d in (16, 64, 80, 96, 128, 256) if paged_decode_cuda.supports(d)] == [16, 64, 128, 256]
 
 
-def test_model_step_through_block_tables_equals_the_slot_path(tiny_llama_dir):
-    """A decode step of the whole model, attention through BlockTableDecode (the graph's metadata) against
-    the per-row slot lists of DecodeBatch: same logits."""
+def test_graph_inputs_step_equals_the_slot_path(tiny_llama_dir):
+    """A decode step of the whole model as a graph records it (GraphInputs: 3 rows padded to 4, attention through
+    block tables) against the per-row slot lists of DecodeBatch: the same logits and the same K/V written; the
+    padding row repeats the last one."""
     config = load_config(tiny_llama_dir)
     model = load_model(tiny_llama_dir, config, torch.float32, DEVICE, pack=False)
     block_size, lengths = 4, [9, 30, 1]
@@ -105,23 +107,26 @@ def test_model_step_through_block_tables_equals_the_slot_path(tiny_llama_dir):
     kv = torch.randn(2, layers, 64 * block_size, kv_heads, dim, generator=gen).to(DEVICE)
     tables = [[7, 3, 12], [20, 1, 2, 40, 41, 42, 50, 51], [9]]
     slots = [[t[p // block_size] * block_size + p % block_size for p in range(n)] for t, n in zip(tables, lengths)]
-    ids = torch.tensor([5, 17, 33], device=DEVICE)
-    positions = torch.tensor([n - 1 for n in lengths], device=DEVICE)
-    new_slots = torch.tensor([s[-1] for s in slots], device=DEVICE)
+    ids, positions, new_slots = [5, 17, 33], [n - 1 for n in lengths], [s[-1] for s in slots]
     rows = torch.arange(3, device=DEVICE)
     padded = torch.zeros(3, max(lengths), dtype=torch.long)
     for row, s in enumerate(slots):
         padded[row, :len(s)] = torch.tensor(s)
     by_slots = DecodeBatch(rows, padded.to(DEVICE), torch.tensor(lengths, device=DEVICE), None, [])
-    width = max(map(len, tables))
-    by_tables = BlockTableDecode(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                                              device=DEVICE),
-                                 torch.tensor(lengths, dtype=torch.int32, device=DEVICE), block_size)
     if DEVICE.type == "cuda":  # the slot path's padding needs its -inf bias there
         bias = torch.zeros(3, 1, 1, max(lengths), device=DEVICE)
         for row, n in enumerate(lengths):
             bias[row, ..., n:] = float("-inf")
         by_slots.bias = bias
-    logits = [model(ids, positions, kv.clone(), AttentionMetadata(new_slots, [], batch), rows)
-              for batch in (by_slots, by_tables)]
-    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+    kv_by_slots, kv_by_tables = kv.clone(), kv.clone()
+    expected = model(torch.tensor(ids, device=DEVICE), torch.tensor(positions, device=DEVICE), kv_by_slots,
+                     AttentionMetadata(torch.tensor(new_slots, device=DEVICE), [], by_slots), rows)
+    inputs = GraphInputs(rows=8, max_blocks=10, block_size=block_size, device=DEVICE)
+    inputs.fill(4, ids, positions, new_slots, tables, lengths)
+    assert inputs.tokens[:, 3].tolist() == inputs.tokens[:, 2].tolist() == [33, 0, 9 * block_size]
+    assert inputs.context_lens[:4].tolist() == [9, 30, 1, 1] and inputs.block_tables[3, 0] == 9
+    graph_ids, graph_positions, meta, logits_rows = inputs.step(4)
+    logits = model(graph_ids, graph_positions, kv_by_tables, meta, logits_rows)
+    torch.testing.assert_close(logits[:3], expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits[3], logits[2])
+    torch.testing.assert_close(kv_by_tables, kv_by_slots, rtol=1e-5, atol=1e-5)

@@ -30,6 +30,46 @@ def graph_batch_sizes(max_rows: int) -> list[int]:
     return [s for s in sizes if s < cap] + [next(s for s in sizes if s >= cap)]
 
 
+class GraphInputs:
+    """The fixed buffers a recorded decode step reads (token ids, positions, slots, block tables, context
+    lengths), and their filling from a step's rows: the part of a replay that runs on any device."""
+
+    def __init__(self, rows: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.tokens = torch.zeros(3, rows, dtype=torch.long, device=device)  # ids, positions, slots
+        self.context_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(rows, max_blocks, dtype=torch.int32, device=device)
+        self.row_ids = torch.arange(rows, device=device)
+        pinned = device.type == "cuda"  # (page-locked host memory: copies that do not wait for the GPU)
+        self._host_tokens = torch.zeros(3, rows, dtype=torch.long, pin_memory=pinned)
+        self._host_context_lens = torch.ones(rows, dtype=torch.int32, pin_memory=pinned)
+        self._host_tables = torch.zeros(rows, max_blocks, dtype=torch.int32, pin_memory=pinned)
+
+    def fill(self, rows: int, input_ids: list[int], positions: list[int], slot_mapping: list[int],
+             block_tables: list[list[int]], context_lens: list[int]) -> None:
+        """The step's n rows, then rows - n padding rows that repeat the last one (the same K/V to the same slot)."""
+        order = list(range(len(input_ids))) + [len(input_ids) - 1] * (rows - len(input_ids))
+        tokens = self._host_tokens.numpy()
+        tokens[0, :rows] = np.asarray(input_ids)[order]
+        tokens[1, :rows] = np.asarray(positions)[order]
+        tokens[2, :rows] = np.asarray(slot_mapping)[order]
+        self._host_context_lens.numpy()[:rows] = np.asarray(context_lens)[order]
+        tables = self._host_tables.numpy()
+        for row, source in enumerate(order):
+            tables[row, :len(block_tables[source])] = block_tables[source]
+        # (the pinned buffers are rewritten only after the sampler has read this step's logits, a sync)
+        self.tokens[:, :rows].copy_(self._host_tokens[:, :rows], non_blocking=True)
+        self.context_lens[:rows].copy_(self._host_context_lens[:rows], non_blocking=True)
+        self.block_tables[:rows].copy_(self._host_tables[:rows], non_blocking=True)
+
+    def step(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The model's arguments for the first `rows` rows: ids, positions, metadata, logits rows."""
+        ids, positions, slots = self.tokens[:, :rows]
+        meta = AttentionMetadata(slots, [], BlockTableDecode(self.block_tables[:rows], self.context_lens[:rows],
+                                                             self.block_size))
+        return ids, positions, meta, self.row_ids[:rows]
+
+
 class GraphDecode:
     """One captured decode step per batch size, over the engine's KV pool and one set of input buffers."""
 
@@ -37,17 +77,9 @@ class GraphDecode:
                  max_model_len: int) -> None:
         self.model = model
         self.kv_slots = kv_slots
-        self.block_size = block_size
         self.batch_sizes = graph_batch_sizes(max_rows)
         rows, device = self.batch_sizes[-1], kv_slots.device
-        width = -(-max_model_len // block_size)
-        self.tokens = torch.zeros(3, rows, dtype=torch.long, device=device)  # ids, positions, slots
-        self.context_lens = torch.ones(rows, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
-        self.row_ids = torch.arange(rows, device=device)
-        self._host_tokens = torch.zeros(3, rows, dtype=torch.long).pin_memory()
-        self._host_context_lens = torch.ones(rows, dtype=torch.int32).pin_memory()
-        self._host_tables = torch.zeros(rows, width, dtype=torch.int32).pin_memory()
+        self.inputs = GraphInputs(rows, -(-max_model_len // block_size), block_size, device)
         # every graph writes its logits here: outputs left inside the pool would stay allocated, one per graph
         # (256 graph rows x a 128k vocabulary: 2 GB over the ladder)
         self.logits = torch.empty(rows, model.lm_head.out_features, dtype=torch.float32, device=device)
@@ -60,10 +92,8 @@ class GraphDecode:
 
     def forward(self, rows: int) -> torch.Tensor:
         """The recorded step run eagerly over the input buffers: the kernels each replay launches."""
-        ids, positions, slots = self.tokens[:, :rows]
-        meta = AttentionMetadata(slots, [], BlockTableDecode(self.block_tables[:rows], self.context_lens[:rows],
-                                                             self.block_size))
-        return self.model(ids, positions, self.kv_slots, meta, self.row_ids[:rows])
+        ids, positions, meta, logits_rows = self.inputs.step(rows)
+        return self.model(ids, positions, self.kv_slots, meta, logits_rows)
 
     def _capture(self) -> None:
         """Largest first, all in one memory pool (the smaller graphs reuse the largest one's buffers). The
@@ -84,21 +114,7 @@ class GraphDecode:
                  block_tables: list[list[int]], context_lens: list[int]) -> torch.Tensor:
         """Logits [n, vocab] of an n-row decode-only step, n <= max_rows (a view into the graphs' output buffer:
         read it before the next call)."""
-        n = len(input_ids)
-        rows = next(size for size in self.batch_sizes if size >= n)
-        pad = [n - 1] * (rows - n)  # padding rows repeat the last row
-        order = list(range(n)) + pad
-        tokens = self._host_tokens.numpy()
-        tokens[0, :rows] = np.asarray(input_ids)[order]
-        tokens[1, :rows] = np.asarray(positions)[order]
-        tokens[2, :rows] = np.asarray(slot_mapping)[order]
-        self._host_context_lens.numpy()[:rows] = np.asarray(context_lens)[order]
-        tables = self._host_tables.numpy()
-        for row, source in enumerate(order):
-            tables[row, :len(block_tables[source])] = block_tables[source]
-        # (the pinned buffers are rewritten only after the sampler has read this step's logits, a sync)
-        self.tokens[:, :rows].copy_(self._host_tokens[:, :rows], non_blocking=True)
-        self.context_lens[:rows].copy_(self._host_context_lens[:rows], non_blocking=True)
-        self.block_tables[:rows].copy_(self._host_tables[:rows], non_blocking=True)
+        rows = next(size for size in self.batch_sizes if size >= len(input_ids))
+        self.inputs.fill(rows, input_ids, positions, slot_mapping, block_tables, context_lens)
         self.graphs[rows].replay()
-        return self.logits[:n]
+        return self.logits[:len(input_ids)]
