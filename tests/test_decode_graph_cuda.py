@@ -50,7 +50,7 @@ def test_graphs_give_transformers_greedy_tokens(arch, chunk, max_seqs, request):
     graphs = llm.core.runner.graph_decode
     assert graphs is not None and graphs.batch_sizes == [1, 2, 4, 8][:max_seqs.bit_length()]
     assert graphs.logits.shape == (max_seqs, hf.config.vocab_size)  # one output buffer for every graph
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected  # 5 rows: padded to a graph of 8
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected  # 5 rows in a graph of 8, or 4 + 1
     again = llm.generate(prompts[:3], GREEDY)  # cache hits, 3 rows in a graph of 4
     assert [o.token_ids for o in again] == expected[:3]
     assert all(o.num_cached_tokens > 0 for o in again)
