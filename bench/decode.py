@@ -57,14 +57,23 @@ def kv_bytes_per_token(core: EngineCore) -> int:
     return 2 * kv.shape[1] * kv.shape[3] * kv.shape[4] * kv.element_size()
 
 
+def prompt(b: int, context: int, shared: int, vocab_size: int) -> list[int]:
+    """Request b's prompt: its first `shared` tokens the same for every b (a shared system prompt), the rest its own."""
+    return [(b * 7919 * (i >= shared) + 31 * i) % (vocab_size - 3) + 3 for i in range(context)]
+
+
+def blocks_per_sequence(context: int, new_tokens: int, engine_overrides: dict) -> int:
+    """KV blocks one decoding sequence needs, at the block size the engine will get."""
+    return -(-(context + new_tokens) // engine_overrides.get("block_size", EngineConfig().block_size))
+
+
 def start_decoding(core: EngineCore, batch: int, context: int, steps: int, shared: int = 0) -> list[Request]:
     """`batch` requests with `context`-token prompts whose first `shared` tokens are the same (a shared system
     prompt; the rest differ), prefilled; the next steps are pure decodes."""
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     requests = []
     for b in range(batch):
-        prompt = [(b * 7919 * (i >= shared) + 31 * i) % (core.vocab_size - 3) + 3 for i in range(context)]
-        requests.append(Request(f"decode-{b}", prompt, params))
+        requests.append(Request(f"decode-{b}", prompt(b, context, shared, core.vocab_size), params))
         core.add_request(requests[-1])
     while any(not r.output_token_ids for r in requests):
         core.step()
@@ -104,7 +113,7 @@ def graph_replay_ms(core: EngineCore, batch: int, repeats: int = 50) -> float | 
     graphs = core.runner.graph_decode
     if graphs is None or batch > graphs.max_rows:
         return None
-    graph = graphs.graphs[next(size for size in graphs.batch_sizes if size >= batch)]
+    graph = graphs.graphs[graphs.graph_rows(batch)]
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -116,14 +125,12 @@ def graph_replay_ms(core: EngineCore, batch: int, repeats: int = 50) -> float | 
 
 
 def transformers_step_ms(model_path: str, batch: int, context: int, steps: int, dtype: str,
-                         device: torch.device) -> float:
+                         device: torch.device, shared: int = 0) -> float:
     """Median ms of one plain `transformers` decode step (a forward of each row's newest token over its own
     KV cache, then greedy argmax) after prefilling `batch` prompts of `context` tokens."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
-    vocab = hf.config.vocab_size
-    prompts = torch.tensor([[(b * 7919 + 31 * i) % (vocab - 3) + 3 for i in range(context)] for b in range(batch)],
-                           device=device)
+    prompts = torch.tensor([prompt(b, context, shared, hf.config.vocab_size) for b in range(batch)], device=device)
     times = []
     with torch.inference_mode():
         out = hf(prompts, use_cache=True)
@@ -163,7 +170,7 @@ def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, step
         dtype: str = "float32", log=print, shared_prefix: int = 0, transformers: bool = False,
         **engine_overrides) -> dict:
     # a pool that holds every sequence of the largest batch: a smaller one would preempt some and time a smaller batch
-    blocks_per_seq = -(-(context + steps + 8) // engine_overrides.get("block_size", EngineConfig().block_size))
+    blocks_per_seq = blocks_per_sequence(context, steps + 8, engine_overrides)
     engine_overrides.setdefault("num_kv_blocks", max(batches) * blocks_per_seq + 8)
     core = EngineCore(EngineConfig(model=model, dtype=dtype, max_num_seqs=max(batches),
                                    max_num_batched_tokens=2048, **engine_overrides))
@@ -181,7 +188,7 @@ def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, step
         row["device"] = core.device.type
         if transformers:
             row["transformers_step_ms"] = transformers_step_ms(str(core.model_path), batch, context, steps, dtype,
-                                                               core.device)
+                                                               core.device, shared_prefix)
         baseline = f"; transformers {row['transformers_step_ms']:.2f} ms/step" if transformers else ""
         if row["graph_replay_ms"] is not None:
             baseline += f"; graph replay alone {row['graph_replay_ms']:.2f} ms"

@@ -15,17 +15,16 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from bench.decode import start_decoding
+from bench.decode import blocks_per_sequence, start_decoding
 from engine.config import EngineConfig
 from engine.core import EngineCore
 
 
 def run(model: str = "default", device: str = "cpu", dtype: str = "float32", batch: int = 1, context: int = 1000,
         steps: int = 8, enforce_eager: bool = False, **engine_overrides) -> dict:
-    blocks = batch * -(-(context + steps + 16) // 16) + 8
+    engine_overrides.setdefault("num_kv_blocks", batch * blocks_per_sequence(context, steps + 16, engine_overrides) + 8)
     core = EngineCore(EngineConfig(model=model, device=device, dtype=dtype, enforce_eager=enforce_eager,
-                                   max_num_seqs=batch, max_num_batched_tokens=2048, num_kv_blocks=blocks,
-                                   **engine_overrides))
+                                   max_num_seqs=batch, max_num_batched_tokens=2048, **engine_overrides))
     start_decoding(core, batch, context, steps + 8)
     core.step()  # warm-up; it leaves its inputs in the graph's buffers
     graphs = core.runner.graph_decode
@@ -33,7 +32,7 @@ def run(model: str = "default", device: str = "cpu", dtype: str = "float32", bat
     with profile(activities=activities) as prof:
         for _ in range(steps):
             if graphs is not None:  # (rewrites the last step's K/V with the same values)
-                graphs.forward(next(size for size in graphs.batch_sizes if size >= batch))
+                graphs.forward(graphs.graph_rows(batch))
                 torch.cuda.synchronize()
             else:
                 core.step()

@@ -90,6 +90,10 @@ class GraphDecode:
     def max_rows(self) -> int:
         return self.batch_sizes[-1]
 
+    def graph_rows(self, n: int) -> int:
+        """Rows of the smallest graph that holds an n-row step."""
+        return next(size for size in self.batch_sizes if size >= n)
+
     def forward(self, rows: int) -> torch.Tensor:
         """The recorded step run eagerly over the input buffers: the kernels each replay launches."""
         ids, positions, meta, logits_rows = self.inputs.step(rows)
@@ -114,7 +118,7 @@ class GraphDecode:
                  block_tables: list[list[int]], context_lens: list[int]) -> torch.Tensor:
         """Logits [n, vocab] of an n-row decode-only step, n <= max_rows (a view into the graphs' output buffer:
         read it before the next call)."""
-        rows = next(size for size in self.batch_sizes if size >= len(input_ids))
+        rows = self.graph_rows(len(input_ids))
         self.inputs.fill(rows, input_ids, positions, slot_mapping, block_tables, context_lens)
         self.graphs[rows].replay()
         return self.logits[:len(input_ids)]
