@@ -1,5 +1,5 @@
 """`python -m bench [--quick] [--model PATH] [--workloads a,b] [--out DIR] [--peers]`;
-`python -m bench cluster`; `python -m bench tiers`."""
+`python -m bench cluster`; `python -m bench tiers`; `python -m bench serving`."""
 from __future__ import annotations
 
 import argparse
@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["cluster"]:  # replicas on Ray Serve under three routers (needs the cluster extra)
         from bench.cluster import main as cluster_main
         return cluster_main(argv[1:])
+    if argv[:1] == ["serving"]:  # the server against the engine in process (and llama.cpp's server)
+        from bench import serving
+        return serving.main(argv[1:])
     if argv[:1] == ["tiers"]:  # cache tiers: eviction policies, disk tier, warm restart
         from bench import tiers
         return tiers.main(argv[1:])

@@ -72,7 +72,7 @@ def build_trace(tenants: int, chats_per_tenant: int, turns: int, system_tokens: 
 
 
 async def run_trace(client, chats: list[Chat], concurrency: int, max_tokens: int, name: str) -> RunResult:
-    from engine.sampling import SamplingParams
+    from engine.sampling_params import SamplingParams
 
     result = RunResult(name)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         model = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="bench-cluster-")) / model,
                                      **RANDOM_MODELS[model]))
     config = EngineConfig(model=model, block_size=args.block_size, num_kv_blocks=args.blocks_per_replica,
-                          max_num_seqs=8, num_threads=1, max_model_len=2048)
+                          max_num_seqs=8, threads=1, threads_batch=1, max_model_len=2048)
     vocab = 400 if args.model in RANDOM_MODELS else 40000
     chats = build_trace(args.tenants, args.chats_per_tenant, args.turns, args.system_tokens, args.user_tokens, vocab)
     ray.init(include_dashboard=False, namespace="prefixgate-bench", log_to_driver=False)

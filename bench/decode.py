@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.model import loader
 from engine.request import Request
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 PROBE_BYTES = {"cpu": 256 * 2**20, "cuda": 2**30}  # far larger than any cache (an H100's L2 is 50 MB)
 

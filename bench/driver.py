@@ -22,7 +22,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.model.loader import load_model
 from engine.request import Request
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from bench.oracle import oracle_prefill_tokens
 from bench.workloads import BenchRequest, Workload
 

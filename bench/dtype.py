@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench import decode
 from engine.llm import LLM
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 PROMPTS = [
     "What is the capital of France?",

@@ -13,7 +13,7 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.model.llama import head_dim
 from engine.model.loader import load_config
 from engine.request import Request
-from engine.sampling import SampledToken, SamplingParams
+from engine.sampling_params import SampledToken, SamplingParams
 from engine.scheduler import Scheduler
 
 

@@ -118,7 +118,8 @@ def settings_for(model: str, p: SoakParams) -> Settings:
                           max_num_seqs=p.max_num_seqs, max_model_len=256, max_num_batched_tokens=256,
                           seed=p.seed)
     gateway = GatewaySettings(host="127.0.0.1", port=0, max_waiting_requests=p.max_waiting_requests,
-                              max_tokens_limit=p.max_tokens, salt_secret="soak", log_level="warning")
+                              max_tokens_limit=p.max_tokens, salt_secret="soak", log_level="warning",
+                              engine_process=False)  # in process: the soak injects step failures
     return Settings(engine, gateway)
 
 

@@ -17,8 +17,9 @@ import torch
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.request import Request
-from engine.sampling import SamplingParams
-from engine.structured import StructuredOutput, allocate_bitmask, apply_bitmask
+from engine.sampling_params import SamplingParams
+from engine.grammar import allocate_bitmask, apply_bitmask
+from engine.structured import StructuredOutput
 
 BATCH = 8
 # never complete within the measured steps: a long array of strings

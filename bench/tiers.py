@@ -29,7 +29,7 @@ from engine.config import EngineConfig, EvictionPolicy
 from engine.core import EngineCore
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.request import Request
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 BLOCK = 16
 

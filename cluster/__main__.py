@@ -45,8 +45,9 @@ def deploy(settings, replicas: int, router: str, max_load_spread: int, app_name:
     from cluster.replica import deployment
 
     engine = settings.engine
-    if engine.num_threads is None:  # replicas on one machine share its cores
-        engine = engine.replace(num_threads=max(1, (os.cpu_count() or 1) // replicas))
+    if engine.threads is None:  # replicas on one machine share its cores
+        share = max(1, (os.cpu_count() or 1) // replicas)
+        engine = engine.replace(threads=share, threads_batch=engine.threads_batch or share)
     app = deployment(engine, replicas, ROUTERS[router], index=app_name, max_load_spread=max_load_spread,
                      max_ongoing_requests=max(engine.max_num_seqs * 4, 8))
     return serve.run(app, name=app_name, route_prefix=None), engine

@@ -23,8 +23,7 @@ from engine.config import EngineConfig, HashAlgo
 from engine.kv.hashing import hash_full_blocks
 from engine.model.loader import resolve_model_path
 from engine.outputs import FinishReason, RequestOutput
-from engine.request import validate_prompt
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams, validate_prompt
 from engine.stats import PrefixCacheStats, SchedulerStats, StepStats
 from engine.tokenizer import load_tokenizer
 
@@ -55,6 +54,7 @@ class ClusterEngine:
         self._snapshots: dict[str, SchedulerStats] = {}  # replica -> its latest scheduler stats
         self._started = False
         self.num_retries = 0
+        self.threads = None  # each replica chooses its own
 
     @classmethod
     async def connect(cls, handle: DeploymentHandle, config: EngineConfig, *, index: str,
@@ -141,6 +141,9 @@ class ClusterEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.cancel()
+
+    def request_ids(self) -> list[str]:
+        return list(self._streams)
 
     def served_by(self, request_id: str) -> str | None:
         """The replica streaming this request now (None before its first output)."""

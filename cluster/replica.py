@@ -16,7 +16,7 @@ from ray import serve
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.stats import FinishedRequestStats, SchedulerStats, StepStats
 
 

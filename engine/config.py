@@ -45,7 +45,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # K/V storage: auto (the model's dtype) | float32 | bfloat16 | float16
     enforce_eager: bool = False  # CUDA: launch every decode step's kernels one by one (no CUDA graphs)
     seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    threads: int | None = None  # CPU compute threads of decode-only steps; None: timed at start-up
+    threads_batch: int | None = None  # CPU compute threads of steps with a prefill chunk; None: timed at start-up
     model_cache_dir: str | None = None  # where the default model is converted to
 
     def __post_init__(self) -> None:
@@ -66,6 +67,8 @@ class EngineConfig:
         _check(self.kv_disk_gb > 0, "kv_disk_gb must be > 0")
         _check(self.max_step_ms is None or self.max_step_ms > 0, "max_step_ms must be > 0")
         _check(self.device in ("auto", "cpu", "cuda"), f"unknown device {self.device!r}")
+        _check(self.threads is None or self.threads >= 1, "threads must be >= 1")
+        _check(self.threads_batch is None or self.threads_batch >= 1, "threads_batch must be >= 1")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype!r}")
         _check(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"),
                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 import torch
 from transformers import GenerationConfig
@@ -15,13 +16,16 @@ from engine.kv.kv_io import KVBlockIO
 from engine.model.llama import LlamaForCausalLM, head_dim
 from engine.model.loader import load_config, load_model, resolve_model_path
 from engine.outputs import FinishReason, RequestOutput
-from engine.request import Request, RequestStatus, validate_prompt
+from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
-from engine.sampling import SampledToken, Sampler, SamplingParams
+from engine.sampling import Sampler
+from engine.sampling_params import SampledToken, SamplingParams, validate_prompt
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.step_cost import StepTimeTarget, calibrate
-from engine.structured import GrammarCache
+from engine.grammar import GrammarCache
 from engine.stats import FinishedRequestStats, PrefixCacheStats, SchedulerStats, StepStats
+from engine.threads import ThreadBudget
+from engine.threads import choose as choose_threads
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger("prefixgate.engine")
@@ -39,8 +43,6 @@ class EngineCore:
         self.device = _resolve_device(config.device)
         dtype = _resolve_dtype(config.dtype, self.device)
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
-        if config.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
         path = resolve_model_path(config.model, config.model_cache_dir)
         hf_config = load_config(path)
         self.model_path = path
@@ -61,6 +63,12 @@ class EngineCore:
         if not config.enforce_eager and self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len):
             logger.info("captured CUDA graphs of decode steps for batch sizes %s",
                         self.runner.graph_decode.batch_sizes)
+        self.thread_budget: ThreadBudget | None = None
+        if self.device.type == "cpu":  # before any request holds blocks: the prefill probe writes scratch K/V
+            probe_tokens = max(1, min(128, config.max_num_batched_tokens, self.num_blocks * config.block_size - 2))
+            self.thread_budget = choose_threads(config.threads, config.threads_batch, self.runner.decode_probe,
+                                                partial(self.runner.calibration_step, probe_tokens, 1))
+            self.thread_budget.apply(has_prefill=True)
         self.step_target: StepTimeTarget | None = None
         if config.max_step_ms is not None:
             self.step_target = _step_target(config, self.runner, self.num_blocks)
@@ -108,6 +116,11 @@ class EngineCore:
             self.kv.disk.close()
             logger.info("disk tier: flushed %d cached blocks to %s", num, self.kv.disk.dir)
 
+    def write_behind(self) -> None:
+        """Idle: the disk tier (if any) gets the cached blocks it lacks, so a killed engine restarts warm."""
+        if self.kv.disk is not None and not self.kv.disk.closed:
+            self.kv.write_behind()
+
     # ---- one step
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
@@ -121,6 +134,8 @@ class EngineCore:
         if not sched.chunks:
             return [], self.take_stats()
         num_prompt_tokens = sum(_prompt_tokens_in(c) for c in sched.chunks)
+        if self.thread_budget is not None:
+            self.thread_budget.apply(has_prefill=any(c.request.is_catching_up for c in sched.chunks))
         started = time.perf_counter()
         try:
             logits, sampled = self.runner.execute(sched.chunks)
@@ -255,7 +270,8 @@ class EngineCore:
     def scheduler_stats(self) -> SchedulerStats:
         return SchedulerStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                               num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
-                              num_blocks=self.num_blocks, prefix_cache=self.prefix_cache_stats())
+                              num_blocks=self.num_blocks, num_free_blocks=self.kv.pool.num_free_blocks,
+                              prefix_cache=self.prefix_cache_stats())
 
     def take_stats(self, num_prompt_tokens: int = 0, num_generation_tokens: int = 0) -> StepStats:
         """Stats of the step just run, with every request finished since the last call."""

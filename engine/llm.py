@@ -7,7 +7,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.outputs import CompletionOutput
 from engine.request import Request
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.stats import PrefixCacheStats
 
 

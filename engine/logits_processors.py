@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from engine.structured import StructuredMatcher, allocate_bitmask, apply_bitmask
+from engine.grammar import StructuredMatcher, allocate_bitmask, apply_bitmask
 
 if TYPE_CHECKING:
-    from engine.sampling import SamplingParams
+    from engine.sampling_params import SamplingParams
 
 
 class TokenHistory(Protocol):

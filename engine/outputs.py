@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampling import SampledToken
+from engine.sampling_params import SampledToken
 
 
 class FinishReason:

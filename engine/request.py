@@ -8,22 +8,8 @@ import torch
 
 from engine.config import HashAlgo
 from engine.kv.hashing import BlockHash, hash_full_blocks
-from engine.sampling import SampledToken, SamplingParams
-from engine.structured import StructuredMatcher
-
-
-def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
-                    max_model_len: int) -> None:
-    """Raises ValueError for a request no engine of this model could serve."""
-    if not prompt_token_ids:
-        raise ValueError("the prompt is empty")
-    if any(not 0 <= t < vocab_size for t in prompt_token_ids):
-        raise ValueError(f"token ids must be in [0, {vocab_size})")
-    if len(prompt_token_ids) + params.max_tokens > max_model_len:
-        raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                         f"exceeds the context length ({max_model_len})")
-    if any(t >= vocab_size for t in params.logit_bias):
-        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
+from engine.sampling_params import SampledToken, SamplingParams
+from engine.grammar import StructuredMatcher
 
 
 class RequestStatus(enum.Enum):

@@ -29,7 +29,7 @@ class ModelRunner:
         if (decode_step_cpu.supports(self.dtype, device) and decode_step_cpu.supports(kv_cache.dtype, device)
                 and model.lm_head.packed is not None):  # the step multiplies by the packed weights
             self.compiled_decode = decode_step_cpu.CompiledDecode(model)
-            self._warm_up_compiled_decode()
+            self.decode_probe()  # compiles the step (or loads it from numba's disk cache) now, not in a request
 
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Returns logits [num_sampled, vocab] and the chunks they belong to (those that reach the end)."""
@@ -85,9 +85,12 @@ class ModelRunner:
         self.graph_decode = GraphDecode(self.model, self.kv_slots, self.block_size, max_rows, max_model_len)
         return True
 
-    def _warm_up_compiled_decode(self) -> None:
-        """Compiles the step (or loads it from numba's disk cache) now rather than in the first request's
-        decode: a one-row step reading and writing slot 0, whose K/V are put back afterwards."""
+    def decode_probe(self) -> None:
+        """A one-row decode step on the path serving uses (compiled where there is one) reading and writing
+        slot 0, whose K/V are put back afterwards: warms the compiled step, and the thread budget times it."""
+        if self.compiled_decode is None:
+            self.calibration_step(0, 1)
+            return
         saved = self.kv_slots[:, :, 0].clone()
         zero = torch.zeros(1, dtype=torch.long, device=self.device)
         self.compiled_decode(zero, zero, self.kv_slots, zero, zero[None, :], zero + 1, zero)

@@ -3,7 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.kv.disk_tier import DiskTierStats
+
+@dataclass(slots=True)
+class DiskTierStats:
+    files: int = 0
+    bytes: int = 0
+    writes: int = 0  # blocks written
+    dropped_spills: int = 0  # spills refused: the writer was too far behind
+    evictions: int = 0  # files dropped by the tier's LRU
+    corrupt: int = 0  # files that failed a check (deleted, never served)
 
 
 @dataclass(slots=True)
@@ -37,6 +45,7 @@ class SchedulerStats:
     num_preemptions: int = 0  # cumulative
     num_steps: int = 0  # cumulative
     num_blocks: int = 0
+    num_free_blocks: int = 0  # in the free queue: empty, or cached and hittable
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
 

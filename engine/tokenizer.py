@@ -49,52 +49,130 @@ def _check_messages(messages: list[dict]) -> None:
 
 
 class HFTokenizer:
+    """A Hugging Face model directory's tokenizer through the `tokenizers` library and jinja2 alone: what
+    transformers' fast tokenizer does for encode, decode and chat templates, without importing transformers
+    (which imports torch): the API process tokenizes with it and stays small."""
+
     def __init__(self, path: Path, eos_token_ids: set[int]) -> None:
-        from transformers import AutoTokenizer
-        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.vocab_size = len(self._tok)
+        from tokenizers import Tokenizer as Backend
+        self._backend = Backend.from_file(str(path / "tokenizer.json"))
+        self._backend.no_padding()
+        self._backend.no_truncation()
+        config = _read_json(path / "tokenizer_config.json")
+        self.vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
+        specials = _special_tokens(config)
+        self._template_tokens = {name: text for name, text in specials.items() if isinstance(text, str)}
         self.eos_token_ids = set(eos_token_ids)
-        if self._tok.eos_token_id is not None:
-            self.eos_token_ids.add(self._tok.eos_token_id)
-        if not self._tok.chat_template:
-            self._tok.chat_template = CHATML_TEMPLATE
-        self.special_token_ids = frozenset(self._tok.all_special_ids)
-        self._added = {i: t.content for i, t in self._tok.added_tokens_decoder.items()}
-        self._piece_bytes = _piece_decoder(self._tok.backend_tokenizer.decoder)
-        # the gateway encodes on the event loop while the engine thread decodes: fast tokenizers are not
+        eos = self._backend.token_to_id(self._template_tokens.get("eos_token", "")) if "eos_token" in specials else None
+        if eos is not None:
+            self.eos_token_ids.add(eos)
+        added = self._backend.get_added_tokens_decoder()
+        named = {self._backend.token_to_id(t) for t in _special_token_texts(specials)}
+        self.special_token_ids = frozenset(i for i in named if i is not None)
+        self._added = {i: t.content for i, t in added.items()}
+        self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        self._template = _compile_chat_template(_chat_template(path, config) or CHATML_TEMPLATE)
+        self._piece_bytes = _piece_decoder(self._backend.decoder)
+        # the gateway encodes on the event loop while the engine thread decodes: a Rust tokenizer is not
         # safe to share across threads ("Already borrowed")
         self._lock = threading.Lock()
 
     def encode(self, text: str) -> list[int]:
         with self._lock:
-            return self._tok.encode(text, add_special_tokens=False)
+            return self._backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, token_ids: list[int]) -> str:
         with self._lock:
-            if self._tok.clean_up_tokenization_spaces:
-                return self._tok.decode(token_ids, skip_special_tokens=True)
-            # what transformers' decode comes down to without its cleanup, less its checks of every id
-            # (measured: 1.3 against 3.1 us a call; the detokenizer makes two a request a step)
-            return self._tok.backend_tokenizer.decode(token_ids, skip_special_tokens=True)
+            text = self._backend.decode(token_ids, skip_special_tokens=True)
+        return _clean_up_tokenization(text) if self._clean_up_spaces else text
 
     def token_bytes(self, token_id: int) -> bytes:
         """The token's own bytes, also when they are part of a UTF-8 character (decode would say U+FFFD)."""
         if token_id in self._added:
             return self._added[token_id].encode()
         with self._lock:
-            piece = self._tok.convert_ids_to_tokens(token_id)
+            piece = self._backend.id_to_token(token_id)
         return self._piece_bytes(piece) if piece is not None else b""
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
         _check_messages(messages)
-        return self._tok.apply_chat_template(messages, tools=tools, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                     **self._template_tokens)
 
     def llguidance_tokenizer(self, n_vocab: int) -> "llguidance.LLTokenizer":
-        import llguidance.hf
+        import llguidance
         with self._lock:
-            return llguidance.hf.from_tokenizer(self._tok, n_vocab=n_vocab, eos_token=sorted(self.eos_token_ids))
+            spec = self._backend.to_str()
+        return llguidance.LLTokenizer(spec, n_vocab=n_vocab, eos_token=sorted(self.eos_token_ids))
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _special_tokens(config: dict) -> dict:
+    """The named special tokens (as text) and the extra ones (a list), as transformers' special_tokens_map."""
+    named = {name: _token_text(config.get(name)) for name in _SPECIAL_TOKEN_NAMES}
+    named = {name: text for name, text in named.items() if text is not None}
+    extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    if isinstance(extra, dict):  # transformers 5 may name them
+        extra = list(extra.values())
+    named["extra_special_tokens"] = [t for t in (_token_text(e) for e in extra) if t is not None]
+    return named
+
+
+def _special_token_texts(specials: dict) -> list[str]:
+    return [t for name, t in specials.items() if name != "extra_special_tokens"] + specials["extra_special_tokens"]
+
+
+def _chat_template(path: Path, config: dict) -> str | None:
+    """transformers 5 saves the template as chat_template.jinja; older directories keep it in the config."""
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """transformers' clean_up_tokenization: no space before punctuation and English contractions."""
+    for spaced, tight in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(spaced, tight)
+    return text
+
+
+def _compile_chat_template(template: str) -> jinja2.Template:
+    """The environment transformers renders chat templates in: sandboxed, trim_blocks and lstrip_blocks,
+    loop controls, a tojson that keeps non-ASCII text, raise_exception and strftime_now."""
+    from datetime import datetime
+
+    from jinja2.ext import loopcontrols
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from engine.config import EngineConfig
-from gateway.app import IN_FLIGHT, RequestIdFilter, create_app
+from gateway.app import ENGINE_GAVE_UP, IN_FLIGHT, RequestIdFilter, create_app
 from gateway.settings import DEFAULT_CONFIG_PATH, GatewaySettings, Settings, field_types, load_settings, parse_value
 
 log = logging.getLogger("gateway")
@@ -33,7 +33,8 @@ _ENGINE_HELP = {  # engine fields without a comment in engine/config.py
     "seed": "engine seed for unseeded sampling",
     "num_kv_blocks": "KV blocks in the pool (none: size it from kv_cache_memory_mb)",
     "max_model_len": "context length (none: the model's own)",
-    "num_threads": "torch intra-op threads on CPU (none: torch's default)",
+    "threads": "CPU compute threads of decode-only steps (none: the fastest, timed at start-up)",
+    "threads_batch": "CPU compute threads of steps with a prefill chunk (none: timed at start-up)",
     "model_cache_dir": "where the default model is converted to on first use",
 }
 
@@ -136,9 +137,10 @@ class StartupError(Exception):
     """A setting the server could not start with (a model that does not load, a port in use)."""
 
 
-async def serve(settings: Settings, app: web.Application) -> None:
+async def serve(settings: Settings, app: web.Application) -> int:
     """Stops accepting on SIGTERM/SIGINT, lets in-flight requests finish within shutdown_timeout_s,
-    cancels the rest (their engine requests are aborted), then shuts the engine down."""
+    cancels the rest (their engine requests are aborted), then shuts the engine down. Returns the exit
+    code: 0, or 1 when the engine died more often than engine_restarts allows."""
     gw = settings.gateway
     # in-flight requests get shutdown_timeout_s from InFlight.drain; aiohttp's own wait is a backstop
     runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0,
@@ -159,18 +161,25 @@ async def serve(settings: Settings, app: web.Application) -> None:
         loop.add_signal_handler(sig, stop.set)
     host, port = runner.addresses[0][:2]  # the real port when --port 0
     log.info("listening on http://%s:%d/v1 (auth %s)", host, port, "on" if gw.api_keys else "off")
-    await stop.wait()
+    gave_up = app[ENGINE_GAVE_UP].event
+    await asyncio.wait([asyncio.ensure_future(stop.wait()), asyncio.ensure_future(gave_up.wait())],
+                       return_when=asyncio.FIRST_COMPLETED)
     log.info("shutting down: waiting up to %.1fs for in-flight requests", gw.shutdown_timeout_s)
     await site.stop()  # stop accepting; kept-alive connections get 503 while draining
     cancelled = await app[IN_FLIGHT].drain(gw.shutdown_timeout_s)
     if cancelled:
         log.info("aborted %d requests still running after %.1fs", cancelled, gw.shutdown_timeout_s)
     await runner.cleanup()  # closes connections, then the engine shuts down (cleanup_ctx)
+    if gave_up.is_set():
+        log.error("stopped: the engine kept dying")
+        return 1
     log.info("stopped")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """0 after a clean shutdown; 2 with `error: ...` on stderr for any setting it cannot start with."""
+    """0 after a clean shutdown; 2 with `error: ...` on stderr for any setting it cannot start with; 1 when
+    the engine kept dying."""
     args = build_parser().parse_args(argv)
     try:
         settings = settings_from_args(args)
@@ -181,10 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
 
     try:
-        uvloop.run(serve(settings, app))
+        return uvloop.run(serve(settings, app))
     except StartupError as exc:
         return _config_error(exc)
-    return 0
 
 
 def _config_error(exc: BaseException) -> int:

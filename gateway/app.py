@@ -9,10 +9,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from functools import partial
-from typing import Any
 
 from aiohttp import web
 
+from engine.client import EngineClient
 from gateway import routes
 from gateway.admission import Admission
 from gateway.auth import Authenticator
@@ -54,13 +54,25 @@ _CLIENT_REQUEST_ID = re.compile(r"[\w.:/+=@-]{1,128}")
 _QUIET_ROUTES = frozenset({"/health", "/metrics"})  # probes and scrapes: access lines at DEBUG only
 
 
-def create_app(settings: Settings, engine: Any = None) -> web.Application:
-    """`engine`: an AsyncEngine not yet started (tests); None builds one from settings.engine.
-    Either way the app starts it on startup and shuts it down on cleanup."""
+class EngineGaveUp:
+    """Set when the engine died more often than --engine-restarts allows: `serve` then stops and exits 1."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+
+ENGINE_GAVE_UP = web.AppKey("engine_gave_up", EngineGaveUp)
+
+
+def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Application:
+    """`engine`: an engine client not yet started (tests); None launches one from settings: the engine
+    process (default), or an in-process engine with `engine_process` off. Either way the app starts it on
+    startup and shuts it down on cleanup."""
     auth = Authenticator(settings.gateway)  # bad key settings fail here, before the model loads
     app = web.Application(client_max_size=settings.gateway.max_body_bytes,
                           middlewares=[observe_middleware, error_middleware])
     app[IN_FLIGHT] = InFlight()
+    app[ENGINE_GAVE_UP] = EngineGaveUp()
     app.on_response_prepare.append(_add_request_id)
     if settings.gateway.allowed_origins:
         Cors(settings.gateway.allowed_origins).install(app)
@@ -75,17 +87,27 @@ def create_app(settings: Settings, engine: Any = None) -> web.Application:
     return app
 
 
-async def _engine_ctx(settings: Settings, engine: Any, auth: Authenticator,
+async def _launch_engine(settings: Settings, gave_up: EngineGaveUp) -> EngineClient:
+    if settings.gateway.engine_process:
+        from engine.process_client import ProcessClient
+
+        return await ProcessClient.launch(settings.engine, max_restarts=settings.gateway.engine_restarts,
+                                          on_fatal=gave_up.event.set)
+    from engine.async_engine import AsyncEngine  # loads torch into this process
+
+    log.info("loading model %s", settings.engine.model)
+    return await asyncio.to_thread(AsyncEngine.from_config, settings.engine)
+
+
+async def _engine_ctx(settings: Settings, engine: EngineClient | None, auth: Authenticator,
                       app: web.Application) -> AsyncIterator[None]:
     from metrics.prometheus import Metrics
 
     if engine is None:
-        from engine.async_engine import AsyncEngine
-
-        log.info("loading model %s", settings.engine.model)
-        engine = await asyncio.to_thread(AsyncEngine.from_config, settings.engine)
+        engine = await _launch_engine(settings, app[ENGINE_GAVE_UP])
     metrics = Metrics(engine.model_name, auth.tenant_names)
     engine.add_stats_listener(metrics.on_step)
+    metrics.set_threads(engine.threads)
     if hasattr(engine, "register_metrics"):  # the cluster client: per-replica series
         engine.register_metrics(metrics.registry)
     admission = Admission(engine.config.max_num_seqs, settings.gateway.max_waiting_requests,

@@ -7,7 +7,7 @@ import uuid
 from typing import Any
 
 from engine.outputs import FinishReason, RequestOutput
-from engine.sampling import SampledToken
+from engine.sampling_params import SampledToken
 from gateway.generate import Choice
 from gateway.tool_parsers import StreamDelta, ToolCallStream, ToolParser, extract
 

@@ -12,8 +12,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.client import EngineClient, EngineDeadError
 from engine.outputs import FinishReason, RequestOutput
-from engine.sampling import SampledToken, SamplingParams
+from engine.sampling_params import SampledToken, SamplingParams
 from gateway.errors import APIError
 
 LIVENESS_CHECK_S = 1.0  # how often a request waiting on the engine checks that the engine loop still runs
@@ -74,7 +75,7 @@ def usage(choices: list[Choice]) -> dict[str, Any]:
     }
 
 
-async def run_choices(engine: Any, choices: list[Choice], *, cache_salt: str,
+async def run_choices(engine: EngineClient, choices: list[Choice], *, cache_salt: str,
                       tenant: str) -> AsyncIterator[tuple[Choice, RequestOutput]]:
     """Yields (choice, delta) as the engine produces them. Closing this generator (a client
     disconnect cancels the handler) cancels every engine request, which releases its blocks."""
@@ -83,9 +84,12 @@ async def run_choices(engine: Any, choices: list[Choice], *, cache_salt: str,
     async def run_one(choice: Choice) -> None:
         gen = engine.generate(choice.request_id, choice.prompt_ids, choice.params,
                               cache_salt=cache_salt, tenant=tenant)
-        async with contextlib.aclosing(gen):
-            async for out in gen:
-                queue.put_nowait((choice, out))
+        try:
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    queue.put_nowait((choice, out))
+        except EngineDeadError as exc:
+            raise APIError(503, f"the engine stopped while generating: {exc}", code="engine_dead") from None
 
     async def run_all() -> None:
         try:
@@ -109,7 +113,7 @@ async def run_choices(engine: Any, choices: list[Choice], *, cache_salt: str,
             await runner
 
 
-async def _next(queue: asyncio.Queue, engine: Any) -> Any:
+async def _next(queue: asyncio.Queue, engine: EngineClient) -> Any:
     """The next queued item; a 503 if the engine loop died meanwhile (its requests would never finish)."""
     while True:
         try:

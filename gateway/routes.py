@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from gateway.auth import Tenant
 from gateway.errors import APIError, invalid
 from gateway.fingerprint import system_fingerprint
@@ -85,8 +85,7 @@ def _model_card(state: GatewayState) -> dict[str, Any]:
 async def health(request: web.Request) -> web.Response:
     if not request.app[STATE].engine.is_alive():
         raise APIError(503, "the engine is not running", code="engine_dead")
-    details = getattr(request.app[STATE].engine, "health_details", None)  # the cluster client: replicas up
-    return web.json_response({"status": "ok", **(details() if details else {})})
+    return web.json_response({"status": "ok", **request.app[STATE].engine.health_details()})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -62,6 +62,9 @@ class GatewaySettings:
     log_level: str = _knob("info", "debug | info | warning | error")
     tool_call_parser: str = _knob("auto", "auto (from the chat template) | hermes | llama3_json")
     allowed_origins: tuple[str, ...] = _knob((), "CORS: browser origins allowed to call the API ('*': any); none: off")
+    engine_process: bool = _knob(True, "run the engine in its own process (off: on a thread of the API process)")
+    engine_restarts: int = _knob(
+        3, "new engine processes started after the engine dies, within 10 minutes; then the server exits 1")
     api_keys: tuple[ApiKey, ...] = field(default=(), repr=False)  # from --api-key and api_keys_file
 
     def __post_init__(self) -> None:
@@ -78,6 +81,7 @@ class GatewaySettings:
         _check(self.max_top_logprobs >= 0, "max_top_logprobs must be >= 0")
         _check(self.shutdown_timeout_s >= 0, "shutdown_timeout_s must be >= 0")
         _check(self.stream_write_timeout_s > 0, "stream_write_timeout_s must be > 0")
+        _check(self.engine_restarts >= 0, "engine_restarts must be >= 0")
         _check(self.log_level in ("debug", "info", "warning", "error"), f"unknown log_level {self.log_level!r}")
         _check(self.tool_call_parser in ("auto", "hermes", "llama3_json"),
                f"unknown tool_call_parser {self.tool_call_parser!r}")

@@ -7,6 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.client import EngineClient
 from gateway.admission import Admission
 from gateway.auth import Authenticator
 from gateway.errors import APIError, invalid
@@ -16,7 +17,7 @@ from gateway.settings import Settings
 @dataclass(slots=True)
 class GatewayState:
     settings: Settings
-    engine: Any  # engine.AsyncEngine (or a stand-in with the same interface)
+    engine: EngineClient
     auth: Authenticator
     admission: Admission
     metrics: Any  # metrics.prometheus.Metrics

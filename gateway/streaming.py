@@ -28,7 +28,8 @@ async def stream_response(request: web.Request, fmt: ChatFormat, choices: list[C
                           outputs: AsyncIterator[tuple[Choice, RequestOutput]],
                           include_usage: bool, write_timeout_s: float) -> web.StreamResponse:
     """Headers go out with the first engine output, so a failure before it is a plain error response.
-    A failure after it is one `data: {"error": ...}` event, then the stream ends. A client that stops
+    A failure after it is one `data: {"error": ...}` event, then `data: [DONE]` (as vLLM ends it, so a
+    client's SSE reader closes cleanly after raising the error). A client that stops
     reading for write_timeout_s is dropped, so it cannot hold its admission slot and output forever."""
     resp: _Stream | None = None
     try:
@@ -62,6 +63,7 @@ async def stream_response(request: web.Request, fmt: ChatFormat, choices: list[C
             log.exception("error while streaming")
         with contextlib.suppress(ConnectionResetError, TimeoutError):
             await resp.write(encode_event(err.body()))
+            await resp.write(b"data: [DONE]\n\n")
     with contextlib.suppress(ConnectionResetError, TimeoutError):
         await resp.response.write_eof()
     return resp.response

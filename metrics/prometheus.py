@@ -164,6 +164,9 @@ class SchedulerMetrics:
                              registry=registry).labels(model_name)
         self.num_blocks = Gauge(f"{PREFIX}kv_cache_blocks", "KV blocks in the pool.", labels,
                                 registry=registry).labels(model_name)
+        self.num_free_blocks = Gauge(f"{PREFIX}kv_cache_free_blocks",
+                                     "KV blocks in the free queue (empty, or cached and hittable).", labels,
+                                     registry=registry).labels(model_name)
         self._preemptions = _Delta(Counter(f"{PREFIX}preemptions_total",
                                            "Running requests preempted (by recompute) to free blocks.",
                                            labels, registry=registry).labels(model_name))
@@ -174,6 +177,7 @@ class SchedulerMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.num_blocks.set(stats.num_blocks)
+        self.num_free_blocks.set(stats.num_free_blocks)
         self._preemptions.update(stats.num_preemptions)
         self._steps.update(stats.num_steps)
 
@@ -345,6 +349,9 @@ class Metrics:
         self.tenants = TenantMetrics(self.registry, model_name, tenants)
         self.http = HttpMetrics(self.registry)
         self.admission = AdmissionMetrics(self.registry, model_name)
+        self.threads = Gauge(f"{PREFIX}engine_threads", "CPU compute threads of the engine's steps, by kind of step "
+                             "(decode: decode-only steps; prefill: steps with a prefill chunk).",
+                             ["model_name", "kind"], registry=self.registry)
         if registry is None:  # process_* series (memory, CPU, fds) only in a registry we own
             ProcessCollector(registry=self.registry)
         self._lock = threading.Lock()  # the _Delta last-seen values, if steps ever come from two threads
@@ -360,6 +367,12 @@ class Metrics:
         for request in stats.finished:
             self.tokens.on_finished(request)
             self.requests.on_finished(request)
+
+    def set_threads(self, threads: tuple[int, int] | None) -> None:
+        """The engine's thread budget (engine/threads.py); None (not a CPU engine): no series."""
+        if threads is not None:
+            self.threads.labels(self.model_name, "decode").set(threads[0])
+            self.threads.labels(self.model_name, "prefill").set(threads[1])
 
     def on_http(self, route: str, method: str, status: int, seconds: float) -> None:
         """route is the route template (e.g. "/v1/chat/completions"), never the raw path: bounded labels."""

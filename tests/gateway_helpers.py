@@ -3,9 +3,15 @@ real loopback port from a thread of its own (for synchronous clients such as sch
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import re
+import subprocess
+import sys
 import threading
+import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +25,37 @@ from gateway.settings import ApiKey, GatewaySettings, Settings
 from gateway.state import STATE, GatewayState
 
 ERROR_KEYS = {"message", "type", "param", "code"}
+REPO = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def served(*args: str, start_timeout_s: float = 120) -> Iterator[subprocess.Popen]:
+    """`python -m gateway serve --port 0 ARGS` as a real process (the engine in a process of its own):
+    yields the Popen with `base_url` and the stderr `log_lines` read so far; killed afterwards if alive."""
+    cmd = [sys.executable, "-m", "gateway", "serve", "--port", "0", *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    deadline = time.monotonic() + start_timeout_s
+    try:
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if match := re.search(r"listening on (http://\S+/v1)", line):
+                proc.base_url, proc.log_lines = match.group(1), lines
+                break
+        else:
+            raise AssertionError("server did not start:\n" + "".join(lines))
+        if not hasattr(proc, "base_url"):
+            raise AssertionError("server exited before listening:\n" + "".join(lines))
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        proc.stderr.close()
 
 
 def sdk_client(server: "LiveServer", timeout: float = 30) -> openai.OpenAI:
@@ -35,6 +72,9 @@ def ask(text: str) -> list[dict]:
 def tiny_settings(model_dir: Path, keys: tuple[ApiKey, ...] = (), engine: dict | None = None,
                   **gateway: Any) -> Settings:
     config = EngineConfig(**{"model": str(model_dir), "block_size": 16, "num_kv_blocks": 128, **(engine or {})})
+    # in process: these tests inject faults into the engine and read its pool (test_engine_process.py
+    # covers the engine process)
+    gateway = {"engine_process": False, **gateway}
     return Settings(config, GatewaySettings(api_keys=keys, salt_secret="test", **gateway))
 
 

@@ -15,7 +15,7 @@ from ray import serve  # noqa: E402
 from cluster.client import ClusterEngine  # noqa: E402
 from cluster.replica import deployment  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
 from gateway.app import create_app  # noqa: E402
 from gateway.auth import Tenant  # noqa: E402
 from gateway.settings import ApiKey, GatewaySettings, Settings  # noqa: E402
@@ -29,7 +29,7 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0)
 def engine_config(tiny_llama_dir) -> EngineConfig:
     # max_num_seqs=1: a replica runs one request at a time, so others wait on it (the kill test)
     return EngineConfig(model=str(tiny_llama_dir), block_size=BLOCK, num_kv_blocks=48, max_model_len=160,
-                        max_num_seqs=1, num_threads=1)
+                        max_num_seqs=1, threads=1, threads_batch=1)
 
 
 @pytest.fixture(scope="module")

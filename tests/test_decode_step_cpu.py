@@ -95,7 +95,7 @@ def test_warm_up_leaves_the_kv_pool_as_it_was(tiny_llama_dir):
     runner = llm.core.runner
     runner.kv_slots.normal_()
     before = runner.kv_slots.clone()
-    runner._warm_up_compiled_decode()
+    runner.decode_probe()
     assert torch.equal(runner.kv_slots, before)
 
 

@@ -2,47 +2,21 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import aiohttp
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.gateway_helpers import served
 
 
 @pytest.fixture
 def server_process(tiny_llama_dir, tmp_path):
     keys = tmp_path / "keys.yaml"
     keys.write_text("sk-test: {tenant: tester}\n")
-    cmd = [sys.executable, "-m", "gateway", "serve", "--model", str(tiny_llama_dir), "--port", "0",
-           "--num-kv-blocks", "512", "--shutdown-timeout-s", "1.5", "--api-keys-file", str(keys)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines = []
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        if match := re.search(r"listening on (http://\S+/v1)", line):
-            proc.base_url = match.group(1)
-            proc.log_lines = lines
-            yield proc
-            break
-    else:
-        proc.kill()
-        pytest.fail("server did not start:\n" + "".join(lines))
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(10)
-    proc.stderr.close()
+    with served("--model", str(tiny_llama_dir), "--num-kv-blocks", "512", "--shutdown-timeout-s", "1.5",
+                "--api-keys-file", str(keys)) as proc:
+        yield proc
 
 
 async def test_sigterm_lets_in_flight_requests_finish_then_aborts_the_rest(server_process):

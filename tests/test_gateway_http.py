@@ -25,6 +25,7 @@ def make_client(aiohttp_client, tiny_llama_dir):
     async def make(keys: tuple[ApiKey, ...] = (), engine: dict | None = None, **gateway):
         # 320 blocks hold the tiny model's whole 4,096-token context
         config = EngineConfig(model=str(tiny_llama_dir), block_size=BLOCK, num_kv_blocks=320, **(engine or {}))
+        gateway = {"engine_process": False, **gateway}  # faults are injected into the engine (in process)
         settings = Settings(config, GatewaySettings(api_keys=keys, salt_secret="test", **gateway))
         return await aiohttp_client(create_app(settings))
     return make
@@ -339,9 +340,9 @@ async def test_engine_failure_mid_stream_sends_an_error_event(client):
     resp = await client.post("/v1/chat/completions", json=chat(client, stream=True, max_tokens=20, ignore_eos=True))
     assert resp.status == 200
     events = await sse_events(resp)
-    assert "[DONE]" not in events
+    assert events[-1] == "[DONE]"  # after the error event, so an SSE reader closes cleanly
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert set(events[-1]) == {"error"} and events[-1]["error"]["code"] == "engine_error"
+    assert set(events[-2]) == {"error"} and events[-2]["error"]["code"] == "engine_error"
     await wait_released(engine)
 
 
@@ -356,9 +357,9 @@ async def test_dead_engine_loop_turns_health_red_and_fails_waiting_requests(clie
         raise RuntimeError("a bug in the step's own guard kills the engine loop")
 
     engine.core.step = broken_step  # the step guards everything inside it; this breaks the loop itself
-    events = await asyncio.wait_for(sse_events(stream), timeout=10)  # the stream ends with an error event
-    assert events[-1]["error"]["code"] == "engine_error" and "[DONE]" not in events
-    assert "engine loop died" in events[-1]["error"]["message"]
+    events = await asyncio.wait_for(sse_events(stream), timeout=10)  # an error event, then [DONE]
+    assert events[-2]["error"]["code"] == "engine_dead" and events[-1] == "[DONE]"
+    assert "engine loop died" in events[-2]["error"]["message"]
     assert not engine.is_alive()
     resp = await client.get("/health")
     assert_error(resp.status, await resp.json(), 503, code="engine_dead")

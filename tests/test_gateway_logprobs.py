@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.outputs import RequestOutput
-from engine.sampling import SampledToken, SamplingParams
+from engine.sampling_params import SampledToken, SamplingParams
 from engine.tokenizer import TiktokenTokenizer, load_tokenizer
 from gateway.formats import ChatFormat, CompletionFormat, TextOffsets
 from gateway.generate import Choice

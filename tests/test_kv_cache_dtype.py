@@ -39,10 +39,12 @@ def test_compiled_and_eager_steps_read_and_write_the_same_bf16_kv(tiny_llama_dir
     llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert calls
     for compiled, eager, kv_compiled, kv_eager in calls:
-        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
         # the new K/V: float32 math in both, rounded to bf16 (nearest even) in both; a last-bit difference in
         # float32 can round to the neighbouring bf16 value
         torch.testing.assert_close(kv_compiled.float(), kv_eager.float(), rtol=1e-2, atol=1e-2)
+        # and such a neighbour moves the logits: on an AVX-512/AMX Xeon 11-25 of a step's new K/V values
+        # landed one bf16 step apart and the logits up to 5e-3 (the greedy test above checks the answers)
+        torch.testing.assert_close(compiled, eager, rtol=1e-2, atol=1e-2)
 
 
 def test_the_disk_tier_keeps_bf16_blocks_apart(tiny_llama_dir):

@@ -49,7 +49,7 @@ async def server(aiohttp_client, tiny_llama_dir):
     settings = load_settings(
         None,
         engine_overrides=dict(model=str(tiny_llama_dir), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
-                              max_num_batched_tokens=512, device="cpu", num_threads=1),
+                              max_num_batched_tokens=512, device="cpu", threads=1, threads_batch=1),
     )
     return await aiohttp_client(create_app(settings))
 

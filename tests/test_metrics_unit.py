@@ -155,7 +155,7 @@ def test_tenant_evictions_when_the_engine_reports_them():
 
 
 def test_evictions_by_every_reason_regrets_and_the_disk_tier():
-    from engine.kv.disk_tier import DiskTierStats
+    from engine.stats import DiskTierStats
 
     metrics = Metrics(MODEL, tenants=[])
     s = scrape(metrics)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from bench.engine_faults import set_step_hook
-from engine.sampling import Sampler, SamplingParams
+from engine.sampling import Sampler
+from engine.sampling_params import SamplingParams
 from gateway.app import create_app
 from gateway.state import STATE
 from tests.gateway_helpers import is_error_body, tiny_settings
@@ -44,8 +45,8 @@ async def test_failed_step_fails_its_whole_batch_and_the_engine_keeps_serving(ma
         resp = await client.post("/v1/chat/completions", json=body)
         if body["stream"]:
             events = await sse_events(resp)
-            assert resp.status == 200 and "[DONE]" not in events and is_error_body(events[-1])
-            return events[-1]["error"]["code"]
+            assert resp.status == 200 and events[-1] == "[DONE]" and is_error_body(events[-2])
+            return events[-2]["error"]["code"]
         assert_error(resp.status, await resp.json(), 500, type_="server_error")
         return (await resp.json())["error"]["code"]
 

@@ -9,7 +9,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.logits_processors import process_logits
-from engine.structured import GrammarCache, StructuredOutput, allocate_bitmask, apply_bitmask, build_grammar
+from engine.grammar import GrammarCache, allocate_bitmask, apply_bitmask
+from engine.structured import StructuredOutput, build_grammar
 
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
           "required": ["color", "ok"]}

@@ -23,6 +23,7 @@ import torch
 import xxhash
 
 from engine.kv.hashing import BlockHash
+from engine.stats import DiskTierStats
 
 logger = logging.getLogger("prefixgate.engine")
 
@@ -98,16 +99,6 @@ def _read(path: Path) -> bytearray:
 
 
 @dataclass(slots=True)
-class DiskTierStats:
-    files: int = 0
-    bytes: int = 0
-    writes: int = 0  # blocks written
-    dropped_spills: int = 0  # spills refused: the writer was too far behind
-    evictions: int = 0  # files dropped by the tier's LRU
-    corrupt: int = 0  # files that failed a check (deleted, never served)
-
-
-@dataclass(slots=True)
 class _Pending:
     token_ids: tuple[int, ...]
     kv: torch.Tensor
@@ -159,6 +150,10 @@ class DiskTier:
             self._pending_bytes += size
         self._queue.put(block_hash)
         return True
+
+    def has_room(self, size: int) -> bool:
+        """Whether a block of `size` bytes can be queued now without waiting or being dropped."""
+        return self._pending_bytes + size <= MAX_PENDING_BYTES
 
     def load(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> torch.Tensor | None:
         """The block's KV, verified; None if absent or bad (a bad file is deleted, with a warning)."""

@@ -167,6 +167,20 @@ class KVCacheManager:
         self.disk.flush()
         return len(blocks)
 
+    def write_behind(self) -> int:
+        """Queues the cached RAM blocks the disk tier lacks, while its writer has room, without waiting
+        (called when the engine goes idle, so a killed engine restarts warm); returns how many."""
+        queued = 0
+        for block in list(self.pool.cached.values()):
+            if block.block_hash in self.disk:
+                continue
+            kv = self.kv_io.copy_out(block.block_id)
+            if not self.disk.has_room(kv.numel() * kv.element_size()):
+                break
+            self.disk.put(block.block_hash, block.token_ids, kv)
+            queued += 1
+        return queued
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register blocks that became full and computed (prompt and output blocks alike)."""
         if not self.enable_caching:

@@ -1,0 +1,279 @@
+"""The server at engine speed: `python -m bench serving`.
+
+Runs, taking turns on one machine, the same work four ways and prints targets met / missed:
+- in process: EngineCore stepped on this process's main thread (the engine's own speed);
+- `serve` as users start it: the API process plus the engine process (the default);
+- `serve --no-engine-process`: the engine on a thread of the API process (the shape before the split);
+- llama.cpp's `llama-server` on the same weights, when `--llama-server` and `--llama-gguf` are given
+  (../shared/peers/ builds it).
+Each: one stream of `--tokens` tokens (inter-token gap p50) and bench.multiturn's 4 chats (decode ITL p50,
+TTFT p50, output tok/s); each server's proportional set size (PSS) per process at idle and after its run.
+Writes serving.json and serving.png under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from bench import multiturn
+from bench.driver import run_engine, warm_up
+from bench.workloads import Workload
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
+MB = 2**20
+
+
+def pss_mb(pid: int) -> dict[str, float]:
+    """PSS of the process and each of its children, MB (shared pages counted once across them)."""
+    root = psutil.Process(pid)
+    out = {}
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            out[f"{proc.pid} {' '.join(proc.cmdline()[1:4])}"] = proc.memory_full_info().pss / MB
+        except psutil.Error:
+            continue
+    return out
+
+
+# ---- in process
+
+def in_process(model: str, tokens: int, turns: int) -> dict:
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.model.loader import resolve_model_path
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+
+    core = EngineCore(EngineConfig(model=str(resolve_model_path(model))))
+    warm_up(core)
+    prompt = core.tokenizer.encode(core.tokenizer.apply_chat_template(PROMPT))
+    core.add_request(Request("one", prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)))
+    steps = []
+    while core.has_unfinished():
+        start = time.perf_counter()
+        core.step()
+        steps.append(time.perf_counter() - start)
+    work = multiturn.workload(core.tokenizer, turns)
+    chats = multiturn.summarize(run_engine(core, work, "engine"))
+    return {"decode_step_p50_ms": statistics.median(steps[1:]) * 1e3, "multiturn": chats, "workload": work,
+            "weight_mb": sum(p.numel() * p.element_size() for p in core.model.parameters()) / MB,
+            "kv_pool_mb": core.runner.kv_slots.numel() * core.runner.kv_slots.element_size() / MB,
+            "threads": (core.thread_budget.threads, core.thread_budget.threads_batch) if core.thread_budget else None}
+
+
+# ---- through HTTP
+
+class Server:
+    """A server subprocess: ours (`python -m gateway serve`) or llama-server; `url` is its /v1 base."""
+
+    def __init__(self, cmd: list[str], ready: str, env: dict | None = None) -> None:
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        deadline = time.monotonic() + 600
+        for line in self.proc.stderr:
+            if match := re.search(ready, line):
+                self.url = match.group(1)
+                break
+            if time.monotonic() > deadline:
+                break
+        else:
+            raise RuntimeError(f"{cmd[0]} did not start")
+        self._reader = threading.Thread(target=self.proc.stderr.read, daemon=True)
+        self._reader.start()  # keep reading its log so it never blocks on a full pipe
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def ours(model_path: str, engine_process: bool, port: int) -> Server:
+    cmd = [sys.executable, "-m", "gateway", "serve", "--model", model_path, "--port", str(port), "--log-level", "info"]
+    if not engine_process:
+        cmd.append("--no-engine-process")
+    return Server(cmd, r"listening on (http://\S+/v1)")
+
+
+def llama_server(binary: str, gguf: str, port: int) -> Server:
+    cmd = [binary, "-m", gguf, "-np", "4", "-c", "8192", "-t", str(os.cpu_count() or 1), "--host", "127.0.0.1",
+           "--port", str(port)]
+    server = Server(cmd, r"(server is listening on http://\S+)")
+    server.url = f"http://127.0.0.1:{port}/v1"
+    return server
+
+
+async def one_stream(url: str, model: str, tokens: int) -> float:
+    """Inter-token gap p50 (ms) of one streamed answer of `tokens` tokens."""
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600) as client:
+        for _ in range(2):  # the first warms the server's caches and connection
+            stream = await client.chat.completions.create(
+                model=model, messages=PROMPT, max_tokens=tokens, temperature=0, stream=True,
+                extra_body={"ignore_eos": True})
+            times = []
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    times.append(time.perf_counter())
+    return statistics.median(b - a for a, b in zip(times, times[1:])) * 1e3
+
+
+async def chats(url: str, model: str, work: Workload) -> dict:
+    from openai import AsyncOpenAI
+
+    from bench import http as bench_http
+    from bench.driver import RunResult
+
+    async with AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600) as client:
+        timings, duration = await bench_http._drive(client, model, work, {"ignore_eos": True})
+    return multiturn.summarize(RunResult(work.name, "http", timings, duration, 0, 0))
+
+
+def measure(server: Server, model: str, tokens: int, work: Workload) -> dict:
+    time.sleep(3)  # idle: start-up work (thread timing, warm-up) done
+    idle = pss_mb(server.proc.pid)
+    itl = asyncio.run(one_stream(server.url, model, tokens))
+    row = asyncio.run(chats(server.url, model, work))
+    after = pss_mb(server.proc.pid)
+    return {"one_stream_itl_p50_ms": itl, "multiturn": row, "pss_idle_mb": idle, "pss_after_mb": after,
+            "pss_idle_total_mb": sum(idle.values()), "pss_after_total_mb": sum(after.values())}
+
+
+# ---- report
+
+def targets(result: dict) -> list[tuple[str, str, bool | None]]:
+    inproc, serve = result["in_process"], result["serve"]
+    peer = result.get("llama.cpp")
+    out = []
+
+    def add(name: str, value: float | None, bound: float, figure: str, above: bool = False):
+        met = None if value is None else (value >= bound if above else value <= bound)
+        out.append((name, figure, met))
+
+    ratio = serve["one_stream_itl_p50_ms"] / inproc["decode_step_p50_ms"]
+    add("one stream: ITL p50 <= 1.05x in-process step", ratio, 1.05,
+        f"{serve['one_stream_itl_p50_ms']:.1f} / {inproc['decode_step_p50_ms']:.1f} ms = {ratio:.2f}x")
+    m_in, m_http = inproc["multiturn"], serve["multiturn"]
+    itl = m_http["itl_p50_s"] / m_in["itl_p50_s"]
+    add("4 chats: ITL p50 <= 1.1x in process", itl, 1.1,
+        f"{m_http['itl_p50_s'] * 1e3:.1f} / {m_in['itl_p50_s'] * 1e3:.1f} ms = {itl:.2f}x")
+    ttft = m_http["ttft_p50_s"] / m_in["ttft_p50_s"]
+    add("4 chats: TTFT p50 <= 1.2x in process", ttft, 1.2,
+        f"{m_http['ttft_p50_s']:.3f} / {m_in['ttft_p50_s']:.3f} s = {ttft:.2f}x")
+    budget = inproc["weight_mb"] + inproc["kv_pool_mb"] + 600
+    add("PSS at idle <= weights + KV pool + 600 MB", serve["pss_idle_total_mb"], budget,
+        f"{serve['pss_idle_total_mb']:.0f} MB (budget {budget:.0f} MB)")
+    if peer:
+        r = serve["one_stream_itl_p50_ms"] / peer["one_stream_itl_p50_ms"]
+        add("one stream: ITL p50 <= 1.0x llama.cpp", r, 1.0,
+            f"{serve['one_stream_itl_p50_ms']:.1f} / {peer['one_stream_itl_p50_ms']:.1f} ms = {r:.2f}x")
+        tok = m_http["output_tok_s"] / peer["multiturn"]["output_tok_s"]
+        add("4 chats: output tok/s >= 1.2x llama.cpp", tok, 1.2,
+            f"{m_http['output_tok_s']:.1f} / {peer['multiturn']['output_tok_s']:.1f} = {tok:.2f}x", above=True)
+    return out
+
+
+def render(result: dict) -> str:
+    lines = [f"{'':34}{'one stream ITL p50':>20}{'4 chats ITL p50':>17}{'TTFT p50':>10}{'tok/s':>8}{'PSS idle':>10}"
+             f"{'PSS after':>11}"]
+    for name in ("in_process", "serve", "serve --no-engine-process", "llama.cpp"):
+        row = result.get(name)
+        if row is None:
+            continue
+        one = row.get("one_stream_itl_p50_ms", row.get("decode_step_p50_ms"))
+        m = row["multiturn"]
+        pss = f"{row['pss_idle_total_mb']:.0f} MB" if "pss_idle_total_mb" in row else "-"
+        after = f"{row['pss_after_total_mb']:.0f} MB" if "pss_after_total_mb" in row else "-"
+        lines.append(f"{name:34}{one:>17.1f} ms{m['itl_p50_s'] * 1e3:>14.1f} ms{m['ttft_p50_s']:>8.3f} s"
+                     f"{m['output_tok_s']:>8.1f}{pss:>10}{after:>11}")
+    for name, row in result.items():
+        if isinstance(row, dict) and "pss_idle_mb" in row:
+            lines.append(f"  {name} PSS per process at idle: " +
+                         ", ".join(f"{k.split()[0]} ({' '.join(k.split()[1:])}) {v:.0f} MB"
+                                   for k, v in row["pss_idle_mb"].items()))
+    lines.append("targets:")
+    for name, figure, met in result["targets"]:
+        lines.append(f"  {'met   ' if met else 'missed' if met is not None else 'n/a   '} {name}: {figure}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in ("in_process", "serve", "serve --no-engine-process", "llama.cpp") if n in result]
+    one = [result[n].get("one_stream_itl_p50_ms", result[n].get("decode_step_p50_ms")) for n in names]
+    chat = [result[n]["multiturn"]["itl_p50_s"] * 1e3 for n in names]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    axes[0].bar(names, one, color="#4878a8")
+    axes[0].set_title("one stream: inter-token gap p50 (ms)")
+    axes[1].bar(names, chat, color="#d08040")
+    axes[1].set_title("4 multi-turn chats: ITL p50 (ms)")
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=15, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench serving", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--tokens", type=int, default=200, help="tokens of the one stream")
+    parser.add_argument("--turns", type=int, default=4, help="turns of each of the 4 chats")
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--no-thread-mode", action="store_true", help="skip `serve --no-engine-process`")
+    parser.add_argument("--llama-server", default=None, help="llama-server binary (../shared/peers/)")
+    parser.add_argument("--llama-gguf", default=None, help="the same weights as an F32 GGUF")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args(argv)
+    from engine.model.loader import resolve_model_path
+    model_path = str(resolve_model_path(args.model))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    print("in process ...", flush=True)
+    inproc = in_process(args.model, args.tokens, args.turns)
+    work = inproc.pop("workload")
+    result: dict = {"in_process": inproc}
+    runs = [("serve", lambda: ours(model_path, True, args.port))]
+    if not args.no_thread_mode:
+        runs.append(("serve --no-engine-process", lambda: ours(model_path, False, args.port)))
+    if args.llama_server and args.llama_gguf:
+        runs.append(("llama.cpp", lambda: llama_server(args.llama_server, args.llama_gguf, args.port)))
+    for name, start in runs:  # one server at a time: they take turns on the cores
+        print(f"{name} ...", flush=True)
+        server = start()
+        try:
+            served_model = "bench" if name == "llama.cpp" else Path(model_path).name
+            result[name] = measure(server, served_model, args.tokens, work)
+        finally:
+            server.stop()
+    result["targets"] = targets(result)
+    print(render(result))
+    (out / "serving.json").write_text(json.dumps(result, indent=2, default=str))
+    print("plot:", plot(result, out / "serving.png"))
+    return 0 if all(met is not False for _, _, met in result["targets"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

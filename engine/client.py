@@ -1,0 +1,128 @@
+"""The one seam between the API server and an engine: what the gateway knows of it, wherever it runs.
+
+Implementations:
+- `engine.async_engine.AsyncEngine`: in process, the step loop on a thread (offline use, tests, `--no-engine-process`);
+- `engine.process_client.ProcessClient`: the engine in its own process, supervised (the default of `serve`);
+- `cluster.client.ClusterEngine`: Ray Serve replicas behind the prefix-affinity router.
+
+This module is plain typing: importing it loads no model code (the API process never imports torch).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol, runtime_checkable
+
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import SchedulerStats, StepStats
+from engine.tokenizer import Tokenizer
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (its process died, or its loop broke) while this request waited on it."""
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    config: EngineConfig  # max_num_seqs sizes the gateway's admission
+    tokenizer: Tokenizer  # the API process renders, tokenizes and detokenizes with it
+    model_name: str
+    max_model_len: int
+    # CPU compute threads of decode-only steps and of steps with a prefill (engine/threads.py); None: not CPU
+    threads: tuple[int, int] | None
+
+    def start(self) -> None:
+        """Begin serving on the running event loop."""
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Let running requests finish for up to `timeout` seconds, abort the rest, stop the engine."""
+
+    def is_alive(self) -> bool:
+        """False while the engine cannot take requests (dead, restarting, stopped)."""
+
+    def health_details(self) -> dict:
+        """Extra facts for /health (replicas up, restarts); {} when there are none."""
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                 cache_salt: str | None = None, tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Deltas of one request until its finished output. ValueError for a request the engine refuses,
+        RuntimeError when the engine is not running, EngineDeadError when it dies meanwhile. Closing the
+        iterator early aborts the request and releases its blocks."""
+
+    def abort(self, request_id: str) -> None: ...
+
+    def add_stats_listener(self, fn: Callable[[StepStats], None]) -> None:
+        """`fn` gets every step's stats (on the event loop, or on the engine thread in process)."""
+
+    def scheduler_stats(self) -> SchedulerStats: ...
+
+    def num_unfinished(self) -> int: ...
+
+    def request_ids(self) -> list[str]:
+        """The callers' ids of the requests running now."""
+
+
+class OutputStreams:
+    """The callers' side of the requests in flight, for clients whose engine steps elsewhere (a thread, a
+    process): an asyncio queue of outputs per engine request, and the engine id of each caller's id."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, tuple[str, asyncio.Queue]] = {}  # engine id -> (caller's id, its queue)
+        self._engine_ids: dict[str, str] = {}  # caller's id -> engine id, while it runs
+        self._next_id = itertools.count()
+
+    def open(self, request_id: str) -> str:
+        """A new engine id for the caller's `request_id` (ValueError if that one is running)."""
+        if request_id in self._engine_ids:
+            raise ValueError(f"request id {request_id!r} is already running")
+        # NOTE: the engine knows each call by its own id: a caller's id reused right after an abort can
+        # never receive the old request's outputs
+        engine_id = f"{request_id}#{next(self._next_id)}"
+        self._queues[engine_id] = (request_id, asyncio.Queue())
+        self._engine_ids[request_id] = engine_id
+        return engine_id
+
+    async def follow(self, engine_id: str, abort: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+        """Outputs of `engine_id` until its finished one; `abort` runs if the consumer leaves before."""
+        request_id, queue = self._queues[engine_id]
+        finished = False
+        try:
+            while not finished:
+                output = await queue.get()
+                if isinstance(output, EngineDeadError):
+                    finished = True  # nothing left to abort: the engine that held it is gone
+                    raise output
+                finished = output.finished
+                yield output
+        finally:
+            self._queues.pop(engine_id, None)
+            if self._engine_ids.get(request_id) == engine_id:
+                del self._engine_ids[request_id]
+            if not finished:  # the consumer went away (disconnect, cancel): release the blocks now
+                abort()
+
+    def engine_id(self, request_id: str) -> str | None:
+        return self._engine_ids.get(request_id)
+
+    def engine_ids(self) -> list[str]:
+        return list(self._queues)
+
+    def request_ids(self) -> list[str]:
+        return list(self._engine_ids)
+
+    def __len__(self) -> int:
+        return len(self._queues)
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            entry = self._queues.get(output.request_id)
+            if entry is not None:
+                output.request_id = entry[0]  # the caller's id, not the engine's
+                entry[1].put_nowait(output)
+
+    def fail_all(self, message: str) -> None:
+        for _, queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(message))

@@ -1,0 +1,258 @@
+"""The engine in its own process, supervised: the EngineClient that `serve` uses by default.
+
+The API process (this side) spawns `python -m engine.engine_process`, sends it adds and aborts, and reads
+one message per engine step. When the engine process dies (kill -9, out of memory), every request waiting
+on it ends at once with EngineDeadError, is_alive() turns False, and a new engine process starts, up to
+`max_restarts` within `restart_window_s`; past that `on_fatal` is called (the gateway exits non-zero, so a
+supervisor above it takes over). Each engine incarnation gets fresh sockets, so no message meant for a
+dead engine reaches its successor. Importing this module loads no torch.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import os
+import pickle
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from engine.client import OutputStreams
+from engine.config import EngineConfig
+from engine.messages import AbortRequest, AddRequest, EngineInfo
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams, validate_prompt
+from engine.stats import SchedulerStats, StepStats
+from engine.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger("prefixgate.engine")
+
+
+class EngineStartError(ValueError):
+    """The engine process could not start with these settings (its one-line reason)."""
+
+
+class _Incarnation:
+    """One engine process and its two sockets."""
+
+    def __init__(self, process: asyncio.subprocess.Process, inbox: zmq.asyncio.Socket,
+                 outbox: zmq.asyncio.Socket, folder: tempfile.TemporaryDirectory) -> None:
+        self.process = process
+        self.inbox = inbox  # we PUSH adds and aborts
+        self.outbox = outbox  # we PULL step messages
+        self._folder = folder
+
+    def close(self) -> None:
+        self.inbox.close(linger=0)
+        self.outbox.close(linger=0)
+        self._folder.cleanup()
+
+
+class ProcessClient:
+    def __init__(self, config: EngineConfig, info: EngineInfo, tokenizer: Tokenizer, incarnation: _Incarnation, *,
+                 max_restarts: int = 3, restart_window_s: float = 600.0,
+                 on_fatal: Callable[[], None] | None = None) -> None:
+        self.config = config
+        self.info = info
+        self.tokenizer = tokenizer
+        self.model_name = info.model_name
+        self.max_model_len = info.max_model_len
+        self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s
+        self.on_fatal = on_fatal
+        self.restarts: deque[float] = deque()  # monotonic times of restarts within the window
+        self._engine = incarnation
+        self._streams = OutputStreams()
+        self._listeners: list[Callable[[StepStats], None]] = []
+        self._stats = SchedulerStats(num_blocks=info.num_blocks)
+        self._alive = False
+        self._stopping = False
+        self._tasks: list[asyncio.Task] = []
+
+    @classmethod
+    async def launch(cls, config: EngineConfig, **options) -> "ProcessClient":
+        """Starts the engine process and waits until its model is loaded (EngineStartError if it cannot)."""
+        incarnation, info = await _spawn(config)
+        tokenizer = await asyncio.to_thread(load_tokenizer, Path(info.model_path), set(info.eos_token_ids))
+        return cls(config, info, tokenizer, incarnation, **options)
+
+    # ---- lifecycle
+
+    def start(self) -> None:
+        self._alive = True
+        self._tasks = [asyncio.create_task(self._read(self._engine)), asyncio.create_task(self._supervise())]
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._streams and loop.time() < deadline and self._alive:
+            await asyncio.sleep(0.05)
+        for engine_id in self._streams.engine_ids():
+            self._send(AbortRequest(engine_id))
+        self._stopping = True
+        process = self._engine.process
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.terminate()  # the step loop ends, the disk tier flushes
+            try:
+                await asyncio.wait_for(process.wait(), 30)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._alive = False
+        self._streams.fail_all("the engine stopped")
+        self._engine.close()
+
+    def is_alive(self) -> bool:
+        return self._alive and not self._stopping
+
+    @property
+    def threads(self) -> tuple[int, int] | None:
+        return (self.info.threads, self.info.threads_batch) if self.info.threads is not None else None
+
+    def health_details(self) -> dict:
+        return {"engine_pid": self.info.pid, "engine_restarts": len(self.restarts)}
+
+    # ---- requests
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       cache_salt: str | None = None, tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+        validate_prompt(prompt_token_ids, params, self.info.vocab_size, self.max_model_len)
+        if not self.is_alive():
+            raise RuntimeError("the engine is not running")
+        engine_id = self._streams.open(request_id)
+        self._send(AddRequest(engine_id, list(prompt_token_ids), params, cache_salt, tenant, time.monotonic()))
+        # closed with this generator, so an early close aborts the request at once
+        async with contextlib.aclosing(self._streams.follow(engine_id, lambda: self._send(AbortRequest(engine_id)))) as outputs:
+            async for output in outputs:
+                yield output
+
+    def abort(self, request_id: str) -> None:
+        engine_id = self._streams.engine_id(request_id)
+        if engine_id is not None:
+            self._send(AbortRequest(engine_id))
+
+    def add_stats_listener(self, fn: Callable[[StepStats], None]) -> None:
+        self._listeners.append(fn)
+
+    def scheduler_stats(self) -> SchedulerStats:
+        return self._stats
+
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    def request_ids(self) -> list[str]:
+        return self._streams.request_ids()
+
+    # ---- messages and supervision
+
+    def _send(self, message: AddRequest | AbortRequest) -> None:
+        if self._alive:
+            with contextlib.suppress(zmq.ZMQError):  # a dying engine: its requests fail through _supervise
+                self._engine.inbox.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
+
+    async def _read(self, engine: _Incarnation) -> None:
+        while True:
+            message = pickle.loads(await engine.outbox.recv())
+            if message[0] == "step":
+                self._on_step(message[1], message[2])
+
+    def _on_step(self, outputs: list[RequestOutput], stats: StepStats) -> None:
+        self._stats = stats.scheduler
+        for listener in self._listeners:  # before the outputs: a client never sees its answer before /metrics
+            try:
+                listener(stats)
+            except Exception:  # a broken listener (metrics) must not stop the outputs
+                logger.exception("stats listener failed")
+        self._streams.deliver(outputs)
+
+    async def _supervise(self) -> None:
+        while True:
+            code = await self._engine.process.wait()
+            if self._stopping:
+                return
+            self._alive = False
+            logger.error("engine process %d died (exit code %s); failing its %d requests",
+                         self.info.pid, code, len(self._streams))
+            self._streams.fail_all(f"the engine process died (exit code {code})")
+            for task in self._tasks[:1]:
+                task.cancel()
+            self._engine.close()
+            if not self._may_restart():
+                logger.error("engine process died %d times within %.0fs; giving up", len(self.restarts) + 1,
+                             self.restart_window_s)
+                if self.on_fatal is not None:
+                    self.on_fatal()
+                return
+            await self._restart()
+
+    def _may_restart(self) -> bool:
+        now = time.monotonic()
+        while self.restarts and now - self.restarts[0] > self.restart_window_s:
+            self.restarts.popleft()
+        return len(self.restarts) < self.max_restarts
+
+    async def _restart(self) -> None:
+        self.restarts.append(time.monotonic())
+        logger.warning("starting a new engine process (restart %d of at most %d within %.0fs)",
+                       len(self.restarts), self.max_restarts, self.restart_window_s)
+        while True:
+            try:
+                self._engine, self.info = await _spawn(self.config)
+                break
+            except EngineStartError as exc:  # it started before with the same settings: try again
+                logger.error("engine restart failed: %s", exc)
+                if not self._may_restart():
+                    if self.on_fatal is not None:
+                        self.on_fatal()
+                    return
+                self.restarts.append(time.monotonic())
+        self._tasks[0] = asyncio.create_task(self._read(self._engine))
+        self._alive = True
+        logger.info("engine process %d is serving again", self.info.pid)
+
+
+async def _spawn(config: EngineConfig) -> tuple[_Incarnation, EngineInfo]:
+    """A new engine process on fresh IPC sockets; returns once it is ready (EngineStartError if it fails)."""
+    folder = tempfile.TemporaryDirectory(prefix="prefixgate-")
+    context = zmq.asyncio.Context.instance()
+    inbox, outbox = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    inbox_address, outbox_address = f"ipc://{folder.name}/in", f"ipc://{folder.name}/out"
+    inbox.bind(inbox_address)
+    outbox.bind(outbox_address)
+    env = {**os.environ, "PREFIXGATE_LOG_LEVEL": logging.getLevelName(logging.getLogger().getEffectiveLevel())}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "engine.engine_process", inbox_address, outbox_address,
+        base64.b64encode(pickle.dumps(config)).decode(), env=env)
+    incarnation = _Incarnation(process, inbox, outbox, folder)
+    logger.info("engine process %d: loading model %s", process.pid, config.model)
+    first = asyncio.ensure_future(outbox.recv())
+    exited = asyncio.ensure_future(process.wait())
+    await asyncio.wait({first, exited}, return_when=asyncio.FIRST_COMPLETED)
+    if not first.done():
+        first.cancel()
+        incarnation.close()
+        raise EngineStartError(f"the engine process exited (code {process.returncode}) before it was ready")
+    exited.cancel()
+    message = pickle.loads(first.result())
+    if message[0] != "ready":
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+        incarnation.close()
+        raise EngineStartError(message[1])
+    info: EngineInfo = message[1]
+    logger.info("engine process %d ready: %s, context %d tokens, %d KV blocks, threads %s (decode) / %s (prefill)",
+                info.pid, info.model_name, info.max_model_len, info.num_blocks, info.threads, info.threads_batch)
+    return incarnation, info

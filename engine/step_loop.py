@@ -1,0 +1,124 @@
+"""The engine's step loop, whatever carries its messages: adds and aborts come in through an inbox, each
+step's outputs and stats go out through `emit`. The engine process runs it on its main thread; the
+in-process AsyncEngine on a thread of its own."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.core import EngineCore
+from engine.grammar import StructuredMatcher
+from engine.outputs import FinishReason, RequestOutput
+from engine.request import Request
+from engine.messages import AbortRequest, AddRequest
+from engine.stats import StepStats
+
+logger = logging.getLogger("prefixgate.engine")
+
+IDLE_WAIT_S = 0.5  # an idle loop wakes this often to report stats
+COMPILE_POLL_S = 0.002  # while a grammar compiles, the idle loop looks for it this often
+
+
+@dataclass(slots=True)
+class _Compiling:
+    add: AddRequest
+    matcher: Future = field(repr=False)
+
+
+class Inbox(Protocol):
+    def receive(self, timeout: float) -> list[AddRequest | AbortRequest]:
+        """What arrived; waits up to `timeout` seconds (0: not at all) while nothing has."""
+
+
+Emit = Callable[[list[RequestOutput], StepStats], None]
+
+
+class StepLoop:
+    def __init__(self, core: EngineCore, inbox: Inbox, emit: Emit) -> None:
+        self.core = core
+        self.inbox = inbox
+        self.emit = emit
+        # grammars compile off the step loop: running requests never wait for a new request's schema
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="prefixgate-grammar")
+        self._compiling: dict[str, _Compiling] = {}
+
+    def run(self, stopping: Callable[[], bool]) -> None:
+        """Steps while there is work; an idle loop waits on the inbox and reports stats now and then."""
+        busy = False
+        while not stopping():
+            self._take(self.inbox.receive(0 if busy else COMPILE_POLL_S if self._compiling else IDLE_WAIT_S))
+            self._admit_compiled()
+            if not self.core.has_unfinished():
+                if busy:  # just gone idle: the disk tier catches up with the RAM cache, off the step path
+                    self.core.write_behind()
+                busy = False
+                self.emit([], self.core.take_stats())  # aborts leave no step behind: report them now
+                continue
+            busy = True
+            outputs, stats = self.core.step()
+            self.emit(outputs, stats)
+        self._take(self.inbox.receive(0))  # aborts sent while the last step ran
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _take(self, messages: list[AddRequest | AbortRequest]) -> None:
+        for message in messages:
+            if isinstance(message, AddRequest):
+                self._add(message)
+            else:
+                self._abort(message.request_id)
+
+    def _add(self, add: AddRequest) -> None:
+        if add.params.structured is not None:
+            future = self._grammar_pool.submit(self.core.grammars.matcher, add.params.structured)
+            self._compiling[add.request_id] = _Compiling(add, future)
+            return
+        self._admit(add, None)
+
+    def _admit_compiled(self) -> None:
+        for request_id, compiling in list(self._compiling.items()):
+            if not compiling.matcher.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                matcher = compiling.matcher.result()
+            except Exception as exc:  # an invalid schema fails its request alone
+                self._reject(compiling.add, exc)
+                continue
+            self._admit(compiling.add, matcher)
+
+    def _admit(self, add: AddRequest, matcher: StructuredMatcher | None) -> None:
+        request = Request(add.request_id, add.prompt_token_ids, add.params, cache_salt=add.cache_salt,
+                          tenant=add.tenant, arrival_time=add.arrival_time)
+        request.matcher = matcher
+        try:
+            self.core.add_request(request)
+        except Exception as exc:  # a request the engine refuses fails alone
+            self._reject(add, exc)
+
+    def _reject(self, add: AddRequest, exc: Exception) -> None:
+        if not isinstance(exc, ValueError):
+            logger.error("adding request %s failed", add.request_id, exc_info=exc)
+        self.emit([error_output(add.request_id, str(exc), len(add.prompt_token_ids))], self.core.take_stats())
+
+    def _abort(self, request_id: str) -> None:
+        if (compiling := self._compiling.pop(request_id, None)) is not None:
+            compiling.matcher.cancel()
+            output = RequestOutput(request_id, [], "", None, len(compiling.add.prompt_token_ids), 0, 0,
+                                   finished=True, finish_reason=FinishReason.ABORT)
+        else:
+            try:
+                output = self.core.abort(request_id)
+            except Exception as exc:
+                logger.exception("aborting request %s failed", request_id)
+                output = error_output(request_id, f"abort failed: {exc!r}")
+        if output is not None:
+            self.emit([output], self.core.take_stats())
+
+
+def error_output(request_id: str, message: str, num_prompt_tokens: int = 0) -> RequestOutput:
+    """The final output of a request that ends without running: rejected, or its engine stopped."""
+    return RequestOutput(request_id, [], "", None, num_prompt_tokens, 0, 0, finished=True,
+                         finish_reason="error", error=message)

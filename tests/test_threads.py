@@ -1,0 +1,56 @@
+"""The thread budget: unset counts are timed at each count the process may use; the fastest wins, a
+smaller count when it is within 5 %; given counts are used as they are; each step gets its kind's count."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import threads
+
+# milliseconds a fake step takes at each thread count
+DECODE_MS = {1: 10.0, 2: 10.3, 3: 14.0}  # memory-bound: 2 threads are no faster
+PREFILL_MS = {1: 30.0, 2: 16.0, 3: 16.5}  # compute-bound: 3 is within 5 % of 2
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def step(self, costs: dict[int, float]):
+        def run() -> None:
+            self.now += costs[torch.get_num_threads()] / 1e3
+        return run
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(threads, "usable_cores", lambda: 3)
+    monkeypatch.setattr(threads.time, "perf_counter", fake.perf_counter)
+    before = torch.get_num_threads()
+    yield fake
+    torch.set_num_threads(before)
+
+
+def test_unset_counts_are_timed_and_a_near_tie_goes_to_fewer_threads(clock):
+    budget = threads.choose(None, None, clock.step(DECODE_MS), clock.step(PREFILL_MS))
+    assert (budget.threads, budget.threads_batch) == (1, 2)
+    assert budget.decode_ms == pytest.approx(DECODE_MS) and budget.prefill_ms == pytest.approx(PREFILL_MS)
+
+
+def test_given_counts_are_kept_and_not_timed(clock):
+    def never() -> None:
+        raise AssertionError("a given count must not be timed")
+    budget = threads.choose(2, 3, never, never)
+    assert (budget.threads, budget.threads_batch) == (2, 3) and not budget.decode_ms and not budget.prefill_ms
+
+
+def test_each_step_runs_with_its_kind_of_count(clock):
+    budget = threads.ThreadBudget(threads=1, threads_batch=3)
+    budget.apply(has_prefill=False)
+    assert torch.get_num_threads() == 1
+    budget.apply(has_prefill=True)
+    assert torch.get_num_threads() == 3
