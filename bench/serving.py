@@ -80,10 +80,10 @@ class Server:
     """A server subprocess: ours (`python -m gateway serve`) or llama-server; `url` is its /v1 base."""
 
     def __init__(self, cmd: list[str], ready: str, env: dict | None = None) -> None:
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         deadline = time.monotonic() + 600
-        for line in self.proc.stderr:
+        for line in self.proc.stdout:  # (llama-server logs to stdout, ours to stderr: both read here)
             if match := re.search(ready, line):
                 self.url = match.group(1)
                 break
@@ -91,7 +91,7 @@ class Server:
                 break
         else:
             raise RuntimeError(f"{cmd[0]} did not start")
-        self._reader = threading.Thread(target=self.proc.stderr.read, daemon=True)
+        self._reader = threading.Thread(target=self.proc.stdout.read, daemon=True)
         self._reader.start()  # keep reading its log so it never blocks on a full pipe
 
     def stop(self) -> None:
@@ -113,7 +113,7 @@ def ours(model_path: str, engine_process: bool, port: int) -> Server:
 def llama_server(binary: str, gguf: str, port: int) -> Server:
     cmd = [binary, "-m", gguf, "-np", "4", "-c", "8192", "-t", str(os.cpu_count() or 1), "--host", "127.0.0.1",
            "--port", str(port)]
-    server = Server(cmd, r"(server is listening on http://\S+)")
+    server = Server(cmd, r"(listening on http://\S+)")
     server.url = f"http://127.0.0.1:{port}/v1"
     return server
 

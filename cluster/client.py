@@ -34,7 +34,7 @@ REPLICA_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailabl
 
 
 class ClusterEngine:
-    def __init__(self, handle: DeploymentHandle, config: EngineConfig, info: dict, tokenizer,
+    def __init__(self, handle: DeploymentHandle, config: EngineConfig, info: dict, tokenizer, model_path: Path,
                  index: PrefixIndex, num_replicas: int, max_attempts: int = 3) -> None:
         self._handle = handle
         self._index = index
@@ -55,6 +55,7 @@ class ClusterEngine:
         self._started = False
         self.num_retries = 0
         self.threads = None  # each replica chooses its own
+        self.model_path = model_path
 
     @classmethod
     async def connect(cls, handle: DeploymentHandle, config: EngineConfig, *, index: str,
@@ -63,7 +64,7 @@ class ClusterEngine:
         info = await handle.info.remote()
         path = resolve_model_path(config.model, config.model_cache_dir)
         tokenizer = await asyncio.to_thread(load_tokenizer, Path(path), set(info["eos_token_ids"]))
-        return cls(handle, config, info, tokenizer, index_for(index), num_replicas)
+        return cls(handle, config, info, tokenizer, Path(path), index_for(index), num_replicas)
 
     # ---- lifecycle (the gateway's cleanup_ctx calls these)
 

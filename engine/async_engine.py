@@ -53,6 +53,7 @@ class AsyncEngine:
         self.tokenizer = core.tokenizer
         self.max_model_len = core.max_model_len
         self.model_name = served_name(core)
+        self.model_path = core.model_path
         budget = core.thread_budget
         self.threads = (budget.threads, budget.threads_batch) if budget is not None else None
         self._inbox = _ThreadInbox()

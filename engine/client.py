@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from engine.config import EngineConfig
@@ -30,6 +31,7 @@ class EngineClient(Protocol):
     config: EngineConfig  # max_num_seqs sizes the gateway's admission
     tokenizer: Tokenizer  # the API process renders, tokenizes and detokenizes with it
     model_name: str
+    model_path: Path  # the model directory (its tokenizer and generation_config.json)
     max_model_len: int
     # CPU compute threads of decode-only steps and of steps with a prefill (engine/threads.py); None: not CPU
     threads: tuple[int, int] | None

@@ -118,6 +118,10 @@ class ProcessClient:
         return self._alive and not self._stopping
 
     @property
+    def model_path(self) -> Path:
+        return Path(self.info.model_path)
+
+    @property
     def threads(self) -> tuple[int, int] | None:
         return (self.info.threads, self.info.threads_batch) if self.info.threads is not None else None
 

@@ -25,7 +25,7 @@ class ModelRunner:
         self._offsets = np.arange(block_size)
         self.compiled_decode = None
         self.graph_decode = None  # decode steps as CUDA graphs (capture_cuda_graphs)
-        self.dtype = model.lm_head.weight.dtype  # the model's; the K/V pool's may differ (kv_cache_dtype)
+        self.dtype = model.model.norm.weight.dtype  # the model's; the K/V pool's may differ (kv_cache_dtype)
         if (decode_step_cpu.supports(self.dtype, device) and decode_step_cpu.supports(kv_cache.dtype, device)
                 and model.lm_head.packed is not None):  # the step multiplies by the packed weights
             self.compiled_decode = decode_step_cpu.CompiledDecode(model)

@@ -18,6 +18,7 @@ from gateway.admission import Admission
 from gateway.auth import Authenticator
 from gateway.cors import Cors
 from gateway.errors import APIError, error_middleware, error_response
+from gateway.generation_defaults import parse_override, sampling_defaults
 from gateway.settings import Settings
 from gateway.state import STATE, GatewayState
 from gateway.tool_prompt import TOOL_TEMPLATE, detect_tool_template
@@ -114,7 +115,9 @@ async def _engine_ctx(settings: Settings, engine: EngineClient | None, auth: Aut
                           settings.gateway.retry_after_s)
     metrics.admission.watch(lambda: admission.in_flight, admission.capacity)
     names = frozenset({engine.model_name, settings.engine.model})
-    app[STATE] = GatewayState(settings, engine, auth, admission, metrics, names)
+    gw = settings.gateway
+    defaults = sampling_defaults(engine.model_path, gw.generation_config, parse_override(gw.override_generation_config))
+    app[STATE] = GatewayState(settings, engine, auth, admission, metrics, names, defaults)
     app[TOOL_TEMPLATE] = detect_tool_template(engine.tokenizer, settings.gateway.tool_call_parser)
     engine.start()
     log.info("serving model %s (context %d tokens)", engine.model_name, engine.max_model_len)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.generation_defaults import SAMPLING_FIELDS
+
 _COUNT = {"type": "integer", "minimum": 0}
 _TEXT = {"type": "string"}
 _LOGPROB = {"type": "number", "maximum": 0}
@@ -146,4 +148,5 @@ def _completion_logprobs() -> dict[str, Any]:
 
 def _model(model_name: str) -> dict[str, Any]:
     return _closed({"id": {"type": "string", "enum": [model_name]}, "object": _const("model"), "created": _COUNT,
-                    "owned_by": _const("prefixgate"), "max_model_len": {"type": "integer", "minimum": 1}})
+                    "owned_by": _const("prefixgate"), "max_model_len": {"type": "integer", "minimum": 1},
+                    "sampling_defaults": _closed({name: {"type": "number"} for name in SAMPLING_FIELDS})})

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from engine.structured import StructuredOutput
 from gateway.errors import invalid
+from gateway.generation_defaults import SAMPLING_FIELDS
 from gateway.render import normalize_messages
 from gateway.sampling_fields import completion_extras, sampling_fields
 from gateway.settings import GatewaySettings
@@ -53,7 +55,7 @@ class CompletionRequest(GenerationRequest):
     echo: bool  # the prompt's text comes before each choice's
 
 
-def parse_chat(body: Any, limits: GatewaySettings) -> ChatRequest:
+def parse_chat(body: Any, limits: GatewaySettings, defaults: Mapping[str, Any] = SAMPLING_FIELDS) -> ChatRequest:
     fields = _Fields(body)
     want_logprobs = fields.boolean("logprobs", False)
     top = fields.integer("top_logprobs", None, 0, limits.max_top_logprobs)
@@ -62,21 +64,23 @@ def parse_chat(body: Any, limits: GatewaySettings) -> ChatRequest:
     max_tokens = fields.integer("max_completion_tokens", None, 1)
     if max_tokens is None:
         max_tokens = fields.integer("max_tokens", None, 1)
-    common = _common(fields, limits, max_tokens, (top or 0) if want_logprobs else None)
+    common = _common(fields, limits, max_tokens, (top or 0) if want_logprobs else None, defaults)
     messages = normalize_messages(fields.body.get("messages"), limits.max_messages)
     return ChatRequest(**common, messages=messages, tools=parse_tools(fields.body))
 
 
-def parse_completion(body: Any, limits: GatewaySettings) -> CompletionRequest:
+def parse_completion(body: Any, limits: GatewaySettings,
+                     defaults: Mapping[str, Any] = SAMPLING_FIELDS) -> CompletionRequest:
     fields = _Fields(body)
     logprobs = fields.integer("logprobs", None, 0, limits.max_top_logprobs)
-    common = _common(fields, limits, fields.integer("max_tokens", None, 1), logprobs)
+    common = _common(fields, limits, fields.integer("max_tokens", None, 1), logprobs, defaults)
     extras = completion_extras(fields, common["n"], limits.max_n, common["stream"], logprobs)
     return CompletionRequest(**common, prompts=_prompts(fields.body.get("prompt"), limits.max_prompts), **extras)
 
 
-def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None,
-            logprobs: int | None) -> dict[str, Any]:
+def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None, logprobs: int | None,
+            defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields chat and completions share; `defaults`: the sampling defaults in force (the model's)."""
     model = fields.string("model", None)
     if not model:
         raise invalid("model is required", "model")
@@ -91,9 +95,9 @@ def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None,
     return dict(
         model=model,
         max_tokens=max_tokens,
-        temperature=fields.number("temperature", 1.0, 0.0, 2.0),
-        top_p=fields.number("top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=fields.integer("top_k", 0, -1),
+        temperature=fields.number("temperature", defaults["temperature"], 0.0, 2.0),
+        top_p=fields.number("top_p", defaults["top_p"], 0.0, 1.0, low_open=True),
+        top_k=fields.integer("top_k", defaults["top_k"], -1),
         seed=fields.integer("seed", None, 0, MAX_SEED),
         stop=_stop(fields.body.get("stop"), limits.max_stop_sequences),
         n=fields.integer("n", 1, 1, limits.max_n),
@@ -103,7 +107,7 @@ def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None,
         user=fields.string("user", None),
         cache_salt=fields.string("cache_salt", None),
         ignore_eos=fields.boolean("ignore_eos", False),
-        **sampling_fields(fields),
+        **sampling_fields(fields, defaults),
     )
 
 

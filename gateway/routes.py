@@ -32,7 +32,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     tenant = state.auth.authenticate(request)
-    req = parse_chat(await read_json(request), state.settings.gateway)
+    req = parse_chat(await read_json(request), state.settings.gateway, state.sampling_defaults)
     state.check_model(req.model)
     tool_template = request.app[TOOL_TEMPLATE]
     with state.admission.admit(tenant, req.n):
@@ -47,7 +47,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     tenant = state.auth.authenticate(request)
-    req = parse_completion(await read_json(request), state.settings.gateway)
+    req = parse_completion(await read_json(request), state.settings.gateway, state.sampling_defaults)
     state.check_model(req.model)
     with state.admission.admit(tenant, req.best_of * len(req.prompts)):
         tokenizer = state.engine.tokenizer
@@ -79,7 +79,8 @@ async def model(request: web.Request) -> web.Response:
 
 def _model_card(state: GatewayState) -> dict[str, Any]:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "prefixgate",
-            "max_model_len": state.engine.max_model_len}
+            "max_model_len": state.engine.max_model_len,
+            "sampling_defaults": state.sampling_defaults}  # what a request that leaves them out gets
 
 
 async def health(request: web.Request) -> web.Response:

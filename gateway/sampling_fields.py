@@ -6,6 +6,8 @@ A field we cannot honour is a 400 naming it, never ignored.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import json
 from typing import Any
 
@@ -26,16 +28,17 @@ UNSUPPORTED = {  # fields of OpenAI's API that would change the output and that 
 }
 
 
-def sampling_fields(fields: Any) -> dict[str, Any]:
-    """Penalties, biases, min_p and min_tokens (ranges as OpenAI and vLLM define them)."""
+def sampling_fields(fields: Any, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """Penalties, biases, min_p and min_tokens (ranges as OpenAI and vLLM define them); `defaults` holds the
+    model's defaults of those a model may set (gateway/generation_defaults.py)."""
     for name, message in UNSUPPORTED.items():
         if fields.body.get(name) not in (None, ""):
             raise invalid(message, name)
     return dict(
         presence_penalty=fields.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=fields.number("frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=fields.number("repetition_penalty", 1.0, 0.01, 10.0),
-        min_p=fields.number("min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=fields.number("repetition_penalty", defaults["repetition_penalty"], 0.01, 10.0),
+        min_p=fields.number("min_p", defaults["min_p"], 0.0, 1.0),
         min_tokens=fields.integer("min_tokens", 0, 0),
         logit_bias=_logit_bias(fields.body.get("logit_bias")),
         structured=structured_output(fields.body),

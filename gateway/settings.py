@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from engine.config import EngineConfig
+from gateway.generation_defaults import parse_override
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 ANONYMOUS_TENANT = "anonymous"
@@ -62,6 +63,10 @@ class GatewaySettings:
     log_level: str = _knob("info", "debug | info | warning | error")
     tool_call_parser: str = _knob("auto", "auto (from the chat template) | hermes | llama3_json")
     allowed_origins: tuple[str, ...] = _knob((), "CORS: browser origins allowed to call the API ('*': any); none: off")
+    generation_config: str = _knob(
+        "auto", "auto: sampling defaults from the model's generation_config.json | none: OpenAI's")
+    override_generation_config: str | None = _knob(
+        None, 'JSON object of sampling defaults over the model\'s, e.g. \'{"temperature": 0.2}\'')
     engine_process: bool = _knob(True, "run the engine in its own process (off: on a thread of the API process)")
     engine_restarts: int = _knob(
         3, "new engine processes started after the engine dies, within 10 minutes; then the server exits 1")
@@ -82,6 +87,8 @@ class GatewaySettings:
         _check(self.shutdown_timeout_s >= 0, "shutdown_timeout_s must be >= 0")
         _check(self.stream_write_timeout_s > 0, "stream_write_timeout_s must be > 0")
         _check(self.engine_restarts >= 0, "engine_restarts must be >= 0")
+        _check(self.generation_config in ("auto", "none"), f"unknown generation_config {self.generation_config!r}")
+        parse_override(self.override_generation_config)
         _check(self.log_level in ("debug", "info", "warning", "error"), f"unknown log_level {self.log_level!r}")
         _check(self.tool_call_parser in ("auto", "hermes", "llama3_json"),
                f"unknown tool_call_parser {self.tool_call_parser!r}")

@@ -11,6 +11,7 @@ from engine.client import EngineClient
 from gateway.admission import Admission
 from gateway.auth import Authenticator
 from gateway.errors import APIError, invalid
+from gateway.generation_defaults import SAMPLING_FIELDS
 from gateway.settings import Settings
 
 
@@ -22,6 +23,8 @@ class GatewayState:
     admission: Admission
     metrics: Any  # metrics.prometheus.Metrics
     model_names: frozenset[str]  # the served name and the --model value both select the model
+    # what requests that leave sampling fields out get (gateway/generation_defaults.py)
+    sampling_defaults: dict[str, Any] = field(default_factory=lambda: dict(SAMPLING_FIELDS))
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

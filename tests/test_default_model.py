@@ -30,3 +30,21 @@ def test_cache_hit_gives_the_same_answer(llm):
     assert cold.num_cached_tokens == 0
     assert warm.num_cached_tokens == (len(llm.tokenizer.encode(prompt)) - 1) // 16 * 16
     assert warm.token_ids == cold.token_ids
+
+
+def test_a_plain_sdk_call_samples_with_the_model_cards_defaults():
+    """The SDK sends no temperature: the server samples at the converted model's recommended 0.2 / top_p 0.9
+    (at temperature 1 this model answered "Bien sûr! France is a destinaté from de son bedaube.")."""
+    import openai
+
+    from tests.gateway_helpers import served
+
+    with served("--model", "default", "--kv-cache-memory-mb", "128") as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        card = client.models.retrieve(model).model_dump()
+        assert card["sampling_defaults"]["temperature"] == 0.2 and card["sampling_defaults"]["top_p"] == 0.9
+        answers = [client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=32,
+            seed=seed).choices[0].message.content for seed in range(10)]
+    assert sum("Paris" in a for a in answers) >= 9, answers

@@ -55,11 +55,13 @@ def test_accumulate_adds_into_out_and_leaves_nothing_past_it(rows, out_features)
     torch.testing.assert_close(torch.from_numpy(out), residual + x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
-def test_packed_linear_layer_serves_small_batches_and_row_major_weight_the_rest():
+def test_packed_linear_layer_serves_small_batches_and_the_batched_matmul_the_rest():
     from engine.model.linear import MAX_PACKED_ROWS, Linear
     layer = Linear(20, 33)
+    weight = layer.weight.detach().clone()
     layer.pack()
-    for rows in (1, MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1):
+    assert layer.weight is None  # the packed tiles are the only copy
+    for rows in (1, MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1, 300):
         x = torch.randn(rows, 20)
-        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, layer.bias),
                                    rtol=1e-5, atol=1e-5)

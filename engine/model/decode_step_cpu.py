@@ -55,10 +55,10 @@ class CompiledDecode:
         self.scale = attn.scale
         self.eps = config.rms_norm_eps
         self.qk_norm = attn.qk_norm
-        self.embed = numpy_view(model.model.embed_tokens.weight)
+        self.embed = numpy_view(model.model.embed_tokens.row_tiles())
         self.rotary = model.model.rotary_emb
         self._cos = self._sin = np.zeros((0, 0), np.float32)  # the rotary table of every position so far
-        self.vocab_size = model.lm_head.weight.shape[0]
+        self.vocab_size = model.lm_head.out_features
 
         def weights(get) -> List:
             return List([numpy_view(get(layer)) for layer in layers])
@@ -190,11 +190,12 @@ def _step(input_ids, embed, cos, sin, kv, slot_mapping, slots, lengths, group, s
           logits_indices, input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
           down_w, down_b, final_norm, lm_head, lm_head_b, qkv_size, gate_up_size, heads, kv_heads, eps, scale,
           qk_norm, threads, logits):
-    rows, hidden = len(input_ids), embed.shape[1]
+    rows, hidden, tile = len(input_ids), embed.shape[1], embed.shape[2]
     x = np.empty((rows, hidden), np.float32)  # the step computes in float32 whatever the weights
     for m in range(rows):
+        token = input_ids[m]
         for i in range(hidden):
-            x[m, i] = as_float32(embed[input_ids[m], i])
+            x[m, i] = as_float32(embed[token // tile, i, token % tile])
     dim = cos.shape[1]
     normed = np.empty_like(x)
     qkv = np.empty((rows, qkv_size), np.float32)

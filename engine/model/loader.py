@@ -1,6 +1,7 @@
 """Loads a Hugging Face model directory (config.json + *.safetensors) into our decoder."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, device:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
-    with torch.device("meta"):
+    with _no_weight_init():  # (not the meta device: its ops import torch._dynamo and Triton, 100 MB for nothing)
         model = LlamaForCausalLM(config)
     state = {}
     for file in files:
@@ -47,21 +48,37 @@ def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, device:
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     fuse_projections(state, config.num_hidden_layers)
-    model.load_state_dict(state, strict=False, assign=True)
+    missing = model.load_state_dict(state, strict=False, assign=True).missing_keys
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    missing = [name for name, p in model.named_parameters() if p.is_meta]
+        missing = [name for name in missing if name != "lm_head.weight"]
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {missing[:5]}")
-    # buffers (rotary frequencies) are not in the checkpoint: build them for real
-    model.model.rotary_emb = type(model.model.rotary_emb)(config, head_dim(config))
     model = model.to(device=device, dtype=dtype).eval()
     if pack and can_pack(dtype, device):
         pack_linears(model)
+    if device.type == "cpu":  # what was not packed gets memory of its own: the checkpoint's mapping goes with `state`
+        for param in model.parameters():
+            param.data = param.data.clone()
     if device.type == "cpu" and dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         logger.warning("bfloat16 on a CPU without the instructions oneDNN needs for it (avx512bw/vl/dq, "
                        "avx_ne_convert or AMX): prefill's plain bf16 matmuls are likely slower than float32")
     return model
+
+
+@contextlib.contextmanager
+def _no_weight_init():
+    """Modules built to be loaded skip their random init: their parameters stay uninitialized (untouched pages)
+    until the checkpoint's tensors replace them."""
+    names = ("kaiming_uniform_", "uniform_", "normal_")
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    for name in names:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
 
 
 def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> None:

@@ -67,6 +67,15 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     return out.to(x.dtype)
 
 
+def linear_batched(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+    """The same product for many rows (prefill) from the packed weight alone: one [rows, K] @ [K, TILE]
+    product per tile, batched (oneDNN), then the tiles side by side."""
+    tiles = torch.matmul(x.to(packed.dtype), packed)  # [tiles, rows, TILE]
+    out = tiles.permute(1, 0, 2).reshape(x.shape[0], -1)[:, :out_features]
+    return (out + bias if bias is not None else out).to(x.dtype)
+
+
 @njit(fastmath=True, nogil=True, cache=True, parallel=True)
 def matmul(x, packed, bias, out, accumulate, threads):
     """out (+)= x @ weight.T + bias (none if empty) for x [rows, K] float32 and packed = pack(weight) (float32
