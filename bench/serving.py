@@ -69,9 +69,16 @@ def in_process(model: str, tokens: int, turns: int) -> dict:
     work = multiturn.workload(core.tokenizer, turns)
     chats = multiturn.summarize(run_engine(core, work, "engine"))
     return {"decode_step_p50_ms": statistics.median(steps[1:]) * 1e3, "multiturn": chats, "workload": work,
-            "weight_mb": sum(p.numel() * p.element_size() for p in core.model.parameters()) / MB,
+            "weight_mb": weight_bytes(core.model) / MB,
             "kv_pool_mb": core.runner.kv_slots.numel() * core.runner.kv_slots.element_size() / MB,
             "threads": (core.thread_budget.threads, core.thread_budget.threads_batch) if core.thread_budget else None}
+
+
+def weight_bytes(model) -> int:
+    """The model's weights, each counted once: parameters, and the packed tiles that replaced row-major ones."""
+    tensors = {t.data_ptr(): t for t in model.parameters()}
+    tensors.update({m.packed.data_ptr(): m.packed for m in model.modules() if getattr(m, "packed", None) is not None})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 # ---- through HTTP
@@ -103,8 +110,9 @@ class Server:
             self.proc.wait()
 
 
-def ours(model_path: str, engine_process: bool, port: int) -> Server:
-    cmd = [sys.executable, "-m", "gateway", "serve", "--model", model_path, "--port", str(port), "--log-level", "info"]
+def ours(model_path: str, engine_process: bool, port: int, extra: list[str]) -> Server:
+    cmd = [sys.executable, "-m", "gateway", "serve", "--model", model_path, "--port", str(port), "--log-level", "info",
+           *extra]
     if not engine_process:
         cmd.append("--no-engine-process")
     return Server(cmd, r"listening on (http://\S+/v1)")
@@ -242,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=4, help="turns of each of the 4 chats")
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--no-thread-mode", action="store_true", help="skip `serve --no-engine-process`")
+    parser.add_argument("--serve-args", default="", help="more flags for our servers, e.g. '--threads-batch 1'")
     parser.add_argument("--llama-server", default=None, help="llama-server binary (../shared/peers/)")
     parser.add_argument("--llama-gguf", default=None, help="the same weights as an F32 GGUF")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -255,9 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     inproc = in_process(args.model, args.tokens, args.turns)
     work = inproc.pop("workload")
     result: dict = {"in_process": inproc}
-    runs = [("serve", lambda: ours(model_path, True, args.port))]
+    extra = args.serve_args.split()
+    runs = [("serve", lambda: ours(model_path, True, args.port, extra))]
     if not args.no_thread_mode:
-        runs.append(("serve --no-engine-process", lambda: ours(model_path, False, args.port)))
+        runs.append(("serve --no-engine-process", lambda: ours(model_path, False, args.port, extra)))
     if args.llama_server and args.llama_gguf:
         runs.append(("llama.cpp", lambda: llama_server(args.llama_server, args.llama_gguf, args.port)))
     for name, start in runs:  # one server at a time: they take turns on the cores

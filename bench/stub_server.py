@@ -19,16 +19,26 @@ from gateway.settings import GatewaySettings, Settings
 
 
 class InstantEngine:
-    """The AsyncEngine interface the gateway uses; every request gets one token at once."""
+    """An EngineClient (engine/client.py) whose every request gets `reply` as one token at once (the chat
+    page's tests use it for a hostile reply)."""
 
-    def __init__(self, model_path: Path) -> None:
+    def __init__(self, model_path: Path, reply: str = "ok") -> None:
         self.config = EngineConfig(model=str(model_path), max_num_seqs=256)
         self.tokenizer = load_tokenizer(model_path, set())
         self.model_name = "stub"
+        self.model_path = model_path
         self.max_model_len = 8192
+        self.threads = None
+        self.reply = reply
 
     def start(self) -> None:
         pass
+
+    def health_details(self) -> dict:
+        return {}
+
+    def request_ids(self) -> list[str]:
+        return []
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         pass
@@ -37,7 +47,7 @@ class InstantEngine:
         return True
 
     async def generate(self, request_id, prompt_token_ids, params, *, cache_salt=None, tenant=None):
-        yield RequestOutput(request_id, [0], "ok", None, len(prompt_token_ids), 0, 1, finished=True,
+        yield RequestOutput(request_id, [0], self.reply, None, len(prompt_token_ids), 0, 1, finished=True,
                             finish_reason=FinishReason.LENGTH)
 
     def abort(self, request_id: str) -> None:

@@ -16,6 +16,7 @@ from engine.client import EngineClient
 from gateway import routes
 from gateway.admission import Admission
 from gateway.auth import Authenticator
+from gateway.cache_stats import CACHE_STATS, CacheStats
 from gateway.cors import Cors
 from gateway.errors import APIError, error_middleware, error_response
 from gateway.generation_defaults import parse_override, sampling_defaults
@@ -85,6 +86,9 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     app.router.add_get("/health", routes.health)
     app.router.add_get("/metrics", routes.metrics)
     app.router.add_get("/openapi.json", routes.openapi)
+    app.router.add_get("/v1/cache/stats", routes.cache_stats)
+    app.router.add_get("/", routes.chat_page)
+    app.router.add_static("/static/", routes.STATIC_DIR)
     return app
 
 
@@ -108,6 +112,8 @@ async def _engine_ctx(settings: Settings, engine: EngineClient | None, auth: Aut
         engine = await _launch_engine(settings, app[ENGINE_GAVE_UP])
     metrics = Metrics(engine.model_name, auth.tenant_names)
     engine.add_stats_listener(metrics.on_step)
+    app[CACHE_STATS] = CacheStats()
+    engine.add_stats_listener(app[CACHE_STATS].on_step)
     metrics.set_threads(engine.threads)
     if hasattr(engine, "register_metrics"):  # the cluster client: per-replica series
         engine.register_metrics(metrics.registry)

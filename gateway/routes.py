@@ -1,15 +1,18 @@
-"""HTTP handlers: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, /openapi.json."""
+"""HTTP handlers: /v1/chat/completions, /v1/completions, /v1/models, /v1/cache/stats, /health, /metrics,
+/openapi.json, and the chat page at /."""
 from __future__ import annotations
 
 import contextlib
 import logging
 import uuid
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from engine.sampling_params import SamplingParams
 from gateway.auth import Tenant
+from gateway.cache_stats import CACHE_STATS
 from gateway.errors import APIError, invalid
 from gateway.fingerprint import system_fingerprint
 from gateway.formats import ChatFormat, CompletionFormat
@@ -25,6 +28,7 @@ from gateway.tool_parsers import parser_for
 from gateway.tool_prompt import TOOL_TEMPLATE
 
 log = logging.getLogger("gateway")
+STATIC_DIR = Path(__file__).parent / "static"
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -81,6 +85,17 @@ def _model_card(state: GatewayState) -> dict[str, Any]:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "prefixgate",
             "max_model_len": state.engine.max_model_len,
             "sampling_defaults": state.sampling_defaults}  # what a request that leaves them out gets
+
+
+async def cache_stats(request: web.Request) -> web.Response:
+    """GET /v1/cache/stats: the caller's hit rate and the pool's occupancy (gateway/cache_stats.py)."""
+    tenant = request.app[STATE].auth.authenticate(request)
+    return web.json_response(request.app[CACHE_STATS].body(tenant.name))
+
+
+async def chat_page(request: web.Request) -> web.FileResponse:
+    """GET /: the chat page (gateway/static/), served as it is: no build step, no CDN."""
+    return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
 
 async def health(request: web.Request) -> web.Response:

@@ -1,0 +1,91 @@
+// Markdown to DOM nodes, for model text: every piece of text becomes a text node, never HTML, so a reply
+// holding <img onerror=...> or <script> shows as those characters. Covers what chat answers use: fenced
+// code, headings, lists, paragraphs, `code`, **bold**, *emphasis* and [links](http...).
+
+export function renderMarkdown(text) {
+  const root = document.createDocumentFragment();
+  const lines = text.split("\n");
+  let i = 0;
+  while (i < lines.length) {
+    const line = lines[i];
+    const fence = line.match(/^```(\S*)/);
+    if (fence) {
+      const code = [];
+      for (i += 1; i < lines.length && !lines[i].startsWith("```"); i += 1) code.push(lines[i]);
+      i += 1;  // the closing fence (or the end of a text still streaming)
+      const pre = document.createElement("pre");
+      const el = document.createElement("code");
+      el.textContent = code.join("\n");
+      pre.append(el);
+      root.append(pre);
+      continue;
+    }
+    const heading = line.match(/^(#{1,6})\s+(.*)$/);
+    if (heading) {
+      const h = document.createElement(`h${Math.min(heading[1].length + 2, 6)}`);
+      appendInline(h, heading[2]);
+      root.append(h);
+      i += 1;
+      continue;
+    }
+    if (/^\s*([-*]|\d+\.)\s+/.test(line)) {
+      const ordered = /^\s*\d+\./.test(line);
+      const list = document.createElement(ordered ? "ol" : "ul");
+      for (; i < lines.length && /^\s*([-*]|\d+\.)\s+/.test(lines[i]); i += 1) {
+        const item = document.createElement("li");
+        appendInline(item, lines[i].replace(/^\s*([-*]|\d+\.)\s+/, ""));
+        list.append(item);
+      }
+      root.append(list);
+      continue;
+    }
+    if (!line.trim()) { i += 1; continue; }
+    const para = [];
+    for (; i < lines.length && lines[i].trim() && !/^(```|#{1,6}\s|\s*([-*]|\d+\.)\s)/.test(lines[i]); i += 1) {
+      para.push(lines[i]);
+    }
+    const p = document.createElement("p");
+    para.forEach((part, k) => {
+      if (k) p.append(document.createElement("br"));
+      appendInline(p, part);
+    });
+    root.append(p);
+  }
+  return root;
+}
+
+const INLINE = /(`[^`]+`)|(\*\*[^*]+\*\*)|(\*[^*\s][^*]*\*)|(\[[^\]]+\]\([^)\s]+\))/;
+
+function appendInline(parent, text) {
+  while (text) {
+    const match = text.match(INLINE);
+    if (!match) { parent.append(document.createTextNode(text)); return; }
+    if (match.index) parent.append(document.createTextNode(text.slice(0, match.index)));
+    const token = match[0];
+    if (token.startsWith("`")) {
+      parent.append(element("code", token.slice(1, -1)));
+    } else if (token.startsWith("**")) {
+      parent.append(element("strong", token.slice(2, -2)));
+    } else if (token.startsWith("*")) {
+      parent.append(element("em", token.slice(1, -1)));
+    } else {
+      const [, label, href] = token.match(/^\[([^\]]+)\]\(([^)\s]+)\)$/);
+      if (/^https?:\/\//i.test(href)) {  // no javascript: or data: links
+        const a = element("a", label);
+        a.href = href;
+        a.rel = "noopener noreferrer";
+        a.target = "_blank";
+        parent.append(a);
+      } else {
+        parent.append(document.createTextNode(token));
+      }
+    }
+    text = text.slice(match.index + token.length);
+  }
+}
+
+function element(tag, text) {
+  const el = document.createElement(tag);
+  el.textContent = text;
+  return el;
+}
