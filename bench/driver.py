@@ -31,10 +31,10 @@ from bench.workloads import BenchRequest, Workload
 _models: dict = {}
 
 
-def _load_model_once(path, config, dtype, device):
-    key = (str(path), dtype, str(device))
+def _load_model_once(path, config, dtype, device, pack: bool = True):
+    key = (str(path), dtype, str(device), pack)
     if key not in _models:
-        _models[key] = load_model(path, config, dtype, device)
+        _models[key] = load_model(path, config, dtype, device, pack=pack)
     return _models[key]
 
 

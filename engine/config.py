@@ -44,6 +44,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
     kv_cache_dtype: str = "auto"  # K/V storage: auto (the model's dtype) | float32 | bfloat16 | float16
     enforce_eager: bool = False  # CUDA: launch every decode step's kernels one by one (no CUDA graphs)
+    cpu_kernels: str = "compiled"  # CPU: compiled (numba kernels, packed weights) | eager (plain PyTorch, no numba)
     seed: int = 0
     threads: int | None = None  # CPU compute threads of decode-only steps; None: timed at start-up
     threads_batch: int | None = None  # CPU compute threads of steps with a prefill chunk; None: timed at start-up
@@ -67,6 +68,7 @@ class EngineConfig:
         _check(self.kv_disk_gb > 0, "kv_disk_gb must be > 0")
         _check(self.max_step_ms is None or self.max_step_ms > 0, "max_step_ms must be > 0")
         _check(self.device in ("auto", "cpu", "cuda"), f"unknown device {self.device!r}")
+        _check(self.cpu_kernels in ("compiled", "eager"), f"unknown cpu_kernels {self.cpu_kernels!r}")
         _check(self.threads is None or self.threads >= 1, "threads must be >= 1")
         _check(self.threads_batch is None or self.threads_batch >= 1, "threads_batch must be >= 1")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype!r}")

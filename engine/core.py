@@ -13,6 +13,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.disk_tier import DiskTier, model_fingerprint
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_io import KVBlockIO
+from engine.model import cpu_kernels
 from engine.model.llama import LlamaForCausalLM, head_dim
 from engine.model.loader import load_config, load_model, resolve_model_path
 from engine.outputs import FinishReason, RequestOutput
@@ -43,10 +44,13 @@ class EngineCore:
         self.device = _resolve_device(config.device)
         dtype = _resolve_dtype(config.dtype, self.device)
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
+        compiled = config.cpu_kernels == "compiled" and self.device.type == "cpu"
+        if compiled:
+            cpu_kernels.check_available()
         path = resolve_model_path(config.model, config.model_cache_dir)
         hf_config = load_config(path)
         self.model_path = path
-        self.model = model if model is not None else load_model(path, hf_config, dtype, self.device)
+        self.model = model if model is not None else load_model(path, hf_config, dtype, self.device, pack=compiled)
         self.tokenizer = load_tokenizer(path, _eos_token_ids(path, hf_config))
         self.vocab_size = hf_config.vocab_size
         kv_cache = _allocate_kv_cache(config, hf_config, kv_dtype, self.device)
@@ -59,7 +63,7 @@ class EngineCore:
             kv_io = KVBlockIO(kv_cache)
             self.kv.use_disk_tier(_disk_tier(config, path, dtype, kv_dtype, kv_io), kv_io)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(self.model, kv_cache, self.kv, self.device)
+        self.runner = ModelRunner(self.model, kv_cache, self.kv, self.device, compiled_kernels=compiled)
         if not config.enforce_eager and self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len):
             logger.info("captured CUDA graphs of decode steps for batch sizes %s",
                         self.runner.graph_decode.batch_sizes)

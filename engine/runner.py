@@ -1,20 +1,26 @@
 """Turns a step's chunks into one flat batch, runs the model, and returns the logits to sample."""
 from __future__ import annotations
 
+import logging
+import time
+
 import numpy as np
 import torch
 
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.model.attention import AttentionMetadata, DecodeBatch, PrefillSeq, SharedPrefix
-from engine.model import decode_step_cpu, paged_decode_cpu
 from engine.model.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.scheduler import ScheduledChunk
 
+logger = logging.getLogger("prefixgate.engine")
+
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, kv: KVCacheManager,
-                 device: torch.device) -> None:
+                 device: torch.device, compiled_kernels: bool = True) -> None:
+        """compiled_kernels: the numba CPU kernels (paged decode attention, the compiled decode step) where
+        they apply; off, every step runs in eager PyTorch (engine/model/cpu_kernels.py)."""
         self.model = model
         # [2, layers, num_blocks, block_size, kv_heads, head_dim] seen as flat slots per layer
         two, layers, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
@@ -26,10 +32,15 @@ class ModelRunner:
         self.compiled_decode = None
         self.graph_decode = None  # decode steps as CUDA graphs (capture_cuda_graphs)
         self.dtype = model.model.norm.weight.dtype  # the model's; the K/V pool's may differ (kv_cache_dtype)
-        if (decode_step_cpu.supports(self.dtype, device) and decode_step_cpu.supports(kv_cache.dtype, device)
-                and model.lm_head.packed is not None):  # the step multiplies by the packed weights
-            self.compiled_decode = decode_step_cpu.CompiledDecode(model)
-            self.decode_probe()  # compiles the step (or loads it from numba's disk cache) now, not in a request
+        self.paged_kernel = False  # decode attention by the compiled paged kernel
+        if compiled_kernels and device.type == "cpu":
+            from engine.model import decode_step_cpu, paged_decode_cpu
+            self.paged_kernel = paged_decode_cpu.supports(kv_cache.dtype, device)
+            if (decode_step_cpu.supports(self.dtype, device) and decode_step_cpu.supports(kv_cache.dtype, device)
+                    and model.lm_head.packed is not None):  # the step multiplies by the packed weights
+                self.compiled_decode = decode_step_cpu.CompiledDecode(model)
+                self.max_compiled_rows = decode_step_cpu.MAX_ROWS
+                self._load_kernels()
 
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Returns logits [num_sampled, vocab] and the chunks they belong to (those that reach the end)."""
@@ -58,7 +69,7 @@ class ModelRunner:
                 logits_idx.append(len(input_ids) - 1)
                 sampled.append(chunk)
         if (self.compiled_decode is not None and not prefills
-                and len(decodes) <= decode_step_cpu.MAX_ROWS):  # every row a decode, in order
+                and len(decodes) <= self.max_compiled_rows):  # every row a decode, in order
             batch = self._decode_batch(decodes)
             logits = self.compiled_decode(self._tensor(input_ids), self._tensor(positions), self.kv_slots,
                                           self._tensor(slot_mapping), batch.slots, batch.lengths,
@@ -85,6 +96,16 @@ class ModelRunner:
         self.graph_decode = GraphDecode(self.model, self.kv_slots, self.block_size, max_rows, max_model_len)
         return True
 
+    def _load_kernels(self) -> None:
+        """Compiles the step (or loads it from numba's disk cache) now, not in a request, and says so: the
+        first start is silent for most of a minute otherwise."""
+        from numba import config as numba_config
+        logger.info("loading the compiled CPU kernels (a first start compiles them: about 45 s on 2 cores; "
+                    "cached in %s)", numba_config.CACHE_DIR)
+        started = time.perf_counter()
+        self.decode_probe()
+        logger.info("CPU kernels ready in %.1f s", time.perf_counter() - started)
+
     def decode_probe(self) -> None:
         """A one-row decode step on the path serving uses (compiled where there is one) reading and writing
         slot 0, whose K/V are put back afterwards: warms the compiled step, and the thread budget times it."""
@@ -102,7 +123,7 @@ class ModelRunner:
         p, c = num_prefill_tokens, decode_context_tokens
         decode_slots = torch.arange(c, device=self.device)
         prefills = [PrefillSeq(0, p, torch.arange(p, device=self.device), None)] if p else []
-        decode = DecodeBatch(self._tensor([p]), decode_slots[None, :], self._tensor([c]), None, [])
+        decode = DecodeBatch(self._tensor([p]), decode_slots[None, :], self._tensor([c]), None, [], self.paged_kernel)
         slot_mapping = torch.cat([torch.arange(p, device=self.device), decode_slots[-1:]])
         meta = AttentionMetadata(slot_mapping, prefills, decode)
         self.model(torch.zeros(p + 1, dtype=torch.long, device=self.device),
@@ -132,12 +153,12 @@ class ModelRunner:
         for row, ((_, ids, end), rest_start) in enumerate(zip(decodes, rest_starts)):
             slots[row, :lengths[row]] = self._slot_array(ids, rest_start, end)
         bias = None
-        if lengths.min() < slots.shape[1] and not paged_decode_cpu.supports(self.kv_slots.dtype, self.device):
+        if lengths.min() < slots.shape[1] and not self.paged_kernel:
             padding = torch.from_numpy(np.arange(slots.shape[1])[None, :] >= lengths[:, None]).to(self.device)
             bias = torch.zeros(padding.shape, dtype=self.dtype, device=self.device)
             bias = bias.masked_fill_(padding, float("-inf"))[:, None, None, :]
         return DecodeBatch(self._tensor([i for i, _, _ in decodes]), torch.from_numpy(slots).to(self.device),
-                           torch.from_numpy(lengths).to(self.device), bias, shared)
+                           torch.from_numpy(lengths).to(self.device), bias, shared, self.paged_kernel)
 
     def _shared_prefixes(self, seqs: list[tuple[list[int], int]]) -> tuple[list[SharedPrefix], list[int]]:
         """Groups decodes by their first block; returns each group's shared leading blocks (cascade

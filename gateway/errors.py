@@ -48,15 +48,29 @@ def error_response(err: APIError) -> web.Response:
     return web.json_response(err.body(), status=err.status, headers=err.headers)
 
 
-def _from_http_exception(exc: web.HTTPException) -> APIError:
+def _from_http_exception(exc: web.HTTPException, request: web.Request) -> APIError:
+    path = request.path if len(request.path) <= 200 else request.path[:200] + "..."
     if exc.status == 404:
-        return APIError(404, "not found", code="not_found")
+        return APIError(404, f"no route {request.method} {path}; this server serves "
+                             f"{', '.join(supported_routes(request.app))}", code="not_found")
     if exc.status == 405:
-        return APIError(405, "method not allowed", code="method_not_allowed",
-                        headers={"Allow": exc.headers.get("Allow", "")})
+        allowed = exc.headers.get("Allow", "")
+        return APIError(405, f"{request.method} is not allowed on {path}; allowed: {allowed}",
+                        code="method_not_allowed", headers={"Allow": allowed})
     if exc.status == 413:
         return APIError(413, "request body is too large", code="request_too_large")
     return APIError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
+
+
+def supported_routes(app: web.Application) -> list[str]:
+    """"METHOD /path" of every route the app serves (the chat page's files and CORS preflights aside)."""
+    routes = []
+    for route in app.router.routes():
+        info = route.resource.get_info() if route.resource is not None else {}
+        path = info.get("path") or info.get("formatter")
+        if path and route.method not in ("HEAD", "OPTIONS", "*"):
+            routes.append(f"{route.method} {path}")
+    return sorted(set(routes), key=lambda r: (r.split()[1], r))
 
 
 @web.middleware
@@ -69,7 +83,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:  # redirects and the like pass through
             raise
-        return error_response(_from_http_exception(exc))
+        return error_response(_from_http_exception(exc, request))
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(APIError(500, "internal server error", code="internal_error"))

@@ -30,11 +30,9 @@ def _padded(rests):
     return slots, lengths, torch.zeros(padding.shape).masked_fill(padding, float("-inf"))[:, None, None]
 
 
-@pytest.fixture(params=["paged kernel", "gather + sdpa"])
-def decode_path(request, monkeypatch):
-    """Runs a test through the paged CPU kernel and through the plain path."""
-    if request.param == "gather + sdpa":
-        monkeypatch.setattr(paged_decode_cpu, "supports", lambda dtype, device: False)
+@pytest.fixture(params=[True, False], ids=["paged kernel", "gather + sdpa"])
+def decode_path(request) -> bool:
+    """Runs a test through the paged CPU kernel (True: DecodeBatch.paged_kernel) and through the plain path."""
     return request.param
 
 
@@ -46,11 +44,11 @@ def test_cascade_decode_equals_plain_attention(decode_path):
     q = torch.randn(3, HEADS, DIM)
     expected = _reference(q, k_cache, v_cache, [torch.cat([shared, r]) for r in rests])
     slots, lengths, mask = _padded(rests)
-    batch = DecodeBatch(torch.arange(3), slots, lengths, mask, [SharedPrefix(torch.arange(3), shared)])
+    batch = DecodeBatch(torch.arange(3), slots, lengths, mask, [SharedPrefix(torch.arange(3), shared)], decode_path)
     torch.testing.assert_close(_decode_attention(q, k_cache, v_cache, batch, DIM ** -0.5), expected)
     # the same sequences without a shared part take the plain path
     slots, lengths, mask = _padded([torch.cat([shared, r]) for r in rests])
-    plain = DecodeBatch(torch.arange(3), slots, lengths, mask, [])
+    plain = DecodeBatch(torch.arange(3), slots, lengths, mask, [], decode_path)
     torch.testing.assert_close(_decode_attention(q, k_cache, v_cache, plain, DIM ** -0.5), expected)
 
 
@@ -66,7 +64,7 @@ def test_cascade_groups_and_an_outsider(decode_path):
     q = torch.randn(5, HEADS, DIM)
     slots, lengths, mask = _padded(rests)
     groups = [SharedPrefix(torch.tensor([0, 2]), prefix_a), SharedPrefix(torch.tensor([1, 4]), prefix_b)]
-    batch = DecodeBatch(torch.arange(5), slots, lengths, mask, groups)
+    batch = DecodeBatch(torch.arange(5), slots, lengths, mask, groups, decode_path)
     torch.testing.assert_close(_decode_attention(q, k_cache, v_cache, batch, DIM ** -0.5),
                                _reference(q, k_cache, v_cache, contexts))
 
@@ -89,7 +87,7 @@ def test_cascade_decode_in_bfloat16_keeps_the_dtype(decode_path):
     q = torch.randn(2, HEADS, DIM).bfloat16()
     slots, lengths, bias = _padded([torch.arange(8, 10), torch.arange(12, 15)])
     batch = DecodeBatch(torch.arange(2), slots, lengths, bias.bfloat16(),
-                        [SharedPrefix(torch.arange(2), torch.arange(0, 8))])
+                        [SharedPrefix(torch.arange(2), torch.arange(0, 8))], decode_path)
     out = _decode_attention(q, k_cache, v_cache, batch, DIM ** -0.5)
     expected = _reference(q.float(), k_cache.float(), v_cache.float(),
                           [torch.cat([torch.arange(0, 8), r]) for r in (torch.arange(8, 10), torch.arange(12, 15))])
@@ -175,7 +173,8 @@ def test_bf16_caches_beside_float32_queries(decode_path):
     contexts = [torch.cat([shared, rests[0]]), torch.cat([shared, rests[1]]), rests[2]]
     expected = _reference(q, k_cache.float(), v_cache.float(), contexts)
     slots, lengths, mask = _padded(rests)
-    batch = DecodeBatch(torch.arange(3), slots, lengths, mask, [SharedPrefix(torch.tensor([0, 1]), shared)])
+    batch = DecodeBatch(torch.arange(3), slots, lengths, mask, [SharedPrefix(torch.tensor([0, 1]), shared)],
+                        decode_path)
     out = _decode_attention(q, k_cache, v_cache, batch, DIM ** -0.5)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, expected)

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from transformers import AutoTokenizer
 
 from engine.model import default_model
-from engine.model.default_model import (COMPLETE_MARKER, DEFAULT_MODEL_NAME, default_cache_dir,
-                                        ensure_default_model, extract_gguf)
+from engine.model.default_model import (COMPLETE_MARKER, DEFAULT_MODEL_NAME, RECOMMENDED_SAMPLING,
+                                        default_cache_dir, ensure_default_model, extract_gguf)
 
 QUESTION = "What is the capital of France?"
 
@@ -86,7 +86,8 @@ def test_default_cache_dir_follows_prefixgate_cache(monkeypatch, tmp_path):
 def test_conversion_renames_a_marked_directory_into_place(tmp_path, fake_pipeline):
     model_dir = ensure_default_model(tmp_path)
     assert model_dir == tmp_path / DEFAULT_MODEL_NAME
-    assert sorted(p.name for p in model_dir.iterdir()) == [COMPLETE_MARKER, "config.json"]
+    assert sorted(p.name for p in model_dir.iterdir()) == [COMPLETE_MARKER, "config.json", "generation_config.json"]
+    assert json.loads((model_dir / "generation_config.json").read_text()) == RECOMMENDED_SAMPLING
     assert [g.name for g in fake_pipeline] == ["M.Q4_1.gguf"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [DEFAULT_MODEL_NAME, f"{DEFAULT_MODEL_NAME}.lock"]
 
@@ -102,7 +103,16 @@ def test_a_directory_without_the_marker_is_replaced(tmp_path, fake_pipeline):
     stale.mkdir()
     (stale / "half-written.safetensors").write_bytes(b"")
     ensure_default_model(tmp_path)
-    assert sorted(p.name for p in stale.iterdir()) == [COMPLETE_MARKER, "config.json"]
+    assert sorted(p.name for p in stale.iterdir()) == [COMPLETE_MARKER, "config.json", "generation_config.json"]
+
+
+def test_a_directory_converted_before_gets_the_model_cards_sampling(tmp_path, fake_pipeline):
+    model_dir = ensure_default_model(tmp_path)
+    (model_dir / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}')
+    ensure_default_model(tmp_path)
+    assert json.loads((model_dir / "generation_config.json").read_text()) == {
+        "bos_token_id": 1, "eos_token_id": 2, **RECOMMENDED_SAMPLING}
+    assert len(fake_pipeline) == 1  # not converted again
 
 
 def test_an_interrupted_conversion_leaves_no_model_directory(tmp_path, monkeypatch, fake_pipeline):

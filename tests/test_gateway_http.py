@@ -175,6 +175,17 @@ async def test_error_objects(client, method, path, payload, status, param, code)
     assert resp.headers["X-Request-Id"]
 
 
+async def test_an_unknown_route_and_a_wrong_method_say_what_the_server_has(client):
+    resp = await client.post("/v1/responses", json={"model": model_of(client), "input": "hi"})
+    message = (await resp.json())["error"]["message"]
+    assert resp.status == 404 and "POST /v1/responses" in message
+    assert "POST /v1/chat/completions" in message and "GET /v1/models/{model_id}" in message
+    resp = await client.delete("/v1/models")
+    body = await resp.json()
+    assert resp.status == 405 and resp.headers["Allow"] == "GET,HEAD"
+    assert body["error"]["message"] == "DELETE is not allowed on /v1/models; allowed: GET,HEAD"
+
+
 async def test_prompt_longer_than_max_prompt_tokens(make_client):
     client = await make_client(max_prompt_tokens=8)
     resp = await client.post("/v1/chat/completions", json=chat(client, "a long prompt " * 10))

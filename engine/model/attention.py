@@ -6,8 +6,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.model import paged_decode_cpu
-
 
 @dataclass(slots=True)
 class PrefillSeq:
@@ -42,6 +40,7 @@ class DecodeBatch:
     bias: torch.Tensor | None  # [B, 1, 1, max_rest] added to the scores: -inf on padding; None when no row is
     # padded or the paged CPU kernel reads `lengths` instead
     shared: list[SharedPrefix]
+    paged_kernel: bool = False  # attended by the compiled paged CPU kernel (paged_decode_cpu.py), else by torch
 
 
 @dataclass(slots=True)
@@ -95,7 +94,8 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         from engine.model import paged_decode_cuda  # (Triton: imported only where a CUDA step runs)
         return paged_decode_cuda.paged_decode(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale,
                                               batch.block_size)
-    if paged_decode_cpu.supports(k_cache.dtype, q.device):  # it reads each shared prefix once per group itself
+    if batch.paged_kernel:  # it reads each shared prefix once per group itself
+        from engine.model import paged_decode_cpu  # (numba: only where the compiled CPU kernels run)
         return paged_decode_cpu.paged_decode(q, k_cache, v_cache, batch.slots, batch.lengths, scale, batch.shared)
     keys = _gather(k_cache, batch.slots).to(q.dtype).transpose(1, 2)  # [B, KVH, max_rest, D]
     values = _gather(v_cache, batch.slots).to(q.dtype).transpose(1, 2)

@@ -14,8 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model import packed_matmul_cpu
-
 # steps of up to this many rows use the packed weight (the default max_num_seqs). Measured here (AVX-512 EPYC,
 # python -m bench.matmul: the 121 SmolLM2 matmuls of a step): packed 12.4-13.1 ms at 1-8 rows and 29.6 ms at
 # 32 against 33-74 ms with F.linear
@@ -30,12 +28,14 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
+        from engine.model import packed_matmul_cpu  # (numba: only once weights were packed)
         if x.shape[0] <= MAX_PACKED_ROWS:
             return packed_matmul_cpu.linear(x, self.packed, self.bias, self.out_features)
         return packed_matmul_cpu.linear_batched(x, self.packed, self.bias, self.out_features)
 
     def pack(self) -> None:
         """Packs the weight for the CPU kernels and drops the row-major copy."""
+        from engine.model import packed_matmul_cpu
         self.packed = packed_matmul_cpu.pack(self.weight.detach())
         self.weight = None
 
