@@ -146,13 +146,19 @@ class EngineCore:
         except Exception as exc:  # one forward pass for the whole batch: it fails as a whole
             logger.exception("engine step failed; failing its %d requests", len(sched.chunks))
             return self._fail([c.request for c in sched.chunks], "engine step failed", exc), self.take_stats()
-        tokens = self._sample(logits, sampled)
+        pooled = [(c, self.runner.hidden[i]) for i, c in enumerate(sampled) if c.request.params.pooling]
+        if pooled:  # embedding requests take their hidden state, not a token
+            keep = [i for i, c in enumerate(sampled) if not c.request.params.pooling]
+            logits, sampled = logits[keep], [sampled[i] for i in keep]
+        tokens = self._sample(logits, sampled) if sampled else []
         if self.step_target is not None:
             self._observe_step_time(sched.chunks, time.perf_counter() - started)
         now = time.monotonic()
         for chunk in sched.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
         outputs: list[RequestOutput] = []
+        for chunk, hidden in pooled:
+            outputs += self._guarded(chunk.request, self._pool, hidden)
         for chunk, token in zip(sampled, tokens):
             if isinstance(token, Exception):
                 outputs += self._fail([chunk.request], "sampling failed", token)
@@ -209,6 +215,12 @@ class EngineCore:
         self.kv.cache_full_blocks(request)
         return self._emit(request, token)
 
+    def _pool(self, request: Request, hidden: torch.Tensor) -> RequestOutput:
+        """A pooling request's prompt is computed: its embedding is the last token's final hidden state."""
+        request.embedding = torch.nn.functional.normalize(hidden.float(), dim=-1).tolist()
+        self.kv.cache_full_blocks(request)  # a document embedded now is a cache hit when it is asked about
+        return self._finish(request, FinishReason.STOP)
+
     def _fail(self, requests: list[Request], what: str, exc: Exception) -> list[RequestOutput]:
         """Finish each request (not finished yet) with an error: its blocks go back to the pool."""
         return [self._finish(r, FinishReason.ERROR, error=f"{what}: {exc!r}")
@@ -255,6 +267,7 @@ class EngineCore:
             finished=request.is_finished,
             finish_reason=request.finish_reason,
             error=error,
+            embedding=request.embedding,
         )
 
     # ---- stats

@@ -39,6 +39,20 @@ class LLM:
                                  r.num_cached_tokens or 0, r.finish_reason,
                                  r.logprobs if r.params.logprobs is not None else None) for r in requests]
 
+    def embed(self, prompts: list[str | list[int]], *, cache_salt: str | None = None) -> list[list[float]]:
+        """One L2-normalized vector per prompt: the final hidden state of its last token (its prefill is
+        computed, and cached, like any other; nothing is generated)."""
+        requests = []
+        for prompt in prompts:
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request = Request(f"llm-{next(self._ids)}", token_ids, SamplingParams(max_tokens=1, pooling="last"),
+                              cache_salt=cache_salt)
+            self.core.add_request(request)
+            requests.append(request)
+        while self.core.has_unfinished():
+            self.core.step()
+        return [r.embedding for r in requests]
+
     def close(self) -> None:
         """Flushes the cached blocks to the disk tier (if any), for a warm restart."""
         self.core.close()

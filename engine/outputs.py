@@ -27,6 +27,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    embedding: list[float] | None = None  # a pooling request's vector (SamplingParams.pooling)
 
 
 @dataclass(slots=True)

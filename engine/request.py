@@ -36,6 +36,7 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
         self.finish_reason: str | None = None
+        self.embedding: list[float] | None = None  # set when a pooling request's prompt is computed
         self.matcher: StructuredMatcher | None = None  # set by the engine when params.structured is
         self._generator: torch.Generator | None = None  # built on the logits' device at the first sampled token
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -33,6 +33,8 @@ class ModelRunner:
         self.graph_decode = None  # decode steps as CUDA graphs (capture_cuda_graphs)
         self.dtype = model.model.norm.weight.dtype  # the model's; the K/V pool's may differ (kv_cache_dtype)
         self.paged_kernel = False  # decode attention by the compiled paged kernel
+        # final hidden states of the sampled rows of the last step that had a pooling request (else stale)
+        self.hidden: torch.Tensor | None = None
         if compiled_kernels and device.type == "cpu":
             from engine.model import decode_step_cpu, paged_decode_cpu
             self.paged_kernel = paged_decode_cpu.supports(kv_cache.dtype, device)
@@ -80,6 +82,10 @@ class ModelRunner:
                                        [end for _, _, end in decodes])
             return logits, sampled
         meta = AttentionMetadata(self._tensor(slot_mapping), prefills, self._decode_batch(decodes))
+        if any(c.request.params.pooling for c in sampled):  # an embedding request's prompt ends in this step
+            logits, self.hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_slots, meta,
+                                             self._tensor(logits_idx), return_hidden=True)
+            return logits, sampled
         logits = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_slots, meta,
                             self._tensor(logits_idx))
         return logits, sampled

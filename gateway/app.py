@@ -18,6 +18,7 @@ from gateway.admission import Admission
 from gateway.auth import Authenticator
 from gateway.cache_stats import CACHE_STATS, CacheStats
 from gateway.cors import Cors
+from gateway.embeddings import embeddings
 from gateway.errors import APIError, error_middleware, error_response
 from gateway.generation_defaults import parse_override, sampling_defaults
 from gateway.settings import Settings
@@ -87,6 +88,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     app.router.add_get("/metrics", routes.metrics)
     app.router.add_get("/openapi.json", routes.openapi)
     app.router.add_get("/v1/cache/stats", routes.cache_stats)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/", routes.chat_page)
     app.router.add_static("/static/", routes.STATIC_DIR)
     return app

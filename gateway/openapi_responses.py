@@ -149,4 +149,5 @@ def _completion_logprobs() -> dict[str, Any]:
 def _model(model_name: str) -> dict[str, Any]:
     return _closed({"id": {"type": "string", "enum": [model_name]}, "object": _const("model"), "created": _COUNT,
                     "owned_by": _const("prefixgate"), "max_model_len": {"type": "integer", "minimum": 1},
-                    "sampling_defaults": _closed({name: {"type": "number"} for name in SAMPLING_FIELDS})})
+                    "sampling_defaults": _closed({name: {"type": "number"} for name in SAMPLING_FIELDS}),
+                    "embeddings": _closed({"pooling": _const("last"), "normalized": {"type": "boolean"}})})

@@ -75,7 +75,7 @@ def parse_completion(body: Any, limits: GatewaySettings,
     logprobs = fields.integer("logprobs", None, 0, limits.max_top_logprobs)
     common = _common(fields, limits, fields.integer("max_tokens", None, 1), logprobs, defaults)
     extras = completion_extras(fields, common["n"], limits.max_n, common["stream"], logprobs)
-    return CompletionRequest(**common, prompts=_prompts(fields.body.get("prompt"), limits.max_prompts), **extras)
+    return CompletionRequest(**common, prompts=parse_prompts(fields.body.get("prompt"), limits.max_prompts), **extras)
 
 
 def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None, logprobs: int | None,
@@ -122,8 +122,8 @@ def _stop(raw: Any, max_stop: int) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _prompts(raw: Any, max_prompts: int) -> list[str | list[int]]:
-    """A string, a list of strings, a token id list, or a list of token id lists."""
+def parse_prompts(raw: Any, max_prompts: int, param: str = "prompt") -> list[str | list[int]]:
+    """A string, a list of strings, a token id list, or a list of token id lists (`param`: the field's name)."""
     if isinstance(raw, str):
         prompts: list[Any] = [raw]
     elif isinstance(raw, list) and raw and all(_is_token_id(t) for t in raw):
@@ -133,12 +133,12 @@ def _prompts(raw: Any, max_prompts: int) -> list[str | list[int]]:
     elif isinstance(raw, list) and raw and all(_is_token_list(p) for p in raw):
         prompts = raw
     else:
-        raise invalid("prompt must be a string, an array of strings, an array of token ids, "
-                      "or an array of token id arrays", "prompt")
+        raise invalid(f"{param} must be a string, an array of strings, an array of token ids, "
+                      "or an array of token id arrays", param)
     if any(len(p) == 0 for p in prompts):
-        raise invalid("prompt must not be empty", "prompt")
+        raise invalid(f"{param} must not be empty", param)
     if len(prompts) > max_prompts:
-        raise invalid(f"at most {max_prompts} prompts are allowed per request", "prompt")
+        raise invalid(f"at most {max_prompts} {param}s are allowed per request", param)
     return prompts
 
 

@@ -13,6 +13,7 @@ from aiohttp import web
 from engine.sampling_params import SamplingParams
 from gateway.auth import Tenant
 from gateway.cache_stats import CACHE_STATS
+from gateway.embeddings import POOLING
 from gateway.errors import APIError, invalid
 from gateway.fingerprint import system_fingerprint
 from gateway.formats import ChatFormat, CompletionFormat
@@ -84,7 +85,8 @@ async def model(request: web.Request) -> web.Response:
 def _model_card(state: GatewayState) -> dict[str, Any]:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "prefixgate",
             "max_model_len": state.engine.max_model_len,
-            "sampling_defaults": state.sampling_defaults}  # what a request that leaves them out gets
+            "sampling_defaults": state.sampling_defaults,  # what a request that leaves them out gets
+            "embeddings": POOLING}  # how POST /v1/embeddings pools
 
 
 async def cache_stats(request: web.Request) -> web.Response:

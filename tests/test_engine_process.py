@@ -110,6 +110,8 @@ def test_a_disconnect_releases_the_engine_process_blocks(tiny_llama_dir):
         again = client.chat.completions.create(model=server.state.model_name, messages=messages, max_tokens=4, temperature=0)
         assert again.choices[0].message.content == first.choices[0].message.content
         assert again.usage.prompt_tokens_details.cached_tokens > 0
+        vector = client.embeddings.create(model=server.state.model_name, input="hello world").data[0].embedding
+        assert abs(sum(v * v for v in vector) - 1) < 1e-4  # pooled in the engine process, sent back with its step
         stream = client.chat.completions.create(model=server.state.model_name, messages=ask("count"), max_tokens=1500,
                                                 extra_body={"ignore_eos": True}, stream=True)
         next(iter(stream))

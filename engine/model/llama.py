@@ -152,12 +152,15 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """kv_cache: [2, layers, num_slots, KVH, D]. Returns logits of the rows in logits_indices."""
+                meta: AttentionMetadata, logits_indices: torch.Tensor,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """kv_cache: [2, layers, num_slots, KVH, D]. Returns logits of the rows in logits_indices, and with
+        return_hidden their final (normed) hidden states too."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer, k_cache, v_cache in zip(self.model.layers, kv_cache[0], kv_cache[1]):
             x = layer(x, cos, sin, k_cache, v_cache, meta)
         x = self.model.norm(x[logits_indices])
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        return (logits, x) if return_hidden else logits

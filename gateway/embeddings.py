@@ -1,0 +1,97 @@
+"""`POST /v1/embeddings` for the served model: each input's vector is the final hidden state of its last token,
+L2-normalized (last-token pooling, as decoder embedding models such as E5-Mistral and gte-Qwen pool). It goes
+through the engine's prefill path like any prompt, so its blocks are cached: a document embedded for
+retrieval is a cache hit when a chat then asks about it, and the last token is always computed, so a cached
+prefix never changes a vector."""
+from __future__ import annotations
+
+import base64
+import contextlib
+import struct
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from engine.sampling_params import SamplingParams
+from gateway.errors import APIError, invalid
+from gateway.generate import Choice, check_output, run_choices
+from gateway.jsonbody import parse_body
+from gateway.protocol import _Fields, parse_prompts
+from gateway.render import encode
+from gateway.state import STATE
+
+POOLING = {"pooling": "last", "normalized": True}  # what /v1/models says of this endpoint
+ENCODINGS = ("float", "base64")
+
+
+@dataclass(slots=True)
+class EmbeddingRequest:
+    model: str
+    inputs: list[str | list[int]]
+    encoding_format: str
+    cache_salt: str | None
+
+
+def parse_embedding(body: Any, max_inputs: int) -> EmbeddingRequest:
+    fields = _Fields(body)
+    model = fields.string("model", None)
+    if not model:
+        raise invalid("model is required", "model")
+    if fields.body.get("dimensions") is not None:
+        raise invalid("dimensions is not supported: this server's embeddings have the model's hidden size",
+                      "dimensions")
+    encoding = fields.string("encoding_format", "float")
+    if encoding not in ENCODINGS:
+        raise invalid(f"encoding_format must be one of {list(ENCODINGS)}", "encoding_format")
+    fields.string("user", None)  # accepted, as OpenAI's API does; not used
+    return EmbeddingRequest(model, parse_prompts(fields.body.get("input"), max_inputs, "input"), encoding,
+                            fields.string("cache_salt", None))
+
+
+def _encoded(vector: list[float], encoding: str) -> list[float] | str:
+    """float: the numbers; base64: little-endian float32 bytes (what the openai SDK asks for and decodes)."""
+    if encoding == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    tenant = state.auth.authenticate(request)
+    req = parse_embedding(parse_body(await request.read()), state.settings.gateway.max_prompts)
+    state.check_model(req.model)
+    with state.admission.admit(tenant, len(req.inputs)):
+        tokenizer = state.engine.tokenizer
+        prompts = [await encode(tokenizer, p) if isinstance(p, str) else p for p in req.inputs]
+        if any(not p for p in prompts):
+            raise invalid("input must not be empty", "input")
+        if any(not 0 <= t < tokenizer.vocab_size for p in prompts for t in p):
+            raise invalid(f"token ids must be in [0, {tokenizer.vocab_size})", "input")
+        for prompt in prompts:
+            state.check_lengths(len(prompt), 1, "input")
+        if not state.engine.is_alive():
+            raise APIError(503, "the engine is not running", code="engine_unavailable")
+        response_id = f"embd-{uuid.uuid4().hex}"
+        params = SamplingParams(max_tokens=1, pooling="last")
+        choices = [Choice(i, i, f"{response_id}-{i}", p, params) for i, p in enumerate(prompts)]
+        vectors: dict[int, list[float]] = {}
+        cached = 0
+        outputs = run_choices(state.engine, choices, cache_salt=tenant.cache_salt(req.cache_salt), tenant=tenant.name)
+        async with contextlib.aclosing(outputs):
+            try:
+                async for choice, out in outputs:
+                    check_output(out)
+                    if out.finished:
+                        vectors[choice.index] = out.embedding
+                        cached += out.num_cached_tokens
+            except ValueError as exc:  # the engine's own checks
+                raise invalid(str(exc), "input") from None
+    tokens = sum(len(p) for p in prompts)
+    return web.json_response({
+        "object": "list", "model": state.model_name,
+        "data": [{"object": "embedding", "index": i, "embedding": _encoded(vectors[i], req.encoding_format)}
+                 for i in range(len(prompts))],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "prompt_tokens_details": {"cached_tokens": cached}},
+    })
