@@ -18,7 +18,9 @@ from gateway.admission import Admission
 from gateway.auth import Authenticator
 from gateway.cache_stats import CACHE_STATS, CacheStats
 from gateway.cors import Cors
+from gateway import responses
 from gateway.embeddings import embeddings
+from gateway.responses import RESPONSE_STORE, ResponseStore
 from gateway.errors import APIError, error_middleware, error_response
 from gateway.generation_defaults import parse_override, sampling_defaults
 from gateway.settings import Settings
@@ -89,6 +91,12 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     app.router.add_get("/openapi.json", routes.openapi)
     app.router.add_get("/v1/cache/stats", routes.cache_stats)
     app.router.add_post("/v1/embeddings", embeddings)
+    app[RESPONSE_STORE] = ResponseStore(settings.gateway.responses_store_max)
+    app.router.add_post("/v1/responses", responses.create)
+    app.router.add_get("/v1/responses/{response_id}", responses.retrieve)
+    app.router.add_delete("/v1/responses/{response_id}", responses.delete)
+    app.router.add_get("/v1/responses/{response_id}/input_items", responses.input_items)
+    app.router.add_post("/v1/responses/{response_id}/cancel", responses.cancel)
     app.router.add_get("/", routes.chat_page)
     app.router.add_static("/static/", routes.STATIC_DIR)
     return app

@@ -136,7 +136,7 @@ async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, r
         if req.min_tokens > max_tokens:
             raise invalid(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
         for i in range(samples):
-            params = _sampling_params(req, max_tokens, i, rank_by_logprob=samples > req.n)
+            params = sampling_params(req, max_tokens, i, rank_by_logprob=samples > req.n)
             choices.append(Choice(len(choices), prompt_index, f"{fmt.response_id}-{len(choices)}", prompt, params))
     outputs = run_choices(state.engine, choices, cache_salt=tenant.cache_salt(req.cache_salt), tenant=tenant.name)
     async with contextlib.aclosing(outputs):
@@ -156,7 +156,7 @@ async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, r
     return web.json_response(fmt.response(returned, usage(choices)))  # usage counts every sample generated
 
 
-def _sampling_params(req: GenerationRequest, max_tokens: int, choice: int,
+def sampling_params(req: GenerationRequest, max_tokens: int, choice: int,
                      rank_by_logprob: bool = False) -> SamplingParams:
     logprobs = 0 if rank_by_logprob and req.logprobs is None else req.logprobs
     structured = req.structured

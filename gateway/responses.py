@@ -1,0 +1,452 @@
+"""The Responses API (`/v1/responses`) over the chat machinery: a request's `input` items and `instructions`
+become chat messages, run through the same template, tool parser and structured outputs as
+/v1/chat/completions, and the answer comes back as a response object, or as the documented event stream.
+
+Stored responses (`store`, default true) keep their conversation per tenant: `previous_response_id`
+continues it by re-rendering the stored messages and the answer's text, the tokens the prefix cache already
+holds, so the next turn is a cache hit over the whole earlier turn. Another tenant's response id is a 404.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from gateway.errors import APIError, invalid
+from gateway.formats import ChatFormat
+from gateway.generate import Choice, check_output, run_choices, usage
+from gateway.jsonbody import parse_body
+from gateway.protocol import ChatRequest, parse_chat
+from gateway.render import render_chat
+from gateway.state import STATE
+from gateway.streaming import SSE_HEADERS, encode_event
+from gateway.tool_parsers import parser_for
+from gateway.tool_prompt import TOOL_TEMPLATE
+
+HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
+                "image_generation", "mcp", "local_shell")
+ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+# chat parameter names as the Responses API calls them, for the 400s the chat parser raises
+PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+
+
+@dataclass(slots=True)
+class Stored:
+    tenant: str
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]]
+    messages: list[dict[str, Any]]  # the whole conversation so far, the answer included, as chat messages
+
+
+class ResponseStore:
+    """Stored responses of every tenant, least recently used dropped first beyond `max_responses`."""
+
+    def __init__(self, max_responses: int) -> None:
+        self.max_responses = max_responses
+        self._items: OrderedDict[str, Stored] = OrderedDict()
+        self.num_dropped = 0
+
+    def put(self, stored: Stored) -> None:
+        self._items[stored.response["id"]] = stored
+        while len(self._items) > self.max_responses:
+            self._items.popitem(last=False)
+            self.num_dropped += 1
+
+    def get(self, tenant: str, response_id: str) -> Stored:
+        """The tenant's stored response; 404 for an unknown id and for another tenant's alike."""
+        stored = self._items.get(response_id)
+        if stored is None or stored.tenant != tenant:
+            raise APIError(404, f"no response {response_id!r} is stored for this key", param="response_id",
+                           code="response_not_found")
+        self._items.move_to_end(response_id)
+        return stored
+
+    def delete(self, tenant: str, response_id: str) -> None:
+        self.get(tenant, response_id)
+        del self._items[response_id]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+RESPONSE_STORE = web.AppKey("response_store", ResponseStore)
+
+
+# ---- the request
+
+@dataclass(slots=True)
+class ResponsesRequest:
+    chat: ChatRequest
+    body: dict[str, Any]
+    input_items: list[dict[str, Any]]
+    messages: list[dict[str, Any]]  # the conversation before this answer, as chat messages
+    store: bool
+    previous_response_id: str | None
+    tools: list[dict[str, Any]] = field(default_factory=list)
+
+
+def parse_responses(body: Any, state, tenant: str, store: ResponseStore) -> ResponsesRequest:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object", None)
+    for name in ("background",):
+        if body.get(name):
+            raise invalid("background responses are not offered by this server", name)
+    previous_id = body.get("previous_response_id")
+    if previous_id is not None and not isinstance(previous_id, str):
+        raise invalid("previous_response_id must be a string", "previous_response_id")
+    history = list(store.get(tenant, previous_id).messages) if previous_id else []
+    items = _input_items(body.get("input"))
+    messages = history + [m for item in items for m in _messages(item)]
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise invalid("instructions must be a string", "instructions")
+        # instructions are per request (OpenAI: not carried over by previous_response_id)
+        messages = [{"role": "system", "content": instructions}] + [m for m in messages if m["role"] != "system"]
+    if not messages:
+        raise invalid("input must not be empty", "input")
+    tools = _tools(body.get("tools"))
+    chat_body = {"model": body.get("model"), "messages": messages, "stream": body.get("stream", False),
+                 "max_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
+                 "top_p": body.get("top_p"), "user": body.get("user"), "cache_salt": body.get("cache_salt")}
+    if tools:
+        chat_body["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                                if k in t}} for t in tools]
+        chat_body["tool_choice"] = _tool_choice(body.get("tool_choice"))
+        if body.get("parallel_tool_calls") is not None:
+            chat_body["parallel_tool_calls"] = body["parallel_tool_calls"]
+    if (fmt := _text_format(body.get("text"))) is not None:
+        chat_body["response_format"] = fmt
+    if body.get("metadata") is not None and not isinstance(body.get("metadata"), dict):
+        raise invalid("metadata must be an object", "metadata")
+    try:
+        chat = parse_chat({k: v for k, v in chat_body.items() if v is not None}, state.settings.gateway,
+                          state.sampling_defaults)
+    except APIError as err:
+        if err.param:
+            head = err.param.split("[")[0].split(".")[0]
+            err.param = PARAMS.get(head, head) if head in PARAMS else err.param
+        raise
+    store_it = body.get("store", True)
+    if not isinstance(store_it, bool):
+        raise invalid("store must be a boolean", "store")
+    return ResponsesRequest(chat, body, items, messages, store_it, previous_id, tools)
+
+
+def _input_items(raw: Any) -> list[dict[str, Any]]:
+    if isinstance(raw, str):
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": raw}]}]
+    if not isinstance(raw, list):
+        raise invalid("input must be a string or an array of items", "input")
+    items = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise invalid("each input item must be an object", f"input[{i}]")
+        kind = item.get("type", "message")
+        if kind not in ("message", "function_call", "function_call_output"):
+            raise invalid(f"input items of type {kind!r} are not supported", f"input[{i}].type")
+        items.append({**item, "type": kind})
+    return items
+
+
+def _messages(item: dict[str, Any]) -> list[dict[str, Any]]:
+    if item["type"] == "function_call":
+        return [{"role": "assistant", "content": "", "tool_calls": [{
+            "id": item.get("call_id"), "type": "function",
+            "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}]}]
+    if item["type"] == "function_call_output":
+        output = item.get("output")
+        return [{"role": "tool", "tool_call_id": item.get("call_id"),
+                 "content": output if isinstance(output, str) else json.dumps(output)}]
+    role = ROLES.get(item.get("role"))
+    if role is None:
+        raise invalid(f"unknown role {item.get('role')!r}; expected one of {sorted(ROLES)}", "input")
+    return [{"role": role, "content": _text(item.get("content"))}]
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid("message content must be a string or an array of content parts", "input")
+    parts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+            raise invalid("only text content parts (input_text, output_text) are supported", "input")
+        parts.append(part.get("text", ""))
+    return "".join(parts)
+
+
+def _tools(raw: Any) -> list[dict[str, Any]]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise invalid("tools must be an array", "tools")
+    for i, tool in enumerate(raw):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind in HOSTED_TOOLS:
+            raise invalid(f"the hosted tool {kind!r} is not available on this server; only function tools are",
+                          f"tools[{i}].type")
+        if kind != "function" or not isinstance(tool.get("name"), str):
+            raise invalid('each tool must be {"type": "function", "name": ..., "parameters": ...}', f"tools[{i}]")
+    return raw
+
+
+def _tool_choice(raw: Any) -> Any:
+    if isinstance(raw, dict) and raw.get("type") == "function":
+        return {"type": "function", "function": {"name": raw.get("name")}}
+    return raw
+
+
+def _text_format(raw: Any) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    fmt = raw.get("format") if isinstance(raw, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise invalid("text.format must be an object", "text.format")
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+    return fmt
+
+
+# ---- the answer
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat answer as Responses output items: its text as a message, each tool call as a function_call."""
+    items = []
+    if message.get("content"):
+        items.append({"type": "message", "id": _new_id("msg"), "status": "completed", "role": "assistant",
+                      "content": [{"type": "output_text", "text": message["content"], "annotations": []}]})
+    for call in message.get("tool_calls") or ():
+        items.append({"type": "function_call", "id": _new_id("fc"), "call_id": call["id"],
+                      "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                      "status": "completed"})
+    return items
+
+
+def _response(response_id: str, req: ResponsesRequest, model: str, created: int, output: list[dict[str, Any]],
+              finish_reason: str | None, use: dict[str, Any] | None) -> dict[str, Any]:
+    body = req.body
+    incomplete = finish_reason == "length"
+    return {
+        "id": response_id, "object": "response", "created_at": created, "model": model,
+        "status": "in_progress" if use is None else "incomplete" if incomplete else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete and use is not None else None,
+        "error": None, "instructions": body.get("instructions"), "output": output,
+        "parallel_tool_calls": body.get("parallel_tool_calls", True), "tool_choice": body.get("tool_choice", "auto"),
+        "tools": req.tools, "temperature": req.chat.temperature, "top_p": req.chat.top_p,
+        "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": req.previous_response_id,
+        "store": req.store, "metadata": body.get("metadata") or {}, "user": body.get("user"),
+        "text": body.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
+        "usage": None if use is None else {
+            "input_tokens": use["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": use["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens": use["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": use["total_tokens"]},
+    }
+
+
+async def create(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses."""
+    state = request.app[STATE]
+    tenant = state.auth.authenticate(request)
+    store = request.app[RESPONSE_STORE]
+    req = parse_responses(parse_body(await request.read()), state, tenant.name, store)
+    chat = req.chat
+    state.check_model(chat.model)
+    if not state.engine.is_alive():
+        raise APIError(503, "the engine is not running", code="engine_unavailable")
+    tool_template = request.app[TOOL_TEMPLATE]
+    with state.admission.admit(tenant, 1):
+        tools = chat.tools.template_tools if chat.tools else None
+        prompt = await render_chat(state.engine.tokenizer, chat.messages, tools, tool_template)
+        from gateway.routes import sampling_params  # (routes imports this module's handlers)
+        max_tokens = state.check_lengths(len(prompt), chat.max_tokens, "input")
+        response_id = _new_id("resp")
+        fmt = ChatFormat(response_id, state.model_name, state.engine.tokenizer,
+                         tool_parser=parser_for(chat.tools, tool_template.parser),
+                         max_tool_calls=chat.tools.max_calls if chat.tools else None)
+        choice = Choice(0, 0, response_id, prompt, sampling_params(chat, max_tokens, 0))
+        outputs = run_choices(state.engine, [choice], cache_salt=tenant.cache_salt(chat.cache_salt),
+                              tenant=tenant.name)
+        created = int(time.time())
+        async with contextlib.aclosing(outputs):
+            try:
+                if chat.stream:
+                    return await _stream(request, req, fmt, choice, outputs, created, store, tenant.name)
+                async for _, out in outputs:
+                    check_output(out)
+                    choice.add(out)
+            except ValueError as exc:
+                raise invalid(str(exc), "input") from None
+    body = fmt.choice_body(choice)
+    response = _response(response_id, req, state.model_name, created, _output_items(body["message"]),
+                         body["finish_reason"], usage([choice]))
+    _remember(store, tenant.name, req, response, body["message"])
+    return web.json_response(response)
+
+
+def _remember(store: ResponseStore, tenant: str, req: ResponsesRequest, response: dict[str, Any],
+              message: dict[str, Any]) -> None:
+    if req.store:
+        answer = {k: v for k, v in message.items() if k in ("role", "content", "tool_calls")}
+        answer["content"] = answer.get("content") or ""
+        store.put(Stored(tenant, response, req.input_items, req.messages + [answer]))
+
+
+async def _stream(request: web.Request, req: ResponsesRequest, fmt: ChatFormat, choice: Choice, outputs,
+                  created: int, store: ResponseStore, tenant: str) -> web.StreamResponse:
+    """The documented event sequence, each event with its sequence_number; a client that goes away ends it
+    (its request aborted), as a chat stream."""
+    events = _Events(fmt.response_id, lambda output, reason, use: _response(
+        fmt.response_id, req, fmt.model, created, output, reason, use))
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    await resp.prepare(request)
+    try:
+        for event in events.start():
+            await resp.write(event)
+        async for _, out in outputs:
+            check_output(out)
+            choice.add(out)
+            if (chunk := fmt.delta_chunk(choice, out)) is not None:
+                for event in events.delta(chunk["choices"][0]["delta"]):
+                    await resp.write(event)
+            if out.finished:
+                for event in events.delta(fmt.finish_chunk(choice)["choices"][0]["delta"]):
+                    await resp.write(event)
+        body = fmt.choice_body(choice)
+        for event in events.finish(body["finish_reason"], usage([choice])):
+            await resp.write(event)
+        _remember(store, tenant, req, events.final, body["message"])
+    except ConnectionResetError:
+        return resp
+    except APIError as err:
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write(events.error(err))
+    with contextlib.suppress(ConnectionResetError):
+        await resp.write_eof()
+    return resp
+
+
+class _Events:
+    """Turns chat deltas (text, tool call fragments) into Responses stream events."""
+
+    def __init__(self, response_id: str, response) -> None:
+        self.response_id = response_id
+        self.response = response  # (output, finish_reason, usage) -> the response object
+        self.sequence = 0
+        self.items: list[dict[str, Any]] = []  # output items in order, as they stand
+        self.message: dict[str, Any] | None = None  # the open message item
+        self.calls: dict[int, dict[str, Any]] = {}  # tool call index -> its function_call item
+        self.final: dict[str, Any] = {}
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return b"event: " + kind.encode() + b"\n" + encode_event(payload)
+
+    def start(self) -> list[bytes]:
+        response = self.response([], None, None)
+        return [self._event("response.created", response=response),
+                self._event("response.in_progress", response=response)]
+
+    def delta(self, delta: dict[str, Any]) -> list[bytes]:
+        events = []
+        if delta.get("content"):
+            if self.message is None:
+                self.message = {"type": "message", "id": _new_id("msg"), "status": "in_progress",
+                                "role": "assistant", "content": []}
+                self.items.append(self.message)
+                index = len(self.items) - 1
+                events.append(self._event("response.output_item.added", output_index=index, item=dict(self.message)))
+                self.message["content"].append({"type": "output_text", "text": "", "annotations": []})
+                events.append(self._event("response.content_part.added", item_id=self.message["id"],
+                                          output_index=index, content_index=0, part=dict(self.message["content"][0])))
+            self.message["content"][0]["text"] += delta["content"]
+            events.append(self._event("response.output_text.delta", item_id=self.message["id"],
+                                      output_index=self.items.index(self.message), content_index=0,
+                                      delta=delta["content"]))
+        for call in delta.get("tool_calls") or ():
+            item = self.calls.get(call["index"])
+            if item is None:
+                item = {"type": "function_call", "id": _new_id("fc"), "call_id": call.get("id") or _new_id("call"),
+                        "name": call["function"].get("name"), "arguments": "", "status": "in_progress"}
+                self.calls[call["index"]] = item
+                self.items.append(item)
+                events.append(self._event("response.output_item.added", output_index=len(self.items) - 1,
+                                          item=dict(item)))
+            if fragment := call["function"].get("arguments"):
+                item["arguments"] += fragment
+                events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                          output_index=self.items.index(item), delta=fragment))
+        return events
+
+    def finish(self, finish_reason: str | None, use: dict[str, Any]) -> list[bytes]:
+        events = []
+        for index, item in enumerate(self.items):
+            item["status"] = "completed"
+            if item["type"] == "message":
+                part = item["content"][0]
+                events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                       content_index=0, text=part["text"]),
+                           self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                       content_index=0, part=part)]
+            else:
+                events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                          output_index=index, arguments=item["arguments"]))
+            events.append(self._event("response.output_item.done", output_index=index, item=item))
+        self.final = self.response(self.items, finish_reason, use)
+        kind = "response.incomplete" if self.final["status"] == "incomplete" else "response.completed"
+        events.append(self._event(kind, response=self.final))
+        return events
+
+    def error(self, err: APIError) -> bytes:
+        body = err.body()["error"]
+        return self._event("error", code=body["code"], message=body["message"], param=body["param"])
+
+
+# ---- stored responses
+
+async def retrieve(request: web.Request) -> web.Response:
+    """GET /v1/responses/{response_id}."""
+    tenant = request.app[STATE].auth.authenticate(request)
+    return web.json_response(request.app[RESPONSE_STORE].get(tenant.name, request.match_info["response_id"]).response)
+
+
+async def delete(request: web.Request) -> web.Response:
+    """DELETE /v1/responses/{response_id}."""
+    tenant = request.app[STATE].auth.authenticate(request)
+    response_id = request.match_info["response_id"]
+    request.app[RESPONSE_STORE].delete(tenant.name, response_id)
+    return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+async def input_items(request: web.Request) -> web.Response:
+    """GET /v1/responses/{response_id}/input_items: this request's own input items (not earlier turns')."""
+    tenant = request.app[STATE].auth.authenticate(request)
+    stored = request.app[RESPONSE_STORE].get(tenant.name, request.match_info["response_id"])
+    items = [{"id": item.get("id") or _new_id("msg"), **item} for item in stored.input_items]
+    return web.json_response({"object": "list", "data": items, "has_more": False,
+                              "first_id": items[0]["id"] if items else None,
+                              "last_id": items[-1]["id"] if items else None})
+
+
+async def cancel(request: web.Request) -> web.Response:
+    """POST /v1/responses/{response_id}/cancel: only background responses can be cancelled, and this server
+    runs none."""
+    tenant = request.app[STATE].auth.authenticate(request)
+    request.app[RESPONSE_STORE].get(tenant.name, request.match_info["response_id"])  # 404 first if not ours
+    raise invalid("only background responses can be cancelled; this server does not offer background mode",
+                  "response_id")
