@@ -19,7 +19,7 @@ from gateway.errors import APIError, invalid
 from gateway.generate import Choice, check_output, run_choices
 from gateway.jsonbody import parse_body
 from gateway.protocol import _Fields, parse_prompts
-from gateway.render import encode
+from gateway.render import encode_prompts
 from gateway.state import STATE
 
 POOLING = {"pooling": "last", "normalized": True}  # what /v1/models says of this endpoint
@@ -63,12 +63,7 @@ async def embeddings(request: web.Request) -> web.Response:
     req = parse_embedding(parse_body(await request.read()), state.settings.gateway.max_prompts)
     state.check_model(req.model)
     with state.admission.admit(tenant, len(req.inputs)):
-        tokenizer = state.engine.tokenizer
-        prompts = [await encode(tokenizer, p) if isinstance(p, str) else p for p in req.inputs]
-        if any(not p for p in prompts):
-            raise invalid("input must not be empty", "input")
-        if any(not 0 <= t < tokenizer.vocab_size for p in prompts for t in p):
-            raise invalid(f"token ids must be in [0, {tokenizer.vocab_size})", "input")
+        prompts = await encode_prompts(state.engine.tokenizer, req.inputs, "input")
         for prompt in prompts:
             state.check_lengths(len(prompt), 1, "input")
         if not state.engine.is_alive():

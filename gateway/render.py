@@ -93,6 +93,16 @@ async def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: lis
     return _render_chat(tokenizer, messages, tools)
 
 
+async def encode_prompts(tokenizer: Any, prompts: list[str | list[int]], param: str) -> list[list[int]]:
+    """Texts tokenized, token-id lists checked: 400 naming `param` for an empty prompt or an unknown id."""
+    encoded = [await encode(tokenizer, p) if isinstance(p, str) else p for p in prompts]
+    if any(not p for p in encoded):
+        raise invalid(f"{param} must not be empty", param)
+    if any(not 0 <= t < tokenizer.vocab_size for p in encoded for t in p):
+        raise invalid(f"token ids must be in [0, {tokenizer.vocab_size})", param)
+    return encoded
+
+
 async def encode(tokenizer: Any, text: str) -> list[int]:
     if len(text) > _OFFLOAD_CHARS:
         return await asyncio.to_thread(tokenizer.encode, text)

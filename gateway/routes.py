@@ -21,7 +21,7 @@ from gateway.generate import Choice, check_output, run_choices, usage
 from gateway.jsonbody import parse_body
 from gateway.openapi import build_openapi
 from gateway.protocol import GenerationRequest, parse_chat, parse_completion
-from gateway.render import encode, render_chat
+from gateway.render import encode_prompts, render_chat
 from gateway.sampling_fields import best_choices, check_logit_bias_ids
 from gateway.state import STATE, GatewayState
 from gateway.streaming import stream_response
@@ -56,11 +56,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state.check_model(req.model)
     with state.admission.admit(tenant, req.best_of * len(req.prompts)):
         tokenizer = state.engine.tokenizer
-        prompts = [await encode(tokenizer, p) if isinstance(p, str) else p for p in req.prompts]
-        if any(not p for p in prompts):
-            raise invalid("prompt must not be empty", "prompt")
-        if any(not 0 <= t < tokenizer.vocab_size for p in prompts for t in p):
-            raise invalid(f"token ids must be in [0, {tokenizer.vocab_size})", "prompt")
+        prompts = await encode_prompts(tokenizer, req.prompts, "prompt")
         fmt = CompletionFormat(_new_id("cmpl-"), state.model_name, tokenizer,
                                [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompts]
                                if req.echo else None, fingerprint=_fingerprint(state))

@@ -176,9 +176,9 @@ async def test_error_objects(client, method, path, payload, status, param, code)
 
 
 async def test_an_unknown_route_and_a_wrong_method_say_what_the_server_has(client):
-    resp = await client.post("/v1/responses", json={"model": model_of(client), "input": "hi"})
+    resp = await client.post("/v1/audio/speech", json={"model": model_of(client), "input": "hi"})
     message = (await resp.json())["error"]["message"]
-    assert resp.status == 404 and "POST /v1/responses" in message
+    assert resp.status == 404 and "POST /v1/audio/speech" in message
     assert "POST /v1/chat/completions" in message and "GET /v1/models/{model_id}" in message
     resp = await client.delete("/v1/models")
     body = await resp.json()
