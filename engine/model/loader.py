@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig
 
 from engine.model.linear import can_pack, pack_linears
-from engine.model.llama import LlamaForCausalLM, head_dim
+from engine.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger("prefixgate.engine")
 
