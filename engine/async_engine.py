@@ -8,10 +8,9 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 
-from engine.client import OutputStreams
+from engine.client import OutputStreams, publish
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.outputs import RequestOutput
@@ -57,7 +56,7 @@ class AsyncEngine:
         budget = core.thread_budget
         self.threads = (budget.threads, budget.threads_batch) if budget is not None else None
         self._inbox = _ThreadInbox()
-        self._streams = OutputStreams()
+        self._streams = OutputStreams(self._inbox.put)
         self._listeners: list[Callable[[StepStats], None]] = []
         self._stats = core.scheduler_stats()
         self._thread: threading.Thread | None = None
@@ -81,8 +80,7 @@ class AsyncEngine:
         deadline = asyncio.get_running_loop().time() + timeout
         while self._streams and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
-        for engine_id in self._streams.engine_ids():
-            self._inbox.put(AbortRequest(engine_id))
+        self._streams.abort_all()
         self._stopping = True
         self._inbox.put(None)
         if self._thread is not None:
@@ -104,17 +102,14 @@ class AsyncEngine:
         self.core.validate(prompt_token_ids, params)
         if not self.is_alive():
             raise RuntimeError("the engine is not running")
-        engine_id = self._streams.open(request_id)
-        self._inbox.put(AddRequest(engine_id, list(prompt_token_ids), params, cache_salt, tenant, time.monotonic()))
         # closed with this generator, so an early close aborts the request at once
-        async with contextlib.aclosing(self._streams.follow(engine_id, lambda: self._inbox.put(AbortRequest(engine_id)))) as outputs:
+        async with contextlib.aclosing(self._streams.run(request_id, prompt_token_ids, params, cache_salt,
+                                                         tenant)) as outputs:
             async for output in outputs:
                 yield output
 
     def abort(self, request_id: str) -> None:
-        engine_id = self._streams.engine_id(request_id)
-        if engine_id is not None:
-            self._inbox.put(AbortRequest(engine_id))
+        self._streams.abort(request_id)
 
     def add_stats_listener(self, fn: Callable[[StepStats], None]) -> None:
         self._listeners.append(fn)
@@ -147,11 +142,7 @@ class AsyncEngine:
 
     def _publish(self, stats: StepStats) -> None:
         self._stats = stats.scheduler
-        for listener in self._listeners:
-            try:
-                listener(stats)
-            except Exception:  # a broken listener (metrics) must not take the engine down
-                logger.exception("stats listener failed")
+        publish(self._listeners, stats)
 
 
 def served_name(core: EngineCore) -> str:

@@ -10,16 +10,23 @@ This module is plain typing: importing it loads no model code (the API process n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from engine.config import EngineConfig
+from engine.messages import AbortRequest, AddRequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import SchedulerStats, StepStats
 from engine.tokenizer import Tokenizer
+
+
+logger = logging.getLogger("prefixgate.engine")
 
 
 class EngineDeadError(RuntimeError):
@@ -67,16 +74,46 @@ class EngineClient(Protocol):
         """The callers' ids of the requests running now."""
 
 
+def publish(listeners: list[Callable[[StepStats], None]], stats: StepStats) -> None:
+    """Hands a step's stats to every listener; a broken one (metrics) stops neither the others nor the engine."""
+    for listener in listeners:
+        try:
+            listener(stats)
+        except Exception:
+            logger.exception("stats listener failed")
+
+
 class OutputStreams:
     """The callers' side of the requests in flight, for clients whose engine steps elsewhere (a thread, a
-    process): an asyncio queue of outputs per engine request, and the engine id of each caller's id."""
+    process): an asyncio queue of outputs per engine request, the engine id of each caller's id, and `send`,
+    which carries adds and aborts to the engine."""
 
-    def __init__(self) -> None:
+    def __init__(self, send: Callable[[AddRequest | AbortRequest], None]) -> None:
+        self._send = send
         self._queues: dict[str, tuple[str, asyncio.Queue]] = {}  # engine id -> (caller's id, its queue)
         self._engine_ids: dict[str, str] = {}  # caller's id -> engine id, while it runs
         self._next_id = itertools.count()
 
-    def open(self, request_id: str) -> str:
+    async def run(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  cache_salt: str | None, tenant: str | None) -> AsyncIterator[RequestOutput]:
+        """Sends the request to the engine and yields its outputs until its finished one; closed early, it
+        aborts the request (its blocks are released at once)."""
+        engine_id = self._open(request_id)
+        self._send(AddRequest(engine_id, list(prompt_token_ids), params, cache_salt, tenant, time.monotonic()))
+        async with contextlib.aclosing(self._follow(engine_id)) as outputs:
+            async for output in outputs:
+                yield output
+
+    def abort(self, request_id: str) -> None:
+        engine_id = self._engine_ids.get(request_id)
+        if engine_id is not None:
+            self._send(AbortRequest(engine_id))
+
+    def abort_all(self) -> None:
+        for engine_id in list(self._queues):
+            self._send(AbortRequest(engine_id))
+
+    def _open(self, request_id: str) -> str:
         """A new engine id for the caller's `request_id` (ValueError if that one is running)."""
         if request_id in self._engine_ids:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -87,8 +124,7 @@ class OutputStreams:
         self._engine_ids[request_id] = engine_id
         return engine_id
 
-    async def follow(self, engine_id: str, abort: Callable[[], None]) -> AsyncIterator[RequestOutput]:
-        """Outputs of `engine_id` until its finished one; `abort` runs if the consumer leaves before."""
+    async def _follow(self, engine_id: str) -> AsyncIterator[RequestOutput]:
         request_id, queue = self._queues[engine_id]
         finished = False
         try:
@@ -104,13 +140,7 @@ class OutputStreams:
             if self._engine_ids.get(request_id) == engine_id:
                 del self._engine_ids[request_id]
             if not finished:  # the consumer went away (disconnect, cancel): release the blocks now
-                abort()
-
-    def engine_id(self, request_id: str) -> str | None:
-        return self._engine_ids.get(request_id)
-
-    def engine_ids(self) -> list[str]:
-        return list(self._queues)
+                self._send(AbortRequest(engine_id))
 
     def request_ids(self) -> list[str]:
         return list(self._engine_ids)

@@ -21,9 +21,6 @@ from engine.messages import AbortRequest, AddRequest, EngineInfo
 
 logger = logging.getLogger("prefixgate.engine")
 
-POLL_PARENT_S = 1.0  # an idle engine checks this often that the API process still lives
-
-
 class _SocketInbox:
     def __init__(self, socket: zmq.Socket) -> None:
         self._socket = socket

@@ -25,7 +25,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from engine.client import OutputStreams
+from engine.client import OutputStreams, publish
 from engine.config import EngineConfig
 from engine.messages import AbortRequest, AddRequest, EngineInfo
 from engine.outputs import RequestOutput
@@ -70,7 +70,7 @@ class ProcessClient:
         self.on_fatal = on_fatal
         self.restarts: deque[float] = deque()  # monotonic times of restarts within the window
         self._engine = incarnation
-        self._streams = OutputStreams()
+        self._streams = OutputStreams(self._send)
         self._listeners: list[Callable[[StepStats], None]] = []
         self._stats = SchedulerStats(num_blocks=info.num_blocks)
         self._alive = False
@@ -95,8 +95,7 @@ class ProcessClient:
         deadline = loop.time() + timeout
         while self._streams and loop.time() < deadline and self._alive:
             await asyncio.sleep(0.05)
-        for engine_id in self._streams.engine_ids():
-            self._send(AbortRequest(engine_id))
+        self._streams.abort_all()
         self._stopping = True
         process = self._engine.process
         if process.returncode is None:
@@ -135,17 +134,14 @@ class ProcessClient:
         validate_prompt(prompt_token_ids, params, self.info.vocab_size, self.max_model_len)
         if not self.is_alive():
             raise RuntimeError("the engine is not running")
-        engine_id = self._streams.open(request_id)
-        self._send(AddRequest(engine_id, list(prompt_token_ids), params, cache_salt, tenant, time.monotonic()))
         # closed with this generator, so an early close aborts the request at once
-        async with contextlib.aclosing(self._streams.follow(engine_id, lambda: self._send(AbortRequest(engine_id)))) as outputs:
+        async with contextlib.aclosing(self._streams.run(request_id, prompt_token_ids, params, cache_salt,
+                                                         tenant)) as outputs:
             async for output in outputs:
                 yield output
 
     def abort(self, request_id: str) -> None:
-        engine_id = self._streams.engine_id(request_id)
-        if engine_id is not None:
-            self._send(AbortRequest(engine_id))
+        self._streams.abort(request_id)
 
     def add_stats_listener(self, fn: Callable[[StepStats], None]) -> None:
         self._listeners.append(fn)
@@ -174,11 +170,7 @@ class ProcessClient:
 
     def _on_step(self, outputs: list[RequestOutput], stats: StepStats) -> None:
         self._stats = stats.scheduler
-        for listener in self._listeners:  # before the outputs: a client never sees its answer before /metrics
-            try:
-                listener(stats)
-            except Exception:  # a broken listener (metrics) must not stop the outputs
-                logger.exception("stats listener failed")
+        publish(self._listeners, stats)  # before the outputs: a client never sees its answer before /metrics
         self._streams.deliver(outputs)
 
     async def _supervise(self) -> None:

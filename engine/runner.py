@@ -33,6 +33,7 @@ class ModelRunner:
         self.graph_decode = None  # decode steps as CUDA graphs (capture_cuda_graphs)
         self.dtype = model.model.norm.weight.dtype  # the model's; the K/V pool's may differ (kv_cache_dtype)
         self.paged_kernel = False  # decode attention by the compiled paged kernel
+        self.max_compiled_rows = 0  # decode-only steps of up to this many rows take the compiled step
         # final hidden states of the sampled rows of the last step that had a pooling request (else stale)
         self.hidden: torch.Tensor | None = None
         if compiled_kernels and device.type == "cpu":

@@ -101,24 +101,25 @@ class StepLoop:
     def _reject(self, add: AddRequest, exc: Exception) -> None:
         if not isinstance(exc, ValueError):
             logger.error("adding request %s failed", add.request_id, exc_info=exc)
-        self.emit([error_output(add.request_id, str(exc), len(add.prompt_token_ids))], self.core.take_stats())
+        self.emit([unrun_output(add.request_id, FinishReason.ERROR, len(add.prompt_token_ids), str(exc))],
+                  self.core.take_stats())
 
     def _abort(self, request_id: str) -> None:
         if (compiling := self._compiling.pop(request_id, None)) is not None:
             compiling.matcher.cancel()
-            output = RequestOutput(request_id, [], "", None, len(compiling.add.prompt_token_ids), 0, 0,
-                                   finished=True, finish_reason=FinishReason.ABORT)
+            output = unrun_output(request_id, FinishReason.ABORT, len(compiling.add.prompt_token_ids))
         else:
             try:
                 output = self.core.abort(request_id)
             except Exception as exc:
                 logger.exception("aborting request %s failed", request_id)
-                output = error_output(request_id, f"abort failed: {exc!r}")
+                output = unrun_output(request_id, FinishReason.ERROR, error=f"abort failed: {exc!r}")
         if output is not None:
             self.emit([output], self.core.take_stats())
 
 
-def error_output(request_id: str, message: str, num_prompt_tokens: int = 0) -> RequestOutput:
-    """The final output of a request that ends without running: rejected, or its engine stopped."""
+def unrun_output(request_id: str, finish_reason: str, num_prompt_tokens: int = 0,
+                 error: str | None = None) -> RequestOutput:
+    """The final output of a request that ends without running: rejected, or aborted before it was admitted."""
     return RequestOutput(request_id, [], "", None, num_prompt_tokens, 0, 0, finished=True,
-                         finish_reason="error", error=message)
+                         finish_reason=finish_reason, error=error)

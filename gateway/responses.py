@@ -24,6 +24,7 @@ from gateway.generate import Choice, check_output, run_choices, usage
 from gateway.jsonbody import parse_body
 from gateway.protocol import ChatRequest, parse_chat
 from gateway.render import render_chat
+from gateway.routes import sampling_params
 from gateway.state import STATE
 from gateway.streaming import SSE_HEADERS, encode_event
 from gateway.tool_parsers import parser_for
@@ -94,9 +95,8 @@ class ResponsesRequest:
 def parse_responses(body: Any, state, tenant: str, store: ResponseStore) -> ResponsesRequest:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object", None)
-    for name in ("background",):
-        if body.get(name):
-            raise invalid("background responses are not offered by this server", name)
+    if body.get("background"):
+        raise invalid("background responses are not offered by this server", "background")
     previous_id = body.get("previous_response_id")
     if previous_id is not None and not isinstance(previous_id, str):
         raise invalid("previous_response_id must be a string", "previous_response_id")
@@ -131,7 +131,7 @@ def parse_responses(body: Any, state, tenant: str, store: ResponseStore) -> Resp
     except APIError as err:
         if err.param:
             head = err.param.split("[")[0].split(".")[0]
-            err.param = PARAMS.get(head, head) if head in PARAMS else err.param
+            err.param = PARAMS.get(head, err.param)
         raise
     store_it = body.get("store", True)
     if not isinstance(store_it, bool):
@@ -272,7 +272,6 @@ async def create(request: web.Request) -> web.StreamResponse:
     with state.admission.admit(tenant, 1):
         tools = chat.tools.template_tools if chat.tools else None
         prompt = await render_chat(state.engine.tokenizer, chat.messages, tools, tool_template)
-        from gateway.routes import sampling_params  # (routes imports this module's handlers)
         max_tokens = state.check_lengths(len(prompt), chat.max_tokens, "input")
         response_id = _new_id("resp")
         fmt = ChatFormat(response_id, state.model_name, state.engine.tokenizer,

@@ -159,9 +159,12 @@ class KVCacheManager:
             self._num_registered[request.request_id] += 1
             self.num_disk_hit_tokens += self.block_size
 
+    def _missing_on_disk(self) -> list[KVCacheBlock]:
+        return [b for b in self.pool.cached.values() if b.block_hash not in self.disk]
+
     def flush_to_disk(self) -> int:
         """Writes every cached RAM block the disk tier lacks (graceful shutdown); returns how many."""
-        blocks = [b for b in self.pool.cached.values() if b.block_hash not in self.disk]
+        blocks = self._missing_on_disk()
         for block in blocks:
             self.disk.put(block.block_hash, block.token_ids, self.kv_io.copy_out(block.block_id), wait=True)
         self.disk.flush()
@@ -171,9 +174,7 @@ class KVCacheManager:
         """Queues the cached RAM blocks the disk tier lacks, while its writer has room, without waiting
         (called when the engine goes idle, so a killed engine restarts warm); returns how many."""
         queued = 0
-        for block in list(self.pool.cached.values()):
-            if block.block_hash in self.disk:
-                continue
+        for block in self._missing_on_disk():
             kv = self.kv_io.copy_out(block.block_id)
             if not self.disk.has_room(kv.numel() * kv.element_size()):
                 break
