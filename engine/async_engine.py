@@ -4,18 +4,16 @@ process instead (engine/process_client.py)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
 
-from engine.client import OutputStreams, publish
+from engine.client import RelayedEngineClient
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.stats import SchedulerStats, StepStats
+from engine.stats import StepStats
 from engine.messages import AbortRequest, AddRequest
 from engine.step_loop import StepLoop
 
@@ -45,7 +43,7 @@ class _ThreadInbox:
         return messages
 
 
-class AsyncEngine:
+class AsyncEngine(RelayedEngineClient):
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.config = core.config
@@ -56,9 +54,7 @@ class AsyncEngine:
         budget = core.thread_budget
         self.threads = (budget.threads, budget.threads_batch) if budget is not None else None
         self._inbox = _ThreadInbox()
-        self._streams = OutputStreams(self._inbox.put)
-        self._listeners: list[Callable[[StepStats], None]] = []
-        self._stats = core.scheduler_stats()
+        super().__init__(self._inbox.put, core.scheduler_stats())
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -97,31 +93,8 @@ class AsyncEngine:
 
     # ---- requests
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       cache_salt: str | None = None, tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.core.validate(prompt_token_ids, params)
-        if not self.is_alive():
-            raise RuntimeError("the engine is not running")
-        # closed with this generator, so an early close aborts the request at once
-        async with contextlib.aclosing(self._streams.run(request_id, prompt_token_ids, params, cache_salt,
-                                                         tenant)) as outputs:
-            async for output in outputs:
-                yield output
-
-    def abort(self, request_id: str) -> None:
-        self._streams.abort(request_id)
-
-    def add_stats_listener(self, fn: Callable[[StepStats], None]) -> None:
-        self._listeners.append(fn)
-
-    def scheduler_stats(self) -> SchedulerStats:
-        return self._stats
-
-    def num_unfinished(self) -> int:
-        return len(self._streams)
-
-    def request_ids(self) -> list[str]:
-        return self._streams.request_ids()
 
     # ---- the engine thread
 
@@ -139,10 +112,6 @@ class AsyncEngine:
         self._publish(stats)  # before the outputs, so a client never sees its answer before /metrics does
         if outputs and self._loop is not None:
             self._loop.call_soon_threadsafe(self._streams.deliver, outputs)
-
-    def _publish(self, stats: StepStats) -> None:
-        self._stats = stats.scheduler
-        publish(self._listeners, stats)
 
 
 def served_name(core: EngineCore) -> str:

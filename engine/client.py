@@ -74,15 +74,6 @@ class EngineClient(Protocol):
         """The callers' ids of the requests running now."""
 
 
-def publish(listeners: list[Callable[[StepStats], None]], stats: StepStats) -> None:
-    """Hands a step's stats to every listener; a broken one (metrics) stops neither the others nor the engine."""
-    for listener in listeners:
-        try:
-            listener(stats)
-        except Exception:
-            logger.exception("stats listener failed")
-
-
 class OutputStreams:
     """The callers' side of the requests in flight, for clients whose engine steps elsewhere (a thread, a
     process): an asyncio queue of outputs per engine request, the engine id of each caller's id, and `send`,
@@ -158,3 +149,56 @@ class OutputStreams:
     def fail_all(self, message: str) -> None:
         for _, queue in self._queues.values():
             queue.put_nowait(EngineDeadError(message))
+
+
+class RelayedEngineClient:
+    """What the in-process AsyncEngine and the ProcessClient share: requests relayed through OutputStreams to
+    an engine that steps elsewhere (a thread, a process), and the stats of its steps as they arrive.
+    Subclasses say how a request is checked (`_validate`) and whether the engine runs (`is_alive`)."""
+
+    def __init__(self, send: Callable[[AddRequest | AbortRequest], None], stats: SchedulerStats) -> None:
+        self._streams = OutputStreams(send)
+        self._listeners: list[Callable[[StepStats], None]] = []
+        self._stats = stats
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        raise NotImplementedError
+
+    def is_alive(self) -> bool:
+        raise NotImplementedError
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       cache_salt: str | None = None, tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+        self._validate(prompt_token_ids, params)
+        if not self.is_alive():
+            raise RuntimeError("the engine is not running")
+        # closed with this generator, so an early close aborts the request at once
+        async with contextlib.aclosing(self._streams.run(request_id, prompt_token_ids, params, cache_salt,
+                                                         tenant)) as outputs:
+            async for output in outputs:
+                yield output
+
+    def abort(self, request_id: str) -> None:
+        self._streams.abort(request_id)
+
+    def add_stats_listener(self, fn: Callable[[StepStats], None]) -> None:
+        self._listeners.append(fn)
+
+    def scheduler_stats(self) -> SchedulerStats:
+        return self._stats
+
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    def request_ids(self) -> list[str]:
+        return self._streams.request_ids()
+
+    def _publish(self, stats: StepStats) -> None:
+        """A step's stats: kept for scheduler_stats() and handed to the listeners (a broken one, metrics,
+        stops neither the others nor the engine)."""
+        self._stats = stats.scheduler
+        for listener in self._listeners:
+            try:
+                listener(stats)
+            except Exception:
+                logger.exception("stats listener failed")

@@ -19,13 +19,13 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
-from engine.client import OutputStreams, publish
+from engine.client import RelayedEngineClient
 from engine.config import EngineConfig
 from engine.messages import AbortRequest, AddRequest, EngineInfo
 from engine.outputs import RequestOutput
@@ -56,7 +56,7 @@ class _Incarnation:
         self._folder.cleanup()
 
 
-class ProcessClient:
+class ProcessClient(RelayedEngineClient):
     def __init__(self, config: EngineConfig, info: EngineInfo, tokenizer: Tokenizer, incarnation: _Incarnation, *,
                  max_restarts: int = 3, restart_window_s: float = 600.0,
                  on_fatal: Callable[[], None] | None = None) -> None:
@@ -70,9 +70,7 @@ class ProcessClient:
         self.on_fatal = on_fatal
         self.restarts: deque[float] = deque()  # monotonic times of restarts within the window
         self._engine = incarnation
-        self._streams = OutputStreams(self._send)
-        self._listeners: list[Callable[[StepStats], None]] = []
-        self._stats = SchedulerStats(num_blocks=info.num_blocks)
+        super().__init__(self._send, SchedulerStats(num_blocks=info.num_blocks))
         self._alive = False
         self._stopping = False
         self._tasks: list[asyncio.Task] = []
@@ -129,31 +127,8 @@ class ProcessClient:
 
     # ---- requests
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       cache_salt: str | None = None, tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(prompt_token_ids, params, self.info.vocab_size, self.max_model_len)
-        if not self.is_alive():
-            raise RuntimeError("the engine is not running")
-        # closed with this generator, so an early close aborts the request at once
-        async with contextlib.aclosing(self._streams.run(request_id, prompt_token_ids, params, cache_salt,
-                                                         tenant)) as outputs:
-            async for output in outputs:
-                yield output
-
-    def abort(self, request_id: str) -> None:
-        self._streams.abort(request_id)
-
-    def add_stats_listener(self, fn: Callable[[StepStats], None]) -> None:
-        self._listeners.append(fn)
-
-    def scheduler_stats(self) -> SchedulerStats:
-        return self._stats
-
-    def num_unfinished(self) -> int:
-        return len(self._streams)
-
-    def request_ids(self) -> list[str]:
-        return self._streams.request_ids()
 
     # ---- messages and supervision
 
@@ -169,8 +144,7 @@ class ProcessClient:
                 self._on_step(message[1], message[2])
 
     def _on_step(self, outputs: list[RequestOutput], stats: StepStats) -> None:
-        self._stats = stats.scheduler
-        publish(self._listeners, stats)  # before the outputs: a client never sees its answer before /metrics
+        self._publish(stats)  # before the outputs: a client never sees its answer before /metrics
         self._streams.deliver(outputs)
 
     async def _supervise(self) -> None:

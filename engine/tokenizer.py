@@ -63,7 +63,8 @@ class HFTokenizer:
         specials = _special_tokens(config)
         self._template_tokens = {name: text for name, text in specials.items() if isinstance(text, str)}
         self.eos_token_ids = set(eos_token_ids)
-        eos = self._backend.token_to_id(self._template_tokens.get("eos_token", "")) if "eos_token" in specials else None
+        eos_text = specials.get("eos_token")
+        eos = self._backend.token_to_id(eos_text) if eos_text else None
         if eos is not None:
             self.eos_token_ids.add(eos)
         added = self._backend.get_added_tokens_decoder()
