@@ -17,7 +17,8 @@ class ChatFormat:
     chunk_name = "chat.completion.chunk"
 
     def __init__(self, response_id: str, model: str, tokenizer: Any, *, fingerprint: str | None = None,
-                 tool_parser: ToolParser | None = None, max_tool_calls: int | None = None) -> None:
+                 tool_parser: ToolParser | None = None, max_tool_calls: int | None = None,
+                 legacy_functions: bool = False) -> None:
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
@@ -25,6 +26,7 @@ class ChatFormat:
         self.fingerprint = fingerprint
         self.tool_parser = tool_parser  # None: the text is never parsed for tool calls
         self.max_tool_calls = max_tool_calls
+        self.legacy_functions = legacy_functions  # answer with the deprecated `function_call` shape
         self._tool_streams: dict[int, ToolCallStream] = {}  # per choice index, when streaming
 
     def response(self, choices: list[Choice], usage: dict[str, Any]) -> dict[str, Any]:
@@ -35,11 +37,15 @@ class ChatFormat:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(choice.text)}
         finish_reason = choice.finish_reason
         if self.tool_parser is not None:
-            parsed = extract(self.tool_parser, message["content"], self.max_tool_calls)
+            parsed = extract(self.tool_parser, message["content"], self.max_tool_calls,
+                             cut_short=finish_reason == FinishReason.LENGTH)
             if parsed.calls:
-                message = {"role": "assistant", "content": parsed.content or None,
-                           "tool_calls": [_tool_call(c.name, c.arguments) for c in parsed.calls]}
-                finish_reason = _tool_finish(finish_reason)
+                message = {"role": "assistant", "content": parsed.content or None}
+                if self.legacy_functions:
+                    message["function_call"] = {"name": parsed.calls[0].name, "arguments": parsed.calls[0].arguments}
+                else:
+                    message["tool_calls"] = [_tool_call(c.name, c.arguments) for c in parsed.calls]
+                finish_reason = self._tool_finish(finish_reason)
         return {"index": choice.index, "message": message,
                 "logprobs": self.logprobs(choice, choice.logprobs),
                 "finish_reason": finish_reason}
@@ -64,24 +70,35 @@ class ChatFormat:
         delta, finish_reason = {}, choice.finish_reason
         if self.tool_parser is not None:
             stream = self._tool_stream(choice)
-            delta = self._tool_delta(stream.finish())
+            delta = self._tool_delta(stream.finish(cut_short=finish_reason == FinishReason.LENGTH))
             if stream.num_calls:
-                finish_reason = _tool_finish(finish_reason)
+                finish_reason = self._tool_finish(finish_reason)
         return self.chunk([{"index": choice.index, "delta": delta, "logprobs": None,
                             "finish_reason": finish_reason}])
+
+    def _tool_finish(self, finish_reason: str | None) -> str | None:
+        """A call that ended normally finishes with "tool_calls" ("function_call" for legacy requests);
+        "length" (cut short) stays."""
+        if finish_reason != FinishReason.STOP:
+            return finish_reason
+        return "function_call" if self.legacy_functions else "tool_calls"
 
     def _tool_stream(self, choice: Choice) -> ToolCallStream:
         if choice.index not in self._tool_streams:
             self._tool_streams[choice.index] = ToolCallStream(self.tool_parser, self.max_tool_calls)
         return self._tool_streams[choice.index]
 
-    @staticmethod
-    def _tool_delta(update: StreamDelta) -> dict[str, Any]:
+    def _tool_delta(self, update: StreamDelta) -> dict[str, Any]:
         """OpenAI's shape: a call's first delta has its index, id, type and name; later ones only
-        index and an arguments fragment."""
+        index and an arguments fragment (legacy: `function_call` with the name first, then fragments)."""
         delta: dict[str, Any] = {}
         if update.content:
             delta["content"] = update.content
+        if self.legacy_functions:
+            for call in update.calls:  # at most one: legacy requests are never parallel
+                delta["function_call"] = ({"arguments": call.arguments} if call.name is None
+                                          else {"name": call.name, "arguments": call.arguments})
+            return delta
         calls = []
         for call in update.calls:
             if call.name is not None:
@@ -116,9 +133,6 @@ def _tool_call(name: str, arguments: str) -> dict[str, Any]:
             "function": {"name": name, "arguments": arguments}}
 
 
-def _tool_finish(finish_reason: str | None) -> str | None:
-    """A call that ended normally finishes with "tool_calls"; "length" (cut short) stays."""
-    return "tool_calls" if finish_reason == FinishReason.STOP else finish_reason
 
 
 class CompletionFormat(ChatFormat):

@@ -138,9 +138,13 @@ def _chat_request(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
             "role": {"type": "string", "enum": ["system", "developer", "user"]}, "content": content}},
         {"type": "object", "required": ["role"], "properties": {
             "role": {"type": "string", "enum": ["assistant"]}, "content": {**content, "nullable": True},
-            "tool_calls": {"type": "array", "items": call, "nullable": True}}},
+            "tool_calls": {"type": "array", "items": call, "nullable": True},
+            "function_call": {**call["properties"]["function"], "nullable": True, "description": "deprecated"}}},
         {"type": "object", "required": ["role", "tool_call_id", "content"], "properties": {
             "role": {"type": "string", "enum": ["tool"]}, "tool_call_id": {"type": "string"}, "content": content}},
+        {"type": "object", "required": ["role", "name", "content"], "description": "deprecated: answers a function_call",
+         "properties": {"role": {"type": "string", "enum": ["function"]}, "name": {"type": "string"},
+                        "content": content}},
     ]}
     properties = _common(model_name, limits)
     properties.update({
@@ -165,6 +169,12 @@ def _tool_fields() -> dict[str, Any]:
         "type": {"type": "string", "enum": ["function"]},
         "function": {"type": "object", "required": ["name"], "properties": {"name": name}}}}
     return {
+        "functions": {"type": "array", "items": function, "minItems": 1, "nullable": True,
+                      "description": "deprecated: tools with at most one call, answered as function_call; not "
+                                     "with tools"},
+        "function_call": {"nullable": True, "description": "deprecated: needs functions",
+                          "oneOf": [{"type": "string", "enum": ["auto", "none"]},
+                                    {"type": "object", "required": ["name"], "properties": {"name": name}}]},
         "tools": {"type": "array", "items": tool, "minItems": 1, "nullable": True},
         "tool_choice": {"nullable": True, "description": "needs tools; a named function must be one of them",
                         "oneOf": [{"type": "string", "enum": ["auto", "none", "required"]}, named]},

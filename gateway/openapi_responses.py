@@ -27,15 +27,16 @@ def response_schemas(model_name: str) -> dict[str, Any]:
             **_head("chat.completion", "chatcmpl-", model_name),
             "choices": {"type": "array", "items": _closed({
                 "index": _COUNT, "message": _chat_message(), "logprobs": _nullable(_chat_logprobs()),
-                "finish_reason": {"type": "string", "enum": ["stop", "length", "tool_calls"],
-                                  "description": '"tool_calls" when the message holds tool calls and ended '
-                                                 'normally; one cut short by max_tokens stays "length"'}})},
+                "finish_reason": {"type": "string", "enum": ["stop", "length", "tool_calls", "function_call"],
+                                  "description": '"tool_calls" ("function_call" for legacy functions) when the '
+                                                 'message holds calls and ended normally; a call cut short by '
+                                                 'max_tokens stays "length", its arguments as far as they go'}})},
             "usage": ref("Usage")}),
         "ChatCompletionChunk": _closed({
             **_head("chat.completion.chunk", "chatcmpl-", model_name),
             "choices": {"type": "array", "description": "empty in the usage chunk", "items": _closed({
                 "index": _COUNT, "delta": _chat_delta(), "logprobs": _nullable(_chat_logprobs()),
-                "finish_reason": _nullable_enum("stop", "length", "tool_calls")})},
+                "finish_reason": _nullable_enum("stop", "length", "tool_calls", "function_call")})},
             "usage": _nullable(usage, "null but in the last chunk, with stream_options.include_usage")}),
         "Completion": _closed({
             **_head("text_completion", "cmpl-", model_name),
@@ -109,12 +110,15 @@ def _tool_call() -> dict[str, Any]:
 
 
 def _chat_message() -> dict[str, Any]:
-    """Plain text, or tool calls with the text around them (null when there is none)."""
+    """Plain text, or tool calls with the text around them (null when there is none); a request that sent
+    the deprecated `functions` gets its one call as `function_call`."""
     role = _const("assistant")
     return {"oneOf": [
         _closed({"role": role, "content": _TEXT}),
         _closed({"role": role, "content": _nullable(_TEXT),
                  "tool_calls": {"type": "array", "items": ref("ToolCall"), "minItems": 1}}),
+        _closed({"role": role, "content": _nullable(_TEXT),
+                 "function_call": _closed({"name": _TEXT, "arguments": {**_TEXT, "description": "JSON text"}})}),
     ]}
 
 
@@ -124,9 +128,11 @@ def _chat_delta() -> dict[str, Any]:
     head = _closed({"index": _COUNT, "id": _CALL_ID, "type": _const("function"),
                     "function": _closed({"name": _TEXT, "arguments": _TEXT})})
     piece = _closed({"index": _COUNT, "function": _closed({"arguments": _TEXT})})
+    legacy = _closed({"name": _TEXT, "arguments": _TEXT}, optional=("name",))
     return _closed({"role": _const("assistant"), "content": _TEXT,
-                    "tool_calls": {"type": "array", "items": {"oneOf": [head, piece]}, "minItems": 1}},
-                   optional=("role", "content", "tool_calls"))
+                    "tool_calls": {"type": "array", "items": {"oneOf": [head, piece]}, "minItems": 1},
+                    "function_call": legacy},
+                   optional=("role", "content", "tool_calls", "function_call"))
 
 
 def _chat_logprobs() -> dict[str, Any]:

@@ -11,7 +11,8 @@ import jinja2
 from gateway.errors import invalid
 from gateway.tool_prompt import ToolTemplate, hermes_messages
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool",
+          "function": "tool"}  # "function": the deprecated answer to a `function_call`
 _OFFLOAD_CHARS = 8192  # render bigger prompts on a worker thread so the event loop stays responsive
 
 
@@ -32,10 +33,16 @@ def _normalize_message(message: Any, param: str) -> dict[str, Any]:
         raise invalid(f"unsupported role {role!r}; use one of {', '.join(_ROLES)}", f"{param}.role")
     content = message.get("content")
     tool_calls = message.get("tool_calls") if role == "assistant" else None
+    if role == "assistant" and tool_calls is None and message.get("function_call") is not None:
+        tool_calls = [_legacy_call(message["function_call"], f"{param}.function_call")]
     if content is None and role == "assistant":
         content = ""
     out: dict[str, Any] = {"role": _ROLES[role], "content": _content_text(content, f"{param}.content")}
-    if role == "tool":
+    if role == "function":
+        if not isinstance(message.get("name"), str):
+            raise invalid("a function message needs the string name of the function it answers", f"{param}.name")
+        out["tool_call_id"] = _legacy_call_id(message["name"])
+    elif role == "tool":
         if not isinstance(message.get("tool_call_id"), str):
             raise invalid("a tool message needs the string tool_call_id of the call it answers",
                           f"{param}.tool_call_id")
@@ -43,6 +50,17 @@ def _normalize_message(message: Any, param: str) -> dict[str, Any]:
     if tool_calls is not None:
         out["tool_calls"] = _tool_calls(tool_calls, f"{param}.tool_calls")
     return out
+
+
+def _legacy_call(raw: Any, param: str) -> dict[str, Any]:
+    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+        raise invalid('function_call must be {"name", "arguments"}', param)
+    return {"id": _legacy_call_id(raw["name"]), "type": "function", "function": raw}
+
+
+def _legacy_call_id(name: str) -> str:
+    """Legacy calls carry no id; the answer names the function instead, so the name pairs them."""
+    return f"call_{name}"
 
 
 def _tool_calls(raw: Any, param: str) -> list[dict[str, Any]]:

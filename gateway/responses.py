@@ -18,6 +18,8 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.outputs import FinishReason
+
 from gateway.errors import APIError, invalid
 from gateway.formats import ChatFormat
 from gateway.generate import Choice, check_output, run_choices, usage
@@ -223,7 +225,7 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
+def _output_items(message: dict[str, Any], finish_reason: str | None) -> list[dict[str, Any]]:
     """A chat answer as Responses output items: its text as a message, each tool call as a function_call."""
     items = []
     if message.get("content"):
@@ -233,7 +235,14 @@ def _output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
         items.append({"type": "function_call", "id": _new_id("fc"), "call_id": call["id"],
                       "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                       "status": "completed"})
+    _mark_cut_short(items, finish_reason)
     return items
+
+
+def _mark_cut_short(items: list[dict[str, Any]], finish_reason: str | None) -> None:
+    """The item max_output_tokens cut (the last one) is "incomplete", as OpenAI marks it."""
+    if items and finish_reason == FinishReason.LENGTH:
+        items[-1]["status"] = "incomplete"
 
 
 def _response(response_id: str, req: ResponsesRequest, model: str, created: int, output: list[dict[str, Any]],
@@ -291,7 +300,7 @@ async def create(request: web.Request) -> web.StreamResponse:
             except ValueError as exc:
                 raise invalid(str(exc), "input") from None
     body = fmt.choice_body(choice)
-    response = _response(response_id, req, state.model_name, created, _output_items(body["message"]),
+    response = _response(response_id, req, state.model_name, created, _output_items(body["message"], body["finish_reason"]),
                          body["finish_reason"], usage([choice]))
     _remember(store, tenant.name, req, response, body["message"])
     return web.json_response(response)
@@ -394,8 +403,10 @@ class _Events:
 
     def finish(self, finish_reason: str | None, use: dict[str, Any]) -> list[bytes]:
         events = []
-        for index, item in enumerate(self.items):
+        for item in self.items:
             item["status"] = "completed"
+        _mark_cut_short(self.items, finish_reason)
+        for index, item in enumerate(self.items):
             if item["type"] == "message":
                 part = item["content"][0]
                 events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,

@@ -45,7 +45,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         prompt = await render_chat(state.engine.tokenizer, req.messages, tools, tool_template)
         fmt = ChatFormat(_new_id("chatcmpl-"), state.model_name, state.engine.tokenizer,
                          fingerprint=_fingerprint(state), tool_parser=parser_for(req.tools, tool_template.parser),
-                         max_tool_calls=req.tools.max_calls if req.tools else None)
+                         max_tool_calls=req.tools.max_calls if req.tools else None,
+                         legacy_functions=req.tools is not None and req.tools.legacy)
         return await _generate(request, state, tenant, req, [prompt], fmt, "messages", None)
 
 

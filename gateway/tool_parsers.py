@@ -43,9 +43,21 @@ class ToolParser(Protocol):
         were streamed already: they stay calls even if their JSON breaks later."""
 
 
-def extract(parser: ToolParser, text: str, max_calls: int | None = None) -> Parsed:
-    parsed = parser.parse(text, final=True, committed=0)
+def extract(parser: ToolParser, text: str, max_calls: int | None = None, cut_short: bool = False) -> Parsed:
+    parsed = _settle(parser, text, 0, cut_short)
     return Parsed(parsed.content, parsed.calls[:max_calls])
+
+
+def _settle(parser: ToolParser, text: str, committed: int, cut_short: bool) -> Parsed:
+    """The whole output's snapshot. Cut short by max_tokens, a call still being generated stays a call
+    with its arguments so far (as OpenAI returns it), and text held back as a possible call's beginning
+    is dropped rather than leaked into content."""
+    final = parser.parse(text, final=True, committed=committed)
+    if not cut_short:
+        return final
+    growing = parser.parse(text, final=False, committed=committed)
+    held_back = len(growing.content) < len(final.content.rstrip(_WHITESPACE))
+    return growing if len(growing.calls) > len(final.calls) or held_back else final
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +92,8 @@ class ToolCallStream:
         self._text += text
         return self._diff(self._parser.parse(self._text, final=False, committed=self._committed))
 
-    def finish(self) -> StreamDelta:
-        return self._diff(self._parser.parse(self._text, final=True, committed=self._committed))
+    def finish(self, cut_short: bool = False) -> StreamDelta:
+        return self._diff(_settle(self._parser, self._text, self._committed, cut_short))
 
     def _diff(self, parsed: Parsed) -> StreamDelta:
         self._committed = max(self._committed, len(parsed.calls))

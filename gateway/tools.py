@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.structured import StructuredOutput
-from gateway.errors import invalid
+from gateway.errors import APIError, invalid
 
 MAX_TOOLS = 128  # OpenAI's limit
 _FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -25,6 +25,7 @@ class ToolRequest:
     choice: str  # "none" | "auto" | "required" | "function" (the one named by `function_name`)
     function_name: str | None
     parallel: bool  # false: at most one call per answer
+    legacy: bool = False  # sent as `functions` / `function_call`: answered with `function_call`, not tool_calls
 
     @property
     def template_tools(self) -> list[dict[str, Any]]:
@@ -85,9 +86,8 @@ def _hoist_defs(parameters: dict[str, Any], defs: dict[str, Any]) -> dict[str, A
 
 def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
     """None when the request has no tools. 400 naming the field for anything malformed."""
-    for legacy in ("functions", "function_call"):
-        if body.get(legacy) is not None:
-            raise invalid(f"{legacy} is deprecated and not supported; use tools and tool_choice", legacy)
+    if body.get("functions") is not None or body.get("function_call") is not None:
+        return _legacy_functions(body)
     raw_tools, raw_choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise invalid("parallel_tool_calls must be a boolean", "parallel_tool_calls")
@@ -105,6 +105,34 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
     if choice in ("required", "function") and constraint is not None:  # one grammar per request
         raise invalid(f"a forced tool_choice cannot be combined with {constraint}", "tool_choice")
     return ToolRequest(tools, choice, function_name, parallel is not False)
+
+
+def _legacy_functions(body: dict[str, Any]) -> ToolRequest | None:
+    """The deprecated `functions` / `function_call` as one tool call at most, as OpenAI answered them."""
+    for modern in ("tools", "tool_choice", "parallel_tool_calls"):
+        if body.get(modern) is not None:
+            raise invalid(f"functions and function_call cannot be combined with {modern}", modern)
+    raw_functions, raw_choice = body.get("functions"), body.get("function_call")
+    if raw_functions is None:
+        raise invalid("function_call is only allowed when functions are specified", "function_call")
+    if not isinstance(raw_functions, list) or not raw_functions:
+        raise invalid("functions must be a non-empty array of functions", "functions")
+    wrapped = [{"type": "function", "function": f} for f in raw_functions]
+    try:
+        tools = _tools(wrapped)
+    except APIError as err:  # name the legacy field the client sent
+        raise invalid(err.message, (err.param or "functions").replace("tools", "functions", 1)
+                      .replace(".function", "", 1)) from None
+    if isinstance(raw_choice, dict) and set(raw_choice) == {"name"}:
+        raw_choice = {"type": "function", "function": raw_choice}
+    try:
+        choice, function_name = _tool_choice(raw_choice, [t["function"]["name"] for t in tools])
+    except APIError:
+        raise invalid('function_call must be "none", "auto" or {"name": ...} naming one of functions',
+                      "function_call") from None
+    if choice == "required":
+        raise invalid('function_call must be "none", "auto" or {"name": ...}', "function_call")
+    return ToolRequest(tools, choice, function_name, parallel=False, legacy=True)
 
 
 def _tools(raw: Any) -> tuple[dict[str, Any], ...]:

@@ -23,13 +23,18 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 def server(tiny_tools_dir):
     keys = tuple(ApiKey(key, tenant) for tenant, key in KEYS.items())
     with LiveServer(tiny_settings(tiny_tools_dir, keys=keys)) as live:
+        live.clients = {}
         yield live
+        for sdk in live.clients.values():
+            sdk.close()
 
 
 def client(server, tenant: str = "alice") -> openai.OpenAI:
-    sdk = sdk_client(server)
-    sdk.api_key = KEYS[tenant]
-    return sdk
+    """One SDK client per tenant, closed with the server (an unclosed pool's sockets warn at garbage collection)."""
+    if tenant not in server.clients:
+        server.clients[tenant] = sdk_client(server)
+        server.clients[tenant].api_key = KEYS[tenant]
+    return server.clients[tenant]
 
 
 def test_a_plain_response_and_its_stored_routes(server):
@@ -124,4 +129,24 @@ def test_text_format_json_schema_and_parse(server):
     resp = sdk.responses.create(model=model, input="JSON please", max_output_tokens=600, temperature=0,
                                 text={"format": {"type": "json_object"}})
     assert isinstance(json.loads(resp.output_text), dict)
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_function_call_cut_short_is_an_incomplete_call(server, stream):
+    """A free string the random model never closes: max_output_tokens cuts the call, which stays a call."""
+    sdk, model = client(server), server.state.model_name
+    kwargs = dict(model=model, input="Weather?", tools=[WEATHER], tool_choice="required", max_output_tokens=64,
+                  temperature=0)
+    if stream:  # (the SDK's stream helper wants response.completed; an incomplete one ends response.incomplete)
+        events = list(sdk.responses.create(**kwargs, stream=True))
+        assert events[-1].type == "response.incomplete"
+        resp = events[-1].response
+    else:
+        resp = sdk.responses.create(**kwargs)
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    assert [o.type for o in resp.output] == ["function_call"]  # no internal tool-call text as a message
+    call = resp.output[0]
+    assert call.name == "get_weather" and call.status == "incomplete"
+    assert call.arguments.startswith('{"city"') and not call.arguments.endswith("}")
     server.wait_idle()

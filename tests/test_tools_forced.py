@@ -120,3 +120,44 @@ def test_agent_loop_forced_call_then_answer_hits_the_cache(client, model):
     assert cached[0] == 0
     assert cached[1] >= first.usage.prompt_tokens // BLOCK * BLOCK > 0
     assert cached[2] >= second.usage.prompt_tokens // BLOCK * BLOCK > cached[1]
+
+
+NOTE = {"type": "function", "function": {"name": "take_note", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}  # a free string: never closed
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "take_note"}}],
+                         ids=["required", "named"])
+def test_a_call_cut_short_by_max_tokens_stays_a_call(client, model, tool_choice):
+    kwargs = dict(model=model, messages=ask("Note this."), tools=[NOTE], tool_choice=tool_choice, temperature=0,
+                  max_tokens=64)
+    plain = client.chat.completions.create(**kwargs).choices[0]
+    assert plain.finish_reason == "length" and not plain.message.content  # no internal call text leaked
+    (call,) = plain.message.tool_calls
+    assert call.function.name == "take_note" and call.function.arguments.startswith('{"text"')
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    deltas = [c.delta for c in chunks]  # (the SDK's stream helper raises on "length" before showing the calls)
+    assert chunks[-1].finish_reason == "length" and not "".join(d.content or "" for d in deltas)
+    pieces = [p for d in deltas for p in d.tool_calls or ()]
+    assert {p.index for p in pieces} == {0} and pieces[0].function.name == "take_note"
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+
+
+def test_legacy_functions_get_the_legacy_shape(client, model):
+    kwargs = dict(model=model, messages=ask("Weather?"), functions=[WEATHER["function"], TIME["function"]],
+                  function_call={"name": "get_weather"}, temperature=0, max_tokens=200)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    assert choice.message.function_call.name == "get_weather"
+    city = json.loads(choice.message.function_call.arguments)["city"]
+    assert city in CITY["enum"]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    pieces = [c.choices[0].delta.function_call for c in chunks if c.choices and c.choices[0].delta.function_call]
+    assert pieces[0].name == "get_weather"
+    assert "".join(p.arguments or "" for p in pieces) == choice.message.function_call.arguments
+    assert chunks[-1].choices[0].finish_reason == "function_call"
+    history = ask("Weather?") + [choice.message.model_dump(exclude_none=True),
+                                 {"role": "function", "name": "get_weather", "content": f"sunny in {city}"}]
+    answer = client.chat.completions.create(model=model, messages=history, functions=[WEATHER["function"]],
+                                            function_call="none", max_tokens=4)
+    assert answer.choices[0].message.function_call is None and answer.choices[0].message.content

@@ -153,3 +153,29 @@ def test_parser_for_each_tool_choice():
     assert required.parse('[{"name": "get_weather", "parameters": {}}]', True, 0).calls == [ToolCall("get_weather", "{}")]
     with pytest.raises(ValueError, match="unknown tool call parser"):
         make_parser("mistral")
+
+
+CUT_SHORT = {  # output cut by max_tokens: the call as far as it goes stays a call, never leaks into content
+    "required array": (REQUIRED, '[{"name": "get_weather", "parameters": {"city": "NewToGo',
+                       "", [("get_weather", '{"city": "NewToGo')]),
+    "hermes mid-arguments": (HERMES, 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+                             "Let me check.", [("get_weather", '{"city": "Pa')]),
+    "hermes before the name ends": (HERMES, 'Sure.\n<tool_call>\n{"name": "get_we', "Sure.", []),
+    "hermes half a tag": (HERMES, "Sure. <tool_c", "Sure.", []),
+    "llama3 mid-arguments": (LLAMA3, '{"name": "get_weather", "parameters": {"city"', "",
+                             [("get_weather", '{"city"')]),
+    "named function": (NamedCallParser("get_weather"), '{"city": "Par', "", [("get_weather", '{"city": "Par')]),
+    "plain text keeps its spaces": (HERMES, "The capital is  ", "The capital is  ", []),
+}
+
+
+@pytest.mark.parametrize("parser, text, content, calls", CUT_SHORT.values(), ids=CUT_SHORT.keys())
+def test_a_call_cut_short_stays_a_call(parser, text, content, calls):
+    parsed = extract(parser, text, cut_short=True)
+    assert (parsed.content, [(c.name, c.arguments) for c in parsed.calls]) == (content, calls)
+    for step in (1, 3, len(text)):
+        stream = ToolCallStream(parser)
+        deltas = [stream.feed(text[i:i + step]) for i in range(0, len(text), step)] + [stream.finish(cut_short=True)]
+        got_content = "".join(d.content for d in deltas)
+        got_args = "".join(c.arguments for d in deltas for c in d.calls)
+        assert got_content == content and got_args == "".join(a for _, a in calls), step

@@ -58,8 +58,14 @@ BAD = [
     ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"parallel_tool_calls": True}, "parallel_tool_calls"),
-    ({"functions": [WEATHER["function"]]}, "functions"),
+    ({"functions": [WEATHER["function"]], "tools": [WEATHER]}, "tools"),
+    ({"functions": [WEATHER["function"]], "tool_choice": "auto"}, "tool_choice"),
+    ({"functions": []}, "functions"),
+    ({"functions": [{"name": "has space"}]}, "functions[0].name"),
+    ({"functions": [WEATHER["function"]], "function_call": "required"}, "function_call"),
+    ({"functions": [WEATHER["function"]], "function_call": {"name": "get_time"}}, "function_call"),
     ({"function_call": "auto"}, "function_call"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].name"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": NAMED, "guided_regex": "a+"}, "tool_choice"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
@@ -140,3 +146,21 @@ def test_tools_none_renders_as_before(tiny_tools_dir):
     tok = load_tokenizer(tiny_tools_dir, set())
     messages = [{"role": "user", "content": "hi"}]
     assert _render_chat(tok, messages, None) == tok.encode(tok.apply_chat_template(messages))
+
+
+def test_legacy_functions_map_to_one_tool_call_at_most():
+    legacy = parse_tools({"functions": [WEATHER["function"], TIME["function"]], "function_call": {"name": "get_time"}})
+    assert legacy.legacy and legacy.choice == "function" and legacy.function_name == "get_time"
+    assert legacy.max_calls == 1 and [t["function"]["name"] for t in legacy.tools] == ["get_weather", "get_time"]
+    assert parse_tools({"functions": [WEATHER["function"]]}).choice == "auto"
+    assert not parse_tools({"functions": [WEATHER["function"]], "function_call": "none"}).parses_calls
+
+
+def test_legacy_history_pairs_a_function_call_with_its_answer():
+    messages = normalize_messages([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"role": "function", "name": "get_weather", "content": "sunny"}], 10)
+    call = messages[1]["tool_calls"][0]
+    assert call["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": call["id"]}
