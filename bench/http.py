@@ -3,6 +3,7 @@ gateway alone in a subprocess over an instant engine stub (its own overhead)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -96,6 +97,84 @@ def run_gateway(core, workload: Workload, variant: str = "http-cache-on") -> Run
                      oracle_prefill_tokens([r.prompt_token_ids for r in workload.requests], core.config.block_size),
                      pc.hits, pc.queries, pc.evictions_capacity, core.scheduler.num_preemptions, rss_mb(),
                      note="through HTTP + openai SDK")
+
+
+async def _conversation(client, model: str, chat: int, system: str, users: list[str], api: str,
+                        max_tokens: int) -> list[tuple[RequestTiming, int]]:
+    """One chat's turns in sequence, kept as its API keeps a conversation; each turn's timing and request bytes."""
+    history, previous, turns = [{"role": "system", "content": system}], None, []
+    for turn, user in enumerate(users):
+        sent, times, answer = time.monotonic(), [], []
+        if api == "chat":
+            history.append({"role": "user", "content": user})
+            body = {"messages": history}
+            stream = await client.chat.completions.create(
+                model=model, messages=history, max_tokens=max_tokens, temperature=0.0, stream=True,
+                stream_options={"include_usage": True})
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    usage = (chunk.usage.prompt_tokens, chunk.usage.prompt_tokens_details.cached_tokens,
+                             chunk.usage.completion_tokens)
+                for choice in chunk.choices:
+                    if choice.delta.content:
+                        times.append(time.monotonic())
+                        answer.append(choice.delta.content)
+            history.append({"role": "assistant", "content": "".join(answer)})
+        else:  # only the new message; the first turn carries the system prompt, which the server stores
+            new = ([{"role": "system", "content": system}] if previous is None else []) + [{"role": "user",
+                                                                                            "content": user}]
+            body = {"input": new, "previous_response_id": previous}
+            stream = await client.responses.create(model=model, input=new, previous_response_id=previous,
+                                                   max_output_tokens=max_tokens, temperature=0.0, stream=True)
+            async for event in stream:
+                if event.type == "response.output_text.delta":
+                    times.append(time.monotonic())
+                elif event.type in ("response.completed", "response.incomplete"):
+                    final = event.response
+            previous = final.id
+            usage = (final.usage.input_tokens, final.usage.input_tokens_details.cached_tokens,
+                     final.usage.output_tokens)
+        end = time.monotonic()
+        timing = RequestTiming(f"chat-{chat}-turn-{turn}", (times[0] if times else end) - sent, 0.0, end - sent,
+                               *usage, [b - a for a, b in zip(times, times[1:])])
+        turns.append((timing, len(json.dumps(body).encode())))
+    return turns
+
+
+def run_conversations(core, chats: list[tuple[str, list[str]]], api: str, max_tokens: int) -> dict:
+    """Concurrent chats through the real gateway (in this process), by chat completions or the Responses API."""
+    from openai import AsyncOpenAI
+
+    from engine.async_engine import AsyncEngine
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings, Settings
+
+    engine = AsyncEngine(core)
+    settings = Settings(engine=core.config, gateway=GatewaySettings(port=0, log_level="warning"))
+
+    async def main():
+        runner, port = await _start(create_app(settings, engine=engine))
+        try:
+            async with AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench", max_retries=0,
+                                   timeout=600) as client:
+                t0 = time.monotonic()
+                per_chat = await asyncio.gather(*(_conversation(client, engine.model_name, i, system, users, api,
+                                                                max_tokens)
+                                                  for i, (system, users) in enumerate(chats)))
+                return per_chat, time.monotonic() - t0
+        finally:
+            await runner.cleanup()
+
+    per_chat, duration = asyncio.run(main())
+    timings = [t for turns in per_chat for t, _ in turns]
+    later = [t for turns in per_chat for t, _ in turns[1:]]
+    row = RunResult("multiturn4", api, timings, duration, 0, 0).summary()
+    row.pop("ttft_by_request_s")
+    row["cached_share_later_turns"] = (sum(t.num_cached_tokens for t in later) /
+                                       max(1, sum(t.num_prompt_tokens for t in later)))
+    row["request_bytes_by_turn"] = [sum(turns[i][1] for turns in per_chat) / len(per_chat)
+                                    for i in range(len(per_chat[0]))]
+    return row
 
 
 def transformers_cli() -> str | None:

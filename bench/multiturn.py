@@ -5,6 +5,12 @@
 assistant replies so every run sends the same tokens). Reports TTFT, inter-token latency p50/p95,
 request latency and output tok/s, and (in process) where the inter-token gaps come from: decode
 steps that also carried a prefill chunk against pure decode steps.
+
+`--api responses`: the same chats through the gateway twice, side by side, each client keeping its
+conversation the way its API does: chat completions resend the whole history (with the model's own
+answers) every turn; the Responses API sends only the new user message with `previous_response_id`
+and the server brings the stored conversation. Reports TTFT, the cached share of prompt tokens and the
+request bytes per turn of each.
 """
 from __future__ import annotations
 
@@ -100,6 +106,42 @@ def run(model: str = "default", turns: int = 4, http: bool = True, log=print,
     return out
 
 
+def run_apis(model: str = "default", turns: int = 4, log=print) -> dict:
+    """Chat completions (resending the history) against the Responses API (previous_response_id)."""
+    from bench import http as bench_http
+    model_path = str(resolve_model_path(model))
+    config = driver.EngineConfig(model=model_path)
+    chats = None
+    out = {"workload": f"{CHATS} chats x {turns} turns, shared {PREFIX_TOKENS}-token system prompt, "
+                       f"{TURN_TOKENS}-token user turns, {OUTPUT_TOKENS} output tokens", "apis": {}}
+    for api in ("chat", "responses"):  # a fresh engine each: both start from an empty cache
+        core = EngineCore(config)
+        chats = chats or conversations(workload(core.tokenizer, turns))
+        driver.warm_up(core)
+        row = bench_http.run_conversations(core, chats, api, OUTPUT_TOKENS)
+        log(f"multiturn4 --api {api}: TTFT p50 {row['ttft_p50_s']:.3f} s, later turns' prompt tokens cached "
+            f"{row['cached_share_later_turns']:.1%}, request bytes by turn "
+            f"{', '.join(f'{b:,.0f}' for b in row['request_bytes_by_turn'])}, {row['output_tok_s']:.1f} output tok/s")
+        out["apis"][api] = row
+    chat, responses = out["apis"]["chat"], out["apis"]["responses"]
+    out["responses_over_chat"] = {"ttft_p50": responses["ttft_p50_s"] / chat["ttft_p50_s"],
+                                  "cached_share": responses["cached_share_later_turns"] /
+                                  chat["cached_share_later_turns"]}
+    log("responses / chat: TTFT p50 {ttft_p50:.3f}x, cached share {cached_share:.3f}x".format(
+        **out["responses_over_chat"]))
+    return out
+
+
+def conversations(work: Workload) -> list[tuple[str, list[str]]]:
+    """Each chat's system prompt and its user messages, from the scripted workload."""
+    chats: dict[str, tuple[str, list[str]]] = {}
+    for r in work.requests:
+        chat = r.request_id.rsplit("-turn-", 1)[0]
+        system, users = chats.setdefault(chat, (r.messages[0]["content"], []))
+        users.append(r.messages[-1]["content"])
+    return list(chats.values())
+
+
 def _line(label: str, row: dict) -> str:
     s = row["steps"]
     return (f"multiturn4 {label}: TTFT p50 {row['ttft_p50_s']:.3f} s, ITL p50 {row['itl_p50_s'] * 1e3:.0f} ms / "
@@ -117,8 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--max-step-ms", type=float, default=None,
                         help="the engine's step-time target (what it costs in TTFT, what it buys in ITL p95)")
+    parser.add_argument("--api", choices=("chat", "responses"), default="chat",
+                        help="responses: chat completions resending the history against the Responses API "
+                             "with previous_response_id, side by side")
     args = parser.parse_args(argv)
-    result = run(args.model, args.turns, not args.no_http, max_step_ms=args.max_step_ms)
+    if args.api == "responses":
+        result = run_apis(args.model, args.turns)
+    else:
+        result = run(args.model, args.turns, not args.no_http, max_step_ms=args.max_step_ms)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
     return 0

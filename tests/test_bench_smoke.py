@@ -136,3 +136,15 @@ def test_chatbot_ttft_reports_every_request_of_the_workload(tiny_llama_dir):
     result = chatbot_ttft.run(str(tiny_llama_dir), TINY)
     assert len(result["ttfts_s"]) == TINY.chatbot_users
     assert result["ttfts_s"] == sorted(result["ttfts_s"]) and result["ttft_max_s"] == result["ttfts_s"][-1]
+
+
+def test_multiturn_responses_api_sends_constant_bytes_and_hits_like_chat(tiny_llama_dir):
+    from bench.multiturn import run_apis
+    out = run_apis(str(tiny_llama_dir), turns=3, log=lambda *_: None)
+    chat, responses = out["apis"]["chat"], out["apis"]["responses"]
+    assert chat["errors"] == responses["errors"] == 0
+    assert responses["prompt_tokens"] == chat["prompt_tokens"]  # the server rebuilt the same conversations
+    assert responses["cached_tokens"] == chat["cached_tokens"] > 0
+    grows, flat = chat["request_bytes_by_turn"], responses["request_bytes_by_turn"]
+    assert grows[0] < grows[1] < grows[2]
+    assert flat[1] < flat[0] / 2 and abs(flat[2] - flat[1]) < 0.1 * flat[1]  # only the new message
