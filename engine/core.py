@@ -10,7 +10,7 @@ from transformers import GenerationConfig
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv.disk_tier import DiskTier, model_fingerprint
+from engine.kv.disk_tier import DiskTier, model_fingerprint, open_disk_tier
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_io import KVBlockIO
 from engine.model import cpu_kernels
@@ -61,7 +61,8 @@ class EngineCore:
                                  eviction_policy=config.eviction_policy)
         if config.kv_disk_dir and config.enable_prefix_caching:
             kv_io = KVBlockIO(kv_cache)
-            self.kv.use_disk_tier(_disk_tier(config, path, dtype, kv_dtype, kv_io), kv_io)
+            if (disk := _disk_tier(config, path, dtype, kv_dtype, kv_io)) is not None:
+                self.kv.use_disk_tier(disk, kv_io)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, kv_cache, self.kv, self.device, compiled_kernels=compiled)
         if not config.enforce_eager and self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len):
@@ -115,10 +116,19 @@ class EngineCore:
 
     def close(self) -> None:
         """Graceful shutdown: cached RAM blocks go to the disk tier, so the next start hits them."""
-        if self.kv.disk is not None and not self.kv.disk.closed:
-            num = self.kv.flush_to_disk()
-            self.kv.disk.close()
-            logger.info("disk tier: flushed %d cached blocks to %s", num, self.kv.disk.dir)
+        disk = self.kv.disk
+        if disk is not None and not disk.closed:
+            before = disk.snapshot()
+            queued = self.kv.flush_to_disk()
+            disk.close()
+            after = disk.snapshot()
+            lost = (sum(after.write_errors.values()) - sum(before.write_errors.values())
+                    + after.dropped_spills - before.dropped_spills)
+            if lost:
+                logger.warning("disk tier: %d of %d cached blocks could not be written to %s at shutdown",
+                               lost, queued, disk.dir)
+            else:
+                logger.info("disk tier: wrote %d cached blocks to %s at shutdown", queued, disk.dir)
 
     def write_behind(self) -> None:
         """Idle: the disk tier (if any) gets the cached blocks it lacks, so a killed engine restarts warm."""
@@ -367,10 +377,11 @@ def _step_target(config: EngineConfig, runner: ModelRunner, num_blocks: int) -> 
 
 
 def _disk_tier(config: EngineConfig, model_path, dtype: torch.dtype, kv_dtype: torch.dtype,
-               kv_io: KVBlockIO) -> DiskTier:
+               kv_io: KVBlockIO) -> DiskTier | None:
     fingerprint = model_fingerprint(model_path, dtype, config.block_size, kv_io.block_shape, config.hash_algo.value,
                                     kv_dtype)
-    return DiskTier(config.kv_disk_dir, int(config.kv_disk_gb * 2**30), fingerprint, kv_io.block_shape, kv_dtype)
+    return open_disk_tier(config.kv_disk_dir, int(config.kv_disk_gb * 2**30), fingerprint, kv_io.block_shape,
+                          kv_dtype)
 
 
 def _allocate_kv_cache(config: EngineConfig, hf_config, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

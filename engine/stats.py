@@ -12,6 +12,7 @@ class DiskTierStats:
     dropped_spills: int = 0  # spills refused: the writer was too far behind
     evictions: int = 0  # files dropped by the tier's LRU
     corrupt: int = 0  # files that failed a check (deleted, never served)
+    write_errors: dict[str, int] = field(default_factory=dict)  # failed block writes by reason (no_space, ...)
 
 
 @dataclass(slots=True)

@@ -137,7 +137,14 @@ class DiskTierMetrics:
         self._corrupt = counter("kv_disk_corrupt_blocks_total",
                                 "Block files that failed a check (checksum, model, tokens): deleted, never served.")
         self._dropped = counter("kv_disk_dropped_spills_blocks_total",
-                                "Evicted blocks not spilled because the disk writer was too far behind.")
+                                "Evicted blocks not spilled: the disk writer was too far behind, or "
+                                "backing off after a failed write.")
+        write_errors = Counter(f"{PREFIX}kv_disk_write_errors_total",
+                               "Block writes to the disk tier that failed, by reason (no_space, permission, io); "
+                               "the block is lost to the tier, the request never fails.", ["model_name", "reason"],
+                               registry=registry)
+        self._write_errors = {reason: _Delta(write_errors.labels(model_name, reason))
+                              for reason in ("no_space", "permission", "io")}
         self.files = Gauge(f"{PREFIX}kv_disk_blocks", "Block files in the disk tier.", labels,
                            registry=registry).labels(model_name)
         self.bytes = Gauge(f"{PREFIX}kv_disk_bytes", "Bytes of block files in the disk tier.", labels,
@@ -151,6 +158,8 @@ class DiskTierMetrics:
         self._evictions.update(stats.disk.evictions)
         self._corrupt.update(stats.disk.corrupt)
         self._dropped.update(stats.disk.dropped_spills)
+        for reason, delta in self._write_errors.items():
+            delta.update(stats.disk.write_errors.get(reason, 0))
         self.files.set(stats.disk.files)
         self.bytes.set(stats.disk.bytes)
 

@@ -162,7 +162,8 @@ def test_evictions_by_every_reason_regrets_and_the_disk_tier():
     assert value(s, "prefixgate_kv_disk_blocks") == 0  # exported without a disk tier too
     cache = PrefixCacheStats(evictions_capacity=1, evictions_preemption=2, evictions_spill=3, evictions_reset=4,
                              regrets=5, disk_hits=32,
-                             disk=DiskTierStats(files=7, bytes=700, writes=9, dropped_spills=1, evictions=2, corrupt=1))
+                             disk=DiskTierStats(files=7, bytes=700, writes=9, dropped_spills=1, evictions=2, corrupt=1,
+                                                write_errors={"no_space": 3}))
     metrics.on_step(StepStats(SchedulerStats(prefix_cache=cache)))
     s = scrape(metrics)
     evictions = "prefixgate_prefix_cache_evictions_blocks_total"
@@ -174,6 +175,8 @@ def test_evictions_by_every_reason_regrets_and_the_disk_tier():
     assert value(s, "prefixgate_kv_disk_evictions_blocks_total") == 2
     assert value(s, "prefixgate_kv_disk_corrupt_blocks_total") == 1
     assert value(s, "prefixgate_kv_disk_dropped_spills_blocks_total") == 1
+    assert value(s, "prefixgate_kv_disk_write_errors_total", reason="no_space") == 3
+    assert value(s, "prefixgate_kv_disk_write_errors_total", reason="permission") == 0
 
 
 def test_http_requests_by_route_method_status():

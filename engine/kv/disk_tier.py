@@ -2,11 +2,19 @@
 
 Layout: DIR/<model fingerprint, 16 hex>/<block hash hex>.kv. A file holds its block hash, token ids,
 the full model fingerprint, the block's K and V, and a checksum of all of it; a file that fails any
-check is deleted and never served. A model, dtype, block-size or hash change gives another
-fingerprint, hence another folder: old files are never read. Its own LRU bounds its size.
+check is deleted and never served. A model (by a hash of its weights' full content), dtype, block-size
+or hash change gives another fingerprint, hence another folder: old files are never read, and are the
+first reclaimed by the one size cap of DIR. DIR/.lock keeps a second server out of the folder.
+
+A disk error of any kind costs at most a cache miss: the tier that cannot open its folder is not used,
+a failed write drops that block (and makes the writer back off while the disk stays full), a failed
+delete only leaves a file behind. Files are not fsync'ed: a power cut can lose the last writes or leave
+torn files, which their checksums reject.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -15,7 +23,8 @@ import os
 import queue
 import struct
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +40,8 @@ MAGIC = b"PGKVBLK1"
 _HEADER = struct.Struct("<8s32sHIQ")  # magic, fingerprint, hash length, number of tokens, payload bytes
 _CHECKSUM_BYTES = 16  # xxh3_128 over everything before it
 MAX_PENDING_BYTES = 256 * 2**20  # spills waiting for the writer; beyond this a spill is dropped
+BACKOFF_S = (1.0, 60.0)  # after a failed write no spill is taken for this long, doubling while writes keep failing
+_HASH_CHUNK = 8 * 2**20
 
 
 def model_fingerprint(model_path: Path, dtype: torch.dtype, block_size: int, block_shape: tuple[int, ...],
@@ -38,7 +49,7 @@ def model_fingerprint(model_path: Path, dtype: torch.dtype, block_size: int, blo
     """What makes a block's KV valid: model config and weights, dtype (the one the K/V were computed in, and
     the one they are stored in where that differs), block size, KV shape, hash function."""
     config = json.loads((Path(model_path) / "config.json").read_text())
-    weights = [(p.name, p.stat().st_size, _sample_digest(p)) for p in sorted(Path(model_path).glob("*.safetensors"))]
+    weights = [(p.name, p.stat().st_size, _content_digest(p)) for p in sorted(Path(model_path).glob("*.safetensors"))]
     identity = {"config": config, "weights": weights, "dtype": str(dtype), "block_size": block_size,
                 "block_shape": list(block_shape), "hash_algo": hash_algo}
     if kv_dtype not in (None, dtype):  # (an unchanged identity keeps the blocks saved before this field)
@@ -47,11 +58,15 @@ def model_fingerprint(model_path: Path, dtype: torch.dtype, block_size: int, blo
     return hashlib.sha256(identity.encode()).digest()
 
 
-def _sample_digest(path: Path) -> str:
-    """64 KiB from the middle of a weights file: a retrained model with the same shapes differs there."""
-    with path.open("rb") as f:
-        f.seek(path.stat().st_size // 2)
-        return hashlib.sha256(f.read(65536)).hexdigest()
+def _content_digest(path: Path) -> str:
+    """xxh3-128 of the whole weights file: a fine-tune of the same shapes differs somewhere, maybe only
+    there (about 0.1 s for the default model's 540 MB, read from the page cache the load just filled)."""
+    digest = xxhash.xxh3_128()
+    with path.open("rb", buffering=0) as f:
+        buf = bytearray(_HASH_CHUNK)
+        while size := f.readinto(buf):
+            digest.update(memoryview(buf)[:size])
+    return digest.hexdigest()
 
 
 def encode_block(fingerprint: bytes, block_hash: BlockHash, token_ids: tuple[int, ...], kv: torch.Tensor) -> bytes:
@@ -98,10 +113,65 @@ def _read(path: Path) -> bytearray:
     return data[:size] if size < len(data) else data
 
 
+def _probe_writable(folder: Path) -> None:
+    """Raises if no block could be written there (an immutable or read-only folder)."""
+    probe = folder / f".probe-{os.getpid()}"
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))  # (a full disk still has room for this)
+    os.unlink(probe)
+
+
 @dataclass(slots=True)
 class _Pending:
     token_ids: tuple[int, ...]
     kv: torch.Tensor
+
+
+class DiskTierUnavailable(OSError):
+    pass
+
+
+def open_disk_tier(root: str | Path, max_bytes: int, fingerprint: bytes, block_shape: tuple[int, ...],
+                   dtype: torch.dtype) -> "DiskTier | None":
+    """The tier, or None (with one warning) when its folder cannot be used: the server runs without it."""
+    try:
+        return DiskTier(root, max_bytes, fingerprint, block_shape, dtype)
+    except OSError as exc:
+        logger.warning("disk tier: not used, the server runs without it: %s", exc)
+        return None
+
+
+def _lock_folder(root: Path) -> int:
+    """An exclusive lock on ROOT/.lock for this process's life (released by close, or by the kernel at exit)."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise DiskTierUnavailable(f"{root} is in use by another server (pid {holder}); give each server its own "
+                                  "--kv-disk-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def _error_reason(exc: OSError) -> str:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return "no_space"
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "permission"
+    return "io"
+
+
+def _unlink(path: Path) -> OSError | None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        return exc
+    return None
 
 
 class DiskTier:
@@ -109,8 +179,15 @@ class DiskTier:
 
     def __init__(self, root: str | Path, max_bytes: int, fingerprint: bytes, block_shape: tuple[int, ...],
                  dtype: torch.dtype) -> None:
-        self.dir = Path(root) / fingerprint.hex()[:16]
-        self.dir.mkdir(parents=True, exist_ok=True)
+        root = Path(root)
+        self._lock_fd = _lock_folder(root)
+        try:
+            self.dir = root / fingerprint.hex()[:16]
+            self.dir.mkdir(exist_ok=True)
+            _probe_writable(self.dir)
+        except OSError:
+            os.close(self._lock_fd)
+            raise
         self.max_bytes = max_bytes
         self.fingerprint = fingerprint
         self.block_shape = block_shape
@@ -120,8 +197,14 @@ class DiskTier:
         self._index_bytes = 0
         self._pending: dict[BlockHash, _Pending] = {}  # spilled, not yet on disk: still servable
         self._pending_bytes = 0
+        self._others: deque[tuple[Path, int]] = deque()  # files of other fingerprints, oldest first: reclaimed first
+        self._others_bytes = 0
+        self._backoff_until = 0.0  # time.monotonic(): no spill is taken before it
+        self._backoff_s = 0.0
+        self._last_touch_ns = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
+        self._index_others(root)
         self._build_index()
         self._writer = threading.Thread(target=self._write_loop, name="prefixgate-kv-disk", daemon=True)
         self._writer.start()
@@ -143,7 +226,7 @@ class DiskTier:
                 return True
             if block_hash in self._pending:
                 return True
-            if self._pending_bytes + size > MAX_PENDING_BYTES:
+            if self._pending_bytes + size > MAX_PENDING_BYTES or time.monotonic() < self._backoff_until:
                 self.stats.dropped_spills += 1
                 return False
             self._pending[block_hash] = _Pending(token_ids, kv)
@@ -172,9 +255,20 @@ class DiskTier:
         except OSError as exc:
             return self._drop_bad(block_hash, exc)
         try:
-            return decode_block(data, self.fingerprint, block_hash, token_ids, self.dtype, self.block_shape)
+            kv = decode_block(data, self.fingerprint, block_hash, token_ids, self.dtype, self.block_shape)
         except (CorruptBlock, struct.error) as exc:
             return self._drop_bad(block_hash, exc)
+        self.touch(block_hash)
+        return kv
+
+    def touch(self, block_hash: BlockHash) -> None:
+        """Marks a file used now, so the order after a restart (by file times) keeps this use."""
+        # strictly increasing: consecutive touches within one tick of a coarse file clock keep their order
+        self._last_touch_ns = max(time.time_ns(), self._last_touch_ns + 1)
+        try:
+            os.utime(self._path(block_hash), ns=(self._last_touch_ns, self._last_touch_ns))
+        except OSError:
+            pass
 
     def _drop_bad(self, block_hash: BlockHash, exc: Exception) -> None:
         logger.warning("disk tier: dropping %s (%s); its tokens are computed", self._path(block_hash).name, exc)
@@ -196,16 +290,36 @@ class DiskTier:
         self.flush()
         self._queue.put(None)
         self._writer.join()
+        os.close(self._lock_fd)
 
     def snapshot(self) -> DiskTierStats:
         with self._lock:
             self.stats.files, self.stats.bytes = len(self._index), self._index_bytes
-            return DiskTierStats(**{f: getattr(self.stats, f) for f in DiskTierStats.__slots__})
+            copy = DiskTierStats(**{f: getattr(self.stats, f) for f in DiskTierStats.__slots__})
+            copy.write_errors = dict(self.stats.write_errors)
+            return copy
 
     # ---- index and writer
 
     def _path(self, block_hash: BlockHash) -> Path:
         return self.dir / f"{block_hash.hex()}.kv"
+
+    def _index_others(self, root: Path) -> None:
+        """Files of other fingerprints (another model, dtype or block size): never read, counted against the
+        one cap, and deleted first when it is reached."""
+        entries = []
+        for folder in os.scandir(root):
+            if not folder.is_dir() or folder.path == str(self.dir):
+                continue
+            for entry in os.scandir(folder.path):
+                try:
+                    stat = entry.stat()
+                except OSError:
+                    continue
+                entries.append((stat.st_mtime_ns, Path(entry.path), stat.st_size))
+        for _, path, size in sorted(entries):
+            self._others.append((path, size))
+            self._others_bytes += size
 
     def _build_index(self) -> None:
         """Names and sizes only: no KV is read until a hit."""
@@ -213,7 +327,7 @@ class DiskTier:
         for entry in os.scandir(self.dir):
             name = entry.name
             if name.endswith(".tmp"):  # a write cut short by a crash
-                os.unlink(entry.path)
+                _unlink(Path(entry.path))
                 continue
             try:
                 block_hash = BlockHash(bytes.fromhex(name.removesuffix(".kv")))
@@ -229,11 +343,17 @@ class DiskTier:
     def _write_loop(self) -> None:
         while (block_hash := self._queue.get()) is not None:
             try:
-                self._write(block_hash)
-            except Exception:  # a full or broken disk loses this block, never the engine
+                if time.monotonic() < self._backoff_until:  # queued before the disk filled up: dropped
+                    with self._lock:
+                        self._drop_pending(block_hash)
+                        self.stats.dropped_spills += 1
+                else:
+                    self._write(block_hash)
+            except Exception:  # anything else loses this block, never the engine
                 logger.exception("disk tier: writing a block failed")
                 with self._lock:
                     self._drop_pending(block_hash)
+                    self.stats.write_errors["io"] = self.stats.write_errors.get("io", 0) + 1
             finally:
                 self._queue.task_done()
         self._queue.task_done()
@@ -243,13 +363,30 @@ class DiskTier:
         data = encode_block(self.fingerprint, block_hash, pending.token_ids, pending.kv)
         path = self._path(block_hash)
         tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)  # atomic: a reader sees the whole file or none
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)  # atomic: a reader sees the whole file or none
+        except OSError as exc:
+            _unlink(tmp)  # a partial temporary must not fill the disk further
+            with self._lock:
+                self._drop_pending(block_hash)
+                self._write_failed(exc)
+            return
         with self._lock:
             self._drop_pending(block_hash)
             self._add(block_hash, len(data))
             self.stats.writes += 1
+            self._backoff_s = 0.0
             self._trim()
+
+    def _write_failed(self, exc: OSError) -> None:
+        """Counts the error by reason and stops taking spills for a while (doubling while it lasts)."""
+        reason = _error_reason(exc)
+        self.stats.write_errors[reason] = self.stats.write_errors.get(reason, 0) + 1
+        self._backoff_s = min(BACKOFF_S[1], self._backoff_s * 2 or BACKOFF_S[0])
+        self._backoff_until = time.monotonic() + self._backoff_s
+        logger.warning("disk tier: a block write failed (%s: %s); no spills for %.0f s", reason, exc.strerror,
+                       self._backoff_s)
 
     def _drop_pending(self, block_hash: BlockHash) -> None:
         pending = self._pending.pop(block_hash)
@@ -260,13 +397,16 @@ class DiskTier:
         self._index_bytes += size
 
     def _trim(self) -> None:
+        """One cap for the whole folder: other fingerprints' files go first, then this one's LRU."""
+        while self._index_bytes + self._others_bytes > self.max_bytes and self._others:
+            path, size = self._others.popleft()
+            self._others_bytes -= size
+            _unlink(path)
         while self._index_bytes > self.max_bytes and self._index:
             self._forget(next(iter(self._index)))
             self.stats.evictions += 1
 
     def _forget(self, block_hash: BlockHash) -> None:
+        """Out of the index; the file is deleted if the folder allows (else it only stays behind)."""
         self._index_bytes -= self._index.pop(block_hash, 0)
-        try:
-            os.unlink(self._path(block_hash))
-        except FileNotFoundError:
-            pass
+        _unlink(self._path(block_hash))

@@ -163,11 +163,17 @@ class KVCacheManager:
         return [b for b in self.pool.cached.values() if b.block_hash not in self.disk]
 
     def flush_to_disk(self) -> int:
-        """Writes every cached RAM block the disk tier lacks (graceful shutdown); returns how many."""
+        """Writes every cached RAM block the disk tier lacks (graceful shutdown), then marks the files of
+        all of them used, the next to be evicted first: file times then keep the RAM recency across a
+        restart. Returns how many blocks it queued."""
         blocks = self._missing_on_disk()
         for block in blocks:
             self.disk.put(block.block_hash, block.token_ids, self.kv_io.copy_out(block.block_id), wait=True)
         self.disk.flush()
+        in_use = [b for b in self.pool.blocks if b.ref_cnt and b.block_hash is not None]
+        for block in [b for b in self.pool.free_queue if b.block_hash is not None] + in_use:
+            if block.block_hash in self.disk:
+                self.disk.touch(block.block_hash)
         return len(blocks)
 
     def write_behind(self) -> int:
