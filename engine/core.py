@@ -278,7 +278,17 @@ class EngineCore:
             finish_reason=request.finish_reason,
             error=error,
             embedding=request.embedding,
+            num_disk_cached_tokens=request.num_disk_cached_tokens,
+            num_cache_write_tokens=self._cache_write_tokens(request),
         )
+
+    def _cache_write_tokens(self, request: Request) -> int:
+        """Prompt tokens in full blocks that this request computed (not hit): each such block was registered
+        in the cache as it filled."""
+        if not self.kv.enable_caching:
+            return 0
+        computed = min(request.num_computed_tokens, request.num_prompt_tokens)
+        return max(0, computed // self.config.block_size * self.config.block_size - (request.num_cached_tokens or 0))
 
     # ---- stats
 
@@ -321,7 +331,8 @@ class EngineCore:
             num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens or 0,
             num_output_tokens=len(r.output_token_ids), queue_time=scheduled - r.arrival_time,
             prefill_time=first_token - scheduled, ttft=first_token - r.arrival_time,
-            e2e_latency=end - r.arrival_time, inter_token_latencies=list(r.inter_token_latencies))
+            e2e_latency=end - r.arrival_time, inter_token_latencies=list(r.inter_token_latencies),
+            num_disk_cached_tokens=r.num_disk_cached_tokens, num_cache_write_tokens=self._cache_write_tokens(r))
 
 
 def _context_length(config: EngineConfig, hf_config, num_blocks: int) -> int:

@@ -28,6 +28,8 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     embedding: list[float] | None = None  # a pooling request's vector (SamplingParams.pooling)
+    num_disk_cached_tokens: int = 0  # the part of num_cached_tokens read back from the disk tier
+    num_cache_write_tokens: int = 0  # prompt tokens this request computed and wrote to the cache (full blocks)
 
 
 @dataclass(slots=True)

@@ -33,6 +33,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V sit in the cache
         self.num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache; None until admitted
+        self.num_disk_cached_tokens = 0  # the part of them loaded from the disk tier
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
         self.finish_reason: str | None = None

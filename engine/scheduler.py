@@ -123,6 +123,7 @@ class Scheduler:
             if request.num_cached_tokens is None:  # first admission; a resumed request was counted already
                 self.kv.record_lookup(request, prefix)
                 request.num_cached_tokens = prefix.num_tokens
+                request.num_disk_cached_tokens = prefix.num_disk_blocks * self.kv.block_size
                 request.first_scheduled_time = now
             request.status = RequestStatus.RUNNING
             self.running.append(request)

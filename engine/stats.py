@@ -66,6 +66,8 @@ class FinishedRequestStats:
     ttft: float  # arrival -> first token
     e2e_latency: float  # arrival -> finished
     inter_token_latencies: list[float] = field(default_factory=list)
+    num_disk_cached_tokens: int = 0  # the part of num_cached_tokens read back from the disk tier
+    num_cache_write_tokens: int = 0  # prompt tokens computed and written to the cache
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from engine.sampling_params import SamplingParams
 from gateway.errors import APIError, invalid
-from gateway.generate import Choice, check_output, run_choices
+from gateway.generate import Choice, check_output, prompt_tokens_details, run_choices
 from gateway.jsonbody import parse_body
 from gateway.protocol import _Fields, parse_prompts
 from gateway.render import encode_prompts
@@ -72,15 +72,14 @@ async def embeddings(request: web.Request) -> web.Response:
         params = SamplingParams(max_tokens=1, pooling="last")
         choices = [Choice(i, i, f"{response_id}-{i}", p, params) for i, p in enumerate(prompts)]
         vectors: dict[int, list[float]] = {}
-        cached = 0
         outputs = run_choices(state.engine, choices, cache_salt=tenant.cache_salt(req.cache_salt), tenant=tenant.name)
         async with contextlib.aclosing(outputs):
             try:
                 async for choice, out in outputs:
                     check_output(out)
+                    choice.add(out)
                     if out.finished:
                         vectors[choice.index] = out.embedding
-                        cached += out.num_cached_tokens
             except ValueError as exc:  # the engine's own checks
                 raise invalid(str(exc), "input") from None
     tokens = sum(len(p) for p in prompts)
@@ -88,5 +87,6 @@ async def embeddings(request: web.Request) -> web.Response:
         "object": "list", "model": state.model_name,
         "data": [{"object": "embedding", "index": i, "embedding": _encoded(vectors[i], req.encoding_format)}
                  for i in range(len(prompts))],
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "prompt_tokens_details": {"cached_tokens": cached}},
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
+                  "prompt_tokens_details": prompt_tokens_details(choices)},
     })

@@ -34,6 +34,8 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[SampledToken] = field(default_factory=list)
     num_cached_tokens: int = 0
+    num_disk_cached_tokens: int = 0
+    num_cache_write_tokens: int = 0
     num_output_tokens: int = 0
     finish_reason: str | None = None
 
@@ -42,6 +44,8 @@ class Choice:
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.new_logprobs or ())
         self.num_cached_tokens = out.num_cached_tokens
+        self.num_disk_cached_tokens = out.num_disk_cached_tokens
+        self.num_cache_write_tokens = out.num_cache_write_tokens
         self.num_output_tokens = out.num_output_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
@@ -69,10 +73,19 @@ def usage(choices: list[Choice]) -> dict[str, Any]:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in leaders.values())},
+        "prompt_tokens_details": prompt_tokens_details(leaders.values()),
         "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,  # as OpenAI sends them
                                       "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
     }
+
+
+def prompt_tokens_details(leaders) -> dict[str, int]:
+    """OpenAI's cached_tokens, and where they came from and went: disk_cached_tokens (the part of
+    cached_tokens read back from the disk tier), cache_write_tokens (prompt tokens computed and written to
+    the cache by this request)."""
+    return {"cached_tokens": sum(c.num_cached_tokens for c in leaders),
+            "disk_cached_tokens": sum(c.num_disk_cached_tokens for c in leaders),
+            "cache_write_tokens": sum(c.num_cache_write_tokens for c in leaders)}
 
 
 async def run_choices(engine: EngineClient, choices: list[Choice], *, cache_salt: str,

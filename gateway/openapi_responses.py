@@ -91,8 +91,11 @@ def _head(object_name: str, id_prefix: str, model_name: str) -> dict[str, Any]:
 def _usage() -> dict[str, Any]:
     return _closed({
         "prompt_tokens": _COUNT, "completion_tokens": _COUNT, "total_tokens": _COUNT,
-        "prompt_tokens_details": _closed({"cached_tokens": {
-            **_COUNT, "description": "prompt tokens served from the prefix cache"}}),
+        "prompt_tokens_details": _closed({
+            "cached_tokens": {**_COUNT, "description": "prompt tokens served from the prefix cache"},
+            "disk_cached_tokens": {**_COUNT, "description": "the part of cached_tokens read back from the disk tier"},
+            "cache_write_tokens": {**_COUNT, "description": "prompt tokens this request computed and wrote to the "
+                                                            "cache (its full blocks not served from it)"}}),
         "completion_tokens_details": {**_closed({name: {**_COUNT, "enum": [0]} for name in (
             "reasoning_tokens", "audio_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")}),
             "description": "always zeros (no reasoning, audio or predicted outputs), as OpenAI sends them"},

@@ -261,7 +261,7 @@ def _response(response_id: str, req: ResponsesRequest, model: str, created: int,
         "text": body.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
         "usage": None if use is None else {
             "input_tokens": use["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": use["prompt_tokens_details"]["cached_tokens"]},
+            "input_tokens_details": use["prompt_tokens_details"],
             "output_tokens": use["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": use["total_tokens"]},
     }

@@ -277,7 +277,15 @@ class TenantMetrics:
         regrets = Counter(f"{PREFIX}tenant_prefix_cache_regrets_blocks_total",
                           "Evicted blocks asked for again soon after, by the tenant that cached them.", labels,
                           registry=registry)
+        disk_hits = Counter(f"{PREFIX}tenant_prefix_cache_disk_hits_tokens_total",
+                            "Prompt tokens read back from the disk tier (part of the hits), by tenant.", labels,
+                            registry=registry)
+        writes = Counter(f"{PREFIX}tenant_prefix_cache_write_tokens_total",
+                         "Prompt tokens computed and written to the prefix cache (usage's cache_write_tokens), "
+                         "by tenant.", labels, registry=registry)
         names = [*dict.fromkeys(tenants), OTHER_TENANT]
+        self._disk_hits = {t: disk_hits.labels(model_name, t) for t in names}
+        self._writes = {t: writes.labels(model_name, t) for t in names}
         self._queries = {t: queries.labels(model_name, t) for t in names}
         self._hits = {t: hits.labels(model_name, t) for t in names}
         self._evictions = {t: evictions.labels(model_name, t) for t in names}
@@ -299,6 +307,12 @@ class TenantMetrics:
         for tenant, blocks in stats.tenant_regrets.items():
             if blocks:
                 self._regrets[self.bucket(tenant)].inc(blocks)
+        for request in stats.finished:  # counted when the request ends, as its usage reports them
+            name = self.bucket(request.tenant)
+            if request.num_disk_cached_tokens:
+                self._disk_hits[name].inc(request.num_disk_cached_tokens)
+            if request.num_cache_write_tokens:
+                self._writes[name].inc(request.num_cache_write_tokens)
 
 
 class HttpMetrics:

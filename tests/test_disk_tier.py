@@ -255,3 +255,27 @@ async def test_a_gateway_restart_hits_the_disk_tier_only_with_a_fixed_salt_secre
             assert resp.status == 200, await resp.text()
             cached.append((await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"])
     assert cached == expected
+
+
+async def test_usage_says_what_came_from_disk_and_what_was_written(tiny_llama_dir, tmp_path):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from gateway.app import create_app
+    from gateway.settings import load_settings
+
+    settings = load_settings(None, engine_overrides=dict(model=str(tiny_llama_dir), num_kv_blocks=12,
+                                                         kv_disk_dir=str(tmp_path), eviction_policy="lru"),
+                             gateway_overrides=dict(salt_secret="fixed"))
+    details = []
+    for _ in range(2):  # the second server starts after the first shut down and wrote its blocks to disk
+        async with TestClient(TestServer(create_app(settings))) as client:
+            model = (await (await client.get("/v1/models")).json())["data"][0]["id"]
+            for _ in range(2):
+                resp = await client.post("/v1/completions", json={"model": model, "prompt": HOT, "max_tokens": 1,
+                                                                  "temperature": 0})
+                details.append((await resp.json())["usage"]["prompt_tokens_details"])
+    full = 4 * BS  # HOT's full blocks
+    assert details == [{"cached_tokens": 0, "disk_cached_tokens": 0, "cache_write_tokens": full},  # computed
+                       {"cached_tokens": full, "disk_cached_tokens": 0, "cache_write_tokens": 0},  # RAM hit
+                       {"cached_tokens": full, "disk_cached_tokens": full, "cache_write_tokens": 0},  # disk
+                       {"cached_tokens": full, "disk_cached_tokens": 0, "cache_write_tokens": 0}]  # RAM again

@@ -109,7 +109,9 @@ async def test_chat_completion_shape_and_request_ids(client):
     usage = body["usage"]
     assert usage["completion_tokens"] <= 4 and usage["prompt_tokens"] > 0
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    block = engine_of(client).core.config.block_size
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0, "disk_cached_tokens": 0,
+                                              "cache_write_tokens": usage["prompt_tokens"] // block * block}
 
     resp = await client.post("/v1/chat/completions", json=chat(client), headers={"X-Request-Id": "trace-42"})
     assert resp.status == 200 and resp.headers["X-Request-Id"] == "trace-42"

@@ -154,6 +154,22 @@ def test_tenant_evictions_when_the_engine_reports_them():
     assert value(s, regrets, tenant="acme") == 1 and value(s, regrets, tenant="other") == 2
 
 
+def test_tenant_cache_writes_and_disk_reads_when_requests_finish():
+    from engine.stats import FinishedRequestStats
+
+    def finished(tenant: str, disk: int, written: int) -> FinishedRequestStats:
+        return FinishedRequestStats("r", tenant, "stop", 100, disk, 1, 0.0, 0.1, 0.1, 0.2,
+                                    num_disk_cached_tokens=disk, num_cache_write_tokens=written)
+
+    metrics = Metrics(MODEL, tenants=["acme"])
+    metrics.on_step(step(finished=[finished("acme", 32, 64), finished("x", 0, 16)]))
+    s = scrape(metrics)
+    assert value(s, "prefixgate_tenant_prefix_cache_write_tokens_total", tenant="acme") == 64
+    assert value(s, "prefixgate_tenant_prefix_cache_write_tokens_total", tenant="other") == 16
+    assert value(s, "prefixgate_tenant_prefix_cache_disk_hits_tokens_total", tenant="acme") == 32
+    assert value(s, "prefixgate_tenant_prefix_cache_disk_hits_tokens_total", tenant="other") == 0
+
+
 def test_evictions_by_every_reason_regrets_and_the_disk_tier():
     from engine.stats import DiskTierStats
 
