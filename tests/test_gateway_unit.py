@@ -296,7 +296,7 @@ def test_chat_content_parts_and_roles():
     ({"model": None}, "model"), ({"model": 3}, "model"),
     ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user", "content": "a"}] * 4}, "messages"),
-    ({"messages": [{"role": "function", "content": "a"}]}, "messages[0].role"),
+    ({"messages": [{"role": "function", "content": "a"}]}, "messages[0].name"),  # a legacy answer names its function
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages[0].content[0].text"),
