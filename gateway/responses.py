@@ -123,7 +123,9 @@ def parse_responses(body: Any, state, tenant: str, store: ResponseStore) -> Resp
         chat_body["tool_choice"] = _tool_choice(body.get("tool_choice"))
         if body.get("parallel_tool_calls") is not None:
             chat_body["parallel_tool_calls"] = body["parallel_tool_calls"]
-    if (fmt := _text_format(body.get("text"))) is not None:
+    forced = tools and chat_body["tool_choice"] not in (None, "auto", "none")
+    if (fmt := _text_format(body.get("text"))) is not None and not forced:
+        # (a forced call is the whole output: text.format shapes text, as agents send it on every turn)
         chat_body["response_format"] = fmt
     if body.get("metadata") is not None and not isinstance(body.get("metadata"), dict):
         raise invalid("metadata must be an object", "metadata")

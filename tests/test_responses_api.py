@@ -150,3 +150,14 @@ def test_a_function_call_cut_short_is_an_incomplete_call(server, stream):
     assert call.name == "get_weather" and call.status == "incomplete"
     assert call.arguments.startswith('{"city"') and not call.arguments.endswith("}")
     server.wait_idle()
+
+
+def test_a_forced_call_with_a_text_format_is_the_call(server):
+    """Agents send text.format (their output type) on every turn, and force a tool on some: the call wins."""
+    sdk, model = client(server), server.state.model_name
+    resp = sdk.responses.create(model=model, input="Weather?", tools=[WEATHER], max_output_tokens=400,
+                                tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "City", "strict": True,
+                                                 "schema": City.model_json_schema() | {"additionalProperties": False}}})
+    assert [o.type for o in resp.output] == ["function_call"] and resp.output[0].name == "get_weather"
+    server.wait_idle()
