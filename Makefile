@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CLUSTER_STAMP := $(VENV)/.installed-cluster
+COMPAT_STAMP := $(VENV)/.installed-compat
+COMPAT_INSTRUCTOR := $(VENV)/compat-instructor
 ARGS ?=
 REPLICAS ?= 4
 
@@ -20,6 +22,14 @@ $(CLUSTER_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[cluster]'
 	touch $(CLUSTER_STAMP)
 
+# the client frameworks of tests/test_client_compat.py, for make test only; instructor in a venv of its own
+# (its pins cannot share this venv's openai: tests/compat/instructor.txt)
+$(COMPAT_STAMP): $(STAMP) tests/compat/instructor.txt
+	$(PY) -m pip install -q -e '.[compat]'
+	test -x $(COMPAT_INSTRUCTOR)/bin/python || $(PYTHON) -m venv $(COMPAT_INSTRUCTOR)
+	$(COMPAT_INSTRUCTOR)/bin/python -m pip install -q -r tests/compat/instructor.txt
+	touch $(COMPAT_STAMP)
+
 serve: $(STAMP)
 	$(PY) -m gateway serve $(ARGS)
 
@@ -30,7 +40,7 @@ serve-cluster: $(CLUSTER_STAMP)
 model: $(STAMP)
 	$(PY) -m engine.model.default_model
 
-test: $(STAMP) $(CLUSTER_STAMP)
+test: $(STAMP) $(CLUSTER_STAMP) $(COMPAT_STAMP)
 	bash scripts/ensure_test_deps.sh
 	$(PY) -m pytest $(ARGS)
 
