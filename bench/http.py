@@ -24,6 +24,27 @@ async def _start(app):
     return runner, runner.addresses[0][1]
 
 
+def _through_gateway(engine, drive):
+    """`drive(client, model)` against the real gateway: its aiohttp app in this process, `engine` on its thread."""
+    from openai import AsyncOpenAI
+
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings, Settings
+
+    settings = Settings(engine=engine.core.config, gateway=GatewaySettings(port=0, log_level="warning"))
+
+    async def main():
+        runner, port = await _start(create_app(settings, engine=engine))
+        try:
+            async with AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench", max_retries=0,
+                                   timeout=600) as client:
+                return await drive(client, engine.model_name)
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(main())
+
+
 async def _one(client, model: str, r: BenchRequest, extra_body: dict | None) -> RequestTiming:
     """Streams one request; TTFT is the first chunk that carries text (or the end, if none does)."""
     sent = time.monotonic()
@@ -71,27 +92,13 @@ async def _drive(client, model: str, workload: Workload,
 
 def run_gateway(core, workload: Workload, variant: str = "http-cache-on") -> RunResult:
     """The workload through the real gateway (aiohttp app in this process, engine on its thread)."""
-    from openai import AsyncOpenAI
-
     from engine.async_engine import AsyncEngine
-    from gateway.app import create_app
-    from gateway.settings import GatewaySettings, Settings
 
     engine = AsyncEngine(core)
     prefill = [0]
     engine.add_stats_listener(lambda stats: prefill.__setitem__(0, prefill[0] + stats.num_prompt_tokens))
-    settings = Settings(engine=core.config, gateway=GatewaySettings(port=0, log_level="warning"))
-
-    async def main():
-        runner, port = await _start(create_app(settings, engine=engine))
-        try:
-            async with AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench", max_retries=0,
-                                   timeout=600) as client:
-                return await _drive(client, engine.model_name, workload, {"ignore_eos": True})
-        finally:
-            await runner.cleanup()
-
-    timings, duration = asyncio.run(main())
+    timings, duration = _through_gateway(engine, lambda client, model: _drive(client, model, workload,
+                                                                              {"ignore_eos": True}))
     pc = core.prefix_cache_stats()
     return RunResult(workload.name, variant, timings, duration, prefill[0],
                      oracle_prefill_tokens([r.prompt_token_ids for r in workload.requests], core.config.block_size),
@@ -143,29 +150,15 @@ async def _conversation(client, model: str, chat: int, system: str, users: list[
 
 def run_conversations(core, chats: list[tuple[str, list[str]]], api: str, max_tokens: int) -> dict:
     """Concurrent chats through the real gateway (in this process), by chat completions or the Responses API."""
-    from openai import AsyncOpenAI
-
     from engine.async_engine import AsyncEngine
-    from gateway.app import create_app
-    from gateway.settings import GatewaySettings, Settings
 
-    engine = AsyncEngine(core)
-    settings = Settings(engine=core.config, gateway=GatewaySettings(port=0, log_level="warning"))
+    async def drive(client, model: str):
+        t0 = time.monotonic()
+        per_chat = await asyncio.gather(*(_conversation(client, model, i, system, users, api, max_tokens)
+                                          for i, (system, users) in enumerate(chats)))
+        return per_chat, time.monotonic() - t0
 
-    async def main():
-        runner, port = await _start(create_app(settings, engine=engine))
-        try:
-            async with AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench", max_retries=0,
-                                   timeout=600) as client:
-                t0 = time.monotonic()
-                per_chat = await asyncio.gather(*(_conversation(client, engine.model_name, i, system, users, api,
-                                                                max_tokens)
-                                                  for i, (system, users) in enumerate(chats)))
-                return per_chat, time.monotonic() - t0
-        finally:
-            await runner.cleanup()
-
-    per_chat, duration = asyncio.run(main())
+    per_chat, duration = _through_gateway(AsyncEngine(core), drive)
     timings = [t for turns in per_chat for t, _ in turns]
     later = [t for turns in per_chat for t, _ in turns[1:]]
     row = RunResult("multiturn4", api, timings, duration, 0, 0).summary()
