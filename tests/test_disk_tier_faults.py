@@ -229,6 +229,18 @@ def test_other_configurations_files_count_against_the_cap_and_go_first(tmp_path)
     tier.close()
 
 
+def test_the_cap_never_deletes_what_a_tier_did_not_write(tmp_path):
+    size = len(encode_block(FP, h(0), (1, 2), kv(0)))
+    mine = tmp_path / "notes" / "keep.txt"  # an operator's file beside the tier's folders
+    mine.parent.mkdir()
+    mine.write_bytes(bytes(10 * size))
+    tier = make_tier(tmp_path, max_bytes=2 * size)
+    tier.put(h(1), (1, 2), kv(1))
+    tier.flush()
+    assert mine.exists() and h(1) in tier
+    tier.close()
+
+
 # ---- recency across a restart
 
 def test_a_block_served_from_disk_outlives_older_ones_after_a_restart(tmp_path):

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import queue
+import re
 import struct
 import threading
 import time
@@ -42,6 +43,7 @@ _CHECKSUM_BYTES = 16  # xxh3_128 over everything before it
 MAX_PENDING_BYTES = 256 * 2**20  # spills waiting for the writer; beyond this a spill is dropped
 BACKOFF_S = (1.0, 60.0)  # after a failed write no spill is taken for this long, doubling while writes keep failing
 _HASH_CHUNK = 8 * 2**20
+_FINGERPRINT_FOLDER = re.compile(r"[0-9a-f]{16}")
 
 
 def model_fingerprint(model_path: Path, dtype: torch.dtype, block_size: int, block_shape: tuple[int, ...],
@@ -267,7 +269,7 @@ class DiskTier:
         self._last_touch_ns = max(time.time_ns(), self._last_touch_ns + 1)
         try:
             os.utime(self._path(block_hash), ns=(self._last_touch_ns, self._last_touch_ns))
-        except OSError:
+        except OSError:  # gone, or a folder that refuses it: only the order after a restart suffers
             pass
 
     def _drop_bad(self, block_hash: BlockHash, exc: Exception) -> None:
@@ -309,9 +311,11 @@ class DiskTier:
         one cap, and deleted first when it is reached."""
         entries = []
         for folder in os.scandir(root):
-            if not folder.is_dir() or folder.path == str(self.dir):
+            if not folder.is_dir() or folder.path == str(self.dir) or not _FINGERPRINT_FOLDER.fullmatch(folder.name):
                 continue
             for entry in os.scandir(folder.path):
+                if not entry.name.endswith((".kv", ".tmp")):  # only what a tier wrote is ever deleted
+                    continue
                 try:
                     stat = entry.stat()
                 except OSError:
