@@ -9,7 +9,8 @@ from typing import Any
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SampledToken
 from gateway.generate import Choice
-from gateway.tool_parsers import StreamDelta, ToolCallStream, ToolParser, extract
+from gateway.tool_parsers import StreamDelta, ToolCallStream, extract, parser_for
+from gateway.tools import ToolRequest
 
 
 class ChatFormat:
@@ -17,16 +18,15 @@ class ChatFormat:
     chunk_name = "chat.completion.chunk"
 
     def __init__(self, response_id: str, model: str, tokenizer: Any, *, fingerprint: str | None = None,
-                 tool_parser: ToolParser | None = None, max_tool_calls: int | None = None,
-                 legacy_functions: bool = False) -> None:
+                 tools: ToolRequest | None = None, tool_call_parser: str = "hermes") -> None:
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
         self.tokenizer = tokenizer
         self.fingerprint = fingerprint
-        self.tool_parser = tool_parser  # None: the text is never parsed for tool calls
-        self.max_tool_calls = max_tool_calls
-        self.legacy_functions = legacy_functions  # answer with the deprecated `function_call` shape
+        self.tool_parser = parser_for(tools, tool_call_parser)  # None: the text is never parsed for tool calls
+        self.max_tool_calls = tools.max_calls if tools else None
+        self.legacy_functions = tools is not None and tools.legacy  # answer with the deprecated `function_call`
         self._tool_streams: dict[int, ToolCallStream] = {}  # per choice index, when streaming
 
     def response(self, choices: list[Choice], usage: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,6 @@ from gateway.render import render_chat
 from gateway.routes import sampling_params
 from gateway.state import STATE
 from gateway.streaming import SSE_HEADERS, encode_event
-from gateway.tool_parsers import parser_for
 from gateway.tool_prompt import TOOL_TEMPLATE
 
 HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
@@ -285,9 +284,8 @@ async def create(request: web.Request) -> web.StreamResponse:
         prompt = await render_chat(state.engine.tokenizer, chat.messages, tools, tool_template)
         max_tokens = state.check_lengths(len(prompt), chat.max_tokens, "input")
         response_id = _new_id("resp")
-        fmt = ChatFormat(response_id, state.model_name, state.engine.tokenizer,
-                         tool_parser=parser_for(chat.tools, tool_template.parser),
-                         max_tool_calls=chat.tools.max_calls if chat.tools else None)
+        fmt = ChatFormat(response_id, state.model_name, state.engine.tokenizer, tools=chat.tools,
+                         tool_call_parser=tool_template.parser)
         choice = Choice(0, 0, response_id, prompt, sampling_params(chat, max_tokens, 0))
         outputs = run_choices(state.engine, [choice], cache_salt=tenant.cache_salt(chat.cache_salt),
                               tenant=tenant.name)

@@ -25,7 +25,6 @@ from gateway.render import encode_prompts, render_chat
 from gateway.sampling_fields import best_choices, check_logit_bias_ids
 from gateway.state import STATE, GatewayState
 from gateway.streaming import stream_response
-from gateway.tool_parsers import parser_for
 from gateway.tool_prompt import TOOL_TEMPLATE
 
 log = logging.getLogger("gateway")
@@ -44,9 +43,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         tools = req.tools.template_tools if req.tools else None
         prompt = await render_chat(state.engine.tokenizer, req.messages, tools, tool_template)
         fmt = ChatFormat(_new_id("chatcmpl-"), state.model_name, state.engine.tokenizer,
-                         fingerprint=_fingerprint(state), tool_parser=parser_for(req.tools, tool_template.parser),
-                         max_tool_calls=req.tools.max_calls if req.tools else None,
-                         legacy_functions=req.tools is not None and req.tools.legacy)
+                         fingerprint=_fingerprint(state), tools=req.tools, tool_call_parser=tool_template.parser)
         return await _generate(request, state, tenant, req, [prompt], fmt, "messages", None)
 
 
