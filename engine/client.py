@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from abc import ABC, abstractmethod
 import itertools
 import logging
 import time
@@ -151,7 +152,7 @@ class OutputStreams:
             queue.put_nowait(EngineDeadError(message))
 
 
-class RelayedEngineClient:
+class RelayedEngineClient(ABC):
     """What the in-process AsyncEngine and the ProcessClient share: requests relayed through OutputStreams to
     an engine that steps elsewhere (a thread, a process), and the stats of its steps as they arrive.
     Subclasses say how a request is checked (`_validate`) and whether the engine runs (`is_alive`)."""
@@ -161,11 +162,12 @@ class RelayedEngineClient:
         self._listeners: list[Callable[[StepStats], None]] = []
         self._stats = stats
 
+    @abstractmethod
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        raise NotImplementedError
+        """ValueError for a request the engine would refuse, before it is sent."""
 
-    def is_alive(self) -> bool:
-        raise NotImplementedError
+    @abstractmethod
+    def is_alive(self) -> bool: ...
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        cache_salt: str | None = None, tenant: str | None = None) -> AsyncIterator[RequestOutput]:
