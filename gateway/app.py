@@ -130,6 +130,8 @@ async def _engine_ctx(settings: Settings, engine: EngineClient | None, auth: Aut
     admission = Admission(engine.config.max_num_seqs, settings.gateway.max_waiting_requests,
                           settings.gateway.retry_after_s)
     metrics.admission.watch(lambda: admission.in_flight, admission.capacity)
+    store = app[RESPONSE_STORE]
+    metrics.responses.watch(lambda: len(store), lambda: store.num_dropped)
     names = frozenset({engine.model_name, settings.engine.model})
     gw = settings.gateway
     defaults = sampling_defaults(engine.model_path, gw.generation_config, parse_override(gw.override_generation_config))

@@ -19,7 +19,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from engine.stats import FinishedRequestStats, PrefixCacheStats, SchedulerStats, StepStats
 
@@ -345,6 +345,30 @@ class AdmissionMetrics:
         self.capacity.set(capacity)
 
 
+class ResponseStoreMetrics:
+    """The Responses API's stored responses, read at scrape time (the gateway owns the store)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self._model_name = model_name
+        self._stored: Callable[[], int] = lambda: 0
+        self._dropped: Callable[[], int] = lambda: 0
+        registry.register(self)
+
+    def watch(self, stored: Callable[[], int], dropped: Callable[[], int]) -> None:
+        self._stored, self._dropped = stored, dropped
+
+    def collect(self) -> Iterator[Metric]:
+        stored = GaugeMetricFamily(f"{PREFIX}responses_stored", "Responses kept for previous_response_id "
+                                   "(at most --responses-store-max).", labels=["model_name"])
+        stored.add_metric([self._model_name], self._stored())
+        dropped = CounterMetricFamily(f"{PREFIX}responses_store_dropped", "Stored responses dropped, least "
+                                      "recently used first, to stay within --responses-store-max.",
+                                      labels=["model_name"])
+        dropped.add_metric([self._model_name], self._dropped())
+        yield stored
+        yield dropped
+
+
 class _WithoutCreated:
     """A registry's families without the `_created` twin that prometheus-client adds to every counter
     and histogram (a second series per series, which nothing here reads). Only this registry's
@@ -372,6 +396,7 @@ class Metrics:
         self.tenants = TenantMetrics(self.registry, model_name, tenants)
         self.http = HttpMetrics(self.registry)
         self.admission = AdmissionMetrics(self.registry, model_name)
+        self.responses = ResponseStoreMetrics(self.registry, model_name)
         self.threads = Gauge(f"{PREFIX}engine_threads", "CPU compute threads of the engine's steps, by kind of step "
                              "(decode: decode-only steps; prefill: steps with a prefill chunk).",
                              ["model_name", "kind"], registry=self.registry)

@@ -281,3 +281,17 @@ def test_admission_gauges_read_the_live_count():
     s = scrape(metrics)
     assert value(s, "prefixgate_admission_sequences") == 7
     assert value(s, "prefixgate_admission_capacity_sequences") == 40
+
+
+def test_the_response_store_is_read_at_scrape_time():
+    from gateway.responses import ResponseStore, Stored
+
+    metrics = Metrics(MODEL, tenants=[])
+    assert value(scrape(metrics), "prefixgate_responses_stored") == 0
+    store = ResponseStore(max_responses=2)
+    metrics.responses.watch(lambda: len(store), lambda: store.num_dropped)
+    for n in range(3):
+        store.put(Stored("alice", {"id": f"resp_{n}"}, [], []))
+    s = scrape(metrics)
+    assert value(s, "prefixgate_responses_stored") == 2
+    assert value(s, "prefixgate_responses_store_dropped_total") == 1
