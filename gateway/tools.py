@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.structured import StructuredOutput
-from gateway.errors import APIError, invalid
+from gateway.errors import invalid
 
 MAX_TOOLS = 128  # OpenAI's limit
 _FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -115,39 +115,39 @@ def _legacy_functions(body: dict[str, Any]) -> ToolRequest | None:
     raw_functions, raw_choice = body.get("functions"), body.get("function_call")
     if raw_functions is None:
         raise invalid("function_call is only allowed when functions are specified", "function_call")
-    if not isinstance(raw_functions, list) or not raw_functions:
-        raise invalid("functions must be a non-empty array of functions", "functions")
-    wrapped = [{"type": "function", "function": f} for f in raw_functions]
-    try:
-        tools = _tools(wrapped)
-    except APIError as err:  # name the legacy field the client sent
-        raise invalid(err.message, (err.param or "functions").replace("tools", "functions", 1)
-                      .replace(".function", "", 1)) from None
-    if isinstance(raw_choice, dict) and set(raw_choice) == {"name"}:
-        raw_choice = {"type": "function", "function": raw_choice}
-    try:
-        choice, function_name = _tool_choice(raw_choice, [t["function"]["name"] for t in tools])
-    except APIError:
+    _check_array(raw_functions, "functions", "functions")
+    tools = _unique_functions([(f, f"functions[{i}]") for i, f in enumerate(raw_functions)])
+    if raw_choice is None or raw_choice in ("none", "auto"):
+        return ToolRequest(tools, raw_choice or "auto", None, parallel=False, legacy=True)
+    name = raw_choice.get("name") if isinstance(raw_choice, dict) and set(raw_choice) == {"name"} else None
+    if name not in [t["function"]["name"] for t in tools]:
         raise invalid('function_call must be "none", "auto" or {"name": ...} naming one of functions',
-                      "function_call") from None
-    if choice == "required":
-        raise invalid('function_call must be "none", "auto" or {"name": ...}', "function_call")
-    return ToolRequest(tools, choice, function_name, parallel=False, legacy=True)
+                      "function_call")
+    return ToolRequest(tools, "function", name, parallel=False, legacy=True)
 
 
 def _tools(raw: Any) -> tuple[dict[str, Any], ...]:
-    if not isinstance(raw, list) or not raw:
-        raise invalid("tools must be a non-empty array of function tools", "tools")
-    if len(raw) > MAX_TOOLS:
-        raise invalid(f"at most {MAX_TOOLS} tools are allowed", "tools")
-    tools, seen = [], set()
+    _check_array(raw, "tools", "function tools")
     for i, tool in enumerate(raw):
-        param = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise invalid('each tool must be an object with "type": "function"', f"{param}.type")
-        function = _function(tool.get("function"), f"{param}.function")
+            raise invalid('each tool must be an object with "type": "function"', f"tools[{i}].type")
+    return _unique_functions([(tool.get("function"), f"tools[{i}].function") for i, tool in enumerate(raw)])
+
+
+def _check_array(raw: Any, field: str, what: str) -> None:
+    if not isinstance(raw, list) or not raw:
+        raise invalid(f"{field} must be a non-empty array of {what}", field)
+    if len(raw) > MAX_TOOLS:
+        raise invalid(f"at most {MAX_TOOLS} {field} are allowed", field)
+
+
+def _unique_functions(entries: list[tuple[Any, str]]) -> tuple[dict[str, Any], ...]:
+    """(raw function, its param) -> tools, each function validated, no name twice."""
+    tools, seen = [], set()
+    for raw, param in entries:
+        function = _function(raw, param)
         if function["name"] in seen:
-            raise invalid(f"the function name {function['name']!r} is used twice", f"{param}.function.name")
+            raise invalid(f"the function name {function['name']!r} is used twice", f"{param}.name")
         seen.add(function["name"])
         tools.append({"type": "function", "function": function})
     return tuple(tools)
