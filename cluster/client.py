@@ -21,6 +21,7 @@ from cluster.prefix_index import PrefixIndex, index_for
 from cluster.replica import ReplicaReport
 from engine.config import EngineConfig, HashAlgo
 from engine.kv.hashing import hash_full_blocks
+from engine.messages import CacheDirectives, CacheErased, PinInfo
 from engine.model.loader import resolve_model_path
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams, validate_prompt
@@ -99,7 +100,8 @@ class ClusterEngine:
         validate_prompt(prompt_token_ids, params, self._vocab_size, self.max_model_len)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       cache_salt: str | None = None, tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, tenant: str | None = None,
+                       cache: CacheDirectives | None = None) -> AsyncIterator[RequestOutput]:
         self.validate(prompt_token_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -109,7 +111,7 @@ class ClusterEngine:
         method = self._handle.options(stream=True).generate
         for attempt in range(1, self._max_attempts + 1):
             stream = method.remote(request_id, prompt_token_ids, params, cache_salt=cache_salt, tenant=tenant,
-                                   block_hashes=block_hashes)
+                                   block_hashes=block_hashes, cache=cache)
             self._streams[request_id] = stream
             streamed = finished = False
             try:
@@ -137,6 +139,29 @@ class ClusterEngine:
                 self._served_by.pop(request_id, None)
                 if not finished:  # the consumer went away: cancelling the stream aborts it on the replica
                     stream.cancel()
+
+    async def list_pins(self, tenant: str) -> list[PinInfo]:
+        """Every live replica's pins of the tenant (a prefix is pinned where its requests ran)."""
+        return [pin for pins in await self._broadcast("list", tenant) for pin in pins]
+
+    async def erase_cache(self, tenant: str) -> CacheErased:
+        total = CacheErased()
+        for erased in await self._broadcast("erase", tenant):
+            total.blocks += erased.blocks
+            total.disk_blocks += erased.disk_blocks
+            total.pins += erased.pins
+        return total
+
+    async def _broadcast(self, op: str, tenant: str) -> list:
+        if not self.is_alive():
+            raise RuntimeError("no engine replica is running")
+        answers = await asyncio.gather(*(self._handle.cache_command.remote(replica=r, op=op, tenant=tenant)
+                                         for r in self._index.replicas))
+        results = []
+        for report, result in answers:
+            self._on_report(report)  # an erase's "removed" events reach the router's index at once
+            results.append(result)
+        return results
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
@@ -195,7 +220,9 @@ class ClusterEngine:
             return
         stats = StepStats(self.scheduler_stats(), report.num_prompt_tokens, report.num_generation_tokens,
                           report.finished, report.tenant_cache, report.tenant_evictions, report.ttfts,
-                          report.prefill_times, report.inter_token_latencies)
+                          report.prefill_times, report.inter_token_latencies,
+                          tenant_pin_expiries=report.tenant_pin_expiries,
+                          tenant_pin_refusals=report.tenant_pin_refusals)
         for listener in self._listeners:
             try:
                 listener(stats)
@@ -217,7 +244,15 @@ def _merged(snapshots: dict[str, SchedulerStats], live: set[str]) -> SchedulerSt
         cache.requests += p.requests
         cache.evictions_capacity += p.evictions_capacity
         cache.evictions_preemption += p.evictions_preemption
+        cache.evictions_erase += p.evictions_erase
+        for reason, num in p.pins_released.items():
+            cache.pins_released[reason] = cache.pins_released.get(reason, 0) + num
         if replica in live:
+            cache.pins += p.pins
+            cache.pinned_blocks += p.pinned_blocks
+            cache.max_pinned_blocks += p.max_pinned_blocks
+            for tenant, num in p.tenant_pinned_blocks.items():
+                cache.tenant_pinned_blocks[tenant] = cache.tenant_pinned_blocks.get(tenant, 0) + num
             merged.num_running += s.num_running
             merged.num_waiting += s.num_waiting
             merged.num_blocks += s.num_blocks

@@ -15,6 +15,7 @@ from ray import serve
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.messages import CacheDirectives
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import FinishedRequestStats, SchedulerStats, StepStats
@@ -35,6 +36,8 @@ class ReplicaReport:
     ttfts: list[float] = field(default_factory=list)
     prefill_times: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
+    tenant_pin_expiries: dict[str, int] = field(default_factory=dict)
+    tenant_pin_refusals: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 class ReportBuffer:
@@ -57,6 +60,10 @@ class ReportBuffer:
                 r.tenant_cache[tenant] = (q + queries, h + hits)
             for tenant, blocks in stats.tenant_evictions.items():
                 r.tenant_evictions[tenant] = r.tenant_evictions.get(tenant, 0) + blocks
+            for tenant, num in stats.tenant_pin_expiries.items():
+                r.tenant_pin_expiries[tenant] = r.tenant_pin_expiries.get(tenant, 0) + num
+            for key, num in stats.tenant_pin_refusals.items():
+                r.tenant_pin_refusals[key] = r.tenant_pin_refusals.get(key, 0) + num
             r.kv_events.extend(stats.kv_events)
             r.ttfts.extend(stats.ttfts)
             r.prefill_times.extend(stats.prefill_times)
@@ -81,10 +88,11 @@ class EngineReplica:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        cache_salt: str | None = None, tenant: str | None = None,
-                       block_hashes: list[bytes] | None = None) -> AsyncIterator[tuple[ReplicaReport, RequestOutput]]:
+                       block_hashes: list[bytes] | None = None,
+                       cache: CacheDirectives | None = None) -> AsyncIterator[tuple[ReplicaReport, RequestOutput]]:
         """`block_hashes` is read by the router only."""
         async for output in self.engine.generate(request_id, prompt_token_ids, params,
-                                                 cache_salt=cache_salt, tenant=tenant):
+                                                 cache_salt=cache_salt, tenant=tenant, cache=cache):
             yield self.reports.take(), output
 
     def info(self) -> dict:
@@ -99,6 +107,13 @@ class EngineReplica:
         the replica is idle: the engine thread changes the map while it steps). `replica` routes the call."""
         assert replica == self.replica, "the router sent a targeted call to the wrong replica"
         return self.reports.take(), set(self.engine.core.kv.pool.cached)
+
+    async def cache_command(self, replica: str, op: str, tenant: str) -> tuple[ReplicaReport, object]:
+        """A tenant's pins ("list") or the erasure of its cache ("erase") on this replica; `replica` routes
+        the call."""
+        assert replica == self.replica, "the router sent a targeted call to the wrong replica"
+        result = await (self.engine.list_pins(tenant) if op == "list" else self.engine.erase_cache(tenant))
+        return self.reports.take(), result
 
     def check_health(self) -> None:
         if not self.engine.is_alive():

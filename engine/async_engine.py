@@ -14,8 +14,7 @@ from engine.core import EngineCore
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import StepStats
-from engine.messages import AbortRequest, AddRequest
-from engine.step_loop import StepLoop
+from engine.step_loop import Message, StepLoop
 
 logger = logging.getLogger("prefixgate.engine")
 
@@ -27,13 +26,13 @@ class _ThreadInbox:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
 
-    def put(self, message: AddRequest | AbortRequest | None) -> None:
+    def put(self, message: Message | None) -> None:
         """None only wakes the loop (to see that it should stop)."""
         if message is not None:
             self._queue.put(message)
         self._wake.set()
 
-    def receive(self, timeout: float) -> list[AddRequest | AbortRequest]:
+    def receive(self, timeout: float) -> list[Message]:
         if timeout and self._queue.empty():
             self._wake.wait(timeout)
         self._wake.clear()
@@ -83,7 +82,7 @@ class AsyncEngine(RelayedEngineClient):
             await asyncio.to_thread(self._thread.join, 30)
         if self._thread is None or not self._thread.is_alive():
             await asyncio.to_thread(self.core.close)  # the disk tier keeps the cache for the next start
-        self._streams.fail_all("the engine stopped")  # nobody may wait on a stopped engine
+        self._fail_all("the engine stopped")  # nobody may wait on a stopped engine
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._failed is None and not self._stopping
@@ -100,13 +99,17 @@ class AsyncEngine(RelayedEngineClient):
 
     def _run(self) -> None:
         try:
-            StepLoop(self.core, self._inbox, self._emit).run(lambda: self._stopping)
+            StepLoop(self.core, self._inbox, self._emit, self._reply).run(lambda: self._stopping)
         except BaseException as exc:  # the loop itself broke (not a step): /health turns red
             self._failed = exc
             logger.exception("engine loop died")
             if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._streams.fail_all, f"engine loop died: {exc!r}")
+                self._loop.call_soon_threadsafe(self._fail_all, f"engine loop died: {exc!r}")
             raise
+
+    def _reply(self, command_id: int, result: object) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._on_reply, command_id, result)
 
     def _emit(self, outputs: list[RequestOutput], stats: StepStats) -> None:
         self._publish(stats)  # before the outputs, so a client never sees its answer before /metrics does

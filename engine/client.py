@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from engine.config import EngineConfig
-from engine.messages import AbortRequest, AddRequest
+from engine.messages import AbortRequest, AddRequest, CacheCommand, CacheDirectives, CacheErased, PinInfo
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import SchedulerStats, StepStats
@@ -57,10 +57,17 @@ class EngineClient(Protocol):
         """Extra facts for /health (replicas up, restarts); {} when there are none."""
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                 cache_salt: str | None = None, tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+                 cache_salt: str | None = None, tenant: str | None = None,
+                 cache: CacheDirectives | None = None) -> AsyncIterator[RequestOutput]:
         """Deltas of one request until its finished output. ValueError for a request the engine refuses,
         RuntimeError when the engine is not running, EngineDeadError when it dies meanwhile. Closing the
-        iterator early aborts the request and releases its blocks."""
+        iterator early aborts the request and releases its blocks. `cache`: breakpoints to pin."""
+
+    async def list_pins(self, tenant: str) -> list[PinInfo]:
+        """The tenant's pinned prefixes (GET /v1/cache)."""
+
+    async def erase_cache(self, tenant: str) -> CacheErased:
+        """Forgets every cached block of the tenant, pinned or not, in RAM and on disk (DELETE /v1/cache)."""
 
     def abort(self, request_id: str) -> None: ...
 
@@ -87,11 +94,13 @@ class OutputStreams:
         self._next_id = itertools.count()
 
     async def run(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  cache_salt: str | None, tenant: str | None) -> AsyncIterator[RequestOutput]:
+                  cache_salt: str | None, tenant: str | None,
+                  cache: CacheDirectives | None = None) -> AsyncIterator[RequestOutput]:
         """Sends the request to the engine and yields its outputs until its finished one; closed early, it
         aborts the request (its blocks are released at once)."""
         engine_id = self._open(request_id)
-        self._send(AddRequest(engine_id, list(prompt_token_ids), params, cache_salt, tenant, time.monotonic()))
+        self._send(AddRequest(engine_id, list(prompt_token_ids), params, cache_salt, tenant, time.monotonic(),
+                              cache))
         async with contextlib.aclosing(self._follow(engine_id)) as outputs:
             async for output in outputs:
                 yield output
@@ -157,10 +166,14 @@ class RelayedEngineClient(ABC):
     an engine that steps elsewhere (a thread, a process), and the stats of its steps as they arrive.
     Subclasses say how a request is checked (`_validate`) and whether the engine runs (`is_alive`)."""
 
-    def __init__(self, send: Callable[[AddRequest | AbortRequest], None], stats: SchedulerStats) -> None:
+    def __init__(self, send: Callable[[AddRequest | AbortRequest | CacheCommand], None],
+                 stats: SchedulerStats) -> None:
+        self._send_message = send
         self._streams = OutputStreams(send)
         self._listeners: list[Callable[[StepStats], None]] = []
         self._stats = stats
+        self._commands: dict[int, asyncio.Future] = {}  # cache commands waiting for the engine's reply
+        self._command_ids = itertools.count()
 
     @abstractmethod
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -170,15 +183,49 @@ class RelayedEngineClient(ABC):
     def is_alive(self) -> bool: ...
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       cache_salt: str | None = None, tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, tenant: str | None = None,
+                       cache: CacheDirectives | None = None) -> AsyncIterator[RequestOutput]:
         self._validate(prompt_token_ids, params)
         if not self.is_alive():
             raise RuntimeError("the engine is not running")
         # closed with this generator, so an early close aborts the request at once
         async with contextlib.aclosing(self._streams.run(request_id, prompt_token_ids, params, cache_salt,
-                                                         tenant)) as outputs:
+                                                         tenant, cache)) as outputs:
             async for output in outputs:
                 yield output
+
+    async def list_pins(self, tenant: str) -> list[PinInfo]:
+        return await self._command("list", tenant)
+
+    async def erase_cache(self, tenant: str) -> CacheErased:
+        return await self._command("erase", tenant)
+
+    async def _command(self, op: str, tenant: str):
+        if not self.is_alive():
+            raise RuntimeError("the engine is not running")
+        command_id = next(self._command_ids)
+        future = self._commands[command_id] = asyncio.get_running_loop().create_future()
+        try:
+            self._send_message(CacheCommand(command_id, op, tenant))
+            return await future
+        finally:
+            self._commands.pop(command_id, None)
+
+    def _on_reply(self, command_id: int, result: object) -> None:
+        future = self._commands.get(command_id)
+        if future is None or future.done():
+            return
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+
+    def _fail_all(self, message: str) -> None:
+        """The engine is gone: every request and command waiting on it fails with EngineDeadError."""
+        self._streams.fail_all(message)
+        for future in self._commands.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(message))
 
     def abort(self, request_id: str) -> None:
         self._streams.abort(request_id)

@@ -40,6 +40,7 @@ class EngineConfig:
     eviction_policy: EvictionPolicy = EvictionPolicy.SLRU  # slru (scan-resistant, adaptive; see bench tiers) | lru
     kv_disk_dir: str | None = None  # disk tier for evicted blocks (kept across restarts); None: no disk tier
     kv_disk_gb: float = 10.0  # disk tier size bound in GiB (its own LRU drops the oldest files)
+    max_pinned_fraction: float = 0.5  # share of the KV pool that pinned prefixes (cache_control) may hold
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
     kv_cache_dtype: str = "auto"  # K/V storage: auto (the model's dtype) | float32 | bfloat16 | float16
@@ -66,6 +67,7 @@ class EngineConfig:
         _check(self.max_reorder_wait_s >= 0, "max_reorder_wait_s must be >= 0")
         _check(self.min_shared_prefix_tokens >= 0, "min_shared_prefix_tokens must be >= 0")
         _check(self.kv_disk_gb > 0, "kv_disk_gb must be > 0")
+        _check(0 <= self.max_pinned_fraction <= 1, "max_pinned_fraction must be in [0, 1]")
         _check(self.max_step_ms is None or self.max_step_ms > 0, "max_step_ms must be > 0")
         _check(self.device in ("auto", "cpu", "cuda"), f"unknown device {self.device!r}")
         _check(self.cpu_kernels in ("compiled", "eager"), f"unknown cpu_kernels {self.cpu_kernels!r}")

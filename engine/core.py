@@ -13,6 +13,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.disk_tier import DiskTier, model_fingerprint, open_disk_tier
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_io import KVBlockIO
+from engine.messages import CacheCommand, CacheErased, PinInfo
 from engine.model import cpu_kernels
 from engine.model.llama import LlamaForCausalLM, head_dim
 from engine.model.loader import load_config, load_model, resolve_model_path
@@ -58,11 +59,15 @@ class EngineCore:
         self.max_model_len = _context_length(config, hf_config, self.num_blocks)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
                                  hash_algo=config.hash_algo, min_shared_prefix_tokens=config.min_shared_prefix_tokens,
-                                 eviction_policy=config.eviction_policy)
+                                 eviction_policy=config.eviction_policy,
+                                 max_pinned_blocks=int(config.max_pinned_fraction * self.num_blocks))
         if config.kv_disk_dir and config.enable_prefix_caching:
             kv_io = KVBlockIO(kv_cache)
             if (disk := _disk_tier(config, path, dtype, kv_dtype, kv_io)) is not None:
                 self.kv.use_disk_tier(disk, kv_io)
+                if restored := self.kv.restore_pins():
+                    logger.info("disk tier: %d pinned prefixes restored (%d blocks)", restored,
+                                self.kv.pins.num_blocks)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, kv_cache, self.kv, self.device, compiled_kernels=compiled)
         if not config.enforce_eager and self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len):
@@ -115,11 +120,13 @@ class EngineCore:
         return bool(self.requests)
 
     def close(self) -> None:
-        """Graceful shutdown: cached RAM blocks go to the disk tier, so the next start hits them."""
+        """Graceful shutdown: cached RAM blocks go to the disk tier, so the next start hits them (and finds
+        its pins)."""
         disk = self.kv.disk
         if disk is not None and not disk.closed:
             before = disk.snapshot()
             queued = self.kv.flush_to_disk()
+            self.kv.save_pins()
             disk.close()
             after = disk.snapshot()
             lost = (sum(after.write_errors.values()) - sum(before.write_errors.values())
@@ -130,16 +137,31 @@ class EngineCore:
             else:
                 logger.info("disk tier: wrote %d cached blocks to %s at shutdown", queued, disk.dir)
 
-    def write_behind(self) -> None:
-        """Idle: the disk tier (if any) gets the cached blocks it lacks, so a killed engine restarts warm."""
+    def idle(self, just_idle: bool) -> None:
+        """No request runs. Pins expire; on becoming idle, the disk tier (if any) gets the cached blocks it
+        lacks and the pins, so a killed engine restarts warm."""
+        self.kv.pins.expire()
         if self.kv.disk is not None and not self.kv.disk.closed:
-            self.kv.write_behind()
+            if just_idle:
+                self.kv.write_behind()
+            self.kv.save_pins()
+
+    def cache_command(self, command: CacheCommand) -> list[PinInfo] | CacheErased:
+        if command.op == "list":
+            return self.kv.pins.list(command.tenant)
+        if command.op == "erase":
+            erased = self.kv.erase(command.tenant)
+            logger.info("erased the cache of tenant %s: %d blocks, %d block files, %d pins", command.tenant,
+                        erased.blocks, erased.disk_blocks, erased.pins)
+            return erased
+        raise ValueError(f"unknown cache command {command.op!r}")
 
     # ---- one step
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
         """One step; an exception fails only the requests it concerns, never the engine."""
         self.num_steps += 1
+        self.kv.pins.expire()
         try:
             sched = self.scheduler.schedule()
         except Exception as exc:  # the queues may be half updated and nothing says by whom: fail them all
@@ -216,19 +238,24 @@ class EngineCore:
 
     def _append(self, request: Request, token: SampledToken, now: float) -> RequestOutput:
         """Add a sampled token to its request: timings, block caching, text and stop checks."""
-        if request.first_token_time is None:
+        first = request.first_token_time is None
+        if first:
             self._ttfts.append(now - request.arrival_time)
             self._prefill_times.append(now - (request.first_scheduled_time or now))
         else:
             self._inter_token_latencies.append(now - request.last_token_time)
         request.append_token(token, now)
         self.kv.cache_full_blocks(request)
+        if first:  # the prompt is computed and cached: its breakpoints can be pinned
+            self.kv.pin_prompt(request)
         return self._emit(request, token)
 
     def _pool(self, request: Request, hidden: torch.Tensor) -> RequestOutput:
         """A pooling request's prompt is computed: its embedding is the last token's final hidden state."""
-        request.embedding = torch.nn.functional.normalize(hidden.float(), dim=-1).tolist()
+        if request.params.pooling == "last":
+            request.embedding = torch.nn.functional.normalize(hidden.float(), dim=-1).tolist()
         self.kv.cache_full_blocks(request)  # a document embedded now is a cache hit when it is asked about
+        self.kv.pin_prompt(request)
         return self._finish(request, FinishReason.STOP)
 
     def _fail(self, requests: list[Request], what: str, exc: Exception) -> list[RequestOutput]:
@@ -280,6 +307,9 @@ class EngineCore:
             embedding=request.embedding,
             num_disk_cached_tokens=request.num_disk_cached_tokens,
             num_cache_write_tokens=self._cache_write_tokens(request),
+            num_pinned_tokens=request.num_pinned_tokens,
+            pinned_until=request.pinned_until,
+            pin_refused=request.pin_refused,
         )
 
     def _cache_write_tokens(self, request: Request) -> int:
@@ -299,7 +329,11 @@ class EngineCore:
                                  evictions_preemption=self.kv.num_preemption_evictions,
                                  cached_blocks=len(pool.cached), usage=pool.usage(),
                                  evictions_spill=pool.evictions["spill"], evictions_reset=pool.evictions["reset"],
-                                 regrets=pool.num_regrets, disk_hits=self.kv.num_disk_hit_tokens)
+                                 regrets=pool.num_regrets, disk_hits=self.kv.num_disk_hit_tokens,
+                                 evictions_erase=pool.evictions["erase"], pins=len(self.kv.pins.pins),
+                                 pinned_blocks=self.kv.pins.num_blocks, max_pinned_blocks=self.kv.pins.max_blocks,
+                                 pins_released=dict(self.kv.pins.released),
+                                 tenant_pinned_blocks=self.kv.pins.tenants_blocks())
         if self.kv.disk is not None:
             stats.disk = self.kv.disk.snapshot()
         return stats
@@ -320,7 +354,9 @@ class EngineCore:
         return StepStats(self.scheduler_stats(), num_prompt_tokens, num_generation_tokens, finished,
                          tenant_cache=self.kv.take_tenant_lookups(), tenant_evictions=pool.take_tenant_evictions(),
                          ttfts=ttfts, prefill_times=prefill_times, inter_token_latencies=inter_token_latencies,
-                         kv_events=pool.take_kv_events(), tenant_regrets=pool.take_tenant_regrets())
+                         kv_events=pool.take_kv_events(), tenant_regrets=pool.take_tenant_regrets(),
+                         tenant_pin_expiries=self.kv.pins.take_tenant_expiries(),
+                         tenant_pin_refusals=self.kv.pins.take_tenant_refusals())
 
     def _finished_stats(self, r: Request) -> FinishedRequestStats:
         end = time.monotonic()

@@ -17,7 +17,7 @@ import sys
 import zmq
 
 from engine.config import EngineConfig
-from engine.messages import AbortRequest, AddRequest, EngineInfo
+from engine.messages import AbortRequest, AddRequest, CacheCommand, EngineInfo
 
 logger = logging.getLogger("prefixgate.engine")
 
@@ -26,7 +26,7 @@ class _SocketInbox:
         self._socket = socket
         self._parent = os.getppid()
 
-    def receive(self, timeout: float) -> list[AddRequest | AbortRequest]:
+    def receive(self, timeout: float) -> list[AddRequest | AbortRequest | CacheCommand]:
         if timeout and not self._socket.poll(int(timeout * 1000)):
             if os.getppid() != self._parent:  # the API process is gone: nobody will read our outputs
                 raise SystemExit(0)
@@ -69,7 +69,10 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     from engine.step_loop import StepLoop
-    StepLoop(core, _SocketInbox(inbox), emit).run(lambda: stopping)
+    def reply(command_id, result) -> None:
+        outbox.send(pickle.dumps(("reply", command_id, result), protocol=pickle.HIGHEST_PROTOCOL))
+
+    StepLoop(core, _SocketInbox(inbox), emit, reply).run(lambda: stopping)
     core.close()  # the disk tier keeps the cache for the next start
     outbox.send(pickle.dumps(("stopped",)))
     outbox.close(linger=2000)

@@ -5,6 +5,7 @@ import itertools
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.messages import CacheDirectives
 from engine.outputs import CompletionOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -19,15 +20,18 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None, *,
-                 cache_salt: str | None = None) -> list[CompletionOutput]:
-        """Runs all prompts together (continuous batching) and returns their results in order."""
+                 cache_salt: str | None = None, tenant: str | None = None,
+                 cache: CacheDirectives | None = None) -> list[CompletionOutput]:
+        """Runs all prompts together (continuous batching) and returns their results in order. `cache`: the
+        breakpoints to pin once each prompt is computed (for `tenant`'s quota and listing)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         requests = []
         for prompt, p in zip(prompts, params_list, strict=True):
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            request = Request(f"llm-{next(self._ids)}", token_ids, p, cache_salt=cache_salt)
+            request = Request(f"llm-{next(self._ids)}", token_ids, p, cache_salt=cache_salt, tenant=tenant,
+                              cache=cache)
             self.core.add_request(request)
             requests.append(request)
         texts = {r.request_id: [] for r in requests}

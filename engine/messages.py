@@ -17,6 +17,7 @@ class AddRequest:
     cache_salt: str | None = None
     tenant: str | None = None
     arrival_time: float | None = None  # time.monotonic(), one clock for every process on the machine
+    cache: "CacheDirectives | None" = None  # cache_control breakpoints and the tenant's pin quota
 
 
 @dataclass(slots=True)
@@ -37,3 +38,53 @@ class EngineInfo:
     threads: int | None  # compute threads of decode steps and of steps with a prefill (None: not CPU)
     threads_batch: int | None
     pid: int
+
+
+# ---- prompt caching: pins (engine/kv/pins.py)
+
+@dataclass(frozen=True, slots=True)
+class CacheBreakpoint:
+    """Pin the full blocks of the prompt's first `num_tokens` tokens for `ttl_s` seconds (renewed by hits)."""
+
+    num_tokens: int
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class CacheDirectives:
+    """What a request asks of the prefix cache beyond the automatic: its breakpoints, and the quota of
+    pinned blocks its tenant's key allows (None: only the server's cap)."""
+
+    breakpoints: tuple[CacheBreakpoint, ...] = ()
+    max_pinned_blocks: int | None = None
+
+
+@dataclass(slots=True)
+class CacheCommand:
+    """A tenant's cache, by the API: `op` "list" (its pins) or "erase" (its cached blocks, RAM and disk)."""
+
+    command_id: int
+    op: str
+    tenant: str
+
+
+@dataclass(slots=True)
+class PinInfo:
+    """One pinned prefix, as GET /v1/cache lists it."""
+
+    pin_id: str  # the hex of the prefix's last block hash (salted: says nothing of the tokens)
+    num_tokens: int
+    num_blocks: int
+    ttl_s: float
+    created_at: float  # time.time()
+    expires_at: float  # time.time(); renewed by every hit
+    hits: int
+
+
+@dataclass(slots=True)
+class CacheErased:
+    """What DELETE /v1/cache removed."""
+
+    blocks: int = 0  # cached blocks dropped from RAM
+    disk_blocks: int = 0  # block files deleted from the disk tier
+    pins: int = 0  # pins released

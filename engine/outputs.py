@@ -30,6 +30,9 @@ class RequestOutput:
     embedding: list[float] | None = None  # a pooling request's vector (SamplingParams.pooling)
     num_disk_cached_tokens: int = 0  # the part of num_cached_tokens read back from the disk tier
     num_cache_write_tokens: int = 0  # prompt tokens this request computed and wrote to the cache (full blocks)
+    num_pinned_tokens: int = 0  # the longest pinned prefix of the prompt this request made or renewed
+    pinned_until: float | None = None  # its expiry, time.time()
+    pin_refused: str | None = None  # why a breakpoint of this request was not pinned (a quota), if one was not
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from engine.client import RelayedEngineClient
 from engine.config import EngineConfig
-from engine.messages import AbortRequest, AddRequest, EngineInfo
+from engine.messages import AbortRequest, AddRequest, CacheCommand, EngineInfo
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, validate_prompt
 from engine.stats import SchedulerStats, StepStats
@@ -108,7 +108,7 @@ class ProcessClient(RelayedEngineClient):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._alive = False
-        self._streams.fail_all("the engine stopped")
+        self._fail_all("the engine stopped")
         self._engine.close()
 
     def is_alive(self) -> bool:
@@ -132,7 +132,7 @@ class ProcessClient(RelayedEngineClient):
 
     # ---- messages and supervision
 
-    def _send(self, message: AddRequest | AbortRequest) -> None:
+    def _send(self, message: AddRequest | AbortRequest | CacheCommand) -> None:
         if self._alive:
             with contextlib.suppress(zmq.ZMQError):  # a dying engine: its requests fail through _supervise
                 self._engine.inbox.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
@@ -142,6 +142,8 @@ class ProcessClient(RelayedEngineClient):
             message = pickle.loads(await engine.outbox.recv())
             if message[0] == "step":
                 self._on_step(message[1], message[2])
+            elif message[0] == "reply":
+                self._on_reply(message[1], message[2])
 
     def _on_step(self, outputs: list[RequestOutput], stats: StepStats) -> None:
         self._publish(stats)  # before the outputs: a client never sees its answer before /metrics
@@ -155,7 +157,7 @@ class ProcessClient(RelayedEngineClient):
             self._alive = False
             logger.error("engine process %d died (exit code %s); failing its %d requests",
                          self.info.pid, code, len(self._streams))
-            self._streams.fail_all(f"the engine process died (exit code {code})")
+            self._fail_all(f"the engine process died (exit code {code})")
             for task in self._tasks[:1]:
                 task.cancel()
             self._engine.close()

@@ -8,6 +8,7 @@ import torch
 
 from engine.config import HashAlgo
 from engine.kv.hashing import BlockHash, hash_full_blocks
+from engine.messages import CacheDirectives
 from engine.sampling_params import SampledToken, SamplingParams
 from engine.grammar import StructuredMatcher
 
@@ -21,7 +22,7 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  cache_salt: str | None = None, tenant: str | None = None,
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None, cache: CacheDirectives | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -35,6 +36,10 @@ class Request:
         self.num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache; None until admitted
         self.num_disk_cached_tokens = 0  # the part of them loaded from the disk tier
         self.num_preemptions = 0
+        self.cache = cache  # breakpoints to pin once the prompt is computed (engine/kv/pins.py)
+        self.num_pinned_tokens = 0  # the longest pinned prefix of the prompt this request made or renewed
+        self.pinned_until: float | None = None  # its expiry, time.time()
+        self.pin_refused: str | None = None  # why a breakpoint was not pinned (a quota), if one was not
         self.block_hashes: list[BlockHash] = []
         self.finish_reason: str | None = None
         self.embedding: list[float] | None = None  # set when a pooling request's prompt is computed

@@ -29,7 +29,8 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are out
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     structured: StructuredOutput | None = None  # a grammar every output token must follow
-    # "last": generate nothing; the output is the prompt's last final hidden state, L2-normalized (an embedding)
+    # "last": generate nothing; the output is the prompt's last final hidden state, L2-normalized (an embedding);
+    # "none": generate nothing, only compute (and cache) the prompt (POST /v1/cache/warm)
     pooling: str | None = None
 
     def __post_init__(self) -> None:
@@ -44,8 +45,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < -1:
             raise ValueError("top_k must be -1, 0 or positive")
-        if self.pooling not in (None, "last"):
-            raise ValueError(f"unknown pooling {self.pooling!r}; expected 'last'")
+        if self.pooling not in (None, "last", "none"):
+            raise ValueError(f"unknown pooling {self.pooling!r}; expected 'last' or 'none'")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError("logprobs must be >= 0")
         self._check_processing_fields()

@@ -92,6 +92,8 @@ class Scheduler:
                 continue  # preempted earlier in this step
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget.room(request))
             while not self.kv.allocate(request, num_tokens):
+                if self.running == [request] and self.kv.release_pin_for_room():
+                    continue  # alone it would wait for itself: pins give way (they never block a request)
                 victim = self.running.pop()  # the newest running request gives way
                 budget.tokens += self._preempt(victim, out)
                 if victim is request:
@@ -117,7 +119,7 @@ class Scheduler:
                     break
                 continue
             num_tokens = min(request.num_tokens - prefix.num_tokens, budget.room(request))
-            if not self.kv.allocate(request, num_tokens, prefix):
+            if not self._allocate_waiting(request, num_tokens, prefix):
                 break
             request.num_computed_tokens = prefix.num_tokens
             if request.num_cached_tokens is None:  # first admission; a resumed request was counted already
@@ -134,6 +136,14 @@ class Scheduler:
         if admitted:
             admitted_ids = {id(r) for r in admitted}
             self.waiting = [r for r in self.waiting if id(r) not in admitted_ids]
+
+    def _allocate_waiting(self, request: Request, num_tokens: int, prefix) -> bool:
+        while not self.kv.allocate(request, num_tokens, prefix):
+            # nothing runs that would free blocks: pins give way (a pin never keeps a request waiting; its
+            # blocks stay cached and the hit found stays valid)
+            if self.running or not self.kv.release_pin_for_room():
+                return False
+        return True
 
     def _pending_block_hashes(self) -> set[BlockHash]:
         """Hashes of prompt blocks that running prefills have not computed yet."""

@@ -30,6 +30,12 @@ class PrefixCacheStats:
     evictions_reset: int = 0  # cached blocks forgotten by a cache reset
     regrets: int = 0  # evicted blocks asked for again while their hash was in the ghost list
     disk_hits: int = 0  # prompt tokens loaded from the disk tier (part of `hits`)
+    evictions_erase: int = 0  # cached blocks forgotten by DELETE /v1/cache
+    pins: int = 0  # pinned prefixes now (cache_control breakpoints)
+    pinned_blocks: int = 0  # distinct blocks they hold
+    max_pinned_blocks: int = 0  # what pins may hold at most (max_pinned_fraction of the pool)
+    pins_released: dict[str, int] = field(default_factory=dict)  # cumulative, by reason: expired, pressure, erased
+    tenant_pinned_blocks: dict[str, int] = field(default_factory=dict)  # tenant -> blocks its pins hold now
     disk: DiskTierStats | None = None  # None: no disk tier
 
     @property
@@ -86,3 +92,5 @@ class StepStats:
     inter_token_latencies: list[float] = field(default_factory=list)  # one per later token
     kv_events: list[tuple[str, bytes]] = field(default_factory=list)  # ("stored"|"removed", block hash), if enabled
     tenant_regrets: dict[str, int] = field(default_factory=dict)  # tenant whose evicted block was asked again -> blocks
+    tenant_pin_expiries: dict[str, int] = field(default_factory=dict)  # tenant -> its pins that expired
+    tenant_pin_refusals: dict[tuple[str, str], int] = field(default_factory=dict)  # (tenant, quota) -> refused pins

@@ -13,7 +13,7 @@ from engine.core import EngineCore
 from engine.grammar import StructuredMatcher
 from engine.outputs import FinishReason, RequestOutput
 from engine.request import Request
-from engine.messages import AbortRequest, AddRequest
+from engine.messages import AbortRequest, AddRequest, CacheCommand
 from engine.stats import StepStats
 
 logger = logging.getLogger("prefixgate.engine")
@@ -28,19 +28,24 @@ class _Compiling:
     matcher: Future = field(repr=False)
 
 
+Message = AddRequest | AbortRequest | CacheCommand
+
+
 class Inbox(Protocol):
-    def receive(self, timeout: float) -> list[AddRequest | AbortRequest]:
+    def receive(self, timeout: float) -> list[Message]:
         """What arrived; waits up to `timeout` seconds (0: not at all) while nothing has."""
 
 
 Emit = Callable[[list[RequestOutput], StepStats], None]
+Reply = Callable[[int, object], None]  # a cache command's id and its result (or the exception it raised)
 
 
 class StepLoop:
-    def __init__(self, core: EngineCore, inbox: Inbox, emit: Emit) -> None:
+    def __init__(self, core: EngineCore, inbox: Inbox, emit: Emit, reply: Reply) -> None:
         self.core = core
         self.inbox = inbox
         self.emit = emit
+        self.reply = reply
         # grammars compile off the step loop: running requests never wait for a new request's schema
         self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="prefixgate-grammar")
         self._compiling: dict[str, _Compiling] = {}
@@ -52,8 +57,7 @@ class StepLoop:
             self._take(self.inbox.receive(0 if busy else COMPILE_POLL_S if self._compiling else IDLE_WAIT_S))
             self._admit_compiled()
             if not self.core.has_unfinished():
-                if busy:  # just gone idle: the disk tier catches up with the RAM cache, off the step path
-                    self.core.write_behind()
+                self.core.idle(just_idle=busy)  # pins expire; the disk tier catches up, off the step path
                 busy = False
                 self.emit([], self.core.take_stats())  # aborts leave no step behind: report them now
                 continue
@@ -63,12 +67,23 @@ class StepLoop:
         self._take(self.inbox.receive(0))  # aborts sent while the last step ran
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
-    def _take(self, messages: list[AddRequest | AbortRequest]) -> None:
+    def _take(self, messages: list[Message]) -> None:
         for message in messages:
             if isinstance(message, AddRequest):
                 self._add(message)
+            elif isinstance(message, CacheCommand):
+                self._command(message)
             else:
                 self._abort(message.request_id)
+
+    def _command(self, command: CacheCommand) -> None:
+        try:
+            result = self.core.cache_command(command)
+        except Exception as exc:  # a failed command fails its caller alone
+            logger.exception("cache command %s failed", command.op)
+            result = exc
+        self.reply(command.command_id, result)
+        self.emit([], self.core.take_stats())  # an erase shows in the metrics at once
 
     def _add(self, add: AddRequest) -> None:
         if add.params.structured is not None:
@@ -91,7 +106,7 @@ class StepLoop:
 
     def _admit(self, add: AddRequest, matcher: StructuredMatcher | None) -> None:
         request = Request(add.request_id, add.prompt_token_ids, add.params, cache_salt=add.cache_salt,
-                          tenant=add.tenant, arrival_time=add.arrival_time)
+                          tenant=add.tenant, arrival_time=add.arrival_time, cache=add.cache)
         request.matcher = matcher
         try:
             self.core.add_request(request)

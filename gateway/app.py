@@ -13,7 +13,7 @@ from functools import partial
 from aiohttp import web
 
 from engine.client import EngineClient
-from gateway import routes
+from gateway import cache_routes, routes
 from gateway.admission import Admission
 from gateway.auth import Authenticator
 from gateway.cache_stats import CACHE_STATS, CacheStats
@@ -90,6 +90,9 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     app.router.add_get("/metrics", routes.metrics)
     app.router.add_get("/openapi.json", routes.openapi)
     app.router.add_get("/v1/cache/stats", routes.cache_stats)
+    app.router.add_get("/v1/cache", cache_routes.list_pins)
+    app.router.add_delete("/v1/cache", cache_routes.erase)
+    app.router.add_post("/v1/cache/warm", cache_routes.warm)
     app.router.add_post("/v1/embeddings", embeddings)
     app[RESPONSE_STORE] = ResponseStore(settings.gateway.responses_store_max)
     app.router.add_post("/v1/responses", responses.create)

@@ -21,6 +21,7 @@ class Tenant:
     max_concurrent: int | None = None  # the tenant's requests in flight, all its keys together
     key_id: str = ""  # which configured key (its position, not the key): per-key limits count by it
     key_max_concurrent: int | None = None  # requests in flight with this one key
+    max_pinned_blocks: int | None = None  # KV blocks the tenant's pins may hold, by this key (None: no own cap)
 
     def cache_salt(self, body_salt: str | None) -> str:
         """The engine's salt: a body `cache_salt` can only narrow the tenant's own cache."""
@@ -45,7 +46,8 @@ class Authenticator:
             if salts.setdefault(key.tenant, salt) != salt:
                 raise ValueError(f"the API keys of tenant {key.tenant!r} disagree on salt or share_public_salt; "
                                  "a tenant has one cache, so give them the same values (or different tenants)")
-            tenant = Tenant(key.tenant, salt, settings.max_concurrent_per_tenant, f"#{i}", key.max_concurrent)
+            tenant = Tenant(key.tenant, salt, settings.max_concurrent_per_tenant, f"#{i}", key.max_concurrent,
+                            key.max_pinned_blocks)
             self._by_digest.append((_digest(key.key), tenant))
         anonymous_salt = derive.public() if ANONYMOUS_TENANT in public else derive.tenant(ANONYMOUS_TENANT)
         self._anonymous = Tenant(ANONYMOUS_TENANT, anonymous_salt, settings.max_concurrent_per_tenant)

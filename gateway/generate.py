@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.client import EngineClient, EngineDeadError
+from engine.messages import CacheDirectives
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SampledToken, SamplingParams
 from gateway.errors import APIError
@@ -29,6 +30,7 @@ class Choice:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    cache: CacheDirectives | None = None  # breakpoints to pin (cache_control)
     # filled in as outputs arrive
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -37,6 +39,9 @@ class Choice:
     num_disk_cached_tokens: int = 0
     num_cache_write_tokens: int = 0
     num_output_tokens: int = 0
+    num_pinned_tokens: int = 0
+    pinned_until: float | None = None
+    pin_refused: str | None = None
     finish_reason: str | None = None
 
     def add(self, out: RequestOutput) -> None:
@@ -47,6 +52,9 @@ class Choice:
         self.num_disk_cached_tokens = out.num_disk_cached_tokens
         self.num_cache_write_tokens = out.num_cache_write_tokens
         self.num_output_tokens = out.num_output_tokens
+        self.num_pinned_tokens = out.num_pinned_tokens
+        self.pinned_until = out.pinned_until
+        self.pin_refused = out.pin_refused
         if out.finished:
             self.finish_reason = out.finish_reason
 
@@ -79,13 +87,24 @@ def usage(choices: list[Choice]) -> dict[str, Any]:
     }
 
 
-def prompt_tokens_details(leaders) -> dict[str, int]:
+def prompt_tokens_details(leaders) -> dict[str, Any]:
     """OpenAI's cached_tokens, and where they came from and went: disk_cached_tokens (the part of
     cached_tokens read back from the disk tier), cache_write_tokens (prompt tokens computed and written to
-    the cache by this request)."""
-    return {"cached_tokens": sum(c.num_cached_tokens for c in leaders),
-            "disk_cached_tokens": sum(c.num_disk_cached_tokens for c in leaders),
-            "cache_write_tokens": sum(c.num_cache_write_tokens for c in leaders)}
+    the cache by this request), pinned_tokens and pinned_until (the prompt's pinned prefix this request made
+    or renewed, and when it expires, in Unix seconds; the earliest where several prompts have one), and
+    pin_refused only where a breakpoint was not pinned (the quota it would have exceeded)."""
+    leaders = list(leaders)
+    expiries = [c.pinned_until for c in leaders if c.pinned_until is not None]
+    details: dict[str, Any] = {
+        "cached_tokens": sum(c.num_cached_tokens for c in leaders),
+        "disk_cached_tokens": sum(c.num_disk_cached_tokens for c in leaders),
+        "cache_write_tokens": sum(c.num_cache_write_tokens for c in leaders),
+        "pinned_tokens": sum(c.num_pinned_tokens for c in leaders),
+        "pinned_until": int(min(expiries)) if expiries else None}
+    refused = next((c.pin_refused for c in leaders if c.pin_refused), None)
+    if refused is not None:
+        details["pin_refused"] = refused
+    return details
 
 
 async def run_choices(engine: EngineClient, choices: list[Choice], *, cache_salt: str,
@@ -96,7 +115,7 @@ async def run_choices(engine: EngineClient, choices: list[Choice], *, cache_salt
 
     async def run_one(choice: Choice) -> None:
         gen = engine.generate(choice.request_id, choice.prompt_ids, choice.params,
-                              cache_salt=cache_salt, tenant=tenant)
+                              cache_salt=cache_salt, tenant=tenant, cache=choice.cache)
         try:
             async with contextlib.aclosing(gen):
                 async for out in gen:

@@ -6,7 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from engine.messages import CacheBreakpoint
 from engine.structured import StructuredOutput
+from gateway.cache_control import ChatBreakpoint, chat_breakpoints, completion_breakpoints
 from gateway.errors import invalid
 from gateway.generation_defaults import SAMPLING_FIELDS
 from gateway.render import normalize_messages
@@ -46,6 +48,7 @@ class GenerationRequest:
 class ChatRequest(GenerationRequest):
     messages: list[dict[str, str]]
     tools: ToolRequest | None = None  # None: no tools
+    breakpoints: tuple[ChatBreakpoint, ...] = ()  # cache_control (gateway/cache_control.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,7 @@ class CompletionRequest(GenerationRequest):
     prompts: list[str | list[int]]
     best_of: int  # choices generated per prompt; the n with the highest cumulative logprob are returned
     echo: bool  # the prompt's text comes before each choice's
+    breakpoints: tuple[CacheBreakpoint, ...] = ()  # cache_control, by prompt tokens
 
 
 def parse_chat(body: Any, limits: GatewaySettings, defaults: Mapping[str, Any] = SAMPLING_FIELDS) -> ChatRequest:
@@ -66,7 +70,8 @@ def parse_chat(body: Any, limits: GatewaySettings, defaults: Mapping[str, Any] =
         max_tokens = fields.integer("max_tokens", None, 1)
     common = _common(fields, limits, max_tokens, (top or 0) if want_logprobs else None, defaults)
     messages = normalize_messages(fields.body.get("messages"), limits.max_messages)
-    return ChatRequest(**common, messages=messages, tools=parse_tools(fields.body))
+    return ChatRequest(**common, messages=messages, tools=parse_tools(fields.body),
+                       breakpoints=tuple(chat_breakpoints(fields.body)))
 
 
 def parse_completion(body: Any, limits: GatewaySettings,
@@ -75,7 +80,8 @@ def parse_completion(body: Any, limits: GatewaySettings,
     logprobs = fields.integer("logprobs", None, 0, limits.max_top_logprobs)
     common = _common(fields, limits, fields.integer("max_tokens", None, 1), logprobs, defaults)
     extras = completion_extras(fields, common["n"], limits.max_n, common["stream"], logprobs)
-    return CompletionRequest(**common, prompts=parse_prompts(fields.body.get("prompt"), limits.max_prompts), **extras)
+    return CompletionRequest(**common, prompts=parse_prompts(fields.body.get("prompt"), limits.max_prompts),
+                             breakpoints=tuple(completion_breakpoints(fields.body)), **extras)
 
 
 def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None, logprobs: int | None,

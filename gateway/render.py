@@ -102,13 +102,13 @@ def _content_text(content: Any, param: str) -> str:
 
 
 async def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                      tool_template: ToolTemplate | None = None) -> list[int]:
+                      tool_template: ToolTemplate | None = None, add_generation_prompt: bool = True) -> list[int]:
     """`tool_template` None: the template renders tools itself (or there are none)."""
     if tool_template is not None and not tool_template.native:
         messages, tools = hermes_messages(messages, tools), None
     if sum(len(m["content"]) for m in messages) > _OFFLOAD_CHARS:
-        return await asyncio.to_thread(_render_chat, tokenizer, messages, tools)
-    return _render_chat(tokenizer, messages, tools)
+        return await asyncio.to_thread(_render_chat, tokenizer, messages, tools, add_generation_prompt)
+    return _render_chat(tokenizer, messages, tools, add_generation_prompt)
 
 
 async def encode_prompts(tokenizer: Any, prompts: list[str | list[int]], param: str) -> list[list[int]]:
@@ -127,9 +127,10 @@ async def encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text)
 
 
-def _render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+def _render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 add_generation_prompt: bool) -> list[int]:
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     except (ValueError, jinja2.TemplateError) as exc:  # e.g. a template that wants alternating roles
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
     return tokenizer.encode(text)

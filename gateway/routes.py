@@ -10,8 +10,10 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.messages import CacheDirectives
 from engine.sampling_params import SamplingParams
 from gateway.auth import Tenant
+from gateway.cache_control import chat_breakpoint_tokens, directives
 from gateway.cache_stats import CACHE_STATS
 from gateway.embeddings import POOLING
 from gateway.errors import APIError, invalid
@@ -42,9 +44,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     with state.admission.admit(tenant, req.n):
         tools = req.tools.template_tools if req.tools else None
         prompt = await render_chat(state.engine.tokenizer, req.messages, tools, tool_template)
+        breakpoints = await chat_breakpoint_tokens(state.engine.tokenizer, req.messages, list(req.breakpoints),
+                                                   prompt, tools, tool_template) if req.breakpoints else []
         fmt = ChatFormat(_new_id("chatcmpl-"), state.model_name, state.engine.tokenizer,
                          fingerprint=_fingerprint(state), tools=req.tools, tool_call_parser=tool_template.parser)
-        return await _generate(request, state, tenant, req, [prompt], fmt, "messages", None)
+        return await _generate(request, state, tenant, req, [prompt], fmt, "messages", None,
+                               directives(breakpoints, tenant.max_pinned_blocks))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -59,7 +64,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompts]
                                if req.echo else None, fingerprint=_fingerprint(state))
         return await _generate(request, state, tenant, req, prompts, fmt, "prompt",
-                               COMPLETIONS_DEFAULT_MAX_TOKENS)
+                               COMPLETIONS_DEFAULT_MAX_TOKENS,
+                               directives(list(req.breakpoints), tenant.max_pinned_blocks))
 
 
 async def models(request: web.Request) -> web.Response:
@@ -119,7 +125,8 @@ async def read_json(request: web.Request) -> Any:
 
 async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, req: GenerationRequest,
                     prompts: list[list[int]], fmt: ChatFormat, prompt_param: str,
-                    default_max_tokens: int | None) -> web.StreamResponse:
+                    default_max_tokens: int | None, cache: CacheDirectives | None = None) -> web.StreamResponse:
+    """`cache`: the breakpoints to pin, the same for every prompt."""
     if not state.engine.is_alive():
         raise APIError(503, "the engine is not running", code="engine_unavailable")
     check_logit_bias_ids(req.logit_bias, state.engine.tokenizer.vocab_size)
@@ -131,7 +138,8 @@ async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, r
             raise invalid(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
         for i in range(samples):
             params = sampling_params(req, max_tokens, i, rank_by_logprob=samples > req.n)
-            choices.append(Choice(len(choices), prompt_index, f"{fmt.response_id}-{len(choices)}", prompt, params))
+            choices.append(Choice(len(choices), prompt_index, f"{fmt.response_id}-{len(choices)}", prompt, params,
+                                  cache))
     outputs = run_choices(state.engine, choices, cache_salt=tenant.cache_salt(req.cache_salt), tenant=tenant.name)
     async with contextlib.aclosing(outputs):
         try:

@@ -28,6 +28,7 @@ class ApiKey:
     salt: str | None = field(default=None, repr=False)  # None: derived from the tenant name
     max_concurrent: int | None = None  # requests in flight with this key (None: no per-key limit)
     share_public_salt: bool = False
+    max_pinned_blocks: int | None = None  # KV blocks its tenant's pins may hold (None: only the server's cap)
 
 
 def _knob(default: Any, help: str) -> Any:
@@ -57,7 +58,8 @@ class GatewaySettings:
     public_salt_tenants: tuple[str, ...] = _knob((), "tenants that share one cache salt on purpose")
     salt_secret: str | None = field(default=None, repr=False, metadata={
         "help": "secret that derives tenant salts (None: random per start)"})
-    api_keys_file: str | None = _knob(None, "YAML file: key -> {tenant, salt?, max_concurrent?, share_public_salt?}")
+    api_keys_file: str | None = _knob(
+        None, "YAML file: key -> {tenant, salt?, max_concurrent?, share_public_salt?, max_pinned_blocks?}")
     metrics_api_key: str | None = field(default=None, repr=False, metadata={
         "help": "bearer key that /metrics requires (None: /metrics is open, and it lists tenant names)"})
     log_level: str = _knob("info", "debug | info | warning | error")
@@ -220,7 +222,8 @@ def _check_bare_keys(flags: list[str]) -> None:
                              "collide); name their tenants: --api-key KEY:TENANT")
 
 
-_KEY_FIELDS = {"tenant": str, "salt": str | None, "max_concurrent": int | None, "share_public_salt": bool}
+_KEY_FIELDS = {"tenant": str, "salt": str | None, "max_concurrent": int | None, "share_public_salt": bool,
+               "max_pinned_blocks": int | None}
 
 
 def _read_keys_file(path: str) -> tuple[ApiKey, ...]:
@@ -248,6 +251,8 @@ def _key_entry(path: str, key: Any, entry: Any) -> ApiKey:
         raise ValueError(f"{where}: {exc}") from None
     _check(values.get("max_concurrent") is None or values["max_concurrent"] >= 1,
            f"{where}: max_concurrent must be >= 1")
+    _check(values.get("max_pinned_blocks") is None or values["max_pinned_blocks"] >= 0,
+           f"{where}: max_pinned_blocks must be >= 0")
     return ApiKey(key=key, **values)
 
 

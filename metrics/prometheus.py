@@ -26,7 +26,9 @@ from engine.stats import FinishedRequestStats, PrefixCacheStats, SchedulerStats,
 PREFIX = "prefixgate_"
 OTHER_TENANT = "other"
 FINISH_REASONS = ("stop", "length", "abort", "error")
-EVICTION_REASONS = ("capacity", "preemption", "spill", "reset")
+EVICTION_REASONS = ("capacity", "preemption", "spill", "reset", "erase")
+PIN_RELEASE_REASONS = ("expired", "pressure", "erased")
+PIN_REFUSALS = ("tenant_quota", "pool_quota", "not_cached")
 
 # Seconds: from a cached short prompt's TTFT on a GPU to a long CPU generation.
 LATENCY_BUCKETS = (
@@ -101,6 +103,7 @@ class PrefixCacheMetrics:
         self._evicted_preemption = _Delta(evictions.labels(model_name, "preemption"))
         self._evicted_spill = _Delta(evictions.labels(model_name, "spill"))
         self._evicted_reset = _Delta(evictions.labels(model_name, "reset"))
+        self._evicted_erase = _Delta(evictions.labels(model_name, "erase"))
         self._regrets = _Delta(Counter(f"{PREFIX}prefix_cache_regrets_blocks_total",
                                        "Evicted blocks asked for again soon after (a bounded ghost list of "
                                        "recently evicted hashes), not served by any tier.", labels,
@@ -115,6 +118,7 @@ class PrefixCacheMetrics:
         self._evicted_preemption.update(stats.evictions_preemption)
         self._evicted_spill.update(stats.evictions_spill)
         self._evicted_reset.update(stats.evictions_reset)
+        self._evicted_erase.update(stats.evictions_erase)
         self._regrets.update(stats.regrets)
         self.disk.update(stats)
         self.cached_blocks.set(stats.cached_blocks)
@@ -315,6 +319,56 @@ class TenantMetrics:
                 self._writes[name].inc(request.num_cache_write_tokens)
 
 
+class PinMetrics:
+    """Pinned prefixes (cache_control): what they hold, in all and by tenant, and why pins end or are refused.
+    Tenants outside the configured ones share the `other` label."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, tenants: Iterable[str]) -> None:
+        self._pins = Gauge(f"{PREFIX}pins", "Pinned prefixes now.", ["model_name"],
+                           registry=registry).labels(model_name)
+        self._blocks = Gauge(f"{PREFIX}pinned_blocks", "KV blocks held by pinned prefixes (never evicted while "
+                             "pinned).", ["model_name"], registry=registry).labels(model_name)
+        self._max_blocks = Gauge(f"{PREFIX}max_pinned_blocks", "KV blocks pins may hold at most "
+                                 "(--max-pinned-fraction of the pool).", ["model_name"],
+                                 registry=registry).labels(model_name)
+        released = Counter(f"{PREFIX}pins_released_total", "Pins released, by reason: expired (TTL), pressure "
+                           "(a request could not run otherwise), erased (DELETE /v1/cache).",
+                           ["model_name", "reason"], registry=registry)
+        self._released = {r: _Delta(released.labels(model_name, r)) for r in PIN_RELEASE_REASONS}
+        tenant_blocks = Gauge(f"{PREFIX}tenant_pinned_blocks", "KV blocks held by the tenant's pins.",
+                              ["model_name", "tenant"], registry=registry)
+        expiries = Counter(f"{PREFIX}tenant_pin_expiries_total", "The tenant's pins that expired (TTL not renewed "
+                           "by a hit).", ["model_name", "tenant"], registry=registry)
+        refused = Counter(f"{PREFIX}tenant_pins_refused_total", "Breakpoints not pinned, by tenant and the quota "
+                          "they would have exceeded.", ["model_name", "tenant", "reason"], registry=registry)
+        self._names = [*dict.fromkeys(tenants), OTHER_TENANT]
+        self._tenant_blocks = {t: tenant_blocks.labels(model_name, t) for t in self._names}
+        self._expiries = {t: expiries.labels(model_name, t) for t in self._names}
+        self._refused = {(t, r): refused.labels(model_name, t, r) for t in self._names for r in PIN_REFUSALS}
+        self._lock = threading.Lock()
+
+    def _bucket(self, tenant: str | None) -> str:
+        return tenant if tenant in self._tenant_blocks else OTHER_TENANT
+
+    def on_step(self, stats: StepStats) -> None:
+        cache = stats.scheduler.prefix_cache
+        self._pins.set(cache.pins)
+        self._blocks.set(cache.pinned_blocks)
+        self._max_blocks.set(cache.max_pinned_blocks)
+        blocks = dict.fromkeys(self._names, 0)
+        for tenant, num in cache.tenant_pinned_blocks.items():
+            blocks[self._bucket(tenant)] += num
+        for tenant, num in blocks.items():
+            self._tenant_blocks[tenant].set(num)
+        with self._lock:
+            for reason, delta in self._released.items():
+                delta.update(cache.pins_released.get(reason, 0))
+        for tenant, num in stats.tenant_pin_expiries.items():
+            self._expiries[self._bucket(tenant)].inc(num)
+        for (tenant, reason), num in stats.tenant_pin_refusals.items():
+            self._refused[self._bucket(tenant), reason].inc(num)
+
+
 class HttpMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(f"{PREFIX}http_requests_total", "HTTP requests by route, method and status.",
@@ -394,6 +448,7 @@ class Metrics:
         self.tokens = TokenMetrics(self.registry, model_name)
         self.requests = RequestMetrics(self.registry, model_name)
         self.tenants = TenantMetrics(self.registry, model_name, tenants)
+        self.pins = PinMetrics(self.registry, model_name, tenants)
         self.http = HttpMetrics(self.registry)
         self.admission = AdmissionMetrics(self.registry, model_name)
         self.responses = ResponseStoreMetrics(self.registry, model_name)
@@ -412,6 +467,7 @@ class Metrics:
         self.tokens.on_step(stats)
         self.requests.on_step(stats)
         self.tenants.on_step(stats)
+        self.pins.on_step(stats)
         for request in stats.finished:
             self.tokens.on_finished(request)
             self.requests.on_finished(request)

@@ -213,7 +213,7 @@ def test_reset_cache_forgets_free_blocks_only():
     pool.free([a])
     pool.reset_cache()
     assert pool.cached == {h(2): b}  # b is still referenced: its hash stays
-    assert a.block_hash is None and pool.evictions == {"capacity": 0, "spill": 0, "reset": 1}
+    assert a.block_hash is None and pool.evictions == {"capacity": 0, "spill": 0, "reset": 1, "erase": 0}
     assert ids(pool.free_queue) == [2, 0]
 
 
@@ -227,7 +227,7 @@ def test_evictions_by_reason_and_the_spill_hook():
     pool.free([a, b])
     pool.allocate(2)
     assert spilled == [(0, h(1)), (1, h(2))]  # called with the hash still on the block
-    assert pool.evictions == {"capacity": 1, "spill": 1, "reset": 0}
+    assert pool.evictions == {"capacity": 1, "spill": 1, "reset": 0, "erase": 0}
     assert pool.take_tenant_evictions() == {"alice": 1, "bob": 1}
 
 

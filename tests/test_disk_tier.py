@@ -275,7 +275,8 @@ async def test_usage_says_what_came_from_disk_and_what_was_written(tiny_llama_di
                                                                   "temperature": 0})
                 details.append((await resp.json())["usage"]["prompt_tokens_details"])
     full = 4 * BS  # HOT's full blocks
-    assert details == [{"cached_tokens": 0, "disk_cached_tokens": 0, "cache_write_tokens": full},  # computed
-                       {"cached_tokens": full, "disk_cached_tokens": 0, "cache_write_tokens": 0},  # RAM hit
-                       {"cached_tokens": full, "disk_cached_tokens": full, "cache_write_tokens": 0},  # disk
-                       {"cached_tokens": full, "disk_cached_tokens": 0, "cache_write_tokens": 0}]  # RAM again
+    unpinned = {"pinned_tokens": 0, "pinned_until": None}
+    assert details == [{"cached_tokens": 0, "disk_cached_tokens": 0, "cache_write_tokens": full, **unpinned},
+                       {"cached_tokens": full, "disk_cached_tokens": 0, "cache_write_tokens": 0, **unpinned},  # RAM
+                       {"cached_tokens": full, "disk_cached_tokens": full, "cache_write_tokens": 0, **unpinned},
+                       {"cached_tokens": full, "disk_cached_tokens": 0, "cache_write_tokens": 0, **unpinned}]

@@ -12,7 +12,7 @@ from engine.kv.hashing import BlockHash
 __all__ = ["BlockPool", "FreeBlockQueue", "Ghost", "KVCacheBlock", "EVICTION_REASONS"]
 
 # why a cached block hash was dropped from RAM (preemption is counted by the KV cache manager)
-EVICTION_REASONS = ("capacity", "spill", "reset")
+EVICTION_REASONS = ("capacity", "spill", "reset", "erase")
 
 
 class KVCacheBlock:
@@ -201,6 +201,35 @@ class BlockPool:
     def take_tenant_regrets(self) -> dict[str, int]:
         taken, self._tenant_regrets = self._tenant_regrets, {}
         return taken
+
+    def erase(self, tenant: str | None) -> int:
+        """Forgets every hash a block of `tenant` holds (DELETE /v1/cache), free or in use; returns how many
+        cached hashes went. A block in use keeps its K/V for its request, but nothing hits it any more."""
+        erased = 0
+        for block in self.blocks:
+            if block.block_hash is None or block.tenant != tenant:
+                continue
+            free = block.ref_cnt == 0
+            if free:
+                self.free_queue.remove(block)
+            if self.cached[block.block_hash] is not block:
+                self._drop_duplicate(block.block_hash, block)
+            elif block.block_hash in self.duplicates:
+                self._promote_duplicate(block.block_hash)  # (a copy of the same tenant goes later in this loop)
+            else:
+                del self.cached[block.block_hash]
+                erased += 1
+                self.evictions["erase"] += 1
+                self.generation += 1
+                if self.kv_events is not None:
+                    self.kv_events.append(("removed", block.block_hash))
+            block.block_hash = block.token_ids = block.tenant = None
+            block.reused = False
+            if free:
+                self.free_queue.push(block, True)
+        for block_hash in [h for h, ghost in self.ghosts.items() if ghost.tenant == tenant]:
+            del self.ghosts[block_hash]
+        return erased
 
     def reset_cache(self) -> None:
         """Forget every cached hash of a free block (used between benchmark runs)."""

@@ -1,7 +1,8 @@
 """Disk tier of the prefix cache: evicted blocks as checksummed files, written off the step path.
 
 Layout: DIR/<model fingerprint, 16 hex>/<block hash hex>.kv. A file holds its block hash, token ids,
-the full model fingerprint, the block's K and V, and a checksum of all of it; a file that fails any
+the full model fingerprint, a tag of the tenant that cached it (so DELETE /v1/cache finds its files), the
+block's K and V, and a checksum of all of it; a file that fails any
 check is deleted and never served. A model (by a hash of its weights' full content), dtype, block-size
 or hash change gives another fingerprint, hence another folder: old files are never read, and are the
 first reclaimed by the one size cap of DIR. DIR/.lock keeps a second server out of the folder.
@@ -37,8 +38,9 @@ from engine.stats import DiskTierStats
 
 logger = logging.getLogger("prefixgate.engine")
 
-MAGIC = b"PGKVBLK1"
-_HEADER = struct.Struct("<8s32sHIQ")  # magic, fingerprint, hash length, number of tokens, payload bytes
+MAGIC = b"PGKVBLK2"
+# magic, fingerprint, tenant tag, hash length, number of tokens, payload bytes
+_HEADER = struct.Struct("<8s32s8sHIQ")
 _CHECKSUM_BYTES = 16  # xxh3_128 over everything before it
 MAX_PENDING_BYTES = 256 * 2**20  # spills waiting for the writer; beyond this a spill is dropped
 BACKOFF_S = (1.0, 60.0)  # after a failed write no spill is taken for this long, doubling while writes keep failing
@@ -71,9 +73,16 @@ def _content_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def encode_block(fingerprint: bytes, block_hash: BlockHash, token_ids: tuple[int, ...], kv: torch.Tensor) -> bytes:
+def tenant_tag(tenant: str | None) -> bytes:
+    """8 bytes naming the tenant in a block file (a hash: the file does not spell out who it belongs to)."""
+    return bytes(8) if tenant is None else hashlib.blake2b(tenant.encode(), digest_size=8).digest()
+
+
+def encode_block(fingerprint: bytes, block_hash: BlockHash, token_ids: tuple[int, ...], kv: torch.Tensor,
+                 tenant: str | None = None) -> bytes:
     payload = kv.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    body = (_HEADER.pack(MAGIC, fingerprint, len(block_hash), len(token_ids), len(payload)) + block_hash
+    body = (_HEADER.pack(MAGIC, fingerprint, tenant_tag(tenant), len(block_hash), len(token_ids), len(payload))
+            + block_hash
             + struct.pack(f"<{len(token_ids)}q", *token_ids) + payload)
     return body + xxhash.xxh3_128_digest(body)
 
@@ -91,7 +100,7 @@ def decode_block(data: bytes | bytearray, fingerprint: bytes, block_hash: BlockH
     body, checksum = view[:-_CHECKSUM_BYTES], view[-_CHECKSUM_BYTES:]
     if xxhash.xxh3_128_digest(body) != checksum:
         raise CorruptBlock("checksum mismatch")
-    magic, file_fingerprint, hash_len, num_tokens, payload_len = _HEADER.unpack_from(body)
+    magic, file_fingerprint, _, hash_len, num_tokens, payload_len = _HEADER.unpack_from(body)
     if magic != MAGIC or file_fingerprint != fingerprint:
         raise CorruptBlock("another format or model")
     offset = _HEADER.size
@@ -126,6 +135,7 @@ def _probe_writable(folder: Path) -> None:
 class _Pending:
     token_ids: tuple[int, ...]
     kv: torch.Tensor
+    tenant: str | None
 
 
 class DiskTierUnavailable(OSError):
@@ -216,7 +226,8 @@ class DiskTier:
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._pending or block_hash in self._index
 
-    def put(self, block_hash: BlockHash, token_ids: tuple[int, ...], kv: torch.Tensor, wait: bool = False) -> bool:
+    def put(self, block_hash: BlockHash, token_ids: tuple[int, ...], kv: torch.Tensor, tenant: str | None = None,
+            wait: bool = False) -> bool:
         """Queues a block for writing; False if the writer is too far behind (the block is lost),
         unless `wait`: then it waits for the writer (shutdown flush)."""
         size = kv.numel() * kv.element_size()
@@ -231,7 +242,7 @@ class DiskTier:
             if self._pending_bytes + size > MAX_PENDING_BYTES or time.monotonic() < self._backoff_until:
                 self.stats.dropped_spills += 1
                 return False
-            self._pending[block_hash] = _Pending(token_ids, kv)
+            self._pending[block_hash] = _Pending(token_ids, kv, tenant)
             self._pending_bytes += size
         self._queue.put(block_hash)
         return True
@@ -301,6 +312,51 @@ class DiskTier:
             copy.write_errors = dict(self.stats.write_errors)
             return copy
 
+    def erase(self, tenant: str | None) -> int:
+        """Deletes every block file `tenant` cached (DELETE /v1/cache); returns how many. Reads each file's
+        header only. Called on the engine thread, the only one that queues writes: after the flush nothing
+        of the tenant's is pending."""
+        self.flush()
+        tag, erased = tenant_tag(tenant), 0
+        with self._lock:
+            hashes = list(self._index)
+        for block_hash in hashes:
+            try:
+                with self._path(block_hash).open("rb", buffering=0) as f:
+                    header = f.read(_HEADER.size)
+            except OSError:
+                continue
+            if len(header) == _HEADER.size and _HEADER.unpack(header)[2] == tag:
+                with self._lock:
+                    self._forget(block_hash)
+                erased += 1
+        return erased
+
+    @property
+    def pins_path(self) -> Path:
+        return self.dir / "pins.json"
+
+    def save_pins(self, records: list[dict]) -> None:
+        """Writes the pinned prefixes for the next start (atomically); a failure only loses them, with a warning."""
+        tmp = self.dir / "pins.tmp"  # (a leftover is removed at the next start, as block temporaries are)
+        try:
+            tmp.write_text(json.dumps({"pins": records}))
+            os.replace(tmp, self.pins_path)
+        except OSError as exc:
+            _unlink(tmp)
+            logger.warning("disk tier: could not save the pinned prefixes (%s); a restart forgets them", exc)
+
+    def load_pins(self) -> list[dict]:
+        """The pinned prefixes saved by the last run ([] if none, or if the file is unreadable)."""
+        try:
+            records = json.loads(self.pins_path.read_text())["pins"]
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("disk tier: ignoring unreadable %s (%s)", self.pins_path, exc)
+            return []
+        return records if isinstance(records, list) else []
+
     # ---- index and writer
 
     def _path(self, block_hash: BlockHash) -> Path:
@@ -364,7 +420,7 @@ class DiskTier:
 
     def _write(self, block_hash: BlockHash) -> None:
         pending = self._pending[block_hash]
-        data = encode_block(self.fingerprint, block_hash, pending.token_ids, pending.kv)
+        data = encode_block(self.fingerprint, block_hash, pending.token_ids, pending.kv, pending.tenant)
         path = self._path(block_hash)
         tmp = path.with_suffix(".tmp")
         try:

@@ -1,13 +1,19 @@
 """Per-request block tables over the block pool: longest cached prefix, allocation, release."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from engine.config import EvictionPolicy, HashAlgo
 from engine.kv.block_pool import BlockPool, KVCacheBlock
 from engine.kv.disk_tier import DiskTier
+from engine.kv.hashing import BlockHash
 from engine.kv.kv_io import KVBlockIO
+from engine.kv.pins import REFUSED_NOT_CACHED, Pin, PinTable
+from engine.messages import CacheErased
 from engine.request import Request
+
+logger = logging.getLogger("prefixgate.engine")
 
 
 @dataclass(slots=True)
@@ -28,12 +34,14 @@ class _Hit:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
                  hash_algo: HashAlgo = HashAlgo.SHA256, min_shared_prefix_tokens: int = 0,
-                 eviction_policy: EvictionPolicy = EvictionPolicy.LRU) -> None:
+                 eviction_policy: EvictionPolicy = EvictionPolicy.LRU, max_pinned_blocks: int | None = None) -> None:
+        """max_pinned_blocks: most blocks pins may hold (None: half the pool)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
         self.min_shared_prefix_tokens = min_shared_prefix_tokens
         self.pool = BlockPool(num_blocks, enable_caching, eviction_policy)
+        self.pins = PinTable(self.pool, block_size, num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks)
         self.disk: DiskTier | None = None
         self.kv_io: KVBlockIO | None = None
         self.num_disk_hit_tokens = 0
@@ -125,6 +133,8 @@ class KVCacheManager:
             self.pool.count_regrets(
                 request.block_hashes[prefix.num_tokens // self.block_size:self.num_hittable_blocks(request)])
         self.pool.touch(hit_blocks)
+        if hit_blocks and self.pins.pins:  # every hit renews the pins it covers
+            self._note_pin(request, self.pins.renew_hits(request.block_hashes[:len(hit_blocks)]))
         table += hit_blocks
         self._num_registered.setdefault(request.request_id, 0)
         self._num_registered[request.request_id] += len(hit_blocks)
@@ -142,7 +152,7 @@ class KVCacheManager:
         """Called as a cached block is handed out, before its KV is overwritten."""
         if block.block_hash in self.disk:
             return True
-        return self.disk.put(block.block_hash, block.token_ids, self.kv_io.copy_out(block.block_id))
+        return self.disk.put(block.block_hash, block.token_ids, self.kv_io.copy_out(block.block_id), block.tenant)
 
     def _load_from_disk(self, request: Request, prefix: CachedPrefix, table: list[KVCacheBlock]) -> None:
         """Fills the blocks after the RAM hits from disk; a block that fails its checks ends the hit there."""
@@ -168,7 +178,8 @@ class KVCacheManager:
         restart. Returns how many blocks it queued."""
         blocks = self._missing_on_disk()
         for block in blocks:
-            self.disk.put(block.block_hash, block.token_ids, self.kv_io.copy_out(block.block_id), wait=True)
+            self.disk.put(block.block_hash, block.token_ids, self.kv_io.copy_out(block.block_id), block.tenant,
+                          wait=True)
         self.disk.flush()
         in_use = [b for b in self.pool.blocks if b.ref_cnt and b.block_hash is not None]
         for block in [b for b in self.pool.free_queue if b.block_hash is not None] + in_use:
@@ -184,7 +195,7 @@ class KVCacheManager:
             kv = self.kv_io.copy_out(block.block_id)
             if not self.disk.has_room(kv.numel() * kv.element_size()):
                 break
-            self.disk.put(block.block_hash, block.token_ids, kv)
+            self.disk.put(block.block_hash, block.token_ids, kv, block.tenant)
             queued += 1
         return queued
 
@@ -218,3 +229,90 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         """The block table of a running request, as block ids (position p lives in block p // block_size)."""
         return [b.block_id for b in self.block_tables[request_id]]
+
+    # ---- pins (engine/kv/pins.py)
+
+    def pin_prompt(self, request: Request) -> None:
+        """The request's prompt is computed: pins the full blocks up to each of its breakpoints."""
+        if request.cache is None:
+            return
+        table = self.block_tables.get(request.request_id, [])
+        for breakpoint in sorted(request.cache.breakpoints, key=lambda b: b.num_tokens):
+            num_blocks = min(breakpoint.num_tokens, request.num_prompt_tokens) // self.block_size
+            if num_blocks == 0:
+                continue
+            blocks = [self.pool.cached.get(b.block_hash) if b.block_hash is not None else None
+                      for b in table[:num_blocks]]
+            if not self.enable_caching or None in blocks:
+                request.pin_refused = REFUSED_NOT_CACHED
+                continue
+            pin = self.pins.pin(request.tenant, blocks, breakpoint.ttl_s, request.cache.max_pinned_blocks)
+            if isinstance(pin, str):
+                request.pin_refused = pin
+            else:
+                self._note_pin(request, pin)
+
+    def _note_pin(self, request: Request, pin: Pin | None) -> None:
+        """What the request's usage reports: the longest pinned prefix it made or renewed."""
+        if pin is not None and len(pin.blocks) * self.block_size >= request.num_pinned_tokens:
+            request.num_pinned_tokens = len(pin.blocks) * self.block_size
+            request.pinned_until = pin.expires_at
+
+    def release_pin_for_room(self) -> bool:
+        """A request cannot get blocks otherwise: the pin closest to expiry goes (False: there is none)."""
+        return self.pins.release_one()
+
+    def erase(self, tenant: str | None) -> CacheErased:
+        """Forgets every cached block of `tenant`, pinned or not, in RAM and on disk (DELETE /v1/cache)."""
+        erased = CacheErased(pins=self.pins.erase(tenant))
+        erased.blocks = self.pool.erase(tenant)
+        if self.disk is not None and not self.disk.closed:
+            erased.disk_blocks = self.disk.erase(tenant)
+        return erased
+
+    def save_pins(self) -> None:
+        """Writes the pins (their blocks' hashes and tokens) beside the disk tier's files, if they changed."""
+        if self.disk is None or self.disk.closed or not self.pins.dirty:
+            return
+        self.pins.dirty = False
+        if not self.pins.pins and not self.disk.pins_path.exists():
+            return
+        self.disk.save_pins([{"tenant": pin.tenant, "ttl_s": pin.ttl_s, "created_at": pin.created_at,
+                              "expires_at": pin.expires_at, "hits": pin.hits,
+                              "blocks": [[b.block_hash.hex(), list(b.token_ids)] for b in pin.blocks]}
+                             for pin in self.pins.pins.values()])
+
+    def restore_pins(self) -> int:
+        """At start-up: the pins of the last run that have not expired, their blocks read back from the disk
+        tier into RAM (a block that is gone ends its pin there). Returns how many pins came back."""
+        if self.disk is None:
+            return 0
+        restored = 0
+        for record in sorted(self.disk.load_pins(), key=lambda r: r.get("created_at", 0)):
+            try:
+                restored += self._restore_pin(record)
+            except (KeyError, TypeError, ValueError) as exc:  # a hand-edited or foreign file: that pin is lost
+                logger.warning("disk tier: skipping a saved pin (%r)", exc)
+        self.pins.dirty = False
+        return restored
+
+    def _restore_pin(self, record: dict) -> bool:
+        if record["expires_at"] <= self.pins.clock():
+            return False
+        blocks, loaded = [], []
+        for hash_hex, tokens in record["blocks"]:
+            block_hash, tokens = BlockHash(bytes.fromhex(hash_hex)), tuple(tokens)
+            block = self.pool.get_cached_block(block_hash, tokens)
+            if block is None:
+                kv = self.disk.load(block_hash, tokens) if self.pool.num_free_blocks else None
+                if kv is None:
+                    break
+                [block] = self.pool.allocate(1)
+                self.kv_io.copy_in(block.block_id, kv)
+                self.pool.cache_block(block, block_hash, tokens, record["tenant"], reused=True)
+                loaded.append(block)
+            blocks.append(block)
+        pin = self.pins.restore(record["tenant"], blocks, record["ttl_s"], record["created_at"],
+                                record["expires_at"], record["hits"]) if blocks else None
+        self.pool.free(reversed(loaded))  # the pin holds them now (or, refused, they are cached and free)
+        return pin is not None

@@ -1,0 +1,106 @@
+"""A tenant's cache under its own control: `GET /v1/cache` lists the caller's pinned prefixes,
+`POST /v1/cache/warm` computes and pins a prompt without generating anything, `DELETE /v1/cache` erases the
+caller's cached blocks, in memory and on disk, pinned or not. Each acts on the caller's tenant only (the
+anonymous one without API keys)."""
+from __future__ import annotations
+
+import contextlib
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from engine.client import EngineDeadError
+from engine.messages import CacheBreakpoint, CacheErased, PinInfo
+from engine.sampling_params import SamplingParams
+from gateway.cache_control import DEFAULT_TTL, TTLS, WHOLE_PROMPT, directives, parse_ttl
+from gateway.errors import APIError, invalid
+from gateway.generate import Choice, check_output, prompt_tokens_details, run_choices
+from gateway.jsonbody import parse_body
+from gateway.protocol import _Fields, parse_prompts
+from gateway.render import encode_prompts, normalize_messages, render_chat
+from gateway.state import STATE, GatewayState
+from gateway.tool_prompt import TOOL_TEMPLATE
+from gateway.tools import parse_tools
+
+
+async def list_pins(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    tenant = state.auth.authenticate(request)
+    pins = await _command(state, state.engine.list_pins(tenant.name))
+    return web.json_response({"object": "list", "data": [_pin(p) for p in pins],
+                              "pinned_blocks": sum(p.num_blocks for p in pins),
+                              "max_pinned_blocks": tenant.max_pinned_blocks})
+
+
+async def erase(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    tenant = state.auth.authenticate(request)
+    erased: CacheErased = await _command(state, state.engine.erase_cache(tenant.name))
+    return web.json_response({"object": "cache.deleted", "deleted": True, "blocks": erased.blocks,
+                              "disk_blocks": erased.disk_blocks, "pins": erased.pins})
+
+
+async def warm(request: web.Request) -> web.Response:
+    """Body: `messages` (with optional `tools`: the prefix a chat with them starts with) or `prompt`, an
+    optional `cache_control` ({"type": "ephemeral", "ttl": "5m" | "1h"}, default 5m) and `cache_salt`."""
+    state = request.app[STATE]
+    tenant = state.auth.authenticate(request)
+    fields = _Fields(parse_body(await request.read()))
+    if (model := fields.string("model", None)) is not None:
+        state.check_model(model)
+    raw = fields.body.get("cache_control")
+    ttl_s = TTLS[DEFAULT_TTL] if raw is None else parse_ttl(raw, "cache_control")
+    with state.admission.admit(tenant, 1):
+        prompt, param = await _prompt(request, state, fields)
+        state.check_lengths(len(prompt), 1, param)
+        if not state.engine.is_alive():
+            raise APIError(503, "the engine is not running", code="engine_unavailable")
+        choice = Choice(0, 0, f"warm-{uuid.uuid4().hex}", prompt, SamplingParams(max_tokens=1, pooling="none"),
+                        directives([CacheBreakpoint(WHOLE_PROMPT, ttl_s)], tenant.max_pinned_blocks))
+        outputs = run_choices(state.engine, [choice], cache_salt=tenant.cache_salt(fields.string("cache_salt", None)),
+                              tenant=tenant.name)
+        async with contextlib.aclosing(outputs):
+            try:
+                async for _, out in outputs:
+                    check_output(out)
+                    choice.add(out)
+            except ValueError as exc:
+                raise invalid(str(exc), param) from None
+    return web.json_response({"object": "cache.warm", "model": state.model_name,
+                              "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt),
+                                        "prompt_tokens_details": prompt_tokens_details([choice])}})
+
+
+async def _prompt(request: web.Request, state: GatewayState, fields: _Fields) -> tuple[list[int], str]:
+    """The tokens to warm: the chat rendered as a later request's prompt starts (no generation prompt), or
+    the completion prompt."""
+    body = fields.body
+    if (body.get("messages") is None) == (body.get("prompt") is None):
+        raise invalid("send either messages (a chat prefix) or prompt", "messages")
+    tokenizer = state.engine.tokenizer
+    if body.get("prompt") is not None:
+        prompts = parse_prompts(body["prompt"], 1)
+        return (await encode_prompts(tokenizer, prompts, "prompt"))[0], "prompt"
+    messages = normalize_messages(body["messages"], state.settings.gateway.max_messages)
+    tools = parse_tools(body)
+    template = request.app[TOOL_TEMPLATE]
+    return await render_chat(tokenizer, messages, tools.template_tools if tools else None, template,
+                             add_generation_prompt=False), "messages"
+
+
+async def _command(state: GatewayState, command) -> Any:
+    if not state.engine.is_alive():
+        command.close()
+        raise APIError(503, "the engine is not running", code="engine_unavailable")
+    try:
+        return await command
+    except (EngineDeadError, RuntimeError) as exc:
+        raise APIError(503, f"the engine stopped: {exc}", code="engine_dead") from None
+
+
+def _pin(pin: PinInfo) -> dict[str, Any]:
+    ttl = next((name for name, seconds in TTLS.items() if seconds == pin.ttl_s), f"{pin.ttl_s:g}s")
+    return {"object": "cache.pin", "id": f"pin_{pin.pin_id[:32]}", "tokens": pin.num_tokens,
+            "blocks": pin.num_blocks, "ttl": ttl, "created_at": int(pin.created_at),
+            "expires_at": int(pin.expires_at), "hits": pin.hits}
