@@ -40,11 +40,11 @@ class Pin:
 
 class PinTable:
     def __init__(self, pool: BlockPool, block_size: int, max_blocks: int,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
         self.max_blocks = max_blocks
-        self.clock = clock
+        self.clock = clock or time.time  # wall time: an expiry means the same after a restart
         self.pins: dict[BlockHash, Pin] = {}
         self._holders: Counter[int] = Counter()  # block id -> pins holding it (the table holds one ref)
         self._tenant_holders: dict[str | None, Counter[int]] = {}  # tenant -> block id -> its pins holding it
