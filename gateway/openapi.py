@@ -30,6 +30,11 @@ def build_openapi(model_name: str, vocab_size: int, limits: GatewaySettings) -> 
                                            "Create a text completion"),
             "/v1/models": {"get": _operation("List the served model", ref("ModelList"), secured=True)},
             "/v1/models/{model_id}": {"get": _model_operation()},
+            "/v1/cache": {"get": _operation("The caller's pinned prefixes", ref("CachePins"), secured=True,
+                                            errors=(503,)),
+                          "delete": _operation("Erase the caller's cached blocks, in memory and on disk, pinned "
+                                               "or not", ref("CacheDeleted"), secured=True, errors=(503,))},
+            "/v1/cache/warm": {"post": _warm_operation(model_name, vocab_size, limits)},
             "/health": {"get": _operation("Liveness of the engine loop", ref("Health"), errors=(503,))},
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
                 "description": "exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
@@ -125,9 +130,24 @@ def _output_fields() -> dict[str, Any]:
     }
 
 
+_CACHE_CONTROL = {"type": "object", "required": ["type"], "nullable": True,
+                  "description": "pins the prompt up to the end of this part (at most 4 breakpoints a request)",
+                  "properties": {"type": {"type": "string", "enum": ["ephemeral"]},
+                                 "ttl": {"type": "string", "enum": ["5m", "1h"], "description": "default 5m"}}}
+
+
+def _top_level_cache_control(position: dict[str, Any]) -> dict[str, Any]:
+    """The body's own `cache_control` (extra_body): one breakpoint or an array of them."""
+    breakpoint = {**_CACHE_CONTROL, "nullable": False,
+                  "properties": {**_CACHE_CONTROL["properties"], **position}}
+    return {"nullable": True, "oneOf": [breakpoint, {"type": "array", "items": breakpoint, "maxItems": 4}],
+            "description": "breakpoints for clients whose message types drop cache_control (at most 4 in all)"}
+
+
 def _chat_request(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
     part = {"type": "object", "required": ["type", "text"],
-            "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+            "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"},
+                           "cache_control": _CACHE_CONTROL}}
     content = {"oneOf": [{"type": "string"}, {"type": "array", "items": part}]}
     call = {"type": "object", "required": ["id", "function"], "properties": {
         "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
@@ -135,7 +155,8 @@ def _chat_request(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
             "name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON text"}}}}}
     message = {"oneOf": [  # told apart by role
         {"type": "object", "required": ["role", "content"], "properties": {
-            "role": {"type": "string", "enum": ["system", "developer", "user"]}, "content": content}},
+            "role": {"type": "string", "enum": ["system", "developer", "user"]}, "content": content,
+            "cache_control": _CACHE_CONTROL}},
         {"type": "object", "required": ["role"], "properties": {
             "role": {"type": "string", "enum": ["assistant"]}, "content": {**content, "nullable": True},
             "tool_calls": {"type": "array", "items": call, "nullable": True},
@@ -153,6 +174,8 @@ def _chat_request(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
         "logprobs": {"type": "boolean", "nullable": True},
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": limits.max_top_logprobs, "nullable": True,
                          "description": "needs logprobs: true"},
+        "cache_control": _top_level_cache_control({"message": {
+            "type": "integer", "description": "the index of the message it ends (default: the last)"}}),
         **_tool_fields(),
     })
     return {"type": "object", "required": ["model", "messages"], "properties": properties}
@@ -198,5 +221,21 @@ def _completion_request(model_name: str, vocab_size: int, limits: GatewaySetting
         "best_of": {"type": "integer", "minimum": 1, "maximum": limits.max_n, "nullable": True,
                     "description": ">= n; not with stream"},
         "echo": {"type": "boolean", "nullable": True, "description": "not with logprobs"},
+        "cache_control": _top_level_cache_control({"tokens": {
+            "type": "integer", "minimum": 1, "description": "pins this prompt prefix (default: the whole prompt)"}}),
     })
     return {"type": "object", "required": ["model", "prompt"], "properties": properties}
+
+
+def _warm_operation(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[str, Any]:
+    chat = _chat_request(model_name, limits)["properties"]
+    prompt = _completion_request(model_name, vocab_size, limits)["properties"]["prompt"]
+    op = _operation("Compute and pin a prompt prefix without generating", ref("CacheWarm"), secured=True,
+                    errors=(400, 404, 413, 429, 503))
+    op["requestBody"] = {"required": True, "content": {_JSON: {"schema": {
+        "type": "object", "description": "messages (with optional tools) or prompt, not both",
+        "properties": {"model": {**chat["model"], "nullable": True}, "messages": chat["messages"],
+                       "tools": chat["tools"], "prompt": prompt,
+                       "cache_control": {**_CACHE_CONTROL, "description": "the pin's TTL (default 5m)"},
+                       "cache_salt": chat["cache_salt"]}}}}}
+    return op

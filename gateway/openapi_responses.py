@@ -52,6 +52,17 @@ def response_schemas(model_name: str) -> dict[str, Any]:
             "usage": _nullable(usage, "null but in the last chunk, with stream_options.include_usage")}),
         "Model": _model(model_name),
         "ModelList": _closed({"object": _const("list"), "data": {"type": "array", "items": ref("Model")}}),
+        "CachePins": _closed({
+            "object": _const("list"), "data": {"type": "array", "items": _closed({
+                "object": _const("cache.pin"), "id": {"type": "string", "pattern": "^pin_[0-9a-f]{32}$"},
+                "tokens": _COUNT, "blocks": _COUNT, "ttl": _TEXT, "created_at": _COUNT, "expires_at": _COUNT,
+                "hits": _COUNT})},
+            "pinned_blocks": _COUNT, "max_pinned_blocks": _nullable({**_COUNT, "description": "the key's quota"})}),
+        "CacheDeleted": _closed({"object": _const("cache.deleted"), "deleted": {"type": "boolean", "enum": [True]},
+                                 "blocks": _COUNT, "disk_blocks": _COUNT, "pins": _COUNT}),
+        "CacheWarm": _closed({"object": _const("cache.warm"), "model": {"type": "string", "enum": [model_name]},
+                              "usage": _closed({"prompt_tokens": _COUNT, "total_tokens": _COUNT,
+                                                "prompt_tokens_details": usage["properties"]["prompt_tokens_details"]})}),
         "Health": _closed({"status": _const("ok"), "replicas_up": _COUNT, "replicas": _COUNT},
                           optional=("replicas_up", "replicas")),
     }
@@ -95,7 +106,13 @@ def _usage() -> dict[str, Any]:
             "cached_tokens": {**_COUNT, "description": "prompt tokens served from the prefix cache"},
             "disk_cached_tokens": {**_COUNT, "description": "the part of cached_tokens read back from the disk tier"},
             "cache_write_tokens": {**_COUNT, "description": "prompt tokens this request computed and wrote to the "
-                                                            "cache (its full blocks not served from it)"}}),
+                                                            "cache (its full blocks not served from it)"},
+            "pinned_tokens": {**_COUNT, "description": "the prompt's pinned prefix (cache_control) this request "
+                                                       "made or renewed by a hit"},
+            "pinned_until": _nullable({**_COUNT, "description": "when that pin expires (Unix seconds)"}),
+            "pin_refused": {"type": "string", "enum": ["tenant_quota", "pool_quota", "not_cached"],
+                            "description": "only when a breakpoint was not pinned: the quota it would exceed"}},
+            optional=("pin_refused",)),
         "completion_tokens_details": {**_closed({name: {**_COUNT, "enum": [0]} for name in (
             "reasoning_tokens", "audio_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")}),
             "description": "always zeros (no reasoning, audio or predicted outputs), as OpenAI sends them"},

@@ -207,3 +207,20 @@ def test_pins_survive_a_gateway_restart_through_the_disk_tier(tiny_llama_dir, tm
         after = details(chat(client(live), [plain, {"role": "user", "content": "hello"}]))
         assert after["cached_tokens"] >= before["pinned_tokens"] > 0
         assert after["pinned_until"] >= before["pinned_until"]
+
+
+def test_the_cache_endpoints_answer_as_the_openapi_document_says(server):
+    from tests.test_openapi_responses import assert_matches, response_schema
+
+    spec = httpx.get(server.url + "/openapi.json").json()
+    auth = {"Authorization": "Bearer sk-small"}
+    system = [{"role": "system", "content": system_prompt()}]
+    for path, method, body in [("/v1/cache/warm", "post", {"messages": system}),  # refused: over the quota
+                               ("/v1/cache", "get", None), ("/v1/cache", "delete", None)]:
+        response = httpx.request(method, server.url + path, headers=auth, json=body)
+        assert response.status_code == 200
+        assert_matches(spec, response_schema(spec, path, method), response.json())
+    pinned = httpx.post(server.url + "/v1/cache/warm", headers={"Authorization": "Bearer sk-bob"},
+                        json={"prompt": list(range(400, 440))})
+    assert_matches(spec, response_schema(spec, "/v1/cache/warm"), pinned.json())
+    assert_matches(spec, response_schema(spec, "/v1/cache", "get"), get(server, "/v1/cache", "sk-bob"))
