@@ -1,5 +1,5 @@
 """`python -m bench [--quick] [--model PATH] [--workloads a,b] [--out DIR] [--peers]`;
-`python -m bench cluster`; `python -m bench tiers`; `python -m bench serving`."""
+`python -m bench cluster`; `python -m bench tiers`; `python -m bench pins`; `python -m bench serving`."""
 from __future__ import annotations
 
 import argparse
@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["tiers"]:  # cache tiers: eviction policies, disk tier, warm restart
         from bench import tiers
         return tiers.main(argv[1:])
+    if argv[:1] == ["pins"]:  # pinned prefixes (cache_control): survival through bursts, cost when unused
+        from bench import pins
+        return pins.main(argv[1:])
     args = parse_args(argv)
     if args.structured:
         from bench import structured

@@ -225,15 +225,21 @@ def render(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench tiers", description=__doc__.splitlines()[0])
+    return cli(argv, "tiers", __doc__.splitlines()[0], lambda model, quick: run(model, QUICK if quick else FULL),
+               render)
+
+
+def cli(argv: list[str] | None, name: str, description: str, run_fn, render_fn) -> int:
+    """`python -m bench NAME [--quick] [--model PATH] [--out DIR]`: runs, writes NAME.json, prints the table."""
+    parser = argparse.ArgumentParser(prog=f"python -m bench {name}", description=description)
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--model", default="default")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
-    results = run(args.model, QUICK if args.quick else FULL)
+    results = run_fn(args.model, args.quick)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tiers.json").write_text(json.dumps(results, indent=2))
-    print(render(results))
-    print(f"results in {out / 'tiers.json'}; a shared machine: timings are medians and still noisy")
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2))
+    print(render_fn(results))
+    print(f"results in {out / f'{name}.json'}; a shared machine: timings are medians and still noisy")
     return 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 import re
 import time
@@ -21,6 +22,7 @@ from gateway.cors import Cors
 from gateway import responses
 from gateway.embeddings import embeddings
 from gateway.responses import RESPONSE_STORE, ResponseStore
+from gateway.salt_secret import resolve_salt_secret
 from gateway.errors import APIError, error_middleware, error_response
 from gateway.generation_defaults import parse_override, sampling_defaults
 from gateway.settings import Settings
@@ -73,6 +75,8 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     """`engine`: an engine client not yet started (tests); None launches one from settings: the engine
     process (default), or an in-process engine with `engine_process` off. Either way the app starts it on
     startup and shuts it down on cleanup."""
+    secret = resolve_salt_secret(settings.gateway.salt_secret)
+    settings = dataclasses.replace(settings, gateway=settings.gateway.replace(salt_secret=secret))
     auth = Authenticator(settings.gateway)  # bad key settings fail here, before the model loads
     app = web.Application(client_max_size=settings.gateway.max_body_bytes,
                           middlewares=[observe_middleware, error_middleware])
@@ -142,9 +146,6 @@ async def _engine_ctx(settings: Settings, engine: EngineClient | None, auth: Aut
     app[TOOL_TEMPLATE] = detect_tool_template(engine.tokenizer, settings.gateway.tool_call_parser)
     engine.start()
     log.info("serving model %s (context %d tokens)", engine.model_name, engine.max_model_len)
-    if settings.engine.kv_disk_dir and not settings.gateway.salt_secret:
-        log.warning("kv_disk_dir without a fixed salt_secret: tenant salts change at every start, "
-                    "so the disk tier is not hit after a restart")
     yield
     # `serve` has already drained the HTTP requests (InFlight.drain); this lets whatever the
     # engine still holds finish or aborts it, then stops the engine thread

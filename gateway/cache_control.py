@@ -122,12 +122,7 @@ async def chat_breakpoint_tokens(tokenizer: Any, messages: list[dict[str, Any]],
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def directives(breakpoints: list[CacheBreakpoint], max_pinned_blocks: int | None) -> CacheDirectives | None:

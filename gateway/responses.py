@@ -20,6 +20,7 @@ from aiohttp import web
 
 from engine.outputs import FinishReason
 
+from gateway.cache_control import chat_breakpoint_tokens, directives
 from gateway.errors import APIError, invalid
 from gateway.formats import ChatFormat
 from gateway.generate import Choice, check_output, run_choices, usage
@@ -115,7 +116,8 @@ def parse_responses(body: Any, state, tenant: str, store: ResponseStore) -> Resp
     tools = _tools(body.get("tools"))
     chat_body = {"model": body.get("model"), "messages": messages, "stream": body.get("stream", False),
                  "max_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
-                 "top_p": body.get("top_p"), "user": body.get("user"), "cache_salt": body.get("cache_salt")}
+                 "top_p": body.get("top_p"), "user": body.get("user"), "cache_salt": body.get("cache_salt"),
+                 "cache_control": body.get("cache_control")}  # breakpoints by message index (docs/prompt-caching.md)
     if tools:
         chat_body["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
                                                                 if k in t}} for t in tools]
@@ -283,10 +285,13 @@ async def create(request: web.Request) -> web.StreamResponse:
         tools = chat.tools.template_tools if chat.tools else None
         prompt = await render_chat(state.engine.tokenizer, chat.messages, tools, tool_template)
         max_tokens = state.check_lengths(len(prompt), chat.max_tokens, "input")
+        breakpoints = await chat_breakpoint_tokens(state.engine.tokenizer, chat.messages, list(chat.breakpoints),
+                                                   prompt, tools, tool_template) if chat.breakpoints else []
         response_id = _new_id("resp")
         fmt = ChatFormat(response_id, state.model_name, state.engine.tokenizer, tools=chat.tools,
                          tool_call_parser=tool_template.parser)
-        choice = Choice(0, 0, response_id, prompt, sampling_params(chat, max_tokens, 0))
+        choice = Choice(0, 0, response_id, prompt, sampling_params(chat, max_tokens, 0),
+                        directives(breakpoints, tenant.max_pinned_blocks))
         outputs = run_choices(state.engine, [choice], cache_salt=tenant.cache_salt(chat.cache_salt),
                               tenant=tenant.name)
         created = int(time.time())

@@ -57,7 +57,7 @@ class GatewaySettings:
         30.0, "a streaming client that reads nothing for this long is dropped (its request aborted)")
     public_salt_tenants: tuple[str, ...] = _knob((), "tenants that share one cache salt on purpose")
     salt_secret: str | None = field(default=None, repr=False, metadata={
-        "help": "secret that derives tenant salts (None: random per start)"})
+        "help": "secret that derives tenant salts (None: one generated once and kept in the cache folder)"})
     api_keys_file: str | None = _knob(
         None, "YAML file: key -> {tenant, salt?, max_concurrent?, share_public_salt?, max_pinned_blocks?}")
     metrics_api_key: str | None = field(default=None, repr=False, metadata={

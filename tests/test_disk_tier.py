@@ -235,19 +235,22 @@ async def test_concurrent_eviction_and_reload_leak_no_block(tiny_llama_dir, tmp_
     assert engine.core.kv.disk.closed
 
 
-@pytest.mark.parametrize("salt_secret, expected", [("fixed-secret", [0, 64]), (None, [0, 0])])
-async def test_a_gateway_restart_hits_the_disk_tier_only_with_a_fixed_salt_secret(tiny_llama_dir, tmp_path,
-                                                                                   salt_secret, expected):
+@pytest.mark.parametrize("salt_secrets, expected", [(["fixed-secret"] * 2, [0, 64]),
+                                                     ([None, None], [0, 64]),  # the kept secret
+                                                     (["one", "another"], [0, 0])])
+async def test_a_gateway_restart_hits_the_disk_tier_while_the_salt_secret_stays(tiny_llama_dir, tmp_path, monkeypatch,
+                                                                                salt_secrets, expected):
     from aiohttp.test_utils import TestClient, TestServer
 
     from gateway.app import create_app
     from gateway.settings import load_settings
 
-    settings = load_settings(None, engine_overrides=dict(model=str(tiny_llama_dir), num_kv_blocks=12,
-                                                         kv_disk_dir=str(tmp_path)),
-                             gateway_overrides=dict(salt_secret=salt_secret))
+    monkeypatch.setenv("PREFIXGATE_CACHE", str(tmp_path / "home"))  # where an unset secret is kept
     cached = []
-    for _ in range(2):  # the second server starts after the first shut down gracefully
+    for salt_secret in salt_secrets:  # the second server starts after the first shut down gracefully
+        settings = load_settings(None, engine_overrides=dict(model=str(tiny_llama_dir), num_kv_blocks=12,
+                                                             kv_disk_dir=str(tmp_path / "kv")),
+                                 gateway_overrides=dict(salt_secret=salt_secret))
         async with TestClient(TestServer(create_app(settings))) as client:
             model = (await (await client.get("/v1/models")).json())["data"][0]["id"]
             resp = await client.post("/v1/completions", json={"model": model, "prompt": HOT, "max_tokens": 1,

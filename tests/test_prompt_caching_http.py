@@ -224,3 +224,16 @@ def test_the_cache_endpoints_answer_as_the_openapi_document_says(server):
                         json={"prompt": list(range(400, 440))})
     assert_matches(spec, response_schema(spec, "/v1/cache/warm"), pinned.json())
     assert_matches(spec, response_schema(spec, "/v1/cache", "get"), get(server, "/v1/cache", "sk-bob"))
+
+
+def test_responses_take_breakpoints_by_message_index_and_report_the_pin(server):
+    c = client(server, "sk-alice")
+    instructions = system_prompt()
+    first = c.responses.create(model=c.served_model, instructions=instructions, input="hi", max_output_tokens=2,
+                               extra_body={"cache_control": {"type": "ephemeral", "message": 0}})
+    pinned = first.usage.input_tokens_details.model_dump()["pinned_tokens"]
+    assert pinned == prefix_tokens(server, [{"role": "system", "content": instructions}]) // BS * BS > 0
+    follow = c.responses.create(model=c.served_model, instructions=instructions, input="more",
+                                previous_response_id=first.id, max_output_tokens=2)
+    details = follow.usage.input_tokens_details.model_dump()
+    assert details["cached_tokens"] >= pinned and details["pinned_tokens"] == pinned  # renewed by the hit

