@@ -11,6 +11,7 @@ from pathlib import Path
 from aiohttp import web
 
 from engine.config import EngineConfig
+from engine.messages import CacheErased, PinInfo
 from engine.outputs import FinishReason, RequestOutput
 from engine.stats import SchedulerStats
 from engine.tokenizer import load_tokenizer
@@ -46,9 +47,15 @@ class InstantEngine:
     def is_alive(self) -> bool:
         return True
 
-    async def generate(self, request_id, prompt_token_ids, params, *, cache_salt=None, tenant=None):
+    async def generate(self, request_id, prompt_token_ids, params, *, cache_salt=None, tenant=None, cache=None):
         yield RequestOutput(request_id, [0], self.reply, None, len(prompt_token_ids), 0, 1, finished=True,
                             finish_reason=FinishReason.LENGTH)
+
+    async def list_pins(self, tenant: str) -> list[PinInfo]:
+        return []  # it caches nothing
+
+    async def erase_cache(self, tenant: str) -> CacheErased:
+        return CacheErased()
 
     def abort(self, request_id: str) -> None:
         pass

@@ -183,13 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = settings_from_args(args)
-    except (ValueError, OSError) as exc:
-        return _config_error(exc)
-    setup_logging(settings.gateway.log_level)  # before create_app: it logs where the salt secret is kept
-    try:
         app = create_app(settings)  # key and tenant settings are checked here, before the model loads
     except (ValueError, OSError) as exc:
         return _config_error(exc)
+    setup_logging(settings.gateway.log_level)
     import uvloop
 
     try:

@@ -22,7 +22,7 @@ from gateway.cors import Cors
 from gateway import responses
 from gateway.embeddings import embeddings
 from gateway.responses import RESPONSE_STORE, ResponseStore
-from gateway.salt_secret import resolve_salt_secret
+from gateway.salt_secret import SaltSecret, resolve_salt_secret
 from gateway.errors import APIError, error_middleware, error_response
 from gateway.generation_defaults import parse_override, sampling_defaults
 from gateway.settings import Settings
@@ -76,7 +76,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     process (default), or an in-process engine with `engine_process` off. Either way the app starts it on
     startup and shuts it down on cleanup."""
     secret = resolve_salt_secret(settings.gateway.salt_secret)
-    settings = dataclasses.replace(settings, gateway=settings.gateway.replace(salt_secret=secret))
+    settings = dataclasses.replace(settings, gateway=settings.gateway.replace(salt_secret=secret.value))
     auth = Authenticator(settings.gateway)  # bad key settings fail here, before the model loads
     app = web.Application(client_max_size=settings.gateway.max_body_bytes,
                           middlewares=[observe_middleware, error_middleware])
@@ -85,7 +85,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     app.on_response_prepare.append(_add_request_id)
     if settings.gateway.allowed_origins:
         Cors(settings.gateway.allowed_origins).install(app)
-    app.cleanup_ctx.append(partial(_engine_ctx, settings, engine, auth))
+    app.cleanup_ctx.append(partial(_engine_ctx, settings, engine, auth, secret))
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_get("/v1/models", routes.models)
@@ -121,10 +121,11 @@ async def _launch_engine(settings: Settings, gave_up: EngineGaveUp) -> EngineCli
     return await asyncio.to_thread(AsyncEngine.from_config, settings.engine)
 
 
-async def _engine_ctx(settings: Settings, engine: EngineClient | None, auth: Authenticator,
+async def _engine_ctx(settings: Settings, engine: EngineClient | None, auth: Authenticator, salt_secret: SaltSecret,
                       app: web.Application) -> AsyncIterator[None]:
     from metrics.prometheus import Metrics
 
+    salt_secret.log()  # (logging is set up by now)
     if engine is None:
         engine = await _launch_engine(settings, app[ENGINE_GAVE_UP])
     metrics = Metrics(engine.model_name, auth.tenant_names)

@@ -128,7 +128,7 @@ async def encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def _render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                 add_generation_prompt: bool) -> list[int]:
+                 add_generation_prompt: bool = True) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     except (ValueError, jinja2.TemplateError) as exc:  # e.g. a template that wants alternating roles

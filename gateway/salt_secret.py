@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.paths import default_cache_dir
@@ -16,23 +17,37 @@ log = logging.getLogger("gateway")
 SALT_SECRET_FILE = "salt-secret"
 
 
-def resolve_salt_secret(configured: str | None, folder: Path | None = None) -> str | None:
-    """The configured secret, else the kept one (made now if there is none); None: random salts this start."""
+@dataclass(frozen=True, slots=True)
+class SaltSecret:
+    """The secret (None: random salts this start) and what to log about it once logging is set up."""
+
+    value: str | None
+    level: int = logging.DEBUG
+    message: str = "tenant salts derive from the configured salt_secret"
+
+    def log(self) -> None:
+        log.log(self.level, self.message)
+
+
+def resolve_salt_secret(configured: str | None, folder: Path | None = None) -> SaltSecret:
+    """The configured secret, else the kept one (made now if there is none)."""
     if configured:
-        return configured
+        return SaltSecret(configured)
     path = (folder or default_cache_dir()) / SALT_SECRET_FILE
     try:
-        return _kept(path)
+        if path.exists():
+            return SaltSecret(_read(path), logging.INFO,
+                              f"tenant salts derive from the salt secret kept in {path} (--salt-secret sets one)")
+        return SaltSecret(_create(path), logging.WARNING,
+                          f"generated a salt secret in {path} (mode 0600): tenant salts derive from it from now on; "
+                          "give gateways on other machines the same --salt-secret to share their cache")
     except OSError as exc:
-        log.warning("no salt_secret configured and %s cannot keep one (%s): tenant salts are random at this start, "
-                    "so no cached prefix outlives it", path, exc.strerror or exc)
-        return None
+        return SaltSecret(None, logging.WARNING,
+                          f"no salt_secret configured and {path} cannot keep one ({exc.strerror or exc}): tenant "
+                          "salts are random at this start, so no cached prefix outlives it")
 
 
-def _kept(path: Path) -> str:
-    if path.exists():
-        log.info("tenant salts derive from the salt secret kept in %s (--salt-secret sets one)", path)
-        return _read(path)
+def _create(path: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     secret = secrets.token_hex(32)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -47,8 +62,6 @@ def _kept(path: Path) -> str:
         return _read(path)
     finally:
         os.unlink(tmp)
-    log.warning("generated a salt secret in %s (mode 0600): tenant salts derive from it from now on; give "
-                "gateways on other machines the same --salt-secret to share their cache", path)
     return secret
 
 

@@ -111,7 +111,8 @@ async def test_chat_completion_shape_and_request_ids(client):
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     block = engine_of(client).core.config.block_size
     assert usage["prompt_tokens_details"] == {"cached_tokens": 0, "disk_cached_tokens": 0,
-                                              "cache_write_tokens": usage["prompt_tokens"] // block * block}
+                                              "cache_write_tokens": usage["prompt_tokens"] // block * block,
+                                              "pinned_tokens": 0, "pinned_until": None}
 
     resp = await client.post("/v1/chat/completions", json=chat(client), headers={"X-Request-Id": "trace-42"})
     assert resp.status == 200 and resp.headers["X-Request-Id"] == "trace-42"

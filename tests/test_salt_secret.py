@@ -14,7 +14,7 @@ from gateway.settings import ApiKey, GatewaySettings
 
 
 def test_a_configured_secret_is_used_as_given(tmp_path):
-    assert resolve_salt_secret("from-a-k8s-secret", tmp_path) == "from-a-k8s-secret"
+    assert resolve_salt_secret("from-a-k8s-secret", tmp_path).value == "from-a-k8s-secret"
     assert not (tmp_path / SALT_SECRET_FILE).exists()
 
 
@@ -22,7 +22,8 @@ def test_the_first_start_generates_a_private_secret_and_later_starts_keep_it(tmp
     with caplog.at_level(logging.INFO, logger="gateway"):
         first = resolve_salt_secret(None, tmp_path)
         second = resolve_salt_secret(None, tmp_path)
-    assert first == second and len(first) == 64
+        first.log(), second.log()
+    assert first.value == second.value and len(first.value) == 64
     assert stat.S_IMODE(os.stat(tmp_path / SALT_SECRET_FILE).st_mode) == 0o600
     assert "generated a salt secret" in caplog.text and "kept in" in caplog.text
     assert not [p for p in tmp_path.iterdir() if p.name != SALT_SECRET_FILE]  # no temporary left behind
@@ -30,7 +31,8 @@ def test_the_first_start_generates_a_private_secret_and_later_starts_keep_it(tmp
 
 def test_two_gateways_sharing_the_folder_derive_the_same_salts(tmp_path):
     def alice_salt() -> str:
-        settings = GatewaySettings(api_keys=(ApiKey("k", "alice"),), salt_secret=resolve_salt_secret(None, tmp_path))
+        settings = GatewaySettings(api_keys=(ApiKey("k", "alice"),),
+                                   salt_secret=resolve_salt_secret(None, tmp_path).value)
         return Authenticator(settings)._lookup("k").salt
     assert alice_salt() == alice_salt()
 
@@ -40,5 +42,7 @@ def test_a_folder_that_cannot_keep_it_leaves_salts_random_with_a_warning(tmp_pat
         raise PermissionError(13, "Permission denied")
     monkeypatch.setattr(salt_secret.os, "open", refuse)
     with caplog.at_level(logging.WARNING, logger="gateway"):
-        assert resolve_salt_secret(None, tmp_path / "cache") is None
+        kept = resolve_salt_secret(None, tmp_path / "cache")
+        kept.log()
+    assert kept.value is None
     assert "random at this start" in caplog.text
