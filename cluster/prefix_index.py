@@ -19,7 +19,7 @@ DEFAULT_MAX_LOAD_SPREAD = 4  # best match may run this many more requests than t
 class RoutingReason(str, enum.Enum):
     PREFIX_MATCH = "prefix_match"  # the replica holding the longest prefix
     LOAD_GUARD = "load_guard"  # the best match was too busy: least-loaded instead
-    NO_MATCH = "no_match"  # no replica holds the first block (or a tie): least-loaded
+    NO_MATCH = "no_match"  # no replica holds the first block: least-loaded, then least cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,10 +31,15 @@ class RoutingDecision:
 
 def choose_replica(block_hashes: Sequence[bytes], loads: dict[str, int],
                    matched: Callable[[str, Sequence[bytes]], int],
-                   max_load_spread: int = DEFAULT_MAX_LOAD_SPREAD) -> RoutingDecision:
+                   max_load_spread: int = DEFAULT_MAX_LOAD_SPREAD,
+                   cache_sizes: dict[str, int] | None = None) -> RoutingDecision:
     """The replica for a request: longest held prefix unless it runs more than `max_load_spread`
-    requests above the least-loaded one; ties and misses go to the least-loaded (first in order)."""
-    least = min(loads, key=loads.__getitem__)
+    requests above the least-loaded one; ties go to the less loaded holder; misses to the least-loaded,
+    and among those to the one holding the fewest blocks (as Ray's PrefixCacheAffinityRouter sends a
+    miss to the replica with the least cache): prompts sent one at a time then spread over the replicas
+    instead of all landing on the first."""
+    sizes = cache_sizes or {}
+    least = min(loads, key=lambda r: (loads[r], sizes.get(r, 0)))
     scores = {replica: matched(replica, block_hashes) for replica in loads}
     best = max(loads, key=lambda r: (scores[r], -loads[r]))
     if scores[best] == 0:
@@ -119,7 +124,9 @@ class PrefixIndex:
                max_load_spread: int = DEFAULT_MAX_LOAD_SPREAD) -> RoutingDecision:
         with self._lock:
             loads = {r: self.in_flight.get(r, 0) for r in candidates}
-        return choose_replica(block_hashes, loads, self.matched_blocks, max_load_spread)
+            # what each holds, and what was just sent there (its events are on the way)
+            sizes = {r: len(self._held.get(r, ())) + len(self._recent.get(r, ())) for r in loads}
+        return choose_replica(block_hashes, loads, self.matched_blocks, max_load_spread, sizes)
 
     def reserve(self, replica: str, block_hashes: Sequence[bytes]) -> None:
         """Counts a chosen request against `replica` at once (so concurrent choices spread) and

@@ -31,6 +31,31 @@ def test_a_miss_goes_to_the_least_loaded_replica():
     assert (decision.replica, decision.reason) == ("r1", RoutingReason.NO_MATCH)
 
 
+def test_an_idle_miss_goes_to_the_replica_with_the_least_cache():
+    table = {"r0": set(H[:6]), "r1": set(H[:2]), "r2": set(H[:4])}
+    other = [bytes([100 + i]) * 4 for i in range(4)]  # a prompt nobody holds
+    decision = choose_replica(other, {"r0": 0, "r1": 0, "r2": 0}, _held(table),
+                              cache_sizes={r: len(held) for r, held in table.items()})
+    assert (decision.replica, decision.reason) == ("r1", RoutingReason.NO_MATCH)
+
+
+def test_prompts_sent_one_at_a_time_spread_over_the_replicas():
+    """4 system prompts x 4 turns in sequence on 2 replicas: each new system prompt (a miss) goes to the
+    replica with less cache, so both serve, and every later turn follows its prompt (was: all 16 on one)."""
+    index = PrefixIndex()
+    index.set_replicas(["r0", "r1"])
+    served: dict[str, list[int]] = {"r0": [], "r1": []}
+    prompts = [[bytes([p, i]) * 2 for i in range(3)] for p in range(4)]
+    for turn in range(4):
+        for p, hashes in enumerate(prompts):
+            decision = index.choose(hashes[:1 + turn % 3], ["r0", "r1"])
+            index.reserve(decision.replica, hashes)
+            index.release(decision.replica)  # one at a time: finished before the next is sent
+            served[decision.replica].append(p)
+    assert sorted(set(served["r0"])) + sorted(set(served["r1"])) in ([0, 2, 1, 3], [1, 3, 0, 2])
+    assert len(served["r0"]) == len(served["r1"]) == 8
+
+
 def test_a_tie_goes_to_the_less_loaded_holder():
     table = {"r0": set(H[:3]), "r1": set(H[:3]), "r2": set()}
     decision = choose_replica(H, {"r0": 2, "r1": 1, "r2": 0}, _held(table))
