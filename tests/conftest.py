@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import shutil
 
@@ -15,6 +16,17 @@ if not torch.cuda.is_available():  # Triton kernels (the CUDA decode path) run o
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # where the Triton kernels' tests run them: the GPU, or Triton's interpreter on CPU tensors
 KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _drop_dead_log_handlers():
+    """`gateway` main() (config-error tests) installs a root handler on the stderr pytest captured for that test;
+    once pytest closes it, later tests' log lines would end in "--- Logging error ---". Such handlers go."""
+    yield
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(getattr(handler, "stream", None), "closed", False):
+            root.removeHandler(handler)
 
 
 @pytest.fixture(scope="session")
