@@ -39,6 +39,7 @@ class Chat:
 @dataclass(slots=True)
 class RunResult:
     name: str
+    replicas: int = 1  # as deployed: one that served nothing still counts in the load spread
     prompt_tokens: int = 0
     cached_tokens: int = 0
     ttfts: list[float] = field(default_factory=list)
@@ -48,7 +49,8 @@ class RunResult:
     wall_s: float = 0.0
 
     def summary(self, block_size: int) -> dict:
-        loads = list(self.per_replica.values())
+        loads = sorted(self.per_replica.values(), reverse=True)
+        loads += [0] * (self.replicas - len(loads))  # idle replicas: 96 requests on 1 of 4 is 4.0, not 1.0
         mean = sum(loads) / len(loads)
         ttfts = sorted(self.ttfts)
         return {"router": self.name, "hit_rate": self.cached_tokens / self.prompt_tokens,
@@ -56,7 +58,7 @@ class RunResult:
                 "oracle_prefill_tokens": oracle_prefill_tokens(self.prompts, block_size),
                 "ttft_p50_ms": 1000 * statistics.median(ttfts),
                 "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-                "requests_per_replica": sorted(loads, reverse=True), "max_over_mean_load": max(loads) / mean,
+                "requests_per_replica": loads, "max_over_mean_load": max(loads) / mean,
                 "decisions": self.decisions, "wall_s": self.wall_s}
 
 
@@ -74,7 +76,7 @@ def build_trace(tenants: int, chats_per_tenant: int, turns: int, system_tokens: 
 async def run_trace(client, chats: list[Chat], concurrency: int, max_tokens: int, name: str) -> RunResult:
     from engine.sampling_params import SamplingParams
 
-    result = RunResult(name)
+    result = RunResult(name, client.num_replicas)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     queue = list(enumerate(chats))
 

@@ -140,3 +140,14 @@ def test_the_cluster_collector_exposes_per_replica_series_with_a_replica_label()
     assert 'prefixgate_router_decisions_total{model_name="m",reason="load_guard"} 3.0' in text
     exposed = {line.split("{")[0] for line in text.splitlines() if line and not line.startswith("#")}
     assert exposed == SERIES
+
+
+def test_the_cluster_bench_counts_idle_replicas_in_the_load_spread():
+    from collections import Counter
+
+    from bench.cluster import RunResult
+
+    result = RunResult("prefix", replicas=4, prompt_tokens=10, cached_tokens=5, ttfts=[0.1],
+                       per_replica=Counter({"r0": 96}), prompts=[[1, 2, 3]])
+    summary = result.summary(block_size=16)
+    assert summary["requests_per_replica"] == [96, 0, 0, 0] and summary["max_over_mean_load"] == 4.0
