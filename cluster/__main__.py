@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 from gateway.__main__ import build_parser, settings_from_args, setup_logging
 
@@ -63,6 +64,24 @@ async def run(settings, handle, engine, replicas: int, app_name: str) -> None:
     await serve_gateway(settings, create_app(settings, engine=client))
 
 
+def wait_for_app(serve, app_name: str, poll_s: float = 2.0, log_every_s: float = 30.0, sleep=time.sleep):
+    """The app's handle, once it exists: KubeRay deploys the Serve app only after the head pod is Ready, and
+    the head pod holds this gateway, so exiting here (as before) deadlocked the RayService. Until then
+    nothing listens, so a readiness probe on /health stays false and the container keeps running."""
+    from ray.serve.exceptions import RayServeException
+
+    waited, logged = 0.0, None
+    while True:
+        try:
+            return serve.get_app_handle(app_name)
+        except RayServeException as exc:
+            if logged is None or waited - logged >= log_every_s:
+                log.info("waiting for Serve app %r to exist (%s); waited %.0f s", app_name, exc, waited)
+                logged = waited
+        sleep(poll_s)
+        waited += poll_s
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in ([], ["-h"], ["--help"]):
@@ -81,10 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     ray.init(address=args.address, include_dashboard=False, namespace="prefixgate")
-    serve.start(proxy_location="Disabled")  # the aiohttp gateway is the HTTP face, not Serve's proxy
+    if not args.attach:  # an attached gateway leaves Serve's settings (its proxy) to whoever deployed the app
+        serve.start(proxy_location="Disabled")  # the aiohttp gateway is the HTTP face, not Serve's proxy
     try:
         if args.attach:
-            handle, engine = serve.get_app_handle(args.app_name), settings.engine
+            handle, engine = wait_for_app(serve, args.app_name), settings.engine
         else:
             handle, engine = deploy(settings, args.replicas, args.router, args.max_load_spread, args.app_name)
         uvloop.run(run(settings, handle, engine, args.replicas, args.app_name))

@@ -42,3 +42,28 @@ def test_the_gateway_container_runs_a_command_the_cli_accepts_and_the_service_se
     assert args.attach and args.app_name == "prefixgate"
     build_parser().parse_args(["serve", *rest])  # the rest are gateway flags
     assert docs["Service"]["spec"]["selector"].items() <= head["metadata"]["labels"].items()
+
+
+def test_an_attached_gateway_waits_for_the_app_instead_of_exiting(caplog):
+    """Before the Serve app exists `--attach` waits (nothing listens, so a readiness probe stays false);
+    it used to exit 1, which KubeRay's start-up order turned into a deadlock."""
+    import logging
+
+    from ray.serve.exceptions import RayServeException
+
+    from cluster.__main__ import wait_for_app
+
+    class Serve:
+        calls = 0
+
+        def get_app_handle(self, name):
+            self.calls += 1
+            if self.calls < 4:
+                raise RayServeException(f"Application '{name}' does not exist.")
+            return f"handle of {name}"
+
+    slept = []
+    with caplog.at_level(logging.INFO, logger="prefixgate.cluster"):
+        handle = wait_for_app(Serve(), "prefixgate", poll_s=2.0, log_every_s=4.0, sleep=slept.append)
+    assert handle == "handle of prefixgate" and slept == [2.0, 2.0, 2.0]
+    assert caplog.text.count("waiting for Serve app 'prefixgate'") == 2  # at 0 s and 4 s, not every poll
