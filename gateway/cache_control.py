@@ -101,12 +101,12 @@ def _add(found: list, breakpoint: Any, param: str) -> None:
     found.append(breakpoint)
 
 
-async def chat_breakpoint_tokens(tokenizer: Any, messages: list[dict[str, Any]], breakpoints: list[ChatBreakpoint],
-                                 prompt_ids: list[int], tools: list[dict[str, Any]] | None,
-                                 tool_template: Any) -> list[CacheBreakpoint]:
-    """Each breakpoint's prompt length: the conversation up to it, rendered alone, as far as its tokens agree
-    with the whole prompt's (a template's end-of-message tokens, or a token merged across the boundary,
-    are not part of the prefix a later request shares)."""
+async def chat_directives(tokenizer: Any, messages: list[dict[str, Any]], breakpoints: tuple[ChatBreakpoint, ...],
+                          prompt_ids: list[int], tools: list[dict[str, Any]] | None, tool_template: Any,
+                          max_pinned_blocks: int | None) -> CacheDirectives | None:
+    """A chat's breakpoints as prompt lengths: the conversation up to each, rendered alone, as far as its tokens
+    agree with the whole prompt's (a template's end-of-message tokens, or a token merged across the boundary,
+    are not part of the prefix a later request shares). None without breakpoints."""
     out = []
     for breakpoint in breakpoints:
         message = dict(messages[breakpoint.message])
@@ -118,7 +118,7 @@ async def chat_breakpoint_tokens(tokenizer: Any, messages: list[dict[str, Any]],
         except APIError:  # a template that refuses the cut conversation: that breakpoint pins nothing
             continue
         out.append(CacheBreakpoint(_common_prefix(ids, prompt_ids), breakpoint.ttl_s))
-    return out
+    return directives(out, max_pinned_blocks)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

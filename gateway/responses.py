@@ -20,7 +20,7 @@ from aiohttp import web
 
 from engine.outputs import FinishReason
 
-from gateway.cache_control import chat_breakpoint_tokens, directives
+from gateway.cache_control import chat_directives
 from gateway.errors import APIError, invalid
 from gateway.formats import ChatFormat
 from gateway.generate import Choice, check_output, run_choices, usage
@@ -285,13 +285,12 @@ async def create(request: web.Request) -> web.StreamResponse:
         tools = chat.tools.template_tools if chat.tools else None
         prompt = await render_chat(state.engine.tokenizer, chat.messages, tools, tool_template)
         max_tokens = state.check_lengths(len(prompt), chat.max_tokens, "input")
-        breakpoints = await chat_breakpoint_tokens(state.engine.tokenizer, chat.messages, list(chat.breakpoints),
-                                                   prompt, tools, tool_template) if chat.breakpoints else []
+        cache = await chat_directives(state.engine.tokenizer, chat.messages, chat.breakpoints, prompt, tools,
+                                      tool_template, tenant.max_pinned_blocks)
         response_id = _new_id("resp")
         fmt = ChatFormat(response_id, state.model_name, state.engine.tokenizer, tools=chat.tools,
                          tool_call_parser=tool_template.parser)
-        choice = Choice(0, 0, response_id, prompt, sampling_params(chat, max_tokens, 0),
-                        directives(breakpoints, tenant.max_pinned_blocks))
+        choice = Choice(0, 0, response_id, prompt, sampling_params(chat, max_tokens, 0), cache)
         outputs = run_choices(state.engine, [choice], cache_salt=tenant.cache_salt(chat.cache_salt),
                               tenant=tenant.name)
         created = int(time.time())

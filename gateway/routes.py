@@ -13,7 +13,7 @@ from aiohttp import web
 from engine.messages import CacheDirectives
 from engine.sampling_params import SamplingParams
 from gateway.auth import Tenant
-from gateway.cache_control import chat_breakpoint_tokens, directives
+from gateway.cache_control import chat_directives, directives
 from gateway.cache_stats import CACHE_STATS
 from gateway.embeddings import POOLING
 from gateway.errors import APIError, invalid
@@ -44,12 +44,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     with state.admission.admit(tenant, req.n):
         tools = req.tools.template_tools if req.tools else None
         prompt = await render_chat(state.engine.tokenizer, req.messages, tools, tool_template)
-        breakpoints = await chat_breakpoint_tokens(state.engine.tokenizer, req.messages, list(req.breakpoints),
-                                                   prompt, tools, tool_template) if req.breakpoints else []
+        cache = await chat_directives(state.engine.tokenizer, req.messages, req.breakpoints, prompt, tools,
+                                      tool_template, tenant.max_pinned_blocks)
         fmt = ChatFormat(_new_id("chatcmpl-"), state.model_name, state.engine.tokenizer,
                          fingerprint=_fingerprint(state), tools=req.tools, tool_call_parser=tool_template.parser)
-        return await _generate(request, state, tenant, req, [prompt], fmt, "messages", None,
-                               directives(breakpoints, tenant.max_pinned_blocks))
+        return await _generate(request, state, tenant, req, [prompt], fmt, "messages", None, cache)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -167,6 +167,8 @@ class BlockPool:
         self.generation += 1
         if self.kv_events is not None:
             self.kv_events.append(("removed", block.block_hash))
+        if reason == "erase":  # the tenant asked for it: not an eviction of theirs, nothing to regret
+            return
         if block.tenant is not None:
             self._tenant_evictions[block.tenant] = self._tenant_evictions.get(block.tenant, 0) + 1
         self.ghosts[block.block_hash] = Ghost(block.tenant, block.reused)
@@ -205,31 +207,19 @@ class BlockPool:
     def erase(self, tenant: str | None) -> int:
         """Forgets every hash a block of `tenant` holds (DELETE /v1/cache), free or in use; returns how many
         cached hashes went. A block in use keeps its K/V for its request, but nothing hits it any more."""
-        erased = 0
+        before = self.evictions["erase"]
         for block in self.blocks:
             if block.block_hash is None or block.tenant != tenant:
                 continue
             free = block.ref_cnt == 0
             if free:
                 self.free_queue.remove(block)
-            if self.cached[block.block_hash] is not block:
-                self._drop_duplicate(block.block_hash, block)
-            elif block.block_hash in self.duplicates:
-                self._promote_duplicate(block.block_hash)  # (a copy of the same tenant goes later in this loop)
-            else:
-                del self.cached[block.block_hash]
-                erased += 1
-                self.evictions["erase"] += 1
-                self.generation += 1
-                if self.kv_events is not None:
-                    self.kv_events.append(("removed", block.block_hash))
-            block.block_hash = block.token_ids = block.tenant = None
-            block.reused = False
+            self._evict(block, "erase")  # a promoted copy of the same tenant goes later in this loop
             if free:
                 self.free_queue.push(block, True)
         for block_hash in [h for h, ghost in self.ghosts.items() if ghost.tenant == tenant]:
             del self.ghosts[block_hash]
-        return erased
+        return self.evictions["erase"] - before
 
     def reset_cache(self) -> None:
         """Forget every cached hash of a free block (used between benchmark runs)."""

@@ -158,16 +158,23 @@ class KVCacheManager:
         """Fills the blocks after the RAM hits from disk; a block that fails its checks ends the hit there."""
         first = len(prefix.blocks)
         for i in range(first, first + prefix.num_disk_blocks):
-            tokens = request.block_tokens(i, self.block_size)
-            kv = self.disk.load(request.block_hashes[i], tokens)
-            if kv is None:
+            if not self._read_back(table[i], request.block_hashes[i], request.block_tokens(i, self.block_size),
+                                   request.tenant):
                 prefix.num_tokens -= (first + prefix.num_disk_blocks - i) * self.block_size
                 prefix.num_disk_blocks = i - first
                 return
-            self.kv_io.copy_in(table[i].block_id, kv)
-            self.pool.cache_block(table[i], request.block_hashes[i], tokens, request.tenant, reused=True)
             self._num_registered[request.request_id] += 1
             self.num_disk_hit_tokens += self.block_size
+
+    def _read_back(self, block: KVCacheBlock, block_hash: BlockHash, tokens: tuple[int, ...],
+                   tenant: str | None) -> bool:
+        """Fills `block` with that block's K/V from the disk tier and caches it; False if the file is gone or bad."""
+        kv = self.disk.load(block_hash, tokens)
+        if kv is None:
+            return False
+        self.kv_io.copy_in(block.block_id, kv)
+        self.pool.cache_block(block, block_hash, tokens, tenant, reused=True)
+        return True
 
     def _missing_on_disk(self) -> list[KVCacheBlock]:
         return [b for b in self.pool.cached.values() if b.block_hash not in self.disk]
@@ -304,15 +311,14 @@ class KVCacheManager:
             block_hash, tokens = BlockHash(bytes.fromhex(hash_hex)), tuple(tokens)
             block = self.pool.get_cached_block(block_hash, tokens)
             if block is None:
-                kv = self.disk.load(block_hash, tokens) if self.pool.num_free_blocks else None
-                if kv is None:
+                if block_hash not in self.disk or not self.pool.num_free_blocks:
                     break
                 [block] = self.pool.allocate(1)
-                self.kv_io.copy_in(block.block_id, kv)
-                self.pool.cache_block(block, block_hash, tokens, record["tenant"], reused=True)
                 loaded.append(block)
+                if not self._read_back(block, block_hash, tokens, record["tenant"]):
+                    break
             blocks.append(block)
         pin = self.pins.restore(record["tenant"], blocks, record["ttl_s"], record["created_at"],
                                 record["expires_at"], record["hits"]) if blocks else None
-        self.pool.free(reversed(loaded))  # the pin holds them now (or, refused, they are cached and free)
+        self.pool.free(reversed(loaded))  # the pin holds them now (refused, they stay cached; unread, they are empty)
         return pin is not None

@@ -81,7 +81,7 @@ class PinTable:
         held = self._tenant_holders.get(tenant, Counter())
         if max_tenant_blocks is not None and len(held) + sum(b.block_id not in held for b in blocks) > max_tenant_blocks:
             return self._refuse(tenant, REFUSED_TENANT_QUOTA)
-        if len(self._holders) + sum(b.block_id not in self._holders for b in blocks) > self.max_blocks:
+        if self._over_cap(blocks):
             return self._refuse(tenant, REFUSED_POOL_QUOTA)
         return self._add(Pin(key, tenant, list(blocks), ttl_s, now, now + ttl_s))
 
@@ -90,9 +90,12 @@ class PinTable:
         """A pin saved before a restart (its tenant's quota was checked when it was made); None past the cap."""
         if blocks[-1].block_hash in self.pins or expires_at <= self.clock():
             return None
-        if len(self._holders) + sum(b.block_id not in self._holders for b in blocks) > self.max_blocks:
+        if self._over_cap(blocks):
             return None
         return self._add(Pin(blocks[-1].block_hash, tenant, list(blocks), ttl_s, created_at, expires_at, hits))
+
+    def _over_cap(self, blocks: list[KVCacheBlock]) -> bool:
+        return len(self._holders) + sum(b.block_id not in self._holders for b in blocks) > self.max_blocks
 
     def _add(self, pin: Pin) -> Pin:
         tenant_holders = self._tenant_holders.setdefault(pin.tenant, Counter())
