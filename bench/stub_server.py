@@ -47,7 +47,8 @@ class InstantEngine:
     def is_alive(self) -> bool:
         return True
 
-    async def generate(self, request_id, prompt_token_ids, params, *, cache_salt=None, tenant=None, cache=None):
+    async def generate(self, request_id, prompt_token_ids, params, *, cache_salt=None, tenant=None, cache=None,
+                       stream=True):
         yield RequestOutput(request_id, [0], self.reply, None, len(prompt_token_ids), 0, 1, finished=True,
                             finish_reason=FinishReason.LENGTH)
 

@@ -18,6 +18,7 @@ ROUTERS = {
     "prefix": "cluster.router:PrefixAffinityRouter",
     "round_robin": "cluster.router:RoundRobinRouter",
     "pow2": "cluster.router:PowerOfTwoRouter",  # Ray's default policy
+    "ray_prefix": "cluster.router:RayPrefixCacheRouter",  # Ray's own prefix router
 }
 
 
@@ -39,8 +40,10 @@ def cluster_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def deploy(settings, replicas: int, router: str, max_load_spread: int, app_name: str):
-    """Deploys the replicas (Ray must be initialised) and returns the engine handle."""
+def deploy(settings, replicas: int, router: str, max_load_spread: int, app_name: str, shared: bool):
+    """Deploys the replicas (Ray must be initialised) and returns the engine handle. `shared`: a cluster
+    joined with --address, where each replica reserves its threads' CPUs (so Ray spreads them over the
+    machines); on our own local Ray they share this machine's cores unreserved."""
     from ray import serve
 
     from cluster.replica import deployment
@@ -50,7 +53,8 @@ def deploy(settings, replicas: int, router: str, max_load_spread: int, app_name:
         share = max(1, (os.cpu_count() or 1) // replicas)
         engine = engine.replace(threads=share, threads_batch=engine.threads_batch or share)
     app = deployment(engine, replicas, ROUTERS[router], index=app_name, max_load_spread=max_load_spread,
-                     max_ongoing_requests=max(engine.max_num_seqs * 4, 8))
+                     max_ongoing_requests=max(engine.max_num_seqs * 4, 8),
+                     num_cpus=float(engine.threads) if shared else 0.0)
     return serve.run(app, name=app_name, route_prefix=None), engine
 
 
@@ -99,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
     from ray import serve
 
+    from cluster import kv_event_log
+
     ray.init(address=args.address, include_dashboard=False, namespace="prefixgate")
     if not args.attach:  # an attached gateway leaves Serve's settings (its proxy) to whoever deployed the app
         serve.start(proxy_location="Disabled")  # the aiohttp gateway is the HTTP face, not Serve's proxy
@@ -106,14 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.attach:
             handle, engine = wait_for_app(serve, args.app_name), settings.engine
         else:
-            handle, engine = deploy(settings, args.replicas, args.router, args.max_load_spread, args.app_name)
+            handle, engine = deploy(settings, args.replicas, args.router, args.max_load_spread, args.app_name,
+                                    shared=args.address is not None)
         uvloop.run(run(settings, handle, engine, args.replicas, args.app_name))
     finally:
         if args.address is None:  # our own local Ray: everything goes
             serve.shutdown()
             ray.shutdown()
-        elif not args.attach:  # a shared cluster: remove only the app we deployed
+        elif not args.attach:  # a shared cluster: remove only the app we deployed, and its KV event log
             serve.delete(args.app_name)
+            kv_event_log.remove(args.app_name)
     return 0
 
 

@@ -2,9 +2,9 @@
 
 Same interface as AsyncEngine (generate / abort / is_alive / stats listeners / tokenizer ...),
 so gateway routes do not know which one they have. It hashes each prompt with the engine's own
-block hash and the tenant's salt and hands the hashes to the router, feeds the replicas'
-reports (KV events, stats) into the router's index and the gateway's metrics, and retries on
-another replica a request whose replica died before it streamed anything.
+block hash and the tenant's salt and hands the hashes to the router, follows the app's KV event
+log into the router's index, feeds the replicas' reports into the gateway's metrics, and retries
+on another replica a request whose replica died before the client was sent anything.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import ray.exceptions
 from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
+from cluster.kv_event_log import event_log
 from cluster.prefix_index import PrefixIndex, index_for
 from cluster.replica import ReplicaReport
 from engine.config import EngineConfig, HashAlgo
@@ -32,13 +33,19 @@ logger = logging.getLogger("prefixgate.cluster")
 
 # a replica that died or cannot be reached: the request may go to another one if nothing streamed yet
 REPLICA_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+RETRY_BACKOFF_S = 0.2  # times the attempt: Ray's routers learn of a death a moment after the caller does
+FOLLOW_WAIT_S = 1.0  # a pull of the KV event log waits this long for events
+COMMAND_TIMEOUT_S = 60.0  # a tenant's pins or erasure, on every replica
 
 
 class ClusterEngine:
     def __init__(self, handle: DeploymentHandle, config: EngineConfig, info: dict, tokenizer, model_path: Path,
-                 index: PrefixIndex, num_replicas: int, max_attempts: int = 3) -> None:
+                 app: str, num_replicas: int, max_attempts: int = 3) -> None:
         self._handle = handle
-        self._index = index
+        self._app = app
+        self._index: PrefixIndex = index_for(app)
+        self._follower: asyncio.Task | None = None
+        self._forgotten: set[str] = set()  # dead replicas the log was told to drop
         self.num_replicas = num_replicas  # as deployed; replicas_up says how many answer now
         # admission counts sequences across every replica
         self.config = config.replace(max_num_seqs=config.max_num_seqs * num_replicas)
@@ -65,12 +72,22 @@ class ClusterEngine:
         info = await handle.info.remote()
         path = resolve_model_path(config.model, config.model_cache_dir)
         tokenizer = await asyncio.to_thread(load_tokenizer, Path(path), set(info["eos_token_ids"]))
-        return cls(handle, config, info, tokenizer, Path(path), index_for(index), num_replicas)
+        return cls(handle, config, info, tokenizer, Path(path), index, num_replicas)
 
     # ---- lifecycle (the gateway's cleanup_ctx calls these)
 
     def start(self) -> None:
         self._started = True
+        try:
+            self._follow()
+        except RuntimeError:  # no event loop yet: the first request starts following
+            pass
+
+    def _follow(self) -> None:
+        """Follows the KV event log on the running loop (again, if the loop it followed on has gone)."""
+        loop = asyncio.get_running_loop()
+        if self._follower is None or self._follower.done() or self._follower.get_loop() is not loop:
+            self._follower = loop.create_task(self._follow_kv_events())
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         loop = asyncio.get_running_loop()
@@ -80,6 +97,28 @@ class ClusterEngine:
         for request_id in list(self._streams):
             self.abort(request_id)
         self._started = False
+        if self._follower is not None and not self._follower.get_loop().is_closed():
+            self._follower.cancel()
+        self._follower = None
+
+    async def _follow_kv_events(self) -> None:
+        """Applies the app's KV event log to the router's index: every replica's stores and evictions,
+        whichever gateway's request made them; a snapshot first, and whenever this gateway fell behind."""
+        log, cursor = event_log(self._app), None
+        while True:
+            try:
+                cursor, snapshot, events = await log.pull.remote(cursor, FOLLOW_WAIT_S)
+            except REPLICA_FAILURES as exc:  # the log's actor died: a new one, from a snapshot
+                logger.warning("the KV event log is unreachable (%s); following a new one", type(exc).__name__)
+                await asyncio.sleep(1.0)
+                log, cursor = event_log(self._app), None
+                continue
+            if snapshot is not None:
+                self._index.load_snapshot(snapshot)
+            self._index.apply_log(events)
+            if dead := self._index.dead - self._forgotten:
+                self._forgotten |= dead
+                log.forget.remote(sorted(dead))
 
     def is_alive(self) -> bool:
         return self._started and self.replicas_up() > 0
@@ -101,24 +140,34 @@ class ClusterEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        cache_salt: str | None = None, tenant: str | None = None,
-                       cache: CacheDirectives | None = None) -> AsyncIterator[RequestOutput]:
+                       cache: CacheDirectives | None = None, stream: bool = True) -> AsyncIterator[RequestOutput]:
+        """`stream=False` (a non-streamed response): the outputs are held back until the request finished,
+        so a replica that dies midway costs a retry from the start on another one, not the request."""
         self.validate(prompt_token_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         if not self.is_alive():
             raise RuntimeError("no engine replica is running")
+        self._follow()
         block_hashes = self.block_hashes(prompt_token_ids, cache_salt)
         method = self._handle.options(stream=True).generate
         for attempt in range(1, self._max_attempts + 1):
-            stream = method.remote(request_id, prompt_token_ids, params, cache_salt=cache_salt, tenant=tenant,
-                                   block_hashes=block_hashes, cache=cache)
-            self._streams[request_id] = stream
-            streamed = finished = False
+            outputs = method.remote(request_id, prompt_token_ids, params, cache_salt=cache_salt, tenant=tenant,
+                                    block_hashes=block_hashes, cache=cache)
+            self._streams[request_id] = outputs
+            held: list[RequestOutput] = []
+            given = finished = False  # given: the caller has had an output (a retry would repeat it)
             try:
-                async for report, output in stream:
+                async for report, output in outputs:
                     self._on_report(report)
                     self._served_by[request_id] = report.replica
-                    streamed, finished = True, output.finished
+                    finished = output.finished
+                    if stream:
+                        given = True
+                        yield output
+                    else:
+                        held.append(output)
+                for output in held:
                     yield output
                 return
             except RequestCancelledError:  # abort(): end like an aborted engine request
@@ -127,18 +176,19 @@ class ClusterEngine:
                                     finish_reason=FinishReason.ABORT)
                 return
             except REPLICA_FAILURES as exc:
-                if streamed or attempt == self._max_attempts:
+                if given or attempt == self._max_attempts:
                     finished = True
-                    yield _replica_failed(request_id, len(prompt_token_ids), exc, streamed)
+                    yield _replica_failed(request_id, len(prompt_token_ids), exc, given)
                     return
                 self.num_retries += 1
-                logger.warning("request %s: replica failed before streaming (%s); retrying", request_id,
-                               type(exc).__name__)
+                logger.warning("request %s: replica failed before the client had any output (%s); retrying",
+                               request_id, type(exc).__name__)
             finally:
                 self._streams.pop(request_id, None)
                 self._served_by.pop(request_id, None)
                 if not finished:  # the consumer went away: cancelling the stream aborts it on the replica
-                    stream.cancel()
+                    outputs.cancel()
+            await asyncio.sleep(RETRY_BACKOFF_S * attempt)
 
     async def list_pins(self, tenant: str) -> list[PinInfo]:
         """Every live replica's pins of the tenant (a prefix is pinned where its requests ran)."""
@@ -155,11 +205,12 @@ class ClusterEngine:
     async def _broadcast(self, op: str, tenant: str) -> list:
         if not self.is_alive():
             raise RuntimeError("no engine replica is running")
-        answers = await asyncio.gather(*(self._handle.cache_command.remote(replica=r, op=op, tenant=tenant)
-                                         for r in self._index.replicas))
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):  # a replica that dies meanwhile is never routed to
+            answers = await asyncio.gather(*(self._handle.cache_command.remote(replica=r, op=op, tenant=tenant)
+                                             for r in self._index.replicas))
         results = []
         for report, result in answers:
-            self._on_report(report)  # an erase's "removed" events reach the router's index at once
+            self._on_report(report)
             results.append(result)
         return results
 
@@ -194,6 +245,10 @@ class ClusterEngine:
         live = set(self._index.replicas)
         return {r: s for r, s in self._snapshots.items() if r in live}
 
+    def index_blocks(self) -> dict[str, int]:
+        """Blocks the router's index believes each live replica holds (replica_snapshots() has the truth)."""
+        return self._index.sizes()
+
     def routing_decisions(self) -> dict[str, int]:
         return {reason.value: n for reason, n in self._index.decisions.items()}
 
@@ -201,8 +256,8 @@ class ClusterEngine:
         return _merged(self._snapshots, set(self._index.replicas))
 
     async def replica_caches(self) -> dict[str, set[bytes]]:
-        """Each live replica's cached block hashes (needs the prefix router: it routes the targeted
-        calls); the reports that come back are applied first, so the index can be compared with them."""
+        """Each live replica's cached block hashes, asked of each (the router's index reaches the same
+        sets once the replicas' latest events went through the KV event log)."""
         replicas = self._index.replicas
         answers = await asyncio.gather(*(self._handle.cache_snapshot.remote(replica=r) for r in replicas))
         caches: dict[str, set[bytes]] = {}
@@ -212,8 +267,6 @@ class ClusterEngine:
         return caches
 
     def _on_report(self, report: ReplicaReport) -> None:
-        if report.kv_events:
-            self._index.apply_events(report.replica, report.kv_events)
         if report.scheduler is not None:
             self._snapshots[report.replica] = report.scheduler
         if not self._listeners:
@@ -263,8 +316,8 @@ def _merged(snapshots: dict[str, SchedulerStats], live: set[str]) -> SchedulerSt
     return merged
 
 
-def _replica_failed(request_id: str, num_prompt_tokens: int, exc: BaseException, streamed: bool) -> RequestOutput:
-    where = "while streaming" if streamed else "on every retry"
+def _replica_failed(request_id: str, num_prompt_tokens: int, exc: BaseException, given: bool) -> RequestOutput:
+    where = "while streaming" if given else "on every retry"
     return RequestOutput(request_id, [], "", None, num_prompt_tokens, 0, 0, finished=True,
                          finish_reason=FinishReason.ERROR,
                          error=f"the engine replica failed {where} ({type(exc).__name__})")

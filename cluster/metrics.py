@@ -13,8 +13,8 @@ from metrics.prometheus import PREFIX
 # every series name the collector exposes (counters with their _total suffix), for the dashboard's checks
 SERIES = frozenset(f"{PREFIX}{name}" for name in (
     "replica_prefix_cache_queries_tokens_total", "replica_prefix_cache_hits_tokens_total",
-    "replica_requests_running", "replica_cached_blocks", "router_decisions_total", "router_retries_total",
-    "replicas_up"))
+    "replica_requests_running", "replica_cached_blocks", "router_index_blocks", "router_decisions_total",
+    "router_retries_total", "replicas_up"))
 
 
 class ClusterCollector(Collector):
@@ -33,6 +33,11 @@ class ClusterCollector(Collector):
                                     labels=["model_name", "replica"])
         cached = GaugeMetricFamily(f"{PREFIX}replica_cached_blocks", "Blocks holding a block hash, per replica.",
                                    labels=["model_name", "replica"])
+        index = GaugeMetricFamily(f"{PREFIX}router_index_blocks", "Blocks this gateway's router believes a replica "
+                                  "holds (from the KV event log; compare with replica_cached_blocks).",
+                                  labels=["model_name", "replica"])
+        for replica, blocks in sorted(client.index_blocks().items()):
+            index.add_metric([model, replica], blocks)
         for replica, s in sorted(snapshots.items()):
             queries.add_metric([model, replica], s.prefix_cache.queries)
             hits.add_metric([model, replica], s.prefix_cache.hits)
@@ -48,4 +53,4 @@ class ClusterCollector(Collector):
         retries.add_metric([model], client.num_retries)
         up = GaugeMetricFamily(f"{PREFIX}replicas_up", "Engine replicas the router can reach.", labels=["model_name"])
         up.add_metric([model], client.replicas_up())
-        yield from (queries, hits, running, cached, decisions, retries, up)
+        yield from (queries, hits, running, cached, index, decisions, retries, up)

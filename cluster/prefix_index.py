@@ -1,8 +1,8 @@
 """Which replica holds which block hash, and the routing choice made from it (no Ray here).
 
-The view is built from the replicas' own KV events ("stored" / "removed" block hashes), so it
-is what the replicas hold, not a guess from request text. A short-lived memory of where a prefix
-was just sent covers the time before that replica's first events arrive.
+The view is built from the replicas' own KV events ("stored" / "removed" block hashes, through the
+app's KV event log, kv_event_log.py), so it is what the replicas hold, not a guess from request text.
+A short-lived memory of where a prefix was just sent covers the time before those events arrive.
 """
 from __future__ import annotations
 
@@ -54,7 +54,10 @@ class PrefixIndex:
     its own event loop thread, the cluster client on the gateway's."""
 
     def __init__(self, recent_ttl_s: float = RECENT_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self._live: dict[str, None] = {}  # the replicas Ray routes to now, in the order they came up
+        # what each replica holds; a replica's events can arrive before Ray reports it live
         self._held: dict[str, set[bytes]] = {}
+        self._dead: set[str] = set()  # gone for good (ids are never reused): late events must not revive them
         self._recent: dict[str, dict[bytes, float]] = {}  # replica -> block hash -> expiry
         self._recent_ttl_s = recent_ttl_s
         self._clock = clock
@@ -65,11 +68,12 @@ class PrefixIndex:
     # ---- the replicas' view
 
     def set_replicas(self, replicas: Iterable[str]) -> None:
-        """The replicas now up; a dead or replaced replica's blocks are dropped."""
-        alive = set(replicas)
+        """The replicas now up; one that was up and is not any more is dead: its blocks are dropped."""
+        alive = dict.fromkeys(replicas)
         with self._lock:
-            for replica in [r for r in self._held if r not in alive]:
+            for replica in [r for r in self._live if r not in alive]:
                 self._forget(replica)
+            self._live = alive
             for replica in alive:
                 self._held.setdefault(replica, set())
                 self._recent.setdefault(replica, {})
@@ -80,27 +84,51 @@ class PrefixIndex:
             self._forget(replica)
 
     def _forget(self, replica: str) -> None:
+        self._live.pop(replica, None)
         self._held.pop(replica, None)
         self._recent.pop(replica, None)
         self.in_flight.pop(replica, None)
+        self._dead.add(replica)
 
     @property
     def replicas(self) -> list[str]:
         with self._lock:
-            return list(self._held)
+            return list(self._live)
+
+    @property
+    def dead(self) -> set[str]:
+        with self._lock:
+            return set(self._dead)
 
     def apply_events(self, replica: str, events: Iterable[tuple[str, bytes]]) -> None:
+        self.apply_log((replica, kind, block_hash) for kind, block_hash in events)
+
+    def apply_log(self, events: Iterable[tuple[str, str, bytes]]) -> None:
+        """(replica, "stored" | "removed", block hash) events, in the order the replicas made them."""
         with self._lock:
-            held = self._held.get(replica)
-            if held is None:  # a replica already dropped: its late events must not revive it
-                return
-            recent = self._recent[replica]
-            for kind, block_hash in events:
+            for replica, kind, block_hash in events:
+                if replica in self._dead:
+                    continue
+                held = self._held.setdefault(replica, set())
                 if kind == "stored":
                     held.add(block_hash)
                 else:
                     held.discard(block_hash)
-                recent.pop(block_hash, None)  # the replica has spoken for this hash itself
+                recent = self._recent.get(replica)
+                if recent:
+                    recent.pop(block_hash, None)  # the replica has spoken for this hash itself
+
+    def load_snapshot(self, snapshot: dict[str, Iterable[bytes]]) -> None:
+        """Every replica's whole cache at once (a gateway that starts, or fell behind the log)."""
+        with self._lock:
+            for replica, hashes in snapshot.items():
+                if replica not in self._dead:
+                    self._held[replica] = set(hashes)
+
+    def sizes(self) -> dict[str, int]:
+        """Blocks each live replica holds, as this index sees them."""
+        with self._lock:
+            return {r: len(self._held.get(r, ())) for r in self._live}
 
     def held(self, replica: str) -> set[bytes]:
         with self._lock:
@@ -121,9 +149,10 @@ class PrefixIndex:
             return n
 
     def choose(self, block_hashes: Sequence[bytes], candidates: Iterable[str],
-               max_load_spread: int = DEFAULT_MAX_LOAD_SPREAD) -> RoutingDecision:
+               max_load_spread: int = DEFAULT_MAX_LOAD_SPREAD, loads: dict[str, int] | None = None) -> RoutingDecision:
+        """`loads`: requests on each candidate (default: those this process routed and has not seen finish)."""
         with self._lock:
-            loads = {r: self.in_flight.get(r, 0) for r in candidates}
+            loads = {r: self.in_flight.get(r, 0) if loads is None else loads[r] for r in candidates}
             # what each holds, and what was just sent there (its events are on the way)
             sizes = {r: len(self._held.get(r, ())) + len(self._recent.get(r, ())) for r in loads}
         return choose_replica(block_hashes, loads, self.matched_blocks, max_load_spread, sizes)
@@ -133,7 +162,7 @@ class PrefixIndex:
         remembers the prefix there until the replica's own events speak for it."""
         expiry = self._clock() + self._recent_ttl_s
         with self._lock:
-            if replica not in self._held:
+            if replica not in self._live:
                 return
             self.in_flight[replica] += 1
             recent = self._recent[replica]

@@ -1,18 +1,22 @@
 """One engine replica: a Ray Serve deployment wrapping one AsyncEngine (its own KV pool and cache).
 
-Every item a replica streams back carries what its engine reported since the previous item
-(KV events, token counts, finished requests, the latest scheduler snapshot): the cache only
-changes while requests run, and every step's stats are taken before its outputs are delivered,
-so the router's view and the gateway's metrics follow the replica without a side channel.
+Every item a replica streams back carries what its engine reported since the previous item (token
+counts, finished requests, latencies, the latest scheduler snapshot) for the gateway's metrics. Its KV
+events go to the app's KV event log instead (kv_event_log.py), which every gateway follows: a cache
+is shared by all of them, not only by the one whose request changed it.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import ray.exceptions
 from ray import serve
 
+from cluster.kv_event_log import KvEvent, event_log
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.messages import CacheDirectives
@@ -32,7 +36,6 @@ class ReplicaReport:
     finished: list[FinishedRequestStats] = field(default_factory=list)
     tenant_cache: dict[str, tuple[int, int]] = field(default_factory=dict)
     tenant_evictions: dict[str, int] = field(default_factory=dict)
-    kv_events: list[tuple[str, bytes]] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     prefill_times: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
@@ -40,13 +43,19 @@ class ReplicaReport:
     tenant_pin_refusals: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
+logger = logging.getLogger("prefixgate.cluster")
+PUSH_INTERVAL_S = 0.05  # how often a replica sends its KV events to the log (the gateways' lag behind it)
+
+
 class ReportBuffer:
-    """Merges the engine's per-step stats (engine thread) until the next item goes out (event loop)."""
+    """Merges the engine's per-step stats (engine thread) until the next item goes out, and its KV events
+    until the next push to the log (event loop)."""
 
     def __init__(self, replica: str) -> None:
         self._replica = replica
         self._lock = threading.Lock()
         self._report = ReplicaReport(replica)
+        self._kv_events: list[KvEvent] = []
 
     def on_step(self, stats: StepStats) -> None:
         with self._lock:
@@ -64,7 +73,7 @@ class ReportBuffer:
                 r.tenant_pin_expiries[tenant] = r.tenant_pin_expiries.get(tenant, 0) + num
             for key, num in stats.tenant_pin_refusals.items():
                 r.tenant_pin_refusals[key] = r.tenant_pin_refusals.get(key, 0) + num
-            r.kv_events.extend(stats.kv_events)
+            self._kv_events.extend(stats.kv_events)
             r.ttfts.extend(stats.ttfts)
             r.prefill_times.extend(stats.prefill_times)
             r.inter_token_latencies.extend(stats.inter_token_latencies)
@@ -74,17 +83,51 @@ class ReportBuffer:
             taken, self._report = self._report, ReplicaReport(self._replica, scheduler=self._report.scheduler)
             return taken
 
+    def take_kv_events(self) -> list[KvEvent]:
+        with self._lock:
+            taken, self._kv_events = self._kv_events, []
+            return taken
+
 
 class EngineReplica:
     """The deployment's class (see `deployment()`): one AsyncEngine per replica actor."""
 
-    async def __init__(self, config: EngineConfig) -> None:
+    async def __init__(self, config: EngineConfig, app: str) -> None:
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.engine = AsyncEngine.from_config(config)
-        self.engine.core.kv.pool.kv_events = []  # opt in: the router's view is built from these
+        pool = self.engine.core.kv.pool
+        pool.kv_events = []  # opt in: the routers' view is built from these
         self.reports = ReportBuffer(self.replica)
         self.engine.add_stats_listener(self.reports.on_step)
+        self._app = app
+        self._log = event_log(app)
+        # what the pool holds before the engine runs (blocks read back for pins kept on disk)
+        await self._log.push.remote(self.replica, [("stored", h) for h in pool.cached], reset=True)
         self.engine.start()
+        self._pusher = asyncio.create_task(self._push_kv_events())
+
+    async def _push_kv_events(self) -> None:
+        """Sends the engine's KV events to the log, in order, every PUSH_INTERVAL_S."""
+        while True:
+            await asyncio.sleep(PUSH_INTERVAL_S)
+            events = self.reports.take_kv_events()
+            if not events:
+                continue
+            try:
+                await self._log.push.remote(self.replica, events)
+            except ray.exceptions.RayActorError:  # the log's actor died: a new log gets this whole cache
+                logger.warning("replica %s: the KV event log is gone; starting a new one", self.replica)
+                self._log = event_log(self._app)
+                await self._log.push.remote(self.replica, [("stored", h) for h in self._cached()], reset=True)
+
+    def _cached(self) -> list[bytes]:
+        """The pool's block hashes, read while the engine thread may change them (retried until a pass
+        sees no change; each pass takes microseconds)."""
+        while True:
+            try:
+                return list(self.engine.core.kv.pool.cached)
+            except RuntimeError:  # the dict changed size during the pass
+                continue
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        cache_salt: str | None = None, tenant: str | None = None,
@@ -94,6 +137,11 @@ class EngineReplica:
         async for output in self.engine.generate(request_id, prompt_token_ids, params,
                                                  cache_salt=cache_salt, tenant=tenant, cache=cache):
             yield self.reports.take(), output
+
+    def __call__(self, request) -> dict:
+        """An HTTP request through Serve's proxy (the app's route_prefix, e.g. /engine): this replica's info.
+        The proxy's /-/healthz, which KubeRay's readiness probes ask, fails until some app has a route."""
+        return self.info()
 
     def info(self) -> dict:
         """What the gateway needs to know before the first request."""
@@ -106,7 +154,7 @@ class EngineReplica:
         """The block hashes this replica's pool holds, with the report up to this moment (exact when
         the replica is idle: the engine thread changes the map while it steps). `replica` routes the call."""
         assert replica == self.replica, "the router sent a targeted call to the wrong replica"
-        return self.reports.take(), set(self.engine.core.kv.pool.cached)
+        return self.reports.take(), set(self._cached())
 
     async def cache_command(self, replica: str, op: str, tenant: str) -> tuple[ReplicaReport, object]:
         """A tenant's pins ("list") or the erasure of its cache ("erase") on this replica; `replica` routes
@@ -120,12 +168,19 @@ class EngineReplica:
             raise RuntimeError("the engine loop is not running")
 
     async def __del__(self) -> None:
+        self._pusher.cancel()
         await self.engine.shutdown(timeout=1.0)
+        try:
+            await self._log.forget.remote([self.replica])
+        except ray.exceptions.RayActorError:  # the app and its log are going away together
+            pass
 
 
 def deployment(config: EngineConfig, num_replicas: int, router: str, *, index: str,
-               max_load_spread: int, max_ongoing_requests: int):
-    """The bound Serve application: `num_replicas` engines behind `router` (a RequestRouter class path)."""
+               max_load_spread: int, max_ongoing_requests: int, num_cpus: float = 0.0, memory_gb: float = 0.0):
+    """The bound Serve application: `num_replicas` engines behind `router` (a RequestRouter class path).
+    `num_cpus` / `memory_gb`: what Ray reserves for each replica, so that it places one per worker that
+    has that much (0: no reservation, replicas may share a machine)."""
     from ray.serve.config import RequestRouterConfig
 
     kwargs = {"index": index}
@@ -135,19 +190,30 @@ def deployment(config: EngineConfig, num_replicas: int, router: str, *, index: s
     replica = serve.deployment(EngineReplica, name="engine", num_replicas=num_replicas,
                                max_ongoing_requests=max_ongoing_requests, request_router_config=router_config,
                                health_check_period_s=2.0, health_check_timeout_s=10.0,
-                               ray_actor_options={"num_cpus": 0})
-    return replica.bind(config)
+                               ray_actor_options=_actor_resources(num_cpus, memory_gb))
+    return replica.bind(config, index)
+
+
+def _actor_resources(num_cpus: float, memory_gb: float) -> dict:
+    resources: dict = {"num_cpus": num_cpus}
+    if memory_gb:
+        resources["memory"] = int(memory_gb * 2**30)
+    return resources
 
 
 def build_app(args: dict):
     """Serve's application builder (`import_path: cluster.replica:build_app` in a Serve config, as
-    the KubeRay manifest uses): `args` holds `replicas`, `router`, `max_load_spread` and any
+    the KubeRay manifest uses): `args` holds `replicas`, `router`, `max_load_spread`, `app_name`,
+    `num_cpus` and `memory_gb` per replica (default: `threads` CPUs, no memory reservation) and any
     EngineConfig field."""
     args = dict(args)
     replicas = int(args.pop("replicas", 2))
     router = args.pop("router", "cluster.router:PrefixAffinityRouter")
     spread = int(args.pop("max_load_spread", 4))
     index = args.pop("app_name", "prefixgate")
+    num_cpus = args.pop("num_cpus", None)
+    memory_gb = float(args.pop("memory_gb", 0))
     config = EngineConfig(**args)
+    num_cpus = float(config.threads or 1) if num_cpus is None else float(num_cpus)
     return deployment(config, replicas, router, index=index, max_load_spread=spread,
-                      max_ongoing_requests=max(config.max_num_seqs * 4, 8))
+                      max_ongoing_requests=max(config.max_num_seqs * 4, 8), num_cpus=num_cpus, memory_gb=memory_gb)

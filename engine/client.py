@@ -58,10 +58,12 @@ class EngineClient(Protocol):
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  cache_salt: str | None = None, tenant: str | None = None,
-                 cache: CacheDirectives | None = None) -> AsyncIterator[RequestOutput]:
+                 cache: CacheDirectives | None = None, stream: bool = True) -> AsyncIterator[RequestOutput]:
         """Deltas of one request until its finished output. ValueError for a request the engine refuses,
         RuntimeError when the engine is not running, EngineDeadError when it dies meanwhile. Closing the
-        iterator early aborts the request and releases its blocks. `cache`: breakpoints to pin."""
+        iterator early aborts the request and releases its blocks. `cache`: breakpoints to pin. `stream`:
+        False when the caller uses the outputs only once the request finished (a non-streamed response),
+        so that an engine of several replicas may restart it elsewhere if its replica dies."""
 
     async def list_pins(self, tenant: str) -> list[PinInfo]:
         """The tenant's pinned prefixes (GET /v1/cache)."""
@@ -184,7 +186,8 @@ class RelayedEngineClient(ABC):
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        cache_salt: str | None = None, tenant: str | None = None,
-                       cache: CacheDirectives | None = None) -> AsyncIterator[RequestOutput]:
+                       cache: CacheDirectives | None = None, stream: bool = True) -> AsyncIterator[RequestOutput]:
+        # one engine: a restart could not go anywhere else, so `stream` changes nothing here
         self._validate(prompt_token_ids, params)
         if not self.is_alive():
             raise RuntimeError("the engine is not running")

@@ -57,7 +57,7 @@ async def warm(request: web.Request) -> web.Response:
         if not state.engine.is_alive():
             raise APIError(503, "the engine is not running", code="engine_unavailable")
         choice = Choice(0, 0, f"warm-{uuid.uuid4().hex}", prompt, SamplingParams(max_tokens=1, pooling="none"),
-                        directives([CacheBreakpoint(WHOLE_PROMPT, ttl_s)], tenant.max_pinned_blocks))
+                        directives([CacheBreakpoint(WHOLE_PROMPT, ttl_s)], tenant.max_pinned_blocks), stream=False)
         outputs = run_choices(state.engine, [choice], cache_salt=tenant.cache_salt(fields.string("cache_salt", None)),
                               tenant=tenant.name)
         async with contextlib.aclosing(outputs):

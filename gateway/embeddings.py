@@ -70,7 +70,7 @@ async def embeddings(request: web.Request) -> web.Response:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
         response_id = f"embd-{uuid.uuid4().hex}"
         params = SamplingParams(max_tokens=1, pooling="last")
-        choices = [Choice(i, i, f"{response_id}-{i}", p, params) for i, p in enumerate(prompts)]
+        choices = [Choice(i, i, f"{response_id}-{i}", p, params, stream=False) for i, p in enumerate(prompts)]
         vectors: dict[int, list[float]] = {}
         outputs = run_choices(state.engine, choices, cache_salt=tenant.cache_salt(req.cache_salt), tenant=tenant.name)
         async with contextlib.aclosing(outputs):

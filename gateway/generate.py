@@ -31,6 +31,7 @@ class Choice:
     prompt_ids: list[int]
     params: SamplingParams
     cache: CacheDirectives | None = None  # breakpoints to pin (cache_control)
+    stream: bool = True  # False: the response goes out once the request finished (see EngineClient.generate)
     # filled in as outputs arrive
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -115,7 +116,7 @@ async def run_choices(engine: EngineClient, choices: list[Choice], *, cache_salt
 
     async def run_one(choice: Choice) -> None:
         gen = engine.generate(choice.request_id, choice.prompt_ids, choice.params,
-                              cache_salt=cache_salt, tenant=tenant, cache=choice.cache)
+                              cache_salt=cache_salt, tenant=tenant, cache=choice.cache, stream=choice.stream)
         try:
             async with contextlib.aclosing(gen):
                 async for out in gen:

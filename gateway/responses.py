@@ -290,7 +290,7 @@ async def create(request: web.Request) -> web.StreamResponse:
         response_id = _new_id("resp")
         fmt = ChatFormat(response_id, state.model_name, state.engine.tokenizer, tools=chat.tools,
                          tool_call_parser=tool_template.parser)
-        choice = Choice(0, 0, response_id, prompt, sampling_params(chat, max_tokens, 0), cache)
+        choice = Choice(0, 0, response_id, prompt, sampling_params(chat, max_tokens, 0), cache, stream=chat.stream)
         outputs = run_choices(state.engine, [choice], cache_salt=tenant.cache_salt(chat.cache_salt),
                               tenant=tenant.name)
         created = int(time.time())

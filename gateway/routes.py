@@ -138,7 +138,7 @@ async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, r
         for i in range(samples):
             params = sampling_params(req, max_tokens, i, rank_by_logprob=samples > req.n)
             choices.append(Choice(len(choices), prompt_index, f"{fmt.response_id}-{len(choices)}", prompt, params,
-                                  cache))
+                                  cache, stream=req.stream))
     outputs = run_choices(state.engine, choices, cache_salt=tenant.cache_salt(req.cache_salt), tenant=tenant.name)
     async with contextlib.aclosing(outputs):
         try:

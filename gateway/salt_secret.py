@@ -1,8 +1,8 @@
-"""The secret tenant salts derive from (gateway/auth.py). Configured (`--salt-secret`, YAML, a Kubernetes
-Secret) it is used as given; otherwise it is kept in a file beside the model cache, created on first start
-with mode 0600, so tenant salts, and with them the disk tier's blocks and pins, stay the same across
-restarts and for every gateway that shares the folder. A folder that cannot keep it leaves salts random for
-this start, with a warning."""
+"""The secret tenant salts derive from (gateway/auth.py). Configured (`--salt-secret`, YAML, or
+$PREFIXGATE_SALT_SECRET, e.g. from a Kubernetes Secret) it is used as given; otherwise it is kept in a
+file beside the model cache, created on first start with mode 0600, so tenant salts, and with them the
+disk tier's blocks and pins, stay the same across restarts and for every gateway that shares the folder.
+A folder that cannot keep it leaves salts random for this start, with a warning."""
 from __future__ import annotations
 
 import logging
@@ -15,6 +15,7 @@ from engine.paths import default_cache_dir
 
 log = logging.getLogger("gateway")
 SALT_SECRET_FILE = "salt-secret"
+SALT_SECRET_ENV = "PREFIXGATE_SALT_SECRET"  # e.g. from a Kubernetes Secret, kept out of the command line
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,9 +31,12 @@ class SaltSecret:
 
 
 def resolve_salt_secret(configured: str | None, folder: Path | None = None) -> SaltSecret:
-    """The configured secret, else the kept one (made now if there is none)."""
+    """The configured secret, else $PREFIXGATE_SALT_SECRET, else the kept one (made now if there is none)."""
     if configured:
         return SaltSecret(configured)
+    if os.environ.get(SALT_SECRET_ENV):
+        return SaltSecret(os.environ[SALT_SECRET_ENV], logging.INFO,
+                          f"tenant salts derive from the salt secret in ${SALT_SECRET_ENV}")
     path = (folder or default_cache_dir()) / SALT_SECRET_FILE
     try:
         if path.exists():

@@ -29,10 +29,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @contextlib.contextmanager
-def served(*args: str, start_timeout_s: float = 120) -> Iterator[subprocess.Popen]:
-    """`python -m gateway serve --port 0 ARGS` as a real process (the engine in a process of its own):
-    yields the Popen with `base_url` and the stderr `log_lines` read so far; killed afterwards if alive."""
-    cmd = [sys.executable, "-m", "gateway", "serve", "--port", "0", *args]
+def served(*args: str, start_timeout_s: float = 120, module: str = "gateway") -> Iterator[subprocess.Popen]:
+    """`python -m MODULE serve --port 0 ARGS` as a real process (the gateway's engine in a process of its own,
+    or `cluster`: a gateway in front of Ray Serve replicas): yields the Popen with `base_url` and the stderr
+    `log_lines` read so far; killed afterwards if alive."""
+    cmd = [sys.executable, "-m", module, "serve", "--port", "0", *args]
     proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: list[str] = []

@@ -6,8 +6,13 @@ replica-killing test runs last.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import socket
+import urllib.request
 
 import pytest
+import yaml
 
 ray = pytest.importorskip("ray", reason="the cluster extra is not installed (make test installs it)")
 from ray import serve  # noqa: E402
@@ -19,6 +24,7 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from gateway.app import create_app  # noqa: E402
 from gateway.auth import Tenant  # noqa: E402
 from gateway.settings import ApiKey, GatewaySettings, Settings  # noqa: E402
+from tests.gateway_helpers import served  # noqa: E402
 
 APP = "test-cluster"
 BLOCK = 4
@@ -32,13 +38,23 @@ def engine_config(tiny_llama_dir) -> EngineConfig:
                         max_num_seqs=1, threads=1, threads_batch=1)
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+PROXY_PORT = _free_port()
+
+
 @pytest.fixture(scope="module")
 def cluster(engine_config):
     ray.init(num_cpus=2, include_dashboard=False, namespace="prefixgate-tests", log_to_driver=False)
-    serve.start(proxy_location="Disabled")
+    # Serve's proxy on, as on KubeRay (whose readiness probes ask it): the gateway is still the HTTP face
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": PROXY_PORT})
     try:
         handle = serve.run(deployment(engine_config, 2, "cluster.router:PrefixAffinityRouter", index=APP,
-                                      max_load_spread=4, max_ongoing_requests=16), name=APP, route_prefix=None)
+                                      max_load_spread=4, max_ongoing_requests=16), name=APP, route_prefix="/engine")
         client = asyncio.run(ClusterEngine.connect(handle, engine_config, index=APP, num_replicas=2))
         client.start()
         yield client
@@ -54,8 +70,8 @@ def started(request):
 
 
 async def _run(client: ClusterEngine, request_id: str, prompt: list[int], params: SamplingParams = GREEDY,
-               salt: str | None = None) -> list:
-    return [out async for out in client.generate(request_id, prompt, params, cache_salt=salt)]
+               salt: str | None = None, stream: bool = True) -> list:
+    return [out async for out in client.generate(request_id, prompt, params, cache_salt=salt, stream=stream)]
 
 
 async def _wait_for(predicate, what: str, timeout: float = 90.0) -> None:
@@ -99,13 +115,24 @@ async def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(clust
     assert cluster.routing_decisions()["prefix_match"] >= 6
 
 
+def test_serves_proxy_answers_the_health_route_kuberay_probes(cluster):
+    """KubeRay's readiness probe of a RayService pod asks Serve's proxy on :8000/-/healthz, which fails while
+    the proxy is disabled (as the manifest once had it) or no app has a route (route_prefix null, as it
+    also had): no pod ever became a serve endpoint. With a route, the proxy is healthy and the route answers
+    with a replica's info."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{PROXY_PORT}/-/healthz", timeout=30) as resp:
+        assert resp.status == 200 and resp.read() == b"success"
+    with urllib.request.urlopen(f"http://127.0.0.1:{PROXY_PORT}/engine", timeout=30) as resp:
+        assert json.load(resp)["model_name"] == cluster.model_name
+
+
 async def test_router_view_converges_to_the_replicas_caches_after_evictions(cluster):
     # 48 blocks per replica; 16 prompts of 7 blocks (and their answers) evict many of them
     await asyncio.gather(*(_run(cluster, f"evict{i}", _prompt(100 + i, 28)) for i in range(16)))
     caches = await cluster.replica_caches()
     assert len(caches) == 2
-    for replica, held in caches.items():
-        assert cluster._index.held(replica) == held
+    await _wait_for(lambda: all(cluster._index.held(r) == held for r, held in caches.items()),
+                    "the index to reach the replicas' caches through the KV event log")
     stats = cluster.replica_snapshots()
     assert sum(s.prefix_cache.evictions_capacity for s in stats.values()) > 0
 
@@ -159,19 +186,87 @@ async def test_gateway_health_and_metrics_show_the_replicas(cluster, gateway_set
     assert f'prefixgate_inter_token_latency_seconds_count{{model_name="{cluster.model_name}"}} 2.0' in text
 
 
+def _index_sizes(metrics_text: str) -> dict[str, int]:
+    return {replica: int(float(n)) for replica, n in
+            re.findall(r'prefixgate_router_index_blocks\{model_name="[^"]*",replica="([^"]+)"\} (\S+)', metrics_text)}
+
+
+async def test_two_gateways_attached_to_one_app_share_its_cache(cluster, engine_config, aiohttp_client, tmp_path):
+    """A second gateway process (`python -m cluster serve --attach`, started after the first one cached a
+    prompt) sees every replica's cache through the KV event log: a prompt cached through either gateway
+    is a hit through the other, for a tenant whose salt both derive from one salt secret."""
+    settings = Settings(engine_config, GatewaySettings(api_keys=(ApiKey("key-c", "carol"),), salt_secret="shared"))
+    first = await aiohttp_client(create_app(settings, engine=cluster))
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(yaml.safe_dump({"key-c": {"tenant": "carol"}}))
+    gcs = ray.get_runtime_context().gcs_address
+
+    async def cached_tokens(post, prompt: list[int]) -> int:
+        body = {"model": cluster.model_name, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        status, answer = await post(body)
+        assert status == 200, answer
+        return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async def via_first(body):
+        resp = await first.post("/v1/completions", json=body, headers={"Authorization": "Bearer key-c"})
+        return resp.status, await resp.json()
+
+    one, two = _prompt(900, 40), _prompt(901, 40)
+    assert await cached_tokens(via_first, one) == 0
+    with served("--attach", "--address", gcs, "--app-name", APP, "--model", engine_config.model,
+                "--api-keys-file", str(keys), "--salt-secret", "shared", module="cluster") as second:
+        def via_second(body):
+            request = urllib.request.Request(f"{second.base_url}/completions", data=json.dumps(body).encode(),
+                                             headers={"Authorization": "Bearer key-c",
+                                                      "Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                return resp.status, json.load(resp)
+
+        def second_metrics() -> str:
+            with urllib.request.urlopen(second.base_url.removesuffix("/v1") + "/metrics", timeout=30) as resp:
+                return resp.read().decode()
+
+        async def post_second(body):
+            return await asyncio.to_thread(via_second, body)
+
+        async def views_agree() -> None:  # both gateways' indexes have caught up with the replicas
+            truth = {r: len(held) for r, held in (await cluster.replica_caches()).items()}
+            for _ in range(600):
+                if cluster.index_blocks() == truth == _index_sizes(await asyncio.to_thread(second_metrics)):
+                    return
+                await asyncio.sleep(0.1)
+            raise AssertionError(f"the gateways' indexes never reached the replicas' caches {truth}")
+
+        await views_agree()  # from the log's snapshot: the second gateway started after `one` was cached
+        assert await cached_tokens(post_second, one) == 36
+        assert await cached_tokens(post_second, two) == 0
+        await views_agree()  # from the log's events
+        assert await cached_tokens(via_first, two) == 36
+        decisions = re.findall(r'prefixgate_router_decisions_total\{model_name="[^"]*",reason="(\w+)"\} (\S+)',
+                               await asyncio.to_thread(second_metrics))
+        assert dict(decisions)["prefix_match"] == "1.0"
+
+
 async def test_killing_a_replica_loses_no_request_that_had_not_streamed(cluster):
+    """Streamed requests that had sent nothing, and every non-streamed one (held back until it finished,
+    so restarted from the start), are retried on the live replica; only a stream already under way fails."""
     params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
     streamed_before_kill: set[str] = set()
     results: dict[str, list] = {}
 
-    async def run(request_id: str, prompt: list[int]) -> None:
-        results[request_id] = await _run(cluster, request_id, prompt, params)
+    async def run(request_id: str, prompt: list[int], stream: bool) -> None:
+        results[request_id] = await _run(cluster, request_id, prompt, params, stream=stream)
 
     ids = [f"kill{i}" for i in range(6)]
-    tasks = [asyncio.create_task(run(rid, _prompt(500 + i, 12))) for i, rid in enumerate(ids)]
-    await _wait_for(lambda: any(cluster.served_by(rid) for rid in ids), "a request streaming")
-    victim = next(cluster.served_by(rid) for rid in ids if cluster.served_by(rid))
-    streamed_before_kill.update(rid for rid in ids if cluster.served_by(rid))
+    buffered = set(ids[::2])
+    tasks = [asyncio.create_task(run(ids[0], _prompt(500, 12), stream=False))]
+    # the victim is midway through a non-streamed request: its outputs so far must be thrown away
+    await _wait_for(lambda: cluster.served_by(ids[0]), "the non-streamed request generating")
+    tasks += [asyncio.create_task(run(rid, _prompt(500 + i, 12), rid not in buffered))
+              for i, rid in enumerate(ids) if i]
+    await _wait_for(lambda: set(cluster.request_ids()) >= set(ids), "every request sent")
+    victim = cluster.served_by(ids[0])
+    streamed_before_kill.update(rid for rid in ids if cluster.served_by(rid) and rid not in buffered)
     _kill_replica(victim)
     async with asyncio.timeout(120):  # nothing hangs
         await asyncio.gather(*tasks)
@@ -181,6 +276,7 @@ async def test_killing_a_replica_loses_no_request_that_had_not_streamed(cluster)
             assert "replica failed while streaming" in last.error
             continue
         assert last.finish_reason == "length" and last.num_output_tokens == 120, (rid, last)
+        assert len([t for out in results[rid] for t in out.new_token_ids]) == 120  # nothing given twice
     assert cluster.num_retries >= 1
     assert victim not in cluster._index.replicas and not cluster._index.held(victim)
     await _wait_for(lambda: cluster.replicas_up() == 2, "serve to replace the replica")

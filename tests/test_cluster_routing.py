@@ -1,6 +1,9 @@
 """The prefix router's ranking and its view of the replicas, without Ray; and the engine's KV events."""
 from __future__ import annotations
 
+import asyncio
+
+from cluster.kv_event_log import KvEventLog
 from cluster.prefix_index import PrefixIndex, RoutingReason, choose_replica
 from engine.kv.block_pool import BlockPool
 from engine.kv.hashing import hash_full_blocks
@@ -82,6 +85,43 @@ def test_index_follows_stored_and_removed_events_and_drops_dead_replicas():
     assert index.replicas == ["r1", "r2"]
 
 
+def test_events_of_a_replica_not_yet_live_are_kept_and_a_snapshot_replaces_a_view():
+    index = PrefixIndex()
+    index.set_replicas(["r0"])
+    index.apply_log([("r1", "stored", H[0]), ("r0", "stored", H[0]), ("r1", "stored", H[1])])
+    index.set_replicas(["r0", "r1"])  # Ray reports r1 after its first events went through the log
+    assert index.matched_blocks("r1", H) == 2 and index.sizes() == {"r0": 1, "r1": 2}
+    index.load_snapshot({"r0": [H[0], H[1], H[2]], "r1": [], "gone": [H[0]]})
+    assert index.matched_blocks("r0", H) == 3 and index.matched_blocks("r1", H) == 0
+    index.drop_replica("r1")
+    index.load_snapshot({"r1": [H[0]]})  # a snapshot taken before r1 died does not revive it
+    assert index.replicas == ["r0"] and index.held("r1") == set() and index.dead == {"r1"}
+
+
+def test_the_kv_event_log_gives_each_follower_every_replicas_events_in_order():
+    async def scenario():
+        log = KvEventLog(max_events=6)
+        await log.push("r0", [("stored", H[0]), ("stored", H[1])])
+        end, snapshot, events = await log.pull(None)  # a new follower: a snapshot, then events from `end`
+        assert (end, events) == (2, []) and {r: set(h) for r, h in snapshot.items()} == {"r0": {H[0], H[1]}}
+        await log.push("r1", [("stored", H[2])])
+        await log.push("r0", [("removed", H[1])])
+        assert await log.pull(end) == (4, None, [("r1", "stored", H[2]), ("r0", "removed", H[1])])
+        assert await log.pull(4, wait_s=0.01) == (4, None, [])  # nothing new: the pull waited and returned
+        waiting = asyncio.ensure_future(log.pull(4, wait_s=30))
+        await asyncio.sleep(0)
+        await log.push("r1", [("stored", H[3])])  # wakes the waiting pull at once
+        assert await waiting == (5, None, [("r1", "stored", H[3])])
+        await log.push("r1", [("stored", H[4]), ("stored", H[5])], reset=True)  # a restarted replica's cache (4 events)
+        end, snapshot, _ = await log.pull(1)  # fell out of the bounded log (6 events): a snapshot instead
+        assert end == 9 and {r: set(h) for r, h in snapshot.items()} == {"r0": {H[0]}, "r1": {H[4], H[5]}}
+        assert (await log.pull(99))[1] is not None  # a cursor past the end (a log started anew): a snapshot
+        await log.forget(["r0"])
+        assert set((await log.pull(None))[1]) == {"r1"}
+
+    asyncio.run(scenario())
+
+
 def test_a_prefix_just_sent_counts_as_held_until_it_expires_or_events_say_otherwise():
     now = [0.0]
     index = PrefixIndex(recent_ttl_s=5.0, clock=lambda: now[0])
@@ -129,6 +169,9 @@ def test_the_cluster_collector_exposes_per_replica_series_with_a_replica_label()
         def routing_decisions(self):
             return {reason.value: 3 for reason in RoutingReason}
 
+        def index_blocks(self):
+            return {"r0": 7, "r1": 0}
+
         def replicas_up(self):
             return 2
 
@@ -138,16 +181,6 @@ def test_the_cluster_collector_exposes_per_replica_series_with_a_replica_label()
     assert 'prefixgate_replica_prefix_cache_hits_tokens_total{model_name="m",replica="r0"} 60.0' in text
     assert 'prefixgate_replica_requests_running{model_name="m",replica="r0"} 2.0' in text
     assert 'prefixgate_router_decisions_total{model_name="m",reason="load_guard"} 3.0' in text
+    assert 'prefixgate_router_index_blocks{model_name="m",replica="r0"} 7.0' in text
     exposed = {line.split("{")[0] for line in text.splitlines() if line and not line.startswith("#")}
     assert exposed == SERIES
-
-
-def test_the_cluster_bench_counts_idle_replicas_in_the_load_spread():
-    from collections import Counter
-
-    from bench.cluster import RunResult
-
-    result = RunResult("prefix", replicas=4, prompt_tokens=10, cached_tokens=5, ttfts=[0.1],
-                       per_replica=Counter({"r0": 96}), prompts=[[1, 2, 3]])
-    summary = result.summary(block_size=16)
-    assert summary["requests_per_replica"] == [96, 0, 0, 0] and summary["max_over_mean_load"] == 4.0

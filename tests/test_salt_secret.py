@@ -9,12 +9,20 @@ import stat
 
 from gateway import salt_secret
 from gateway.auth import Authenticator
-from gateway.salt_secret import SALT_SECRET_FILE, resolve_salt_secret
+from gateway.salt_secret import SALT_SECRET_ENV, SALT_SECRET_FILE, resolve_salt_secret
 from gateway.settings import ApiKey, GatewaySettings
 
 
 def test_a_configured_secret_is_used_as_given(tmp_path):
     assert resolve_salt_secret("from-a-k8s-secret", tmp_path).value == "from-a-k8s-secret"
+    assert not (tmp_path / SALT_SECRET_FILE).exists()
+
+
+def test_the_environment_gives_a_secret_the_command_line_does_not_show(tmp_path, monkeypatch):
+    """$PREFIXGATE_SALT_SECRET, e.g. from a Kubernetes Secret (deploy/rayservice.yaml); the flag still wins."""
+    monkeypatch.setenv(SALT_SECRET_ENV, "from-the-env")
+    assert resolve_salt_secret(None, tmp_path).value == "from-the-env"
+    assert resolve_salt_secret("flag", tmp_path).value == "flag"
     assert not (tmp_path / SALT_SECRET_FILE).exists()
 
 
