@@ -1,0 +1,42 @@
+"""`python -m engine.model.compile [--model M]`: compiles the CPU kernels ahead of time into numba's cache
+(engine/model/kernel_cache.py), so that a server's first request, or a container's (deploy/Dockerfile
+runs this), does not wait for the compiler.
+
+It runs the engine once on a few short prompts, a batch of them and one alone, with and without a shared
+prefix, which reaches every kernel signature serving uses for the model's dtype. numba keys cached code by
+the CPU as well: a machine of another kind compiles again on its first request.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def compile_kernels(model: str = "default", dtype: str = "float32") -> float:
+    """Seconds it took (compiling, or loading what an earlier run compiled)."""
+    from engine.llm import LLM
+    from engine.model.kernel_cache import folder
+    from engine.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model, dtype=dtype, block_size=16, num_kv_blocks=64, max_model_len=512, threads=1, threads_batch=1)
+    shared = list(range(100, 140))
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.generate([shared + [7, 8], shared + [9, 10, 11], [5, 6, 7]], greedy)  # a batch: cascade attention
+    llm.generate([12, 13, 14], greedy)  # one request alone
+    print(f"kernels ready in {folder()}", file=sys.stderr)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.model.compile", description=__doc__)
+    parser.add_argument("--model", default="default", help="model path, or 'default' (SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args(argv)
+    print(f"compiled in {compile_kernels(args.model, args.dtype):.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
