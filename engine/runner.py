@@ -106,9 +106,10 @@ class ModelRunner:
     def _load_kernels(self) -> None:
         """Compiles the step (or loads it from numba's disk cache) now, not in a request, and says so: the
         first start is silent for most of a minute otherwise."""
-        from numba import config as numba_config
-        logger.info("loading the compiled CPU kernels (a first start compiles them: about 45 s on 2 cores; "
-                    "cached in %s)", numba_config.CACHE_DIR)
+        from engine.model import kernel_cache
+        where = f"cached in {kernel_cache.FOLDER}" if kernel_cache.CACHE else "compiled in memory, not cached"
+        logger.info("loading the compiled CPU kernels (a first start compiles them: about 45 s on 2 cores; %s; "
+                    "python -m engine.model.compile fills the cache ahead of time)", where)
         started = time.perf_counter()
         self.decode_probe()
         logger.info("CPU kernels ready in %.1f s", time.perf_counter() - started)

@@ -23,7 +23,7 @@ import torch
 from numba import njit, prange
 from numba.typed import List
 
-from engine.model import kernel_cache  # noqa: F401  (numba's cache folder, set before any @njit below)
+from engine.model import kernel_cache  # numba's cache folder, set before any @njit below
 from engine.model import paged_decode_cpu
 from engine.model.attention import SharedPrefix
 from engine.model.bfloat16_bits import as_float32, numpy_view, to_element
@@ -117,7 +117,7 @@ class CompiledDecode:
         return self._cos[positions], self._sin[positions]
 
 
-@njit(fastmath=True, nogil=True, cache=True)
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
 def _rms_norm(x, weight, eps, out):
     """out[m] = weight * x[m] / rms(x[m]) for every row m."""
     for m in range(x.shape[0]):
@@ -129,7 +129,7 @@ def _rms_norm(x, weight, eps, out):
             out[m, i] = as_float32(weight[i]) * (x[m, i] * inv)
 
 
-@njit(fastmath=True, nogil=True, cache=True, parallel=True)
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, parallel=True)
 def _silu_and_mul(gate_up, out):
     """out = silu(gate) * up, gate and up being the two halves of gate_up's rows."""
     inter = out.shape[1]
@@ -141,7 +141,7 @@ def _silu_and_mul(gate_up, out):
             out[m, i] = gate * (sigmoid if gate >= 0 else e * sigmoid) * gate_up[m, inter + i]
 
 
-@njit(fastmath=True, nogil=True, cache=True)
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
 def _rotate(heads, cos, sin):
     """Rotary embedding of one row's heads [n, dim], in place."""
     half = heads.shape[1] // 2
@@ -154,7 +154,7 @@ def _rotate(heads, cos, sin):
             second[h, d] = x2 * cos_second[d] + x1 * sin_second[d]
 
 
-@njit(fastmath=True, nogil=True, cache=True)
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
 def _head_norm(head, weight, eps):
     """RMS norm of one head's vector (Qwen3's q/k norm), in place."""
     total = np.float32(0.0)
@@ -165,7 +165,7 @@ def _head_norm(head, weight, eps):
         head[d] = as_float32(weight[d]) * (head[d] * inv)
 
 
-@njit(fastmath=True, nogil=True, cache=True)
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
 def _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads, q_norm, k_norm, qk_norm, eps):
     """Rotates q and k in place (after Qwen3's q/k norm) and writes each row's k and v to its slot."""
     rows, dim = qkv.shape[0], cos.shape[1]
@@ -185,7 +185,7 @@ def _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_hea
                 v_cache[slot, h, d] = to_element(v_cache, value[d])
 
 
-@njit(fastmath=True, nogil=True, cache=True)
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
 def _step(input_ids, embed, cos, sin, kv, slot_mapping, slots, lengths, group, shared_slots, shared_lengths,
           logits_indices, input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
           down_w, down_b, final_norm, lm_head, lm_head_b, qkv_size, gate_up_size, heads, kv_heads, eps, scale,

@@ -1,22 +1,46 @@
-"""Where numba keeps the CPU kernels' machine code: one folder per version of the kernels' sources.
+"""Where numba keeps the CPU kernels' machine code, so that it is never stale, never another machine's,
+and never half-written.
 
-numba throws a cached function away only when its own file changes, but the compiled decode step
-(decode_step_cpu.py) has the attention kernel, the matmuls, the vector code and the bfloat16 reads of
-the other files compiled into it: after an edit of those alone it would go on loading the old machine
-code. A folder keyed by a hash of every kernel source turns any such edit into a fresh compile. Import
-this module before defining a kernel with cache=True (numba picks the folder when the decorator runs).
+- One folder per version of everything the code depends on: every kernel source (numba throws a cached
+  function away only when its own file changes, but the compiled decode step has the attention kernel,
+  the matmuls, the vector code and the bfloat16 reads of the other files compiled into it), numba's and
+  llvmlite's versions, and the CPU's name and features (two CPU models on a shared volume never share an
+  index; numba's CPU-name override counts too).
+- A folder that cannot be written is reported, and the kernels are then compiled in memory (`CACHE` is
+  False): numba would otherwise fall back to the source tree's __pycache__, keyed by one file only.
+- Saving and loading hold an exclusive lock on the folder: numba picks a data file's name from the index
+  it read, so two processes saving at once could map one signature to another's code.
+
 NUMBA_CACHE_DIR, if set, is the parent of those folders; else the user cache ($XDG_CACHE_HOME or
-~/.cache, then prefixgate/numba). Folders of older versions stay until removed (a few MB each).
+~/.cache, then prefixgate/numba). Folders of older versions stay until removed (a few MB each). Import
+this module before defining a kernel, and pass `cache=kernel_cache.CACHE` to its decorator.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import functools
 import hashlib
+import logging
 import os
+import tempfile
 from pathlib import Path
 
+import llvmlite
 import numba
+from llvmlite import binding
+from numba.core import caching
 
+log = logging.getLogger("engine")
 KERNEL_SOURCES = ("simd.py", "bfloat16_bits.py", "paged_decode_cpu.py", "packed_matmul_cpu.py", "decode_step_cpu.py")
+LOCK_FILE = ".lock"
+
+
+def host_cpu() -> str:
+    """The CPU numba compiles for: its name and features (numba's NUMBA_CPU_NAME / _FEATURES win)."""
+    name = numba.config.CPU_NAME or binding.get_host_cpu_name()
+    features = numba.config.CPU_FEATURES or binding.get_host_cpu_features().flatten()
+    return f"{name} {features}"
 
 
 def folder() -> Path:
@@ -25,7 +49,43 @@ def folder() -> Path:
     digest = hashlib.sha256()
     for name in KERNEL_SOURCES:
         digest.update((Path(__file__).parent / name).read_bytes())
+    digest.update(f"numba {numba.__version__} llvmlite {llvmlite.__version__} {host_cpu()}".encode())
     return Path(base) / digest.hexdigest()[:16]
 
 
-numba.config.CACHE_DIR = str(folder())
+def writable(path: Path) -> bool:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _folder_lock(path: str):
+    with open(os.path.join(path, LOCK_FILE), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _locked(method):
+    @functools.wraps(method)
+    def under_lock(self, *args, **kwargs):
+        os.makedirs(self._cache_path, exist_ok=True)
+        with _folder_lock(self._cache_path):
+            return method(self, *args, **kwargs)
+    return under_lock
+
+
+FOLDER = folder()
+CACHE = writable(FOLDER)
+if CACHE:
+    numba.config.CACHE_DIR = str(FOLDER)
+    # numba's index and data files of one function: read and written under one lock (numba writes them
+    # one after the other, each by rename, which is atomic per file but not for the pair)
+    caching.IndexDataCacheFile.save = _locked(caching.IndexDataCacheFile.save)
+    caching.IndexDataCacheFile.load = _locked(caching.IndexDataCacheFile.load)
+else:
+    log.warning("the CPU kernels' cache folder %s cannot be written: compiling them in memory at every start "
+                "(about 40 s); set NUMBA_CACHE_DIR to a writable folder", FOLDER)

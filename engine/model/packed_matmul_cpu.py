@@ -29,7 +29,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from engine.model import kernel_cache  # noqa: F401  (numba's cache folder, set before any @njit below)
+from engine.model import kernel_cache  # numba's cache folder, set before any @njit below
 from engine.model import simd
 from engine.model.bfloat16_bits import as_float32, numpy_view
 from engine.model.cpu_threads import launch_lock, use_threads
@@ -76,7 +76,7 @@ def linear_batched(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return (out + bias if bias is not None else out).to(x.dtype)
 
 
-@njit(fastmath=True, nogil=True, cache=True, parallel=True)
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, parallel=True)
 def matmul(x, packed, bias, out, accumulate, threads):
     """out (+)= x @ weight.T + bias (none if empty) for x [rows, K] float32 and packed = pack(weight) (float32
     or bfloat16 bits). Each of the `threads` (use_threads()) takes an equal run of tiles: one sequential

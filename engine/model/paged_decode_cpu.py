@@ -43,7 +43,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from engine.model import kernel_cache  # noqa: F401  (numba's cache folder, set before any @njit below)
+from engine.model import kernel_cache  # numba's cache folder, set before any @njit below
 from engine.model import simd
 from engine.model.bfloat16_bits import as_float32, float_from_bits, numpy_view
 from engine.model.cpu_threads import launch_lock, use_threads
@@ -102,7 +102,7 @@ def cascade_groups(shared: Sequence, rows: int) -> tuple[np.ndarray, np.ndarray,
     return group, slots, lengths
 
 
-@njit(fastmath=True, nogil=True, cache=True, inline="always")
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")
 def fast_exp(x):
     """e^x for x <= 0 to ~1e-7 relative, in plain arithmetic that vectorizes over an array (math.exp is a
     libm call per element): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial, 2^n by bits."""
@@ -116,7 +116,7 @@ def fast_exp(x):
     return p * float_from_bits(np.int32(n + np.float32(127.0)) << 23)
 
 
-@njit(fastmath=True, nogil=True, cache=True, parallel=True)
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, parallel=True)
 def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_lengths, heads, scale, threads, out):
     """q, out: [rows, heads * dim], contiguous; caches: [num_slots, KVH, dim].
     Row m attends slots[m, :lengths[m]] and, when group[m] >= 0, its group's shared_slots[g, :shared_lengths[g]]
@@ -168,7 +168,7 @@ def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_leng
                 merged[m, h, d] /= row_total
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=kernel_cache.CACHE)
 def _plan(lengths, group, shared_lengths, threads, per_kv, dim):
     """attend's tasks and their bins (a function of its own: in attend's parallel body numba would launch
     each of these small array operations as a parallel loop, measured: 60 us a call)."""
@@ -234,13 +234,13 @@ def _plan(lengths, group, shared_lengths, threads, per_kv, dim):
     return first, source, chunk_start, chunk_end, member_first, member_row, member_partial, by_bin, bin_first
 
 
-@njit(fastmath=True, nogil=True, cache=True, inline="always")
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")
 def _context(slots, shared_slots, rows, source, start, end):
     """Slots start to end - 1 of a row's own context (source < rows) or of a group's shared prefix."""
     return slots[source, start:end] if source < rows else shared_slots[source - rows, start:end]
 
 
-@njit(fastmath=True, nogil=True, cache=True, inline="always")
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")
 def _task(q, k_cache, v_cache, context, following, members, partials, dim, acc, top, total):
     """The slots `context` for the rows `members`; `following`: the slots of the thread's next task."""
     if _matmul_form(len(members), q.shape[1] // k_cache.shape[1], dim):
@@ -249,19 +249,19 @@ def _task(q, k_cache, v_cache, context, following, members, partials, dim, acc, 
         _chunk(q, members, partials, k_cache, v_cache, context, dim, acc, top, total)
 
 
-@njit(fastmath=True, nogil=True, cache=True, inline="always")
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")
 def _matmul_form(members, per_kv, dim):
     """Whether a task of `members` rows (per_kv query heads per kv head) runs as _cascade's two matmuls."""
     return _vector_head_size(dim) and members * per_kv >= CASCADE_QUERIES
 
 
-@njit(fastmath=True, nogil=True, cache=True, inline="always")
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")
 def _vector_head_size(dim):
     """Whether the vector kernels (_key_scores, _weighted_values, _pack_keys) are compiled for head size dim."""
     return dim == 64 or dim == 128
 
 
-@njit(fastmath=True, nogil=True, cache=True, inline="always")
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")
 def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
     """One chunk of slots for the rows `members` (q [rows, heads, dim], already scaled), one row after the
     other (measured: rows innermost, every key serving all rows at once, ran 1.3x slower). Fills acc[p]
@@ -314,7 +314,7 @@ def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
                             acc[p, h, d] += weight * as_float32(v_cache[slots[t], kvh, d])
 
 
-@njit(fastmath=True, nogil=True, cache=True, inline="always")
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")
 def _cascade(q, members, partials, k_cache, v_cache, slots, following, dim, acc, top, total):
     """_chunk for many queries (members x query heads per kv head) at head size 64 or 128, as matmuls by the
     matmul microkernel (packed_matmul_cpu): per kv head, the chunk's keys are packed as a matmul weight (by
@@ -386,7 +386,7 @@ def _cascade(q, members, partials, k_cache, v_cache, slots, following, dim, acc,
                     _copy(acc[partials[i], kvh * per_kv + j, c * TILE:], outputs[i * per_kv + j, c * TILE:], TILE)
 
 
-@njit(fastmath=True, nogil=True, cache=True, inline="always")
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")
 def _exponentials(scores):
     """scores[t] = e^(scores[t] - largest) in place; returns the largest score and the sum of the exponentials."""
     whole = len(scores) - len(scores) % simd.LANES
@@ -416,7 +416,7 @@ def _largest(typingctx, row, vectors):
     return types.float32(row, vectors), codegen
 
 
-@njit(fastmath=True, nogil=True, cache=True, inline="always")
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")
 def _prefetch(k_cache, v_cache, slots, ahead, share):
     """Asks for the K/V of slots[ahead:ahead + share] into every cache level; returns the next `ahead`."""
     _prefetch_rows(k_cache, slots, ahead, share)
@@ -424,7 +424,7 @@ def _prefetch(k_cache, v_cache, slots, ahead, share):
     return ahead + share
 
 
-@njit(fastmath=True, nogil=True, cache=True, inline="always")
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")
 def _prefetch_rows(cache, slots, start, count):
     """Asks for the rows of cache at slots[start:start + count] (those there are)."""
     for t in range(start, min(start + count, len(slots))):
