@@ -1,5 +1,6 @@
 """`python -m bench [--quick] [--model PATH] [--workloads a,b] [--out DIR] [--peers]`;
-`python -m bench cluster`; `python -m bench tiers`; `python -m bench pins`; `python -m bench serving`."""
+`python -m bench cluster`; `python -m bench tiers`; `python -m bench pins`; `python -m bench serving`;
+`python -m bench router-sim`."""
 from __future__ import annotations
 
 import argparse
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["pins"]:  # pinned prefixes (cache_control): survival through bursts, cost when unused
         from bench import pins
         return pins.main(argv[1:])
+    if argv[:1] == ["router-sim"]:  # the cluster router's index at 64 and 256 replicas, simulated (no Ray, no model)
+        from bench import router_sim
+        return router_sim.main(argv[1:])
     args = parse_args(argv)
     if args.structured:
         from bench import structured
