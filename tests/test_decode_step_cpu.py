@@ -1,27 +1,39 @@
-"""The compiled CPU decode step gives the eager model's logits and K/V, and the runner takes it only for
-decode-only steps of up to MAX_ROWS rows."""
+"""The compiled CPU decode step gives plain PyTorch's logits and K/V (a model without packed weights and torch's
+attention: no numba at all) and transformers' greedy tokens for a SmolLM2-shaped model; the runner takes it only
+for decode-only steps of up to MAX_ROWS rows."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+from bench.tiny_models import build_tiny_model
 from engine import LLM, SamplingParams
-from engine.model import decode_step_cpu
+from engine.model import decode_step_cpu, paged_decode_cpu
 from engine.model.bfloat16_bits import numpy_view
 from engine.model.loader import load_config, load_model
 from engine.runner import ModelRunner
 
-# three prompts sharing their first two blocks (the eager path attends them by cascade) and one that
+# three prompts sharing their first two blocks (the engine attends them by cascade) and one that
 # shares nothing; ragged lengths, so the rows' contexts end mid-block at different offsets
 PROMPTS = [list(range(3, 14)), list(range(3, 11)) + [40, 41, 42, 43, 44, 45], list(range(3, 12)), [90, 91, 92]]
 
 
-def _record_both_paths(llm: LLM) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Makes every runner step run twice from the same K/V: compiled (when it applies) and eager. Returns,
-    per compiled step, (compiled logits, eager logits, K/V after the compiled step, K/V after the eager one);
-    the engine goes on with the eager results."""
+def _plain_runner(llm: LLM, path) -> ModelRunner:
+    """A runner over the engine's own K/V pool and block tables whose model has no packed weights and whose
+    attention is torch's (compiled_kernels=False): the reference the compiled step is held to."""
     runner = llm.core.runner
+    model = load_model(path, load_config(path), torch.float32, torch.device("cpu"), pack=False)
+    kv = runner.kv_slots.view(*runner.kv_slots.shape[:2], -1, runner.block_size, *runner.kv_slots.shape[3:])
+    return ModelRunner(model, kv, llm.core.kv, torch.device("cpu"), compiled_kernels=False)
+
+
+def _record_both_paths(llm: LLM, path) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Makes every runner step that takes the compiled step run a second time from the same K/V in plain
+    PyTorch. Returns, per compiled step, (compiled logits, plain logits, K/V after the compiled step, K/V after
+    the plain one); the engine goes on with the plain results."""
+    runner, plain = llm.core.runner, _plain_runner(llm, path)
     execute, compiled = runner.execute, runner.compiled_decode
     calls = []
 
@@ -35,11 +47,9 @@ def _record_both_paths(llm: LLM) -> list[tuple[torch.Tensor, torch.Tensor, torch
             return logits, sampled
         after_compiled = runner.kv_slots.clone()
         runner.kv_slots.copy_(before)
-        runner.compiled_decode = None
-        eager, _ = execute(chunks)
-        runner.compiled_decode = compiled
-        calls.append((logits, eager, after_compiled, runner.kv_slots.clone()))
-        return eager, sampled
+        reference, _ = plain.execute(chunks)
+        calls.append((logits, reference, after_compiled, runner.kv_slots.clone()))
+        return reference, sampled
 
     runner.execute = both
     return calls
@@ -55,25 +65,17 @@ class _Spy:
 
 
 @pytest.mark.parametrize("arch_dir", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
-def test_compiled_step_equals_the_eager_model(arch_dir, request):
+def test_compiled_step_equals_plain_pytorch(arch_dir, request):
     """Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms): same logits and same K/V written, batch 1 to 4."""
-    llm = LLM(str(request.getfixturevalue(arch_dir)), block_size=4, num_kv_blocks=64)
+    path = request.getfixturevalue(arch_dir)
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64)
     assert llm.core.runner.compiled_decode is not None
-    calls = _record_both_paths(llm)
+    calls = _record_both_paths(llm, path)
     llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert {len(compiled) for compiled, *_ in calls} >= {len(PROMPTS)}  # the full batch took the compiled step
-    for compiled, eager, kv_compiled, kv_eager in calls:
-        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(kv_compiled, kv_eager, rtol=1e-5, atol=1e-5)
-
-
-def test_greedy_output_is_the_same_with_and_without_the_compiled_step(tiny_llama_dir):
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    compiled = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=64)
-    eager = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=64)
-    eager.core.runner.compiled_decode = None
-    assert ([o.token_ids for o in compiled.generate(PROMPTS, params)]
-            == [o.token_ids for o in eager.generate(PROMPTS, params)])
+    for compiled, plain, kv_compiled, kv_plain in calls:
+        torch.testing.assert_close(compiled, plain, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kv_compiled, kv_plain, rtol=1e-5, atol=1e-5)
 
 
 def test_only_decode_steps_of_up_to_max_rows_take_the_compiled_step(tiny_llama_dir, monkeypatch):
@@ -119,7 +121,7 @@ def test_supported_on_cpu_in_float32_and_bfloat16():
 @pytest.mark.parametrize("arch_dir", ["tiny_llama_dir", "tiny_qwen3_dir"])
 def test_bfloat16_step_is_float32_math_over_bfloat16_weights_and_cache(arch_dir, request):
     """In bfloat16 the step widens weights and K/V to float32 and computes in float32: its logits are those
-    of the float32 eager model over the same (bf16-valued) weights and cache, up to the rounding of the
+    of the float32 plain PyTorch model over the same (bf16-valued) weights and cache, up to the rounding of the
     step's own K/V to bfloat16."""
     path = request.getfixturevalue(arch_dir)
     llm = LLM(str(path), block_size=4, num_kv_blocks=64, dtype="bfloat16")
@@ -137,8 +139,7 @@ def test_bfloat16_step_is_float32_math_over_bfloat16_weights_and_cache(arch_dir,
         logits, sampled = execute(chunks)
         runner.compiled_decode = compiled
         if hits:
-            float32_runner = ModelRunner(reference, kv32, llm.core.kv, torch.device("cpu"))
-            float32_runner.compiled_decode = None
+            float32_runner = ModelRunner(reference, kv32, llm.core.kv, torch.device("cpu"), compiled_kernels=False)
             expected, _ = float32_runner.execute(chunks)
             torch.testing.assert_close(logits, expected, rtol=2e-2, atol=2e-2)
             compared.append(len(hits))
@@ -156,3 +157,92 @@ def test_a_strided_tensor_is_refused_rather_than_copied():
     cache = torch.zeros(2, 3, dtype=torch.bfloat16)
     numpy_view(cache)[0, 0] = 0x3F80  # the bits of 1.0
     assert cache[0, 0].item() == 1.0
+
+
+# SmolLM2-135M's attention and widths (hidden 576; 9 query heads of 64 over 3 kv heads; its norm epsilon and rotary
+# base) in 2 layers of random weights. Their scale is 0.1 rather than its 0.02: logits 5x wider apart, so the
+# argmax margins checked below stay clear of float32 noise, and attention scores over +-20
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
+                     num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                     max_position_embeddings=2048, initializer_range=0.1)
+NEW_TOKENS = 8
+MARGIN = 1e-3  # the smallest gap between transformers' best two logits that a greedy comparison relies on
+BLOCK_SIZE = 12  # shared prefixes of 25 and 22 blocks: 300 and 264 slots, no multiple of a 16- or 32-key tile
+
+
+@pytest.fixture(scope="module")
+def smollm2_case(tmp_path_factory):
+    """(model dir, prefixes to cache first, a batch of prompts, one prompt alone, transformers' greedy tokens
+    and logits of every prompt). The batch: 12 rows behind a 300-token prefix (a cascade group in the matmul
+    form, in 64-slot chunks: 4 and one of 44), 3 behind a 264-token one (the plain loops, 85-slot chunks), and
+    2 that share nothing and grow past 2 * CHUNK (to 513 slots: a last chunk of one slot); 17 rows, past one
+    row group of the matmuls."""
+    path = build_tiny_model(tmp_path_factory.mktemp("smollm2-shaped"), "llama", **SMOLLM2_SHAPE)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(3, hf.config.vocab_size, (n,), generator=gen).tolist()
+
+    prefixes = [tokens(300), tokens(264)]
+    batch = [prefixes[0] + tokens(n) for n in (1, 2, 5, 11, 12, 13, 40, 100, 180, 211, 230, 251)]
+    batch += [prefixes[1] + tokens(n) for n in (1, 30, 77)] + [tokens(505), tokens(530)]
+    alone = tokens(520)
+    expected = {}
+    for prompt in batch + [alone]:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                              do_sample=False, output_logits=True, return_dict_in_generate=True)
+        expected[tuple(prompt)] = (out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits))
+    for tokens, logits in expected.values():  # greedy from the raw logits (min_new_tokens masks EOS, never chosen)
+        assert tokens == logits.argmax(dim=-1).tolist()
+    margins = torch.cat([logits.topk(2).values.diff(dim=-1).abs() for _, logits in expected.values()])
+    assert margins.min() > MARGIN, "this seed gives a near tie between two tokens: the comparison would be luck"
+    assert 2 * paged_decode_cpu.CHUNK in range(505, 505 + NEW_TOKENS)
+    return path, prefixes, batch, alone, expected
+
+
+def _record_logits(llm: LLM) -> dict[tuple[tuple[int, ...], int], torch.Tensor]:
+    """The logits each request's tokens were sampled from, by (prompt, index of the token), and the row counts
+    and cascade groups of the compiled steps (under the key "compiled", when there is a compiled step)."""
+    runner = llm.core.runner
+    execute = runner.execute
+    recorded: dict = {}
+
+    def record(chunks):
+        logits, sampled = execute(chunks)
+        for row, chunk in zip(logits, sampled):
+            recorded[tuple(chunk.request.prompt_token_ids), len(chunk.request.output_token_ids)] = row.clone()
+        return logits, sampled
+
+    runner.execute = record
+    return recorded
+
+
+@pytest.mark.parametrize("cpu_kernels", ["compiled", "eager"])
+def test_smollm2_shaped_model_gives_transformers_greedy_tokens_and_logits(smollm2_case, cpu_kernels):
+    """Compiled decode steps of 17 rows and of one (and eager PyTorch, no numba) against transformers: the same
+    greedy tokens, and every sampled token's logits within 1e-4 (a wrong epsilon or rotary moves them more)."""
+    path, prefixes, batch, alone, expected = smollm2_case
+    llm = LLM(str(path), block_size=BLOCK_SIZE, num_kv_blocks=600, max_model_len=1024,
+              max_num_batched_tokens=4096, cpu_kernels=cpu_kernels)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    llm.generate(prefixes, SamplingParams(max_tokens=1))  # cached, so that the batch's rows share their blocks
+    recorded = _record_logits(llm)
+    steps: list[tuple[int, list[int]]] = []  # the compiled steps' rows and cascade groups' sizes
+    if cpu_kernels == "compiled":
+        step = llm.core.runner.compiled_decode
+
+        def spy(input_ids, *args):
+            steps.append((len(input_ids), sorted(len(group.rows) for group in args[-1])))
+            return step(input_ids, *args)
+
+        llm.core.runner.compiled_decode = spy
+    outputs = llm.generate(batch, greedy) + llm.generate(alone, greedy)
+    for out in outputs:
+        tokens, logits = expected[tuple(out.prompt_token_ids)]
+        assert out.token_ids == tokens
+        got = torch.stack([recorded[tuple(out.prompt_token_ids), i] for i in range(NEW_TOKENS)])
+        torch.testing.assert_close(got, logits, rtol=1e-4, atol=1e-4)
+    if cpu_kernels == "compiled":
+        assert (len(batch), [3, 12]) in steps and (1, []) in steps

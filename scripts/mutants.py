@@ -1,0 +1,146 @@
+"""Mutation testing of the CPU kernels: each mutant is a one-place edit of a kernel source, a bug the kernel
+tests must catch. Per mutant the edit is applied, the tests run in a subprocess (`pytest -x -q`) with numba's
+cache in a fresh temporary folder (the kernels compile from the mutated source, and the user's cache never holds
+a mutant), and the file is put back whatever happens, Ctrl-C included. Prints each mutant: caught (by which
+test) or survived.
+
+    python scripts/mutants.py [NAME ...]    # all mutants, or those named
+
+Not run by CI: every mutant compiles the kernels afresh (a minute or two of CPU each).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+KERNELS = REPO / "engine" / "model"
+ATTENTION_TESTS = ("tests/test_attention.py", "tests/test_decode_step_cpu.py")
+STEP_TESTS = ("tests/test_decode_step_cpu.py",)
+TIMEOUT_S = 1800
+
+
+@dataclass(frozen=True, slots=True)
+class Mutant:
+    name: str
+    file: str  # under engine/model/
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTANTS = [
+    # the merge of a row's partial softmaxes takes its maximum over all but the last partial
+    Mutant("merge-maximum-skips-last-partial", "paged_decode_cpu.py",
+           "for partial in range(first[m] + 1, first[m + 1]):",
+           "for partial in range(first[m] + 1, first[m + 1] - 1):", ATTENTION_TESTS),
+    # a chunk's softmax maximum skips the first key of the tail past its last 16
+    Mutant("softmax-maximum-skips-one-key", "paged_decode_cpu.py",
+           "for t in range(whole, len(scores)):", "for t in range(whole + 1, len(scores)):", ATTENTION_TESTS),
+    # the matmul form packs the last key of a partial 32-key tile as zeros
+    Mutant("partial-tile-off-by-one", "paged_decode_cpu.py",
+           "if t < count\n", "if t < count - 1\n", ATTENTION_TESTS),
+    # a row's last chunk ends one slot early: the newest token, at the end of its partial last block, is not read
+    Mutant("partial-last-block-off-by-one", "paged_decode_cpu.py",
+           "chunk_end[task] = min((c + 1) * CHUNK, lengths[m])",
+           "chunk_end[task] = min((c + 1) * CHUNK, lengths[m] - 1)", ATTENTION_TESTS),
+    # a row's last chunk is dropped when it holds a single slot
+    Mutant("one-slot-last-chunk-dropped", "paged_decode_cpu.py",
+           "own = (lengths + CHUNK - 1) // CHUNK", "own = (lengths + CHUNK - 2) // CHUNK", ATTENTION_TESTS),
+    # a cascade group's shared prefix ends one slot early
+    Mutant("cascade-boundary-off-by-one", "paged_decode_cpu.py",
+           "chunk_end[task] = min((c + 1) * shared_chunk[g], shared_lengths[g])",
+           "chunk_end[task] = min((c + 1) * shared_chunk[g], shared_lengths[g] - 1)", ATTENTION_TESTS),
+    # RMSNorm's epsilon added to the root instead of the mean square
+    Mutant("rms-norm-epsilon-outside-root", "decode_step_cpu.py",
+           "np.float32(math.sqrt(total / x.shape[1] + eps))",
+           "(np.float32(math.sqrt(total / x.shape[1])) + eps)", STEP_TESTS),
+    # rotary embedding with the halves swapped (a rotation the other way)
+    Mutant("rotary-halves-swapped", "decode_step_cpu.py",
+           "first, second = heads[:, :half], heads[:, half:]",
+           "first, second = heads[:, half:], heads[:, :half]", STEP_TESTS),
+    # the matmuls' row groups one row short: every 8th row of a step's batch is never computed
+    Mutant("matmul-row-group-one-short", "packed_matmul_cpu.py",
+           "group = x[first:first + ROW_GROUP]", "group = x[first:first + ROW_GROUP - 1]", STEP_TESTS),
+]
+
+
+def kernel_files_are_clean(files: set[str]) -> bool:
+    paths = [str(KERNELS / f) for f in files]
+    status = subprocess.run(["git", "status", "--porcelain", "--", *paths], cwd=REPO, capture_output=True,
+                            text=True, check=True)
+    return not status.stdout.strip()
+
+
+def run_tests(tests: tuple[str, ...], cache_dir: str | None) -> tuple[int, str]:
+    """(pytest's exit code, the first failed or erroring test, or the last line of its output)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    if cache_dir is not None:
+        env["NUMBA_CACHE_DIR"] = cache_dir
+    try:
+        run = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return 1, f"timed out after {TIMEOUT_S} s"
+    output = run.stdout + run.stderr
+    failed = re.search(r"^(?:FAILED|ERROR) (\S+)", output, re.MULTILINE)
+    lines = output.strip().splitlines()
+    return run.returncode, failed.group(1) if failed else (lines[-1] if lines else "")
+
+
+def try_mutant(mutant: Mutant) -> tuple[bool, str, float]:
+    """(caught, by what, seconds): the tests run over the mutated source, which is then put back."""
+    path = KERNELS / mutant.file
+    original = path.read_text()
+    started = time.perf_counter()
+    try:
+        path.write_text(original.replace(mutant.old, mutant.new))
+        with tempfile.TemporaryDirectory(prefix="mutant-numba-") as cache_dir:
+            code, by = run_tests(mutant.tests, cache_dir)
+    finally:
+        path.write_text(original)
+    return code != 0, by, time.perf_counter() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    args = parser.parse_args()
+    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    if unknown := set(args.names) - {m.name for m in MUTANTS}:
+        parser.error(f"unknown mutants {sorted(unknown)}; known: {[m.name for m in MUTANTS]}")
+    files = {m.file for m in chosen}
+    if not kernel_files_are_clean(files):
+        print(f"refusing to start: {sorted(files)} have uncommitted changes, which a mutant run would overwrite",
+              file=sys.stderr)
+        return 2
+    for mutant in chosen:  # every edit is checked before any file is touched
+        count = (KERNELS / mutant.file).read_text().count(mutant.old)
+        assert count == 1, f"{mutant.name}: {mutant.old!r} occurs {count} times in {mutant.file}, not once"
+    tests = sorted({t for m in chosen for t in m.tests})
+    print(f"baseline: {' '.join(tests)} without mutants ...", flush=True)
+    code, by = run_tests(tuple(tests), None)  # the user's cache: the unmutated sources' own folder
+    if code != 0:
+        print(f"the tests fail without any mutant ({by}): fix that first", file=sys.stderr)
+        return 1
+    results = []
+    for mutant in chosen:
+        print(f"{mutant.name} ...", flush=True)
+        results.append((mutant, *try_mutant(mutant)))
+    width = max(len(m.name) for m in chosen)
+    print(f"\n{'mutant':{width}}  {'file':20}  result    seconds  by")
+    for mutant, caught, by, seconds in results:
+        print(f"{mutant.name:{width}}  {mutant.file:20}  {'caught' if caught else 'SURVIVED':8}  {seconds:7.0f}  "
+              f"{by if caught else ''}")
+    return 0 if all(caught for _, caught, _, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
