@@ -1,18 +1,33 @@
-"""`python -m bench cluster`: 4 engine replicas on a local Ray Serve under three routers, one run.
+"""`python -m bench cluster`: engine replicas on a local Ray Serve under four routers, side by side.
 
-Trace: several tenants, each with its own system prompt, and multi-turn chats on top (each turn's
-prompt is the previous prompt + the answer + a new user message), more distinct prefix blocks
-than one replica's pool holds. The same trace runs under round robin, Ray's default (power of two
-choices) and the prefix-affinity router, and on one replica with 4x the pool as the reference.
-Reports hit rate, computed prefill tokens against the oracle, TTFT p50/p99 and load spread.
+    python -m bench cluster --model small --replicas 4 --repeats 2      # random-weight Llama (8 layers)
+    python -m bench cluster --model default --replicas 2 --repeats 2    # SmolLM2-135M-Instruct
+
+Trace (seeded): system prompts with Zipf popularity, the exponent solved so that the hottest one carries
+`--hot-load` x one replica's share (1/N) of the chats; every `--public-every`-th prompt by rank, the
+hottest included, is public: several tenants use it under one shared salt, the others are private to
+one tenant (its own salt). Multi-turn chats on top (8 turns; each turn's prompt is the previous prompt +
+the answer + a new user message), so most of a prompt is its chat's history: what a router that sends a
+chat's turns to different replicas computes again, and what every replica must hold for every chat in
+flight (more than its pool) when turns are spread; more distinct system-prompt blocks than one pool holds.
+
+Runs: round robin, Ray's default (power of two choices), Ray's PrefixCacheAffinityRouter and ours, and
+the reference, one replica with the whole pool (N x blocks, N x max_num_seqs), whose hit rate is the
+ceiling. Every run starts on fresh replicas; `--repeats R` runs each of them R times, in an order
+rotated each round. Reports, as the mean over repeats and each repeat's value: hit rate, computed
+prefill tokens against the oracle, TTFT p50/p99, and the load spread (max/mean over all N replicas, idle
+ones included) of requests and of KV use (prompt tokens each replica computed into its KV cache).
+Writes the JSON (every run's numbers) and a PNG beside it.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,64 +36,142 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.oracle import oracle_prefill_tokens
+from cluster.prefix_index import DEFAULT_MEAN_LOAD_FACTOR
 
-ROUTERS = {"round_robin": "cluster.router:RoundRobinRouter", "pow2": "cluster.router:PowerOfTwoRouter",
-           "prefix": "cluster.router:PrefixAffinityRouter"}
+REFERENCE = "one_replica"  # one replica with the whole pool: the hit-rate ceiling
+ROUTER_RUNS = ("round_robin", "pow2", "ray_prefix", "prefix")  # keys of cluster/__main__.py's ROUTERS
+OURS = "prefix"
+PUBLIC_SALT = "public"  # the salt tenants share for public prompts (the gateway's share_public_salt)
+MAX_LOAD_SPREAD = 1.25  # target: max/mean of requests and of KV use over the replicas
+SPECIAL_IDS = 20  # trace tokens start above the tokenizers' special ids
 
 RANDOM_MODELS = {"tiny": {}, "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
                                            num_attention_heads=8, num_key_value_heads=4, head_dim=32)}
 
 
+# ---- the trace
+
 @dataclass(slots=True)
 class Chat:
     tenant: int
+    prefix: int  # the system prompt's popularity rank (0: the hottest)
+    salt: str
     system: list[int]
     user_turns: list[list[int]]
 
+
+def zipf_exponent(num_prefixes: int, hot_share: float) -> float:
+    """The exponent s for which rank 1 of weights k^-s (k = 1..num_prefixes) carries `hot_share`."""
+    if not 1 / num_prefixes < hot_share < 1:
+        raise ValueError(f"a hot share of {hot_share:.3f} is impossible over {num_prefixes} prefixes")
+    low, high = 0.0, 16.0
+    for _ in range(60):  # the top share grows with s: bisect
+        s = (low + high) / 2
+        if 1 / sum(k ** -s for k in range(1, num_prefixes + 1)) < hot_share:
+            low = s
+        else:
+            high = s
+    return (low + high) / 2
+
+
+def zipf_counts(num_items: int, num_prefixes: int, s: float) -> list[int]:
+    """Items per prefix rank in Zipf proportions, rounded by largest remainder (they sum to num_items), so
+    the trace's hot share is the asked one whatever the seed."""
+    weights = [k ** -s for k in range(1, num_prefixes + 1)]
+    exact = [num_items * w / sum(weights) for w in weights]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(num_prefixes), key=lambda k: (counts[k] - exact[k], k))
+    for k in by_remainder[:num_items - sum(counts)]:
+        counts[k] += 1
+    return counts
+
+
+def is_public(rank: int, public_every: int) -> bool:
+    return public_every > 0 and rank % public_every == 0
+
+
+def build_trace(*, chats: int, prefixes: int, tenants: int, public_every: int, hot_share: float, turns: int,
+                system_tokens: int, user_tokens: int, vocab_size: int, seed: int = 0) -> list[Chat]:
+    """Chats in arrival order. A public prompt's chats come from tenants drawn at random (one salt for
+    all); a private prompt belongs to tenant rank % tenants."""
+    rng = random.Random(seed)
+    words = lambda n: [rng.randrange(SPECIAL_IDS, vocab_size) for _ in range(n)]  # noqa: E731
+    systems = [words(system_tokens) for _ in range(prefixes)]
+    counts = zipf_counts(chats, prefixes, zipf_exponent(prefixes, hot_share))
+    trace = []
+    for rank, count in enumerate(counts):
+        for _ in range(count):
+            public = is_public(rank, public_every)
+            tenant = rng.randrange(tenants) if public else rank % tenants
+            trace.append(Chat(tenant, rank, PUBLIC_SALT if public else f"tenant-{tenant}", systems[rank],
+                              [words(user_tokens) for _ in range(turns)]))
+    rng.shuffle(trace)
+    return trace
+
+
+def describe_trace(trace: list[Chat], block_size: int) -> dict:
+    """What the trace is made of: popularity, sharing, and how many system-prompt blocks it holds."""
+    per_prefix = Counter(c.prefix for c in trace)
+    public = sorted({c.prefix for c in trace if c.salt == PUBLIC_SALT})
+    system_blocks = sum(len(c.system) // block_size for c in {c.prefix: c for c in trace}.values())
+    return {"chats": len(trace), "requests": sum(len(c.user_turns) for c in trace),
+            "prefixes": len(per_prefix), "tenants": len({c.tenant for c in trace}),
+            "chats_per_prefix": [per_prefix[k] for k in sorted(per_prefix)],
+            "hot_share": max(per_prefix.values()) / len(trace),
+            "public_prefixes": public,
+            "tenants_per_public_prefix": [len({c.tenant for c in trace if c.prefix == k}) for k in public],
+            "system_prompt_blocks": system_blocks}
+
+
+# ---- one run
 
 @dataclass(slots=True)
 class RunResult:
     name: str
     replicas: int = 1  # as deployed: one that served nothing still counts in the load spread
+    repeat: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     ttfts: list[float] = field(default_factory=list)
-    per_replica: Counter = field(default_factory=Counter)
+    per_replica: Counter = field(default_factory=Counter)  # replica -> requests it served
+    kv_per_replica: dict = field(default_factory=dict)  # replica -> prompt tokens it computed into its KV cache
     prompts: list[list[int]] = field(default_factory=list)
     decisions: dict = field(default_factory=dict)
+    deploy_s: float = 0.0
     wall_s: float = 0.0
+    other_cores: float = 0.0  # CPU cores busy outside the bench during the trace (a shared machine)
 
     def summary(self, block_size: int) -> dict:
-        loads = sorted(self.per_replica.values(), reverse=True)
-        loads += [0] * (self.replicas - len(loads))  # idle replicas: 96 requests on 1 of 4 is 4.0, not 1.0
-        mean = sum(loads) / len(loads)
+        requests, request_spread = load_spread(self.per_replica, self.replicas)
+        kv, kv_spread = load_spread(self.kv_per_replica, self.replicas)
         ttfts = sorted(self.ttfts)
-        return {"router": self.name, "hit_rate": self.cached_tokens / self.prompt_tokens,
+        return {"router": self.name, "repeat": self.repeat, "replicas": self.replicas,
+                "hit_rate": self.cached_tokens / self.prompt_tokens,
                 "computed_prefill_tokens": self.prompt_tokens - self.cached_tokens,
                 "oracle_prefill_tokens": oracle_prefill_tokens(self.prompts, block_size),
                 "ttft_p50_ms": 1000 * statistics.median(ttfts),
                 "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-                "requests_per_replica": loads, "max_over_mean_load": max(loads) / mean,
-                "decisions": self.decisions, "wall_s": self.wall_s}
+                "requests_per_replica": requests, "request_spread": request_spread,
+                "kv_tokens_per_replica": kv, "kv_spread": kv_spread,
+                "decisions": self.decisions, "deploy_s": self.deploy_s, "wall_s": self.wall_s,
+                "other_cores": self.other_cores}
 
 
-def build_trace(tenants: int, chats_per_tenant: int, turns: int, system_tokens: int, user_tokens: int,
-                vocab: int, seed: int = 0) -> list[Chat]:
-    rng = random.Random(seed)
-    words = lambda n: [rng.randrange(20, vocab) for _ in range(n)]  # noqa: E731
-    systems = [words(system_tokens) for _ in range(tenants)]
-    chats = [Chat(t, systems[t], [words(user_tokens) for _ in range(turns)])
-             for t in range(tenants) for _ in range(chats_per_tenant)]
-    rng.shuffle(chats)
-    return chats
+def load_spread(per_replica: dict, replicas: int) -> tuple[list[int], float]:
+    """Each replica's load, highest first, and max/mean over all `replicas` of them: one that did nothing
+    counts as 0 (96 requests on 1 of 4 replicas is 4.0, not 1.0)."""
+    loads = sorted(per_replica.values(), reverse=True)
+    loads += [0] * (replicas - len(loads))
+    mean = sum(loads) / len(loads)
+    return loads, max(loads) / mean if mean else 1.0
 
 
-async def run_trace(client, chats: list[Chat], concurrency: int, max_tokens: int, name: str) -> RunResult:
+async def run_trace(client, trace: list[Chat], concurrency: int, max_tokens: int, result: RunResult) -> None:
+    """Closed loop: `concurrency` users each take the next chat and send its turns one after another."""
     from engine.sampling_params import SamplingParams
 
-    result = RunResult(name, client.num_replicas)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    queue = list(enumerate(chats))
+    queue = list(enumerate(trace))
 
     async def user() -> None:
         while queue:
@@ -86,9 +179,9 @@ async def run_trace(client, chats: list[Chat], concurrency: int, max_tokens: int
             history = list(chat.system)
             for turn, message in enumerate(chat.user_turns):
                 prompt = history + message
-                request_id = f"{name}-{index}-{turn}"
+                request_id = f"{result.name}-{result.repeat}-{index}-{turn}"
                 start, first, answer = time.perf_counter(), None, []
-                async for out in client.generate(request_id, prompt, params, cache_salt=f"tenant-{chat.tenant}"):
+                async for out in client.generate(request_id, prompt, params, cache_salt=chat.salt):
                     if first is None:
                         first = time.perf_counter() - start
                         result.per_replica[client.served_by(request_id)] += 1
@@ -102,55 +195,235 @@ async def run_trace(client, chats: list[Chat], concurrency: int, max_tokens: int
                 result.prompts.append(prompt)
                 history = prompt + answer
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     await asyncio.gather(*(user() for _ in range(concurrency)))
     result.wall_s = time.perf_counter() - start
-    result.decisions = client.routing_decisions() if name == "prefix" else {}
-    return result
+    result.other_cores = cores_used_elsewhere(cpu, cpu_seconds(), result.wall_s)
+    # every request's last output carried its replica's snapshot, taken after the request was admitted
+    result.kv_per_replica = {r: s.prefix_cache.queries - s.prefix_cache.hits
+                             for r, s in client.replica_snapshots().items()}
+    if result.name == OURS:
+        result.decisions = client.routing_decisions()
 
 
-def run_one(config, chats, name: str, router: str, replicas: int, args) -> RunResult:
+def cpu_seconds() -> tuple[float, dict[int, float]]:
+    """CPU seconds the machine has spent, and each process of this tree (Ray, the replicas) has."""
+    import psutil
+
+    machine = psutil.cpu_times()
+    tree = {}
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+            tree[process.pid] = times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return machine.user + machine.nice + machine.system, tree
+
+
+def cores_used_elsewhere(before: tuple[float, dict[int, float]], after: tuple[float, dict[int, float]],
+                         wall_s: float) -> float:
+    """Cores busy outside this process tree between two `cpu_seconds()`: other work on a shared machine."""
+    ours = sum(cpu - before[1].get(pid, 0.0) for pid, cpu in after[1].items())
+    return max(0.0, (after[0] - before[0] - ours) / wall_s)
+
+
+def run_one(config, trace: list[Chat], name: str, repeat: int, args) -> RunResult:
+    """One run on fresh replicas (empty caches), deployed for it and deleted after."""
     from ray import serve
 
+    from cluster import kv_event_log
+    from cluster.__main__ import ROUTERS
     from cluster.client import ClusterEngine
     from cluster.replica import deployment
 
-    app = f"bench-{name}"
-    handle = serve.run(deployment(config, replicas, router, index=app, max_load_spread=args.max_load_spread,
-                                  max_ongoing_requests=64), name=app, route_prefix=None)
+    replicas = 1 if name == REFERENCE else args.replicas
+    if name == REFERENCE:
+        config = config.replace(num_kv_blocks=config.num_kv_blocks * args.replicas,
+                                max_num_seqs=config.max_num_seqs * args.replicas)
+    app = f"bench-{name}-{repeat}"  # its own router index, KV event log and Ray's prefix tree per run
+    router = ROUTERS["round_robin" if name == REFERENCE else name]
+    result = RunResult(name, replicas, repeat)
+    start = time.perf_counter()
+    handle = serve.run(deployment(config, replicas, router, index=app, mean_load_factor=args.mean_load_factor,
+                                  max_ongoing_requests=max(config.max_num_seqs * 4, 8)),
+                       name=app, route_prefix=None)
     try:
-        async def go() -> RunResult:
+        async def go() -> None:
             client = await ClusterEngine.connect(handle, config, index=app, num_replicas=replicas)
             client.start()
-            return await run_trace(client, chats, args.concurrency, args.max_tokens, name)
-        return asyncio.run(go())
+            result.deploy_s = time.perf_counter() - start
+            try:
+                await run_trace(client, trace, args.concurrency, args.max_tokens, result)
+            finally:
+                await client.shutdown()
+        asyncio.run(go())
     finally:
         serve.delete(app)
+        kv_event_log.remove(app)
+    return result
+
+
+def run_order(names: tuple[str, ...], round_index: int) -> list[str]:
+    """Round r runs the list rotated by r, so that no run always goes first (on a cold machine) or last."""
+    shift = round_index % len(names)
+    return list(names[shift:] + names[:shift])
+
+
+# ---- summaries and targets
+
+METRICS = ("hit_rate", "computed_prefill_tokens", "oracle_prefill_tokens", "ttft_p50_ms", "ttft_p99_ms",
+           "request_spread", "kv_spread", "wall_s")
+
+
+def aggregate(summaries: list[dict]) -> dict[str, dict[str, dict]]:
+    """Per run name and metric: the mean over repeats and each repeat's value (in repeat order)."""
+    out: dict[str, dict[str, dict]] = {}
+    for name in dict.fromkeys(s["router"] for s in summaries):
+        runs = sorted((s for s in summaries if s["router"] == name), key=lambda s: s["repeat"])
+        out[name] = {m: {"mean": statistics.fmean(s[m] for s in runs), "repeats": [s[m] for s in runs]}
+                     for m in METRICS}
+    return out
+
+
+def targets(means: dict[str, dict[str, dict]]) -> list[dict]:
+    """Issue 29's targets for our router, from the means over repeats."""
+    ours = {m: v["mean"] for m, v in means[OURS].items()}
+    mean = lambda name, metric: means[name][metric]["mean"]  # noqa: E731
+    ref, rr, ray = mean(REFERENCE, "hit_rate"), mean("round_robin", "hit_rate"), mean("ray_prefix", "hit_rate")
+    p2 = mean("pow2", "ttft_p50_ms")
+    rows = [("hit rate within 5% of one replica with the whole pool", ours["hit_rate"], ref,
+             ours["hit_rate"] >= 0.95 * ref),
+            ("hit rate at least 2x round robin's", ours["hit_rate"], rr, ours["hit_rate"] >= 2 * rr),
+            ("hit rate at least Ray's prefix router's", ours["hit_rate"], ray, ours["hit_rate"] >= ray),
+            (f"requests max/mean over all replicas <= {MAX_LOAD_SPREAD}", ours["request_spread"], MAX_LOAD_SPREAD,
+             ours["request_spread"] <= MAX_LOAD_SPREAD),
+            (f"KV use max/mean over all replicas <= {MAX_LOAD_SPREAD}", ours["kv_spread"], MAX_LOAD_SPREAD,
+             ours["kv_spread"] <= MAX_LOAD_SPREAD),
+            ("TTFT p50 below power of two's (ms)", ours["ttft_p50_ms"], p2, ours["ttft_p50_ms"] < p2)]
+    return [{"target": t, "ours": o, "against": a, "met": met} for t, o, a, met in rows]
+
+
+# ---- output
+
+def render(report: dict) -> str:
+    t = report["trace"]
+    lines = [f"trace: {t['chats']} chats ({t['requests']} requests) over {t['prefixes']} system prompts, Zipf "
+             f"s={report['zipf_s']:.2f}, hottest {t['hot_share']:.1%} of chats (one replica's share "
+             f"{1 / report['args']['replicas']:.1%}); public prompts {t['public_prefixes']} used by "
+             f"{t['tenants_per_public_prefix']} tenants; {t['system_prompt_blocks']} system-prompt blocks, "
+             f"{report['args']['blocks_per_replica']} per replica pool",
+             "mean over repeats [each repeat]; KV use = prompt tokens each replica computed into its KV cache",
+             f"{'run':<12}{'hit rate':>22}{'computed':>9}{'oracle':>8}{'TTFT p50 ms':>22}{'p99 ms':>8}"
+             f"{'requests max/mean':>24}{'KV max/mean':>22}"]
+    for name, m in report["routers"].items():
+        lines.append(f"{name:<12}{_cell(m['hit_rate'], '.3f'):>22}{m['computed_prefill_tokens']['mean']:>9.0f}"
+                     f"{m['oracle_prefill_tokens']['mean']:>8.0f}{_cell(m['ttft_p50_ms'], '.0f'):>22}"
+                     f"{m['ttft_p99_ms']['mean']:>8.0f}{_cell(m['request_spread'], '.2f'):>24}"
+                     f"{_cell(m['kv_spread'], '.2f'):>22}")
+    for s in report["runs"]:
+        lines.append(f"  round {s['repeat']} #{s['order']} {s['router']:<12} requests {s['requests_per_replica']}"
+                     f" KV tokens {s['kv_tokens_per_replica']} deploy {s['deploy_s']:.0f} s trace {s['wall_s']:.0f} s"
+                     f" (other work: {s['other_cores']:.2f} cores)"
+                     + (f" {s['decisions']}" if s["decisions"] else ""))
+    lines += [f"[{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['ours']:.3f} vs {t['against']:.3f}"
+              for t in report["targets"]]
+    return "\n".join(lines)
+
+
+def _cell(metric: dict, fmt: str) -> str:
+    return f"{metric['mean']:{fmt}} [{', '.join(f'{v:{fmt}}' for v in metric['repeats'])}]"
+
+
+def plot(report: dict, path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["routers"])
+    panels = [("hit_rate", "hit rate (prompt tokens)"), ("ttft_p50_ms", "TTFT p50 (ms)"),
+              ("request_spread", "requests: max/mean over replicas"), ("kv_spread", "KV use: max/mean over replicas")]
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.8))
+    for ax, (metric, title) in zip(axes, panels):
+        means = [report["routers"][n][metric]["mean"] for n in names]
+        ax.bar(names, means, color=["#888888" if n == REFERENCE else "#d08040" if n == OURS else "#4878a8"
+                                    for n in names])
+        for i, n in enumerate(names):  # each repeat as a dot over its mean
+            values = report["routers"][n][metric]["repeats"]
+            ax.plot([i] * len(values), values, "k.", markersize=5)
+        if metric.endswith("spread"):
+            ax.axhline(MAX_LOAD_SPREAD, color="red", linestyle="--", linewidth=1)
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    fig.suptitle(f"bench cluster: {report['model']}, {report['args']['replicas']} replicas, "
+                 f"{report['args']['repeats']} repeats (bars: mean, dots: repeats)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---- main
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench cluster", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="small",
+                        help="'tiny' or 'small' (random-weight Llamas built here; small: prefill costs enough for "
+                             "TTFT to show cache hits), 'default' (SmolLM2-135M-Instruct), or a path")
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each router, in a rotated order each round")
+    parser.add_argument("--blocks-per-replica", type=int, default=96,
+                        help="KV pool of each replica (blocks): the chats in flight fit in N pools when each replica keeps its "
+                             "own, not when every replica holds every chat")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="per replica (the reference gets N x this)")
+    parser.add_argument("--chats", type=int, default=None,
+                        help="default: 96, or 48 with the default model (its prefill costs ~20x the small one's)")
+    parser.add_argument("--prefixes", type=int, default=24, help="distinct system prompts")
+    parser.add_argument("--tenants", type=int, default=8)
+    parser.add_argument("--public-every", type=int, default=4,
+                        help="system prompts of rank 0, k, 2k... are public (shared by tenants; 0: none)")
+    parser.add_argument("--hot-load", type=float, default=1.25,
+                        help="the hottest system prompt's chats, in replicas' shares (1/N of all chats)")
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--system-tokens", type=int, default=64)
+    parser.add_argument("--user-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=16, help="the answer of each turn")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="chats in flight (default: 2N + 1; with a multiple of N, a closed loop of equal requests "
+                             "sends each chat's turns to one replica under round robin by accident)")
+    parser.add_argument("--mean-load-factor", type=float, default=DEFAULT_MEAN_LOAD_FACTOR,
+                        help="our router's load bound: at most this x the mean load per replica")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="the JSON (default: docs/results/cluster-MODEL-DATE.json); "
+                                                    "the PNG goes beside it")
+    args = parser.parse_args(argv)
+    args.concurrency = args.concurrency or 2 * args.replicas + 1
+    args.chats = args.chats or (96 if args.model in RANDOM_MODELS else 48)
+    if args.out is None:
+        root = Path(__file__).resolve().parent.parent
+        args.out = str(root / "docs" / "results" / f"cluster-{Path(args.model).name}-{datetime.date.today()}.json")
+    return args
+
+
+def code_version() -> dict:
+    """The commit measured, and the files that differed from it (others edit the tree while benches run)."""
+    root = Path(__file__).resolve().parent.parent
+    git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout  # noqa: E731
+    return {"commit": git("rev-parse", "HEAD").strip(),
+            "modified": [line[3:] for line in git("status", "--short", "--untracked-files=no").splitlines()]}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench cluster", description=__doc__)
-    parser.add_argument("--model", default="small",
-                        help="'tiny' or 'small' (random-weight Llamas built here; small: prefill costs enough for "
-                             "TTFT to show cache hits), 'default' (SmolLM2-135M), or a path")
-    parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--blocks-per-replica", type=int, default=64, help="KV pool of each replica (blocks)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--tenants", type=int, default=16)
-    parser.add_argument("--chats-per-tenant", type=int, default=2)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--system-tokens", type=int, default=128)
-    parser.add_argument("--user-tokens", type=int, default=24)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=8, help="chats in flight at once")
-    parser.add_argument("--max-load-spread", type=int, default=4)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cluster.json"))
-    args = parser.parse_args(argv)
-
+    args = parse_args(argv)
+    started = time.perf_counter()
     import ray
     from ray import serve
 
     from engine.config import EngineConfig
+    from engine.model.compile import compile_kernels
+    from engine.model.loader import resolve_model_path
 
     model = args.model
     if model in RANDOM_MODELS:
@@ -158,50 +431,39 @@ def main(argv: list[str] | None = None) -> int:
         model = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="bench-cluster-")) / model,
                                      **RANDOM_MODELS[model]))
     config = EngineConfig(model=model, block_size=args.block_size, num_kv_blocks=args.blocks_per_replica,
-                          max_num_seqs=8, threads=1, threads_batch=1, max_model_len=2048)
-    vocab = 400 if args.model in RANDOM_MODELS else 40000
-    chats = build_trace(args.tenants, args.chats_per_tenant, args.turns, args.system_tokens, args.user_tokens, vocab)
+                          max_num_seqs=args.max_num_seqs, threads=1, threads_batch=1, max_model_len=2048)
+    model_config = json.loads((resolve_model_path(config.model, config.model_cache_dir) / "config.json").read_text())
+    compile_kernels(config.model)  # into numba's cache on disk, so that no run's replicas wait for the compiler
+    hot_share = args.hot_load / args.replicas
+    trace = build_trace(chats=args.chats, prefixes=args.prefixes, tenants=args.tenants,
+                        public_every=args.public_every, hot_share=hot_share, turns=args.turns,
+                        system_tokens=args.system_tokens, user_tokens=args.user_tokens,
+                        vocab_size=model_config["vocab_size"], seed=args.seed)
+    names = (REFERENCE, *ROUTER_RUNS)
+    summaries = []
     ray.init(include_dashboard=False, namespace="prefixgate-bench", log_to_driver=False)
     serve.start(proxy_location="Disabled")
-    results = []
     try:
-        reference = config.replace(num_kv_blocks=args.blocks_per_replica * args.replicas)
-        results.append(run_one(reference, chats, "one_replica_4x_pool", ROUTERS["prefix"], 1, args))
-        for name, router in ROUTERS.items():
-            results.append(run_one(config, chats, name, router, args.replicas, args))
+        for repeat in range(args.repeats):
+            for order, name in enumerate(run_order(names, repeat)):
+                print(f"round {repeat}: {name}", file=sys.stderr, flush=True)
+                summary = run_one(config, trace, name, repeat, args).summary(args.block_size)
+                summaries.append(summary | {"order": order})
     finally:
         serve.shutdown()
         ray.shutdown()
-    summaries = [r.summary(args.block_size) for r in results]
-    report = {"model": args.model, "args": vars(args), "runs": summaries, "targets": targets(summaries)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    routers = aggregate(summaries)
+    report = {"model": args.model, "vocab_size": model_config["vocab_size"], "args": vars(args), "code": code_version(),
+              "zipf_s": zipf_exponent(args.prefixes, hot_share), "trace": describe_trace(trace, args.block_size),
+              "kv_use": "prompt tokens each replica computed into its KV cache (prefix cache queried - hit tokens)",
+              "routers": {n: routers[n] for n in names}, "runs": summaries, "targets": targets(routers),
+              "wall_s": time.perf_counter() - started}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
     print(render(report))
+    print(f"results: {out}; plot: {plot(report, out.with_suffix('.png'))}; wall time {report['wall_s']:.0f} s")
     return 0
-
-
-def targets(summaries: list[dict]) -> dict:
-    by = {s["router"]: s for s in summaries}
-    ours, ref, rr, p2 = by["prefix"], by["one_replica_4x_pool"], by["round_robin"], by["pow2"]
-    return {
-        "hit rate within 5% of one replica with 4x the pool": ours["hit_rate"] >= 0.95 * ref["hit_rate"],
-        "hit rate at least 2x round robin's": ours["hit_rate"] >= 2 * rr["hit_rate"],
-        "TTFT p50 below power of two's": ours["ttft_p50_ms"] < p2["ttft_p50_ms"],
-        "no replica above 1.5x the mean load": ours["max_over_mean_load"] <= 1.5,
-    }
-
-
-def render(report: dict) -> str:
-    lines = [f"{'router':<22}{'hit rate':>9}{'computed':>10}{'oracle':>8}{'TTFT p50':>10}{'p99':>9}"
-             f"{'max/mean':>9}  requests per replica"]
-    for s in report["runs"]:
-        lines.append(f"{s['router']:<22}{s['hit_rate']:>9.3f}{s['computed_prefill_tokens']:>10}"
-                     f"{s['oracle_prefill_tokens']:>8}{s['ttft_p50_ms']:>8.1f}ms{s['ttft_p99_ms']:>7.1f}ms"
-                     f"{s['max_over_mean_load']:>9.2f}  {s['requests_per_replica']}")
-    prefix = next(s for s in report["runs"] if s["router"] == "prefix")
-    lines.append(f"prefix router decisions: {prefix['decisions']}")
-    lines += [f"[{'met' if ok else 'MISSED'}] {name}" for name, ok in report["targets"].items()]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cluster.prefix_index import DEFAULT_MAX_LOAD_SPREAD, PrefixIndex
+from cluster.prefix_index import DEFAULT_MEAN_LOAD_FACTOR, PrefixIndex
 from engine.config import HashAlgo
 from engine.kv.hashing import hash_full_blocks
 
@@ -418,7 +418,7 @@ class RunConfig:
     gateways: int = 1
     lag_s: float = 0.05  # the replicas' push interval (0: every event reaches the log at once)
     seed: int = 0
-    max_load_spread: int = DEFAULT_MAX_LOAD_SPREAD
+    mean_load_factor: float = DEFAULT_MEAN_LOAD_FACTOR
 
     @property
     def name(self) -> str:
@@ -488,7 +488,7 @@ class Simulation:
         gateway.follow(self.log)
         block_hashes = request.block_hashes
         start, cpu_start = time.perf_counter_ns(), time.thread_time_ns()
-        decision = gateway.index.choose(block_hashes, self.names, self.config.max_load_spread, loads=self.loads)
+        decision = gateway.index.choose(block_hashes, self.names, self.config.mean_load_factor, loads=self.loads)
         gateway.index.reserve(decision.replica, block_hashes)
         gateway.route_ns.append(time.perf_counter_ns() - start)
         gateway.route_cpu_ns.append(time.thread_time_ns() - cpu_start)

@@ -12,6 +12,7 @@ import sys
 import time
 
 from gateway.__main__ import build_parser, settings_from_args, setup_logging
+from cluster.prefix_index import DEFAULT_MEAN_LOAD_FACTOR
 
 log = logging.getLogger("prefixgate.cluster")
 ROUTERS = {
@@ -31,16 +32,17 @@ def cluster_parser() -> argparse.ArgumentParser:
     parser.add_argument("--address", default=None,
                         help="join this Ray cluster (e.g. auto, or ray://head:10001); default: start a local one")
     parser.add_argument("--router", choices=sorted(ROUTERS), default="prefix", help="request router (default: prefix)")
-    parser.add_argument("--max-load-spread", type=int, default=4,
-                        help="prefix router: go to the least-loaded replica when the best match runs more "
-                             "than this many requests above it (default: 4)")
+    parser.add_argument("--mean-load-factor", type=float, default=DEFAULT_MEAN_LOAD_FACTOR,
+                        help="prefix router: no replica is given more than this x the mean load; a prefix whose "
+                             "replica is at that bound goes to the best match under it (default: "
+                             f"{DEFAULT_MEAN_LOAD_FACTOR})")
     parser.add_argument("--app-name", default="prefixgate", help="Serve application name (default: prefixgate)")
     parser.add_argument("--attach", action="store_true",
                         help="deploy nothing: front the replicas of an app already running (e.g. KubeRay's)")
     return parser
 
 
-def deploy(settings, replicas: int, router: str, max_load_spread: int, app_name: str, shared: bool):
+def deploy(settings, replicas: int, router: str, mean_load_factor: float, app_name: str, shared: bool):
     """Deploys the replicas (Ray must be initialised) and returns the engine handle. `shared`: a cluster
     joined with --address, where each replica reserves its threads' CPUs (so Ray spreads them over the
     machines); on our own local Ray they share this machine's cores unreserved."""
@@ -52,7 +54,7 @@ def deploy(settings, replicas: int, router: str, max_load_spread: int, app_name:
     if engine.threads is None:  # replicas on one machine share its cores
         share = max(1, (os.cpu_count() or 1) // replicas)
         engine = engine.replace(threads=share, threads_batch=engine.threads_batch or share)
-    app = deployment(engine, replicas, ROUTERS[router], index=app_name, max_load_spread=max_load_spread,
+    app = deployment(engine, replicas, ROUTERS[router], index=app_name, mean_load_factor=mean_load_factor,
                      max_ongoing_requests=max(engine.max_num_seqs * 4, 8),
                      num_cpus=float(engine.threads) if shared else 0.0)
     return serve.run(app, name=app_name, route_prefix=None), engine
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.attach:
             handle, engine = wait_for_app(serve, args.app_name), settings.engine
         else:
-            handle, engine = deploy(settings, args.replicas, args.router, args.max_load_spread, args.app_name,
+            handle, engine = deploy(settings, args.replicas, args.router, args.mean_load_factor, args.app_name,
                                     shared=args.address is not None)
         uvloop.run(run(settings, handle, engine, args.replicas, args.app_name))
     finally:

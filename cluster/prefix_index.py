@@ -7,18 +7,19 @@ A short-lived memory of where a prefix was just sent covers the time before thos
 from __future__ import annotations
 
 import enum
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 RECENT_TTL_S = 10.0  # how long "just sent there" counts as held, while its events are on the way
-DEFAULT_MAX_LOAD_SPREAD = 4  # best match may run this many more requests than the least-loaded replica
+DEFAULT_MEAN_LOAD_FACTOR = 1.25  # no replica is given more than this x the mean load (as KubeAI's CHWBL)
 
 
 class RoutingReason(str, enum.Enum):
     PREFIX_MATCH = "prefix_match"  # the replica holding the longest prefix
-    LOAD_GUARD = "load_guard"  # the best match was too busy: least-loaded instead
+    LOAD_GUARD = "load_guard"  # the best match was at the load bound: the best one under it instead
     NO_MATCH = "no_match"  # no replica holds the first block: least-loaded, then least cache
 
 
@@ -29,24 +30,35 @@ class RoutingDecision:
     matched_blocks: int
 
 
+def load_bound(loads: dict[str, int], mean_load_factor: float) -> int:
+    """The most requests one replica may run once the next one is placed: ceil(factor x the mean load),
+    the new request counted (consistent hashing with bounded loads, Mirrokni et al. 2016). The least
+    loaded replica is always under it, so some replica always is."""
+    return math.ceil(mean_load_factor * (sum(loads.values()) + 1) / len(loads))
+
+
 def choose_replica(block_hashes: Sequence[bytes], loads: dict[str, int],
                    matched: Callable[[str, Sequence[bytes]], int],
-                   max_load_spread: int = DEFAULT_MAX_LOAD_SPREAD,
+                   mean_load_factor: float = DEFAULT_MEAN_LOAD_FACTOR,
                    cache_sizes: dict[str, int] | None = None) -> RoutingDecision:
-    """The replica for a request: longest held prefix unless it runs more than `max_load_spread`
-    requests above the least-loaded one; ties go to the less loaded holder; misses to the least-loaded,
-    and among those to the one holding the fewest blocks (as Ray's PrefixCacheAffinityRouter sends a
-    miss to the replica with the least cache): prompts sent one at a time then spread over the replicas
-    instead of all landing on the first."""
+    """The replica for a request: among those under the load bound (load_bound), the one holding the
+    longest prefix, ties to the less loaded. A hot prefix thus spills to the next-best holder once its
+    replica runs `mean_load_factor` x the mean, instead of queueing there. Misses go to the least
+    loaded, and among those to the one holding the fewest blocks (as Ray's PrefixCacheAffinityRouter
+    sends a miss to the replica with the least cache): prompts sent one at a time then spread over the
+    replicas instead of all landing on the first."""
     sizes = cache_sizes or {}
-    least = min(loads, key=lambda r: (loads[r], sizes.get(r, 0)))
+    bound = load_bound(loads, mean_load_factor)
+    under = [r for r in loads if loads[r] < bound]
     scores = {replica: matched(replica, block_hashes) for replica in loads}
     best = max(loads, key=lambda r: (scores[r], -loads[r]))
-    if scores[best] == 0:
-        return RoutingDecision(least, RoutingReason.NO_MATCH, 0)
-    if loads[best] - loads[least] > max_load_spread:
-        return RoutingDecision(least, RoutingReason.LOAD_GUARD, scores[least])
-    return RoutingDecision(best, RoutingReason.PREFIX_MATCH, scores[best])
+    chosen = max(under, key=lambda r: (scores[r], -loads[r], -sizes.get(r, 0)))
+    if scores[chosen] == 0:
+        least = min(under, key=lambda r: (loads[r], sizes.get(r, 0)))
+        reason = RoutingReason.NO_MATCH if scores[best] == 0 else RoutingReason.LOAD_GUARD
+        return RoutingDecision(least, reason, 0)
+    reason = RoutingReason.PREFIX_MATCH if scores[chosen] == scores[best] else RoutingReason.LOAD_GUARD
+    return RoutingDecision(chosen, reason, scores[chosen])
 
 
 class PrefixIndex:
@@ -149,13 +161,14 @@ class PrefixIndex:
             return n
 
     def choose(self, block_hashes: Sequence[bytes], candidates: Iterable[str],
-               max_load_spread: int = DEFAULT_MAX_LOAD_SPREAD, loads: dict[str, int] | None = None) -> RoutingDecision:
+               mean_load_factor: float = DEFAULT_MEAN_LOAD_FACTOR,
+               loads: dict[str, int] | None = None) -> RoutingDecision:
         """`loads`: requests on each candidate (default: those this process routed and has not seen finish)."""
         with self._lock:
             loads = {r: self.in_flight.get(r, 0) if loads is None else loads[r] for r in candidates}
             # what each holds, and what was just sent there (its events are on the way)
             sizes = {r: len(self._held.get(r, ())) + len(self._recent.get(r, ())) for r in loads}
-        return choose_replica(block_hashes, loads, self.matched_blocks, max_load_spread, sizes)
+        return choose_replica(block_hashes, loads, self.matched_blocks, mean_load_factor, sizes)
 
     def reserve(self, replica: str, block_hashes: Sequence[bytes]) -> None:
         """Counts a chosen request against `replica` at once (so concurrent choices spread) and

@@ -17,6 +17,7 @@ import ray.exceptions
 from ray import serve
 
 from cluster.kv_event_log import KvEvent, event_log
+from cluster.prefix_index import DEFAULT_MEAN_LOAD_FACTOR
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.messages import CacheDirectives
@@ -177,7 +178,7 @@ class EngineReplica:
 
 
 def deployment(config: EngineConfig, num_replicas: int, router: str, *, index: str,
-               max_load_spread: int, max_ongoing_requests: int, num_cpus: float = 0.0, memory_gb: float = 0.0):
+               mean_load_factor: float, max_ongoing_requests: int, num_cpus: float = 0.0, memory_gb: float = 0.0):
     """The bound Serve application: `num_replicas` engines behind `router` (a RequestRouter class path).
     `num_cpus` / `memory_gb`: what Ray reserves for each replica, so that it places one per worker that
     has that much (0: no reservation, replicas may share a machine)."""
@@ -185,7 +186,7 @@ def deployment(config: EngineConfig, num_replicas: int, router: str, *, index: s
 
     kwargs = {"index": index}
     if router.endswith("PrefixAffinityRouter"):
-        kwargs["max_load_spread"] = max_load_spread
+        kwargs["mean_load_factor"] = mean_load_factor
     router_config = RequestRouterConfig(request_router_class=router, request_router_kwargs=kwargs)
     replica = serve.deployment(EngineReplica, name="engine", num_replicas=num_replicas,
                                max_ongoing_requests=max_ongoing_requests, request_router_config=router_config,
@@ -203,17 +204,17 @@ def _actor_resources(num_cpus: float, memory_gb: float) -> dict:
 
 def build_app(args: dict):
     """Serve's application builder (`import_path: cluster.replica:build_app` in a Serve config, as
-    the KubeRay manifest uses): `args` holds `replicas`, `router`, `max_load_spread`, `app_name`,
+    the KubeRay manifest uses): `args` holds `replicas`, `router`, `mean_load_factor`, `app_name`,
     `num_cpus` and `memory_gb` per replica (default: `threads` CPUs, no memory reservation) and any
     EngineConfig field."""
     args = dict(args)
     replicas = int(args.pop("replicas", 2))
     router = args.pop("router", "cluster.router:PrefixAffinityRouter")
-    spread = int(args.pop("max_load_spread", 4))
+    factor = float(args.pop("mean_load_factor", DEFAULT_MEAN_LOAD_FACTOR))
     index = args.pop("app_name", "prefixgate")
     num_cpus = args.pop("num_cpus", None)
     memory_gb = float(args.pop("memory_gb", 0))
     config = EngineConfig(**args)
     num_cpus = float(config.threads or 1) if num_cpus is None else float(num_cpus)
-    return deployment(config, replicas, router, index=index, max_load_spread=spread,
+    return deployment(config, replicas, router, index=index, mean_load_factor=factor,
                       max_ongoing_requests=max(config.max_num_seqs * 4, 8), num_cpus=num_cpus, memory_gb=memory_gb)

@@ -1,7 +1,7 @@
 """Ray Serve request routers for the engine replicas.
 
 `PrefixAffinityRouter` ranks replicas by how many leading blocks of the request each one holds
-(from the replicas' KV events, see prefix_index.py), with a load guard; round robin, Ray's default
+(from the replicas' KV events, see prefix_index.py), under a bound on each one's load; round robin, Ray's default
 (power of two choices) and Ray's own `PrefixCacheAffinityRouter` are the baselines the benchmark
 compares against. Ray builds a router inside each DeploymentHandle (in the gateway's process) and
 calls choose_replicas on its own event loop thread.
@@ -16,7 +16,7 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router i
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter  # Ray's default; not public
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from cluster.prefix_index import DEFAULT_MAX_LOAD_SPREAD, RoutingReason, index_for
+from cluster.prefix_index import DEFAULT_MEAN_LOAD_FACTOR, RoutingReason, index_for
 
 BLOCK_HASHES_KWARG = "block_hashes"  # the request's block hashes, computed by the cluster client
 TARGET_REPLICA_KWARG = "replica"  # a call meant for one replica (its cache snapshot, a tenant's pins)
@@ -54,9 +54,9 @@ class ReportsReplicas:
 
 
 class PrefixRanking(RequestRouter):
-    def initialize_state(self, max_load_spread: int = DEFAULT_MAX_LOAD_SPREAD, **kwargs) -> None:
+    def initialize_state(self, mean_load_factor: float = DEFAULT_MEAN_LOAD_FACTOR, **kwargs) -> None:
         super().initialize_state(**kwargs)
-        self._max_load_spread = max_load_spread
+        self._mean_load_factor = mean_load_factor
         self._chosen: dict[str, tuple[str, RoutingReason]] = {}  # internal request id -> (replica, why)
 
     def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
@@ -76,7 +76,7 @@ class PrefixRanking(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         block_hashes = _block_hashes(pending_request)
         loads = self._loads(candidate_replicas)
-        decision = self._index.choose(block_hashes, by_id, self._max_load_spread, loads=loads)
+        decision = self._index.choose(block_hashes, by_id, self._mean_load_factor, loads=loads)
         if pending_request is not None:
             request_id = pending_request.metadata.internal_request_id
             if request_id in self._chosen:  # chosen again (the first choice was full): undo that one
@@ -110,7 +110,7 @@ class PrefixRanking(RequestRouter):
 
 
 class PrefixAffinityRouter(ReportsReplicas, PrefixRanking):
-    """Ours: the longest held prefix, with a load guard."""
+    """Ours: the longest held prefix among the replicas under the load bound."""
 
 
 class RoundRobin(RequestRouter):

@@ -54,7 +54,7 @@ def cluster(engine_config):
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": PROXY_PORT})
     try:
         handle = serve.run(deployment(engine_config, 2, "cluster.router:PrefixAffinityRouter", index=APP,
-                                      max_load_spread=4, max_ongoing_requests=16), name=APP, route_prefix="/engine")
+                                      mean_load_factor=1.25, max_ongoing_requests=16), name=APP, route_prefix="/engine")
         client = asyncio.run(ClusterEngine.connect(handle, engine_config, index=APP, num_replicas=2))
         client.start()
         yield client

@@ -154,7 +154,7 @@ def test_the_serve_app_is_what_build_app_builds_one_replica_per_engine_pod():
     assert deployment.ray_actor_options == {"num_cpus": 4.0, "memory": 6 * 2**30}
     router = deployment._deployment_config.request_router_config
     assert router.request_router_class == "cluster.router:PrefixAffinityRouter"
-    assert router.request_router_kwargs == {"index": "prefixgate", "max_load_spread": 4}
+    assert router.request_router_kwargs == {"index": "prefixgate", "mean_load_factor": 1.25}
     (pin,) = PYPROJECT["project"]["optional-dependencies"]["cluster"]
     ray_version = _rayservice()["spec"]["rayClusterConfig"]["rayVersion"]
     assert pin == f"ray[serve]=={ray_version}"

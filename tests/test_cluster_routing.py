@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cluster.kv_event_log import KvEventLog
 from cluster.prefix_index import PrefixIndex, RoutingReason, choose_replica
@@ -24,7 +28,7 @@ def _held(table: dict[str, set[bytes]]):
 
 def test_the_replica_with_the_longest_leading_match_wins():
     table = {"r0": set(H[:2]), "r1": set(H[:5]), "r2": {H[3], H[4], H[5], H[6]}}  # r2: no leading block
-    decision = choose_replica(H, {"r0": 0, "r1": 2, "r2": 0}, _held(table), max_load_spread=4)
+    decision = choose_replica(H, {"r0": 1, "r1": 1, "r2": 1}, _held(table))
     assert (decision.replica, decision.reason, decision.matched_blocks) == ("r1", RoutingReason.PREFIX_MATCH, 5)
 
 
@@ -65,11 +69,30 @@ def test_a_tie_goes_to_the_less_loaded_holder():
     assert (decision.replica, decision.reason) == ("r1", RoutingReason.PREFIX_MATCH)
 
 
-def test_the_load_guard_sends_an_overloaded_best_match_to_the_least_loaded():
-    table = {"r0": set(H), "r1": set()}
-    assert choose_replica(H, {"r0": 5, "r1": 1}, _held(table), max_load_spread=4).replica == "r0"  # spread 4: ok
-    decision = choose_replica(H, {"r0": 6, "r1": 1}, _held(table), max_load_spread=4)
-    assert (decision.replica, decision.reason) == ("r1", RoutingReason.LOAD_GUARD)
+def test_the_load_bound_sends_a_busy_best_match_to_the_best_match_under_it():
+    """Bounded loads: no replica is given more than ceil(1.25 x the mean load, this request counted)."""
+    table = {"r0": set(H[:6]), "r1": set(H[:3]), "r2": set()}
+    decision = choose_replica(H, {"r0": 2, "r1": 1, "r2": 1}, _held(table))  # bound ceil(1.25 * 5 / 3) = 3
+    assert (decision.replica, decision.reason, decision.matched_blocks) == ("r0", RoutingReason.PREFIX_MATCH, 6)
+    decision = choose_replica(H, {"r0": 3, "r1": 1, "r2": 1}, _held(table))  # bound 3: r0 is at it
+    assert (decision.replica, decision.reason, decision.matched_blocks) == ("r1", RoutingReason.LOAD_GUARD, 3)
+    decision = choose_replica(H, {"r0": 3, "r1": 1, "r2": 1}, _held(table), mean_load_factor=2.0)  # bound 4
+    assert decision.replica == "r0"
+
+
+def test_when_every_holder_is_at_the_bound_the_least_loaded_replica_takes_it():
+    table = {"r0": set(H), "r1": set(H[:2]), "r2": set()}
+    decision = choose_replica(H, {"r0": 3, "r1": 3, "r2": 0}, _held(table))  # bound ceil(1.25 * 7 / 3) = 3
+    assert (decision.replica, decision.reason, decision.matched_blocks) == ("r2", RoutingReason.LOAD_GUARD, 0)
+
+
+@given(st.lists(st.integers(0, 12), min_size=1, max_size=8), st.floats(1.0, 3.0))
+def test_the_chosen_replica_stays_within_the_bound(loads, factor):
+    """Whatever each replica holds, the one chosen runs at most ceil(factor x mean) with this request."""
+    names = [f"r{i}" for i in range(len(loads))]
+    table = {name: set(H[:i % 5]) for i, name in enumerate(names)}
+    decision = choose_replica(H, dict(zip(names, loads)), _held(table), mean_load_factor=factor)
+    assert loads[names.index(decision.replica)] + 1 <= math.ceil(factor * (sum(loads) + 1) / len(loads))
 
 
 def test_index_follows_stored_and_removed_events_and_drops_dead_replicas():
