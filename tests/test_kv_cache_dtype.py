@@ -35,7 +35,7 @@ def test_greedy_answers_match_float32_kv_on_the_tiny_model(tiny_llama_dir):
 def test_compiled_and_eager_steps_read_and_write_the_same_bf16_kv(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=64, kv_cache_dtype="bfloat16")
     assert llm.core.runner.compiled_decode is not None
-    calls = _record_both_paths(llm)
+    calls = _record_both_paths(llm, tiny_llama_dir)
     llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert calls
     for compiled, eager, kv_compiled, kv_eager in calls:
