@@ -74,13 +74,13 @@ async def _run(client: ClusterEngine, request_id: str, prompt: list[int], params
     return [out async for out in client.generate(request_id, prompt, params, cache_salt=salt, stream=stream)]
 
 
-async def _wait_for(predicate, what: str, timeout: float = 90.0) -> None:
+async def _wait_for(predicate, what: str, timeout: float = 90.0, detail=lambda: "") -> None:
     try:
         async with asyncio.timeout(timeout):
             while not predicate():
                 await asyncio.sleep(0.1)
     except TimeoutError:
-        raise AssertionError(f"timed out waiting for {what}") from None
+        raise AssertionError(f"timed out waiting for {what}{detail()}") from None
 
 
 def _prompt(seed: int, n: int = 24) -> list[int]:
@@ -264,7 +264,15 @@ async def test_killing_a_replica_loses_no_request_that_had_not_streamed(cluster)
     await _wait_for(lambda: cluster.served_by(ids[0]), "the non-streamed request generating")
     tasks += [asyncio.create_task(run(rid, _prompt(500 + i, 12), rid not in buffered))
               for i, rid in enumerate(ids) if i]
-    await _wait_for(lambda: set(cluster.request_ids()) >= set(ids), "every request sent")
+
+    def all_in_flight() -> bool:
+        for task in tasks:  # a request that failed before it was sent would be waited for in vain
+            if task.done() and task.exception() is not None:
+                raise task.exception()
+        return set(cluster.request_ids()) >= set(ids)
+
+    await _wait_for(all_in_flight, "every request sent",
+                    detail=lambda: f" (in flight: {sorted(cluster.request_ids())}; done: {sorted(results)})")
     victim = cluster.served_by(ids[0])
     streamed_before_kill.update(rid for rid in ids if cluster.served_by(rid) and rid not in buffered)
     _kill_replica(victim)
