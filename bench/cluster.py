@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.config import EngineConfig
     from engine.model.compile import compile_kernels
-    from engine.model.loader import resolve_model_path
+    from engine.model.loader import load_config, resolve_model_path
 
     model = args.model
     if model in RANDOM_MODELS:
@@ -432,13 +432,13 @@ def main(argv: list[str] | None = None) -> int:
                                      **RANDOM_MODELS[model]))
     config = EngineConfig(model=model, block_size=args.block_size, num_kv_blocks=args.blocks_per_replica,
                           max_num_seqs=args.max_num_seqs, threads=1, threads_batch=1, max_model_len=2048)
-    model_config = json.loads((resolve_model_path(config.model, config.model_cache_dir) / "config.json").read_text())
+    vocab_size = load_config(resolve_model_path(config.model, config.model_cache_dir)).vocab_size
     compile_kernels(config.model)  # into numba's cache on disk, so that no run's replicas wait for the compiler
     hot_share = args.hot_load / args.replicas
     trace = build_trace(chats=args.chats, prefixes=args.prefixes, tenants=args.tenants,
                         public_every=args.public_every, hot_share=hot_share, turns=args.turns,
                         system_tokens=args.system_tokens, user_tokens=args.user_tokens,
-                        vocab_size=model_config["vocab_size"], seed=args.seed)
+                        vocab_size=vocab_size, seed=args.seed)
     names = (REFERENCE, *ROUTER_RUNS)
     summaries = []
     ray.init(include_dashboard=False, namespace="prefixgate-bench", log_to_driver=False)
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         serve.shutdown()
         ray.shutdown()
     routers = aggregate(summaries)
-    report = {"model": args.model, "vocab_size": model_config["vocab_size"], "args": vars(args), "code": code_version(),
+    report = {"model": args.model, "vocab_size": vocab_size, "args": vars(args), "code": code_version(),
               "zipf_s": zipf_exponent(args.prefixes, hot_share), "trace": describe_trace(trace, args.block_size),
               "kv_use": "prompt tokens each replica computed into its KV cache (prefix cache queried - hit tokens)",
               "routers": {n: routers[n] for n in names}, "runs": summaries, "targets": targets(routers),

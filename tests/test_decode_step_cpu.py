@@ -203,8 +203,7 @@ def smollm2_case(tmp_path_factory):
 
 
 def _record_logits(llm: LLM) -> dict[tuple[tuple[int, ...], int], torch.Tensor]:
-    """The logits each request's tokens were sampled from, by (prompt, index of the token), and the row counts
-    and cascade groups of the compiled steps (under the key "compiled", when there is a compiled step)."""
+    """The logits each request's tokens were sampled from, by (prompt, index of the token)."""
     runner = llm.core.runner
     execute = runner.execute
     recorded: dict = {}
