@@ -74,11 +74,11 @@ async def _run(client: ClusterEngine, request_id: str, prompt: list[int], params
     return [out async for out in client.generate(request_id, prompt, params, cache_salt=salt, stream=stream)]
 
 
-async def _wait_for(predicate, what: str, timeout: float = 90.0, detail=lambda: "") -> None:
+async def _wait_for(predicate, what: str, timeout: float = 90.0, detail=lambda: "", poll_s: float = 0.1) -> None:
     try:
         async with asyncio.timeout(timeout):
             while not predicate():
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(poll_s)
     except TimeoutError:
         raise AssertionError(f"timed out waiting for {what}{detail()}") from None
 
@@ -230,9 +230,12 @@ async def test_two_gateways_attached_to_one_app_share_its_cache(cluster, engine_
             return await asyncio.to_thread(via_second, body)
 
         async def views_agree() -> None:  # both gateways' indexes have caught up with the replicas
-            truth = {r: len(held) for r, held in (await cluster.replica_caches()).items()}
+            # the first gateway's by block hash: with a full cache a request's stores and evictions keep the counts
+            truth = await cluster.replica_caches()
             for _ in range(600):
-                if cluster.index_blocks() == truth == _index_sizes(await asyncio.to_thread(second_metrics)):
+                second_view = _index_sizes(await asyncio.to_thread(second_metrics))
+                if {r: cluster._index.held(r) for r in truth} == truth and second_view == {
+                        r: len(held) for r, held in truth.items()}:
                     return
                 await asyncio.sleep(0.1)
             raise AssertionError(f"the gateways' indexes never reached the replicas' caches {truth}")
@@ -259,21 +262,20 @@ async def test_killing_a_replica_loses_no_request_that_had_not_streamed(cluster)
 
     ids = [f"kill{i}" for i in range(6)]
     buffered = set(ids[::2])
-    tasks = [asyncio.create_task(run(ids[0], _prompt(500, 12), stream=False))]
-    # the victim is midway through a non-streamed request: its outputs so far must be thrown away
-    await _wait_for(lambda: cluster.served_by(ids[0]), "the non-streamed request generating")
-    tasks += [asyncio.create_task(run(rid, _prompt(500 + i, 12), rid not in buffered))
-              for i, rid in enumerate(ids) if i]
+    # all six at once: with one running request per replica, each replica runs one and queues two
+    tasks = [asyncio.create_task(run(rid, _prompt(500 + i, 12), rid not in buffered)) for i, rid in enumerate(ids)]
 
-    def all_in_flight() -> bool:
+    def generating_buffered() -> str | None:  # a non-streamed request midway: its outputs must be thrown away
         for task in tasks:  # a request that failed before it was sent would be waited for in vain
             if task.done() and task.exception() is not None:
                 raise task.exception()
-        return set(cluster.request_ids()) >= set(ids)
+        if not set(cluster.request_ids()) >= set(ids):
+            return None
+        return next((rid for rid in sorted(buffered) if cluster.served_by(rid)), None)
 
-    await _wait_for(all_in_flight, "every request sent",
+    await _wait_for(generating_buffered, "every request sent and a non-streamed one generating", poll_s=0.005,
                     detail=lambda: f" (in flight: {sorted(cluster.request_ids())}; done: {sorted(results)})")
-    victim = cluster.served_by(ids[0])
+    victim = cluster.served_by(generating_buffered())
     streamed_before_kill.update(rid for rid in ids if cluster.served_by(rid) and rid not in buffered)
     _kill_replica(victim)
     async with asyncio.timeout(120):  # nothing hangs
