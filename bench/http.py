@@ -1,5 +1,6 @@
 """Rows measured through HTTP: the real gateway in-process with `openai` AsyncOpenAI clients, and the
-gateway alone in a subprocess over an instant engine stub (its own overhead)."""
+gateway alone in a subprocess over an instant engine stub (its own overhead); and a lean aiohttp client
+(stream_chunks) for `bench serving`, which shares the server's cores."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from bench.driver import RequestTiming, RunResult, rss_mb
@@ -70,8 +72,52 @@ async def _one(client, model: str, r: BenchRequest, extra_body: dict | None) -> 
                          [b - a for a, b in zip(times, times[1:])])
 
 
-async def _drive(client, model: str, workload: Workload,
-                 extra_body: dict | None = None) -> tuple[list[RequestTiming], float]:
+async def stream_chunks(session, base_url: str, body: dict) -> AsyncIterator[dict]:
+    """The parsed chunks of one streamed chat completion, read with aiohttp and json alone (as vLLM's own
+    benchmark clients): a load generator on the server's cores should cost it little CPU, and the openai
+    SDK's typed chunks cost about three times as much per chunk."""
+    async with session.post(f"{base_url}/chat/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                yield json.loads(line[6:])
+
+
+async def _one_lean(session_url, model: str, r: BenchRequest, extra_body: dict | None) -> RequestTiming:
+    """_one through stream_chunks (chat requests only)."""
+    session, base_url = session_url
+    body = {"model": model, "messages": r.messages, "max_tokens": r.max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, **(extra_body or {})}
+    sent, times, usage = time.monotonic(), [], None
+    async for chunk in stream_chunks(session, base_url, body):
+        usage = chunk.get("usage") or usage
+        times.extend(time.monotonic() for choice in chunk.get("choices", ()) if choice["delta"].get("content"))
+    end = time.monotonic()
+    usage = usage or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return RequestTiming(r.request_id, (times[0] if times else end) - sent, 0.0, end - sent,
+                         usage.get("prompt_tokens", 0), cached, usage.get("completion_tokens", len(times)),
+                         [b - a for a, b in zip(times, times[1:])])
+
+
+def lean_session():
+    """The session of stream_chunks: a connection per request (llama-server closes idle keep-alive connections,
+    which aiohttp would otherwise reuse and fail on)."""
+    import aiohttp
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                 timeout=aiohttp.ClientTimeout(total=600))
+
+
+async def drive_lean(base_url: str, model: str, workload: Workload,
+                     extra_body: dict | None = None) -> tuple[list[RequestTiming], float]:
+    """_drive with the lean client of stream_chunks."""
+    async with lean_session() as session:
+        return await _drive((session, base_url), model, workload, extra_body, one=_one_lean)
+
+
+async def _drive(client, model: str, workload: Workload, extra_body: dict | None = None,
+                 one=_one) -> tuple[list[RequestTiming], float]:
     t0 = time.monotonic()
     done = {r.request_id: asyncio.Event() for r in workload.requests}
 
@@ -82,7 +128,7 @@ async def _drive(client, model: str, workload: Workload,
         else:
             await asyncio.sleep(max(0.0, t0 + r.arrival_s - time.monotonic()))
         try:
-            return await _one(client, model, r, extra_body)
+            return await one(client, model, r, extra_body)
         finally:
             done[r.request_id].set()
 

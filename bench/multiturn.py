@@ -29,7 +29,8 @@ from engine.model.loader import resolve_model_path
 CHATS, PREFIX_TOKENS, TURN_TOKENS, OUTPUT_TOKENS = 4, 512, 128, 32
 
 
-def workload(tokenizer, turns: int = 4, seed: int = 12) -> Workload:
+def workload(tokenizer, turns: int = 4, seed: int = 12, think_s: float = 0.0) -> Workload:
+    """`think_s`: the pause before each later turn (0: sent as soon as the previous answer ends)."""
     tm = TextMaker(tokenizer, seed)
     system = "You are a helpful assistant for a software company. " + tm.text(PREFIX_TOKENS - 12)
     reqs = []
@@ -39,7 +40,8 @@ def workload(tokenizer, turns: int = 4, seed: int = 12) -> Workload:
         for turn in range(turns):
             history = history + [{"role": "user", "content": tm.text(TURN_TOKENS)}]
             rid = f"chat-{c}-turn-{turn}"
-            reqs.append(_chat(tokenizer, rid, history, 0.0, OUTPUT_TOKENS, after=previous))
+            reqs.append(_chat(tokenizer, rid, history, 0.0, OUTPUT_TOKENS, after=previous,
+                              think_s=think_s if previous else 0.0))
             history = history + [{"role": "assistant", "content": tm.text(OUTPUT_TOKENS)}]
             previous = rid
     return Workload("multiturn4", f"{CHATS} concurrent chats, shared {PREFIX_TOKENS}-token prefix, "

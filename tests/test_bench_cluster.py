@@ -4,7 +4,8 @@ from collections import Counter
 import pytest
 
 from bench.cluster import (OURS, PUBLIC_SALT, REFERENCE, ROUTER_RUNS, RunResult, aggregate, build_trace,
-                           cores_used_elsewhere, describe_trace, run_order, targets, zipf_counts, zipf_exponent)
+                           cores_used_elsewhere, describe_trace, parse_args, run_order, targets, zipf_counts,
+                           zipf_exponent)
 
 TRACE = dict(chats=64, prefixes=24, tenants=8, public_every=4, turns=3, system_tokens=64, user_tokens=8,
              vocab_size=512, seed=0)
@@ -117,3 +118,18 @@ def test_other_work_is_the_machines_cpu_less_the_bench_trees():
     before = (100.0, {1: 10.0, 2: 5.0})  # machine, then each process of the tree
     after = (110.0, {1: 14.0, 3: 3.0})  # 2 exited (its CPU reads as other work), 3 started
     assert cores_used_elsewhere(before, after, wall_s=5.0) == pytest.approx((10 - 4 - 3) / 5)
+
+
+def test_targets_whose_baseline_did_not_run_are_left_out():
+    runs = [summary("round_robin", 0, 0.30), summary(OURS, 0, 0.70)]
+    assert [(t["target"], t["met"]) for t in targets(aggregate(runs))] == [
+        ("hit rate at least 2x round robin's", True),
+        ("requests max/mean over all replicas <= 1.25", True),
+        ("KV use max/mean over all replicas <= 1.25", True)]
+
+
+def test_routers_option_always_runs_ours_and_refuses_unknown_names():
+    assert parse_args(["--routers", "round_robin"]).routers == ("round_robin", OURS)
+    assert parse_args([]).routers == (REFERENCE, *ROUTER_RUNS)
+    with pytest.raises(SystemExit):
+        parse_args(["--routers", "random"])
