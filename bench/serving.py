@@ -234,12 +234,15 @@ def plot(result: dict, path: Path) -> Path:
 
     names = [n for n in ("in_process", "serve", "serve --no-engine-process", "llama.cpp") if n in result]
     one = [result[n].get("one_stream_itl_p50_ms", result[n].get("decode_step_p50_ms")) for n in names]
-    chat = [result[n]["multiturn"]["itl_p50_s"] * 1e3 for n in names]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    itl = [result[n]["multiturn_paused"]["itl_p50_s"] * 1e3 for n in names]
+    ttft = [result[n]["multiturn_paused"]["ttft_p50_s"] for n in names]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     axes[0].bar(names, one, color="#4878a8")
     axes[0].set_title("one stream: inter-token gap p50 (ms)")
-    axes[1].bar(names, chat, color="#d08040")
-    axes[1].set_title("4 multi-turn chats: ITL p50 (ms)")
+    axes[1].bar(names, itl, color="#d08040")
+    axes[1].set_title("4 chats (paused): ITL p50 (ms)")
+    axes[2].bar(names, ttft, color="#60a060")
+    axes[2].set_title("4 chats (paused): TTFT p50 (s)")
     for ax in axes:
         ax.tick_params(axis="x", labelrotation=15, labelsize=8)
     fig.tight_layout()

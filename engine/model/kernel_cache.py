@@ -36,11 +36,19 @@ KERNEL_SOURCES = ("simd.py", "bfloat16_bits.py", "paged_decode_cpu.py", "packed_
 LOCK_FILE = ".lock"
 
 
-def host_cpu() -> str:
-    """The CPU numba compiles for: its name and features (numba's NUMBA_CPU_NAME / _FEATURES win)."""
+def target_cpu() -> tuple[str, str]:
+    """The CPU numba compiles for: its name and features (numba's NUMBA_CPU_NAME / _FEATURES win; features
+    "" are the named CPU's own)."""
     name = numba.config.CPU_NAME or binding.get_host_cpu_name()
-    features = numba.config.CPU_FEATURES or binding.get_host_cpu_features().flatten()
-    return f"{name} {features}"
+    features = numba.config.CPU_FEATURES
+    return name, binding.get_host_cpu_features().flatten() if features is None else features
+
+
+def vector_isa(features: str) -> str:
+    """The widest vector instruction set in an LLVM feature string: avx512, avx2, neon or generic."""
+    enabled = {f[1:] for f in features.split(",") if f.startswith("+")}
+    return next((isa for isa, feature in (("avx512", "avx512f"), ("avx2", "avx2"), ("neon", "neon"))
+                 if feature in enabled), "generic")
 
 
 def folder() -> Path:
@@ -49,7 +57,7 @@ def folder() -> Path:
     digest = hashlib.sha256()
     for name in KERNEL_SOURCES:
         digest.update((Path(__file__).parent / name).read_bytes())
-    digest.update(f"numba {numba.__version__} llvmlite {llvmlite.__version__} {host_cpu()}".encode())
+    digest.update(f"numba {numba.__version__} llvmlite {llvmlite.__version__} {' '.join(target_cpu())}".encode())
     return Path(base) / digest.hexdigest()[:16]
 
 
@@ -78,6 +86,7 @@ def _locked(method):
     return under_lock
 
 
+TARGET_ISA = vector_isa(target_cpu()[1])
 FOLDER = folder()
 CACHE = writable(FOLDER)
 if CACHE:

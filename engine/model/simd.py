@@ -2,7 +2,7 @@
 
 numba vectorizes plain loops, but it cannot keep a vector in a register across iterations, broadcast a
 scalar against a vector, sum 16 vectors lane-wise into one or transpose them: the kernels need all four.
-Vectors are 16 float32 lanes: one AVX-512 register here; LLVM splits them in halves on AVX2 or NEON.
+Vectors are 16 float32 lanes: one AVX-512 register here; LLVM splits them in 2 on AVX2 and in 4 on NEON.
 """
 from __future__ import annotations
 
