@@ -47,3 +47,34 @@ def test_with_numba_hidden_eager_serves_and_compiled_says_what_to_do(tiny_llama_
     expected = [o.token_ids for o in LLM(str(tiny_llama_dir), num_kv_blocks=64).generate(PROMPTS, GREEDY)]
     assert result["tokens"] == expected and result["numba"] == []
     assert "numba" in result["message"] and "--cpu-kernels eager" in result["message"]
+
+
+def test_start_up_loads_every_kernel_overload_the_first_requests_use(tiny_llama_dir):
+    """The first request costs what the second does: after LLM(...) returns, serving (prefill chunks, shared
+    prefixes, a batch of decodes, sampling) compiles or loads no further numba overload. In a fresh process,
+    since this one's kernels have run other shapes already."""
+    code = textwrap.dedent(f"""
+        import json
+        from numba.core.dispatcher import Dispatcher
+        from engine import LLM, SamplingParams
+        from engine.model import decode_step_cpu, packed_matmul_cpu, paged_decode_cpu
+
+        def overloads():
+            return {{f"{{m.__name__}}.{{n}}": sorted(str(s) for s in d.overloads)
+                     for m in (decode_step_cpu, packed_matmul_cpu, paged_decode_cpu)
+                     for n, d in vars(m).items() if isinstance(d, Dispatcher)}}
+
+        llm = LLM({str(tiny_llama_dir)!r}, num_kv_blocks=64, max_num_batched_tokens=32)
+        before = overloads()
+        prompts = [list(range(3, 80)), list(range(3, 80)) + [5, 6], list(range(50, 60))]
+        llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        llm.generate([list(range(3, 9))], SamplingParams(max_tokens=3, temperature=0.7))
+        print(json.dumps({{"before": before, "after": overloads()}}))
+    """)
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    loaded = {name for name, signatures in result["before"].items() if signatures}
+    assert {"engine.model.decode_step_cpu._step", "engine.model.packed_matmul_cpu.matmul",
+            "engine.model.paged_decode_cpu.attend"} <= loaded
+    assert result["after"] == result["before"]
