@@ -42,10 +42,10 @@ MUTANTS = [
            "for partial in range(first[m] + 1, first[m + 1]):",
            "for partial in range(first[m] + 1, first[m + 1] - 1):", ATTENTION_TESTS),
     # a chunk's softmax maximum skips the first key of the tail past its last 16
-    Mutant("softmax-maximum-skips-one-key", "paged_decode_cpu.py",
+    Mutant("softmax-maximum-skips-one-key", "paged_decode_loops.py",
            "for t in range(whole, len(scores)):", "for t in range(whole + 1, len(scores)):", ATTENTION_TESTS),
     # the matmul form packs the last key of a partial 32-key tile as zeros
-    Mutant("partial-tile-off-by-one", "paged_decode_cpu.py",
+    Mutant("partial-tile-off-by-one", "paged_decode_loops.py",
            "if t < count\n", "if t < count - 1\n", ATTENTION_TESTS),
     # a row's last chunk ends one slot early: the newest token, at the end of its partial last block, is not read
     Mutant("partial-last-block-off-by-one", "paged_decode_cpu.py",

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.model import paged_decode_cpu
+from engine.model import paged_decode_cpu, paged_decode_loops
 from engine.model.attention import DecodeBatch, SharedPrefix, _attend, _attend_matmul, _decode_attention
 from tests.test_kernel_reference import BF16_EPS, assert_matches_fp64, attention_fp64
 
@@ -308,7 +308,7 @@ def test_fast_exp_matches_exp_over_the_softmax_range():
     def exps(xs):
         out = np.empty_like(xs)
         for i in range(len(xs)):
-            out[i] = paged_decode_cpu.fast_exp(xs[i])
+            out[i] = paged_decode_loops.fast_exp(xs[i])
         return out
 
     xs = np.concatenate([np.linspace(-87.0, 0.0, 100_001), -(np.arange(0, 120) + 0.5) * np.log(2)]).astype(np.float32)
@@ -336,7 +336,7 @@ def test_large_cascade_groups_take_the_matmul_path_and_agree(heads, kv_heads, me
     """A group with at least CASCADE_QUERIES queries per kv head is scored and weighted as two matmuls per
     chunk (_cascade): several row groups of the microkernel, chunks whose length is no multiple of 16 or 32,
     a prefix of scattered blocks, a row outside the group, and K/V in float32 and bfloat16."""
-    assert members * heads // kv_heads >= paged_decode_cpu.CASCADE_QUERIES
+    assert members * heads // kv_heads >= paged_decode_loops.CASCADE_QUERIES
     torch.manual_seed(7)
     k_cache = (torch.randn(1400, kv_heads, dim) * 3).to(dtype)
     v_cache = torch.randn(1400, kv_heads, dim).to(dtype)

@@ -31,7 +31,8 @@ from engine.model.cpu_threads import launch_lock, use_threads
 from engine.model.linear import MAX_PACKED_ROWS
 from engine.model.llama import LlamaForCausalLM
 from engine.model.packed_matmul_cpu import matmul
-from engine.model.paged_decode_cpu import attend, cascade_groups, fast_exp
+from engine.model.paged_decode_cpu import attend, cascade_groups
+from engine.model.paged_decode_loops import fast_exp
 
 # decode-only steps of up to this many rows take the compiled step: as many as the packed weights serve
 # (linear.MAX_PACKED_ROWS). Measured here (bench/decode.py): batch 16 44.7 ms against 50-63 ms eager

@@ -126,7 +126,7 @@ def tile_product(typingctx, x, packed, tile, out, accumulate):
     """out[r, :TILE] = x[r, :] @ packed[tile] (+= if the constant `accumulate`) for each of x's 1 to ROW_GROUP
     rows: x [rows, K] float32 with unit stride along K, packed [tiles, K, TILE] contiguous, out [>= rows,
     >= TILE] float32 with unit stride along its rows. Each row count has its own unrolled loop (simd.cases).
-    Also the two matmuls of a cascade attention task (paged_decode_cpu._cascade)."""
+    Also the two matmuls of a cascade attention task (paged_decode_loops._cascade)."""
     if not isinstance(accumulate, types.BooleanLiteral):
         return None  # numba then retries with the literal value of the constant the caller passes
     vectors = TILE // LANES

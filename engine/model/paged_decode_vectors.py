@@ -1,0 +1,194 @@
+"""The vector kernels of the CPU decode attention (paged_decode_loops.py calls them): numba intrinsics that
+emit LLVM vector code (simd.py) for head sizes 64 and 128, one compiled per head size.
+"""
+from __future__ import annotations
+
+import functools
+
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from engine.model import kernel_cache  # numba's cache folder, set before any @njit below
+from engine.model import simd
+from engine.model.packed_matmul_cpu import TILE
+
+KEYS = simd.LANES  # keys _key_scores scores at once
+SCORE_HEADS = 4  # query heads _key_scores takes per pass over the keys (their sums must fit the registers)
+VALUE_VECTORS = 16  # sums _weighted_values keeps in registers: 4 heads at head size 64, 2 at 128
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")
+def _vector_head_size(dim):
+    """Whether the vector kernels (_key_scores, _weighted_values, _pack_keys) are compiled for head size dim."""
+    return dim == 64 or dim == 128
+
+
+@intrinsic
+def _largest(typingctx, row, vectors):
+    """The largest of row[:vectors * LANES] (vectors >= 1; row float32 with unit stride): numba leaves a
+    maximum over a loop scalar, one compare after the other."""
+    def codegen(context, builder, signature, args):
+        row_arg, vectors_arg = args
+        start = simd.element_pointer(context, builder, signature.args[0], row_arg, [simd.const(0)])
+        first = simd.broadcast(builder, builder.load(start))
+        [result] = simd.accumulate(builder, vectors_arg, 1, lambda i, acc: [simd.maximum(builder, acc[0], simd.load(
+            builder, builder.gep(start, [builder.mul(i, simd.const(simd.LANES))]), False))], first)
+        return simd.largest_lane(builder, result)
+
+    return types.float32(row, vectors), codegen
+
+
+@intrinsic
+def _prefetch_row(typingctx, cache, slot):
+    """Asks for cache[slot] (every kv head's) into every cache level, ahead of its use (measured in decode-like
+    steps, 8 rows with 960 slots shared: attention 3.82-4.10 ms a step against 3.98-4.36 ms from L2 outward)."""
+    def codegen(context, builder, signature, args):
+        cache_ty = signature.args[0]
+        cache_arg, slot_arg = args
+        row = simd.element_pointer(context, builder, cache_ty, cache_arg, [slot_arg, simd.const(0), simd.const(0)])
+        shape = cgutils.unpack_tuple(builder, context.make_array(cache_ty)(context, builder, cache_arg).shape, 3)
+        size = builder.mul(builder.mul(shape[1], shape[2]), simd.const(context.get_abi_sizeof(
+            context.get_data_type(cache_ty.dtype))))
+        lines = builder.udiv(builder.add(size, simd.const(simd.CACHE_LINE - 1)), simd.const(simd.CACHE_LINE))
+        with cgutils.for_range(builder, lines) as loop:
+            simd.prefetch(builder, row, builder.mul(loop.index, simd.const(simd.CACHE_LINE)))
+        return context.get_dummy_value()
+
+    return types.void(cache, slot), codegen
+
+
+@intrinsic
+def _copy(typingctx, dst, src, n):
+    """dst[:n] = src[:n] (float32, or bfloat16 bits widened) for n a constant multiple of LANES, both with unit
+    stride: straight vector moves (numba's loop over computed indices does not vectorize, measured 17x slower)."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    bits = src.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        dst_arg, src_arg, _ = args
+        to = simd.element_pointer(context, builder, signature.args[0], dst_arg, [simd.const(0)])
+        start = simd.element_pointer(context, builder, signature.args[1], src_arg, [simd.const(0)])
+        for c, vector in enumerate(simd.load_pieces(builder, start, n.literal_value // simd.LANES, bits)):
+            simd.store(builder, vector, builder.gep(to, [simd.const(c * simd.LANES)]))
+        return context.get_dummy_value()
+
+    return types.void(dst, src, n), codegen
+
+
+@intrinsic
+def _pack_keys(typingctx, k_cache, kvh, slots, t, dim, keys):
+    """keys[t // TILE, d, t % TILE + j] = k_cache[slots[t + j], kvh, d] for j < KEYS (t a multiple of KEYS) and
+    every d: KEYS keys into the layout of packed_matmul_cpu.pack, float32, by one 16 x 16 transpose per 16
+    of their elements. dim (64 or 128) is a constant."""
+    if not isinstance(dim, types.IntegerLiteral):
+        return None
+    pieces = dim.literal_value // simd.LANES
+    bits = k_cache.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        k_arg, kvh_arg, slots_arg, t_arg, _, keys_arg = args
+        k_ty, _, slots_ty, _, _, keys_ty = signature.args
+        at = functools.partial(simd.element_pointer, context, builder)  # at(array type, array, indices)
+        rows = [at(k_ty, k_arg, [builder.load(at(slots_ty, slots_arg, [builder.add(t_arg, simd.const(j))])), kvh_arg,
+                                  simd.const(0)]) for j in range(KEYS)]
+        tile, column = builder.sdiv(t_arg, simd.const(TILE)), builder.srem(t_arg, simd.const(TILE))
+        for c in range(pieces):
+            columns = simd.transpose(builder, [simd.load(builder, builder.gep(row, [simd.const(c * simd.LANES)]), bits)
+                                               for row in rows])
+            for d, vector in enumerate(columns):
+                simd.store(builder, vector, at(keys_ty, keys_arg, [tile, simd.const(c * simd.LANES + d), column]))
+        return context.get_dummy_value()
+
+    return types.void(k_cache, kvh, slots, t, dim, keys), codegen
+
+
+@intrinsic
+def _key_scores(typingctx, q, m, h, group, k_cache, kvh, slots, t, dim, scores):
+    """scores[h + i, t:t + KEYS] = q[m, h + i] . k_cache[slots[t + j], kvh] for i < group and j < KEYS: `group`
+    (1 to SCORE_HEADS) query heads of one kv head (GQA), each key read once for all of them; dim (64 or 128)
+    is a constant. Each key's products are summed lane-wise into one vector per head and the KEYS vectors then
+    into one (simd.sum_lanes_of_each), so no key pays a horizontal sum of its own."""
+    if not isinstance(dim, types.IntegerLiteral):
+        return None  # numba then retries with the literal value of the constant the caller passes
+    pieces = dim.literal_value // simd.LANES
+    bits = k_cache.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        q_arg, m_arg, h_arg, group_arg, k_arg, kvh_arg, slots_arg, t_arg, _, scores_arg = args
+        q_ty, _, _, _, k_ty, _, slots_ty, _, _, scores_ty = signature.args
+
+        at = functools.partial(simd.element_pointer, context, builder)  # at(array type, array, indices)
+
+        def head(i):
+            return builder.add(h_arg, simd.const(i))
+
+        def scores_of(heads):
+            queries = [at(q_ty, q_arg, [m_arg, head(i), simd.const(0)]) for i in range(heads)]
+            q_pieces = [simd.load_pieces(builder, query, pieces, False) for query in queries]
+
+            def key_products(j):  # per head, lane-wise partial sums of q . key j
+                slot = builder.load(at(slots_ty, slots_arg, [builder.add(t_arg, simd.const(j))]))
+                key = at(k_ty, k_arg, [slot, kvh_arg, simd.const(0)])
+                k_pieces = simd.load_pieces(builder, key, pieces, bits)
+                products = []
+                for query in q_pieces:
+                    summed = builder.fmul(query[0], k_pieces[0])
+                    for c in range(1, pieces):
+                        summed = simd.fma(builder, query[c], k_pieces[c], summed)
+                    products.append(summed)
+                return products
+
+            for i, result in enumerate(simd.sum_lanes_of_each(builder, key_products)):
+                simd.store(builder, result, at(scores_ty, scores_arg, [head(i), t_arg]))
+
+        simd.cases(builder, group_arg, range(1, SCORE_HEADS + 1), scores_of)
+        return context.get_dummy_value()
+
+    return types.void(q, m, h, group, k_cache, kvh, slots, t, dim, scores), codegen
+
+
+@intrinsic
+def _weighted_values(typingctx, weights, h, group, v_cache, kvh, slots, dim, acc, p):
+    """acc[p, h + i] = sum over t of weights[h + i, t] * v_cache[slots[t], kvh] for i < group: `group` query
+    heads of one kv head (up to VALUE_VECTORS vectors of sums: 4 heads at head size 64, 2 at 128), each value
+    read once for all of them; dim (64 or 128) is a constant. The sums stay in registers across the keys,
+    each weight broadcast against its value's vectors."""
+    if not isinstance(dim, types.IntegerLiteral):
+        return None
+    pieces = dim.literal_value // simd.LANES
+    bits = v_cache.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        w_arg, h_arg, group_arg, v_arg, kvh_arg, slots_arg, _, acc_arg, p_arg = args
+        w_ty, _, _, v_ty, _, slots_ty, _, acc_ty, _ = signature.args
+
+        at = functools.partial(simd.element_pointer, context, builder)  # at(array type, array, indices)
+
+        def head(i):
+            return builder.add(h_arg, simd.const(i))
+
+        count = cgutils.unpack_tuple(builder, context.make_array(slots_ty)(context, builder, slots_arg).shape, 1)[0]
+
+        def weighted_values_of(heads):
+            def step(t, sums):  # sums[i] += weights[h + i, t] * v_cache[slots[t], kvh]
+                value = at(v_ty, v_arg, [builder.load(at(slots_ty, slots_arg, [t])), kvh_arg, simd.const(0)])
+                v_pieces = simd.load_pieces(builder, value, pieces, bits)
+                added = []
+                for i in range(heads):
+                    weight = simd.broadcast(builder, builder.load(at(w_ty, w_arg, [head(i), t])))
+                    added += [simd.fma(builder, weight, piece, sums[i * pieces + c])
+                              for c, piece in enumerate(v_pieces)]
+                return added
+
+            results = simd.accumulate(builder, count, heads * pieces, step)
+            for i in range(heads):
+                out = at(acc_ty, acc_arg, [p_arg, head(i), simd.const(0)])
+                for c in range(pieces):
+                    simd.store(builder, results[i * pieces + c], builder.gep(out, [simd.const(c * simd.LANES)]))
+
+        simd.cases(builder, group_arg, range(1, VALUE_VECTORS // pieces + 1), weighted_values_of)
+        return context.get_dummy_value()
+
+    return types.void(weights, h, group, v_cache, kvh, slots, dim, acc, p), codegen
