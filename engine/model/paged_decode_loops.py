@@ -69,10 +69,7 @@ def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
             for kvh in range(kv_heads):
                 last = (kvh + 1) * per_kv  # the GQA group's heads, SCORE_HEADS a pass
                 for h in range(kvh * per_kv, last, SCORE_HEADS):
-                    if dim == 64:
-                        _key_scores(q, m, h, min(SCORE_HEADS, last - h), k_cache, kvh, slots, t, 64, scores)
-                    else:
-                        _key_scores(q, m, h, min(SCORE_HEADS, last - h), k_cache, kvh, slots, t, 128, scores)
+                    _key_scores(q, m, h, min(SCORE_HEADS, last - h), k_cache, kvh, slots, t, dim, scores)
         for h in range(heads):
             kvh = h // per_kv
             for t in range(vector_keys, count):
@@ -88,10 +85,7 @@ def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
             if _vector_head_size(dim):  # the group's heads, as many a pass as their sums fit the registers
                 per_pass = VALUE_VECTORS * simd.LANES // dim
                 for h in range(kvh * per_kv, last, per_pass):
-                    if dim == 64:
-                        _weighted_values(scores, h, min(per_pass, last - h), v_cache, kvh, slots, 64, acc, p)
-                    else:
-                        _weighted_values(scores, h, min(per_pass, last - h), v_cache, kvh, slots, 128, acc, p)
+                    _weighted_values(scores, h, min(per_pass, last - h), v_cache, kvh, slots, dim, acc, p)
             else:
                 for h in range(kvh * per_kv, last):
                     acc[p, h] = 0.0
@@ -132,10 +126,7 @@ def _cascade(q, members, partials, k_cache, v_cache, slots, following, dim, acc,
     for t in range(0, whole, KEYS):
         _prefetch_rows(k_cache, slots, t + KEYS, KEYS)
         for kvh in range(kv_heads):
-            if dim == 64:
-                _pack_keys(k_cache, kvh, slots, t, 64, keys[kvh])
-            else:
-                _pack_keys(k_cache, kvh, slots, t, 128, keys[kvh])
+            _pack_keys(k_cache, kvh, slots, t, dim, keys[kvh])
     for t in range(whole, padded):  # the last keys, then zeros to the tile's end
         for kvh in range(kv_heads):
             for d in range(dim):

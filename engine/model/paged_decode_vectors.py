@@ -16,6 +16,7 @@ from engine.model.packed_matmul_cpu import TILE
 KEYS = simd.LANES  # keys _key_scores scores at once
 SCORE_HEADS = 4  # query heads _key_scores takes per pass over the keys (their sums must fit the registers)
 VALUE_VECTORS = 16  # sums _weighted_values keeps in registers: 4 heads at head size 64, 2 at 128
+HEAD_SIZES = (64, 128)  # the head sizes the vector kernels are compiled for (each a switch arm)
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")
@@ -81,24 +82,25 @@ def _copy(typingctx, dst, src, n):
 def _pack_keys(typingctx, k_cache, kvh, slots, t, dim, keys):
     """keys[t // TILE, d, t % TILE + j] = k_cache[slots[t + j], kvh, d] for j < KEYS (t a multiple of KEYS) and
     every d: KEYS keys into the layout of packed_matmul_cpu.pack, float32, by one 16 x 16 transpose per 16
-    of their elements. dim (64 or 128) is a constant."""
-    if not isinstance(dim, types.IntegerLiteral):
-        return None
-    pieces = dim.literal_value // simd.LANES
+    of their elements. dim: 64 or 128 (HEAD_SIZES)."""
     bits = k_cache.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
-        k_arg, kvh_arg, slots_arg, t_arg, _, keys_arg = args
+        k_arg, kvh_arg, slots_arg, t_arg, dim_arg, keys_arg = args
         k_ty, _, slots_ty, _, _, keys_ty = signature.args
         at = functools.partial(simd.element_pointer, context, builder)  # at(array type, array, indices)
         rows = [at(k_ty, k_arg, [builder.load(at(slots_ty, slots_arg, [builder.add(t_arg, simd.const(j))])), kvh_arg,
                                   simd.const(0)]) for j in range(KEYS)]
         tile, column = builder.sdiv(t_arg, simd.const(TILE)), builder.srem(t_arg, simd.const(TILE))
-        for c in range(pieces):
-            columns = simd.transpose(builder, [simd.load(builder, builder.gep(row, [simd.const(c * simd.LANES)]), bits)
-                                               for row in rows])
-            for d, vector in enumerate(columns):
-                simd.store(builder, vector, at(keys_ty, keys_arg, [tile, simd.const(c * simd.LANES + d), column]))
+
+        def pack(dim):
+            for c in range(dim // simd.LANES):
+                columns = simd.transpose(builder, [simd.load(builder, builder.gep(row, [simd.const(c * simd.LANES)]),
+                                                             bits) for row in rows])
+                for d, vector in enumerate(columns):
+                    simd.store(builder, vector, at(keys_ty, keys_arg, [tile, simd.const(c * simd.LANES + d), column]))
+
+        simd.cases(builder, dim_arg, HEAD_SIZES, pack)
         return context.get_dummy_value()
 
     return types.void(k_cache, kvh, slots, t, dim, keys), codegen
@@ -107,16 +109,13 @@ def _pack_keys(typingctx, k_cache, kvh, slots, t, dim, keys):
 @intrinsic
 def _key_scores(typingctx, q, m, h, group, k_cache, kvh, slots, t, dim, scores):
     """scores[h + i, t:t + KEYS] = q[m, h + i] . k_cache[slots[t + j], kvh] for i < group and j < KEYS: `group`
-    (1 to SCORE_HEADS) query heads of one kv head (GQA), each key read once for all of them; dim (64 or 128)
-    is a constant. Each key's products are summed lane-wise into one vector per head and the KEYS vectors then
+    (1 to SCORE_HEADS) query heads of one kv head (GQA), each key read once for all of them; dim: 64 or 128
+    (HEAD_SIZES). Each key's products are summed lane-wise into one vector per head and the KEYS vectors then
     into one (simd.sum_lanes_of_each), so no key pays a horizontal sum of its own."""
-    if not isinstance(dim, types.IntegerLiteral):
-        return None  # numba then retries with the literal value of the constant the caller passes
-    pieces = dim.literal_value // simd.LANES
     bits = k_cache.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
-        q_arg, m_arg, h_arg, group_arg, k_arg, kvh_arg, slots_arg, t_arg, _, scores_arg = args
+        q_arg, m_arg, h_arg, group_arg, k_arg, kvh_arg, slots_arg, t_arg, dim_arg, scores_arg = args
         q_ty, _, _, _, k_ty, _, slots_ty, _, _, scores_ty = signature.args
 
         at = functools.partial(simd.element_pointer, context, builder)  # at(array type, array, indices)
@@ -124,7 +123,7 @@ def _key_scores(typingctx, q, m, h, group, k_cache, kvh, slots, t, dim, scores):
         def head(i):
             return builder.add(h_arg, simd.const(i))
 
-        def scores_of(heads):
+        def scores_of(heads, pieces):
             queries = [at(q_ty, q_arg, [m_arg, head(i), simd.const(0)]) for i in range(heads)]
             q_pieces = [simd.load_pieces(builder, query, pieces, False) for query in queries]
 
@@ -143,7 +142,8 @@ def _key_scores(typingctx, q, m, h, group, k_cache, kvh, slots, t, dim, scores):
             for i, result in enumerate(simd.sum_lanes_of_each(builder, key_products)):
                 simd.store(builder, result, at(scores_ty, scores_arg, [head(i), t_arg]))
 
-        simd.cases(builder, group_arg, range(1, SCORE_HEADS + 1), scores_of)
+        simd.cases(builder, dim_arg, HEAD_SIZES, lambda dim: simd.cases(
+            builder, group_arg, range(1, SCORE_HEADS + 1), lambda heads: scores_of(heads, dim // simd.LANES)))
         return context.get_dummy_value()
 
     return types.void(q, m, h, group, k_cache, kvh, slots, t, dim, scores), codegen
@@ -153,15 +153,12 @@ def _key_scores(typingctx, q, m, h, group, k_cache, kvh, slots, t, dim, scores):
 def _weighted_values(typingctx, weights, h, group, v_cache, kvh, slots, dim, acc, p):
     """acc[p, h + i] = sum over t of weights[h + i, t] * v_cache[slots[t], kvh] for i < group: `group` query
     heads of one kv head (up to VALUE_VECTORS vectors of sums: 4 heads at head size 64, 2 at 128), each value
-    read once for all of them; dim (64 or 128) is a constant. The sums stay in registers across the keys,
+    read once for all of them; dim: 64 or 128 (HEAD_SIZES). The sums stay in registers across the keys,
     each weight broadcast against its value's vectors."""
-    if not isinstance(dim, types.IntegerLiteral):
-        return None
-    pieces = dim.literal_value // simd.LANES
     bits = v_cache.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
-        w_arg, h_arg, group_arg, v_arg, kvh_arg, slots_arg, _, acc_arg, p_arg = args
+        w_arg, h_arg, group_arg, v_arg, kvh_arg, slots_arg, dim_arg, acc_arg, p_arg = args
         w_ty, _, _, v_ty, _, slots_ty, _, acc_ty, _ = signature.args
 
         at = functools.partial(simd.element_pointer, context, builder)  # at(array type, array, indices)
@@ -171,7 +168,7 @@ def _weighted_values(typingctx, weights, h, group, v_cache, kvh, slots, dim, acc
 
         count = cgutils.unpack_tuple(builder, context.make_array(slots_ty)(context, builder, slots_arg).shape, 1)[0]
 
-        def weighted_values_of(heads):
+        def weighted_values_of(heads, pieces):
             def step(t, sums):  # sums[i] += weights[h + i, t] * v_cache[slots[t], kvh]
                 value = at(v_ty, v_arg, [builder.load(at(slots_ty, slots_arg, [t])), kvh_arg, simd.const(0)])
                 v_pieces = simd.load_pieces(builder, value, pieces, bits)
@@ -188,7 +185,9 @@ def _weighted_values(typingctx, weights, h, group, v_cache, kvh, slots, dim, acc
                 for c in range(pieces):
                     simd.store(builder, results[i * pieces + c], builder.gep(out, [simd.const(c * simd.LANES)]))
 
-        simd.cases(builder, group_arg, range(1, VALUE_VECTORS // pieces + 1), weighted_values_of)
+        simd.cases(builder, dim_arg, HEAD_SIZES, lambda dim: simd.cases(
+            builder, group_arg, range(1, VALUE_VECTORS * simd.LANES // dim + 1),
+            lambda heads: weighted_values_of(heads, dim // simd.LANES)))
         return context.get_dummy_value()
 
     return types.void(weights, h, group, v_cache, kvh, slots, dim, acc, p), codegen

@@ -6,6 +6,8 @@ Vectors are 16 float32 lanes: one AVX-512 register here; LLVM splits them in 2 o
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from llvmlite import ir
 from numba.core import cgutils
 
@@ -66,7 +68,7 @@ def fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Valu
     return builder.call(fn, [a, b, c])
 
 
-def cases(builder: ir.IRBuilder, value: ir.Value, counts: range, emit) -> None:
+def cases(builder: ir.IRBuilder, value: ir.Value, counts: Sequence[int], emit) -> None:
     """emit(n) for the n in `counts` that `value` (an integer known at run time only) equals, as the arms of
     one switch: for code whose unrolled shape needs n as a constant (how many rows or heads a kernel's
     registers hold). A value outside `counts` takes the last arm."""
