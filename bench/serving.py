@@ -140,7 +140,7 @@ async def one_stream(url: str, model: str, tokens: int) -> float:
     body = {"model": model, "messages": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
     async with lean_session() as session:
-        for _ in range(2):  # the first warms the server's caches and connection
+        for _ in range(2):  # the first warms the server's caches
             times = []
             async for chunk in stream_chunks(session, url, body):
                 if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
