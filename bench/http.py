@@ -64,12 +64,17 @@ async def _one(client, model: str, r: BenchRequest, extra_body: dict | None) -> 
             text = choice.delta.content if hasattr(choice, "delta") else choice.text
             if text:
                 times.append(time.monotonic())
-    end = time.monotonic()
-    first = times[0] if times else end
     cached = (usage.prompt_tokens_details.cached_tokens or 0) if usage and usage.prompt_tokens_details else 0
-    return RequestTiming(r.request_id, first - sent, 0.0, end - sent, usage.prompt_tokens if usage else 0, cached,
-                         usage.completion_tokens if usage else len(times),
-                         [b - a for a, b in zip(times, times[1:])])
+    return _timing(r, sent, times, usage.prompt_tokens if usage else 0, cached,
+                   usage.completion_tokens if usage else len(times))
+
+
+def _timing(r: BenchRequest, sent: float, times: list[float], prompt_tokens: int, cached_tokens: int,
+            output_tokens: int) -> RequestTiming:
+    """A streamed request's timing, now that it ended: `times` are when its chunks with text came."""
+    end = time.monotonic()
+    return RequestTiming(r.request_id, (times[0] if times else end) - sent, 0.0, end - sent, prompt_tokens,
+                         cached_tokens, output_tokens, [b - a for a, b in zip(times, times[1:])])
 
 
 async def stream_chunks(session, base_url: str, body: dict) -> AsyncIterator[dict]:
@@ -92,12 +97,9 @@ async def _one_lean(session_url, model: str, r: BenchRequest, extra_body: dict |
     async for chunk in stream_chunks(session, base_url, body):
         usage = chunk.get("usage") or usage
         times.extend(time.monotonic() for choice in chunk.get("choices", ()) if choice["delta"].get("content"))
-    end = time.monotonic()
     usage = usage or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return RequestTiming(r.request_id, (times[0] if times else end) - sent, 0.0, end - sent,
-                         usage.get("prompt_tokens", 0), cached, usage.get("completion_tokens", len(times)),
-                         [b - a for a, b in zip(times, times[1:])])
+    return _timing(r, sent, times, usage.get("prompt_tokens", 0), cached, usage.get("completion_tokens", len(times)))
 
 
 def lean_session():
