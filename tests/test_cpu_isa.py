@@ -54,6 +54,7 @@ def test_kernels_compiled_for_avx2_use_its_registers_and_match_torch(tmp_path):
     check = subprocess.run([sys.executable, "-c", AVX2_CHECK], cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=600)
     assert check.stdout.strip() == "ok", check.stderr[-3000:]
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_packed_matmul.py"],
-                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            "tests/test_packed_matmul.py"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=600)
     assert tests.returncode == 0, tests.stdout[-3000:]

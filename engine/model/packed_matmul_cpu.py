@@ -11,15 +11,15 @@ other. This is the layout and microkernel of oneDNN-style GEMMs, written as LLVM
   ROW_GROUP input rows, broadcasts x[row, k] and adds the product into that row's two accumulators:
   16 accumulators that stay in registers for the whole of K, and no horizontal sums at all.
 
-numba cannot express vector registers, so the microkernel is a numba intrinsic that emits the loop as
-LLVM IR (<16 x float> and llvm.fma); LLVM lowers it to AVX-512 here, and splits each vector in 2 on AVX2
-and in 4 on NEON, where fewer rows fit in the registers (row_group). Measured here (`python -m bench.matmul`:
-2-core AVX-512 EPYC, the 121 matmuls of a SmolLM2-135M step, fp32): 11.1 / 11.9 / 14.3 / 24.2 ms at 1 / 8 / 16 / 32 rows against 14.0 / 16.5 / 18.8 / 28.5 ms for
-oneDNN's packed weights (13.8 / 16.9 / 19.7 / 33.6 against 17.7 / 19.3 / 21.7 / 32.8 in a run before the
-prefetch below); the loops it replaces took 24-26 ms at 8 rows. bfloat16 weights are packed as
-their bits and widened to float32 in the loop (the arithmetic is float32): faster than oneDNN's native
-bf16 dot products at one row (7.4 vs 9.6 ms) and, since the prefetch, at 8 (7.6 vs 10.1; 12.1 vs 9.7
-without it).
+numba cannot express vector registers, so the microkernel is a numba intrinsic that emits the loop as LLVM IR
+(<16 x float> and llvm.fma); LLVM lowers it to AVX-512 here, and splits each vector in 2 on AVX2 and in 4 on
+NEON, where fewer rows fit in the registers (row_group). Measured here (`python -m bench.matmul`: 2-core
+AVX-512 EPYC, the 121 matmuls of a SmolLM2-135M step, fp32): 11.1 / 11.9 / 14.3 / 24.2 ms at 1 / 8 / 16 / 32
+rows against 14.0 / 16.5 / 18.8 / 28.5 ms for oneDNN's packed weights (13.8 / 16.9 / 19.7 / 33.6 against 17.7
+/ 19.3 / 21.7 / 32.8 in a run before the prefetch below); the loops it replaces took 24-26 ms at 8 rows.
+bfloat16 weights are packed as their bits and widened to float32 in the loop (the arithmetic is float32):
+faster than oneDNN's native bf16 dot products at one row (7.4 vs 9.6 ms) and, since the prefetch, at 8 (7.6 vs
+10.1; 12.1 vs 9.7 without it).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The vector kernels of the CPU decode attention (paged_decode_loops.py calls them): numba intrinsics that
-emit LLVM vector code (simd.py) for head sizes 64 and 128, one compiled per head size.
+emit LLVM vector code (simd.py) for the head sizes of HEAD_SIZES, each kernel a switch over them.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ HEAD_SIZES = (64, 128)  # the head sizes the vector kernels are compiled for (ea
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")
 def _vector_head_size(dim):
     """Whether the vector kernels (_key_scores, _weighted_values, _pack_keys) are compiled for head size dim."""
-    return dim == 64 or dim == 128
+    return dim in HEAD_SIZES
 
 
 @intrinsic
