@@ -44,7 +44,7 @@ class ClusterCollector(Collector):
             running.add_metric([model, replica], s.num_running)
             cached.add_metric([model, replica], s.prefix_cache.cached_blocks)
         decisions = CounterMetricFamily(f"{PREFIX}router_decisions",
-                                        "Requests routed, by reason (prefix_match, load_guard, no_match).",
+                                        "Requests routed, by reason (prefix_match, load_guard, short_match, no_match).",
                                         labels=["model_name", "reason"])
         for reason, n in client.routing_decisions().items():
             decisions.add_metric([model, reason], n)

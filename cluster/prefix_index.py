@@ -15,12 +15,15 @@ from dataclasses import dataclass
 
 RECENT_TTL_S = 10.0  # how long "just sent there" counts as held, while its events are on the way
 DEFAULT_MEAN_LOAD_FACTOR = 1.25  # no replica is given more than this x the mean load (as KubeAI's CHWBL)
+# a match covering less of the prompt than this share is not worth a busier replica (SGLang's cache_threshold)
+MIN_MATCH_SHARE = 0.5
 
 
 class RoutingReason(str, enum.Enum):
     PREFIX_MATCH = "prefix_match"  # the replica holding the longest prefix
     LOAD_GUARD = "load_guard"  # the best match was at the load bound: the best one under it instead
     NO_MATCH = "no_match"  # no replica holds the first block: least-loaded, then least cache
+    SHORT_MATCH = "short_match"  # the longest match is under MIN_MATCH_SHARE of the prompt: least-loaded, then it
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,18 +43,24 @@ def load_bound(loads: dict[str, int], mean_load_factor: float) -> int:
 def choose_replica(block_hashes: Sequence[bytes], loads: dict[str, int],
                    matched: Callable[[str, Sequence[bytes]], int],
                    mean_load_factor: float = DEFAULT_MEAN_LOAD_FACTOR,
-                   cache_sizes: dict[str, int] | None = None) -> RoutingDecision:
+                   cache_sizes: dict[str, int] | None = None,
+                   min_match_share: float = MIN_MATCH_SHARE) -> RoutingDecision:
     """The replica for a request: among those under the load bound (load_bound), the one holding the
     longest prefix, ties to the less loaded. A hot prefix thus spills to the next-best holder once its
     replica runs `mean_load_factor` x the mean, instead of queueing there. Misses go to the least
     loaded, and among those to the one holding the fewest blocks (as Ray's PrefixCacheAffinityRouter
     sends a miss to the replica with the least cache): prompts sent one at a time then spread over the
-    replicas instead of all landing on the first."""
+    replicas instead of all landing on the first. So does a request whose longest match covers less than
+    `min_match_share` of its blocks (a new chat sharing only a short system prompt): it starts a history
+    that its later turns follow, and a few cached blocks are not worth placing it on a busier replica."""
     sizes = cache_sizes or {}
     bound = load_bound(loads, mean_load_factor)
     under = [r for r in loads if loads[r] < bound]
     scores = {replica: matched(replica, block_hashes) for replica in loads}
     best = max(loads, key=lambda r: (scores[r], -loads[r]))
+    if 0 < scores[best] < min_match_share * len(block_hashes):
+        least = min(under, key=lambda r: (loads[r], -scores[r], sizes.get(r, 0)))
+        return RoutingDecision(least, RoutingReason.SHORT_MATCH, scores[least])
     chosen = max(under, key=lambda r: (scores[r], -loads[r], -sizes.get(r, 0)))
     if scores[chosen] == 0:
         least = min(under, key=lambda r: (loads[r], sizes.get(r, 0)))

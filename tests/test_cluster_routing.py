@@ -64,9 +64,24 @@ def test_prompts_sent_one_at_a_time_spread_over_the_replicas():
 
 
 def test_a_tie_goes_to_the_less_loaded_holder():
-    table = {"r0": set(H[:3]), "r1": set(H[:3]), "r2": set()}
+    table = {"r0": set(H[:5]), "r1": set(H[:5]), "r2": set()}
     decision = choose_replica(H, {"r0": 2, "r1": 1, "r2": 0}, _held(table))
     assert (decision.replica, decision.reason) == ("r1", RoutingReason.PREFIX_MATCH)
+
+
+def test_a_match_under_half_the_prompt_goes_to_the_least_loaded_replica():
+    """A new chat sharing only its system prompt starts where there is room (its later turns follow it
+    there), instead of piling onto the busier replica that saw the system prompt first."""
+    table = {"r0": set(H[:3]), "r1": set(), "r2": set(H[:1])}
+    decision = choose_replica(H, {"r0": 2, "r1": 1, "r2": 1}, _held(table))
+    assert (decision.replica, decision.reason, decision.matched_blocks) == ("r2", RoutingReason.SHORT_MATCH, 1)
+    decision = choose_replica(H, {"r0": 1, "r1": 1, "r2": 1}, _held(table))  # equally loaded: the longer match
+    assert (decision.replica, decision.reason, decision.matched_blocks) == ("r0", RoutingReason.SHORT_MATCH, 3)
+    table["r0"] = set(H[:4])  # half the prompt's blocks is enough to follow
+    decision = choose_replica(H, {"r0": 2, "r1": 1, "r2": 1}, _held(table))
+    assert (decision.replica, decision.reason, decision.matched_blocks) == ("r0", RoutingReason.PREFIX_MATCH, 4)
+    decision = choose_replica(H, {"r0": 2, "r1": 1, "r2": 1}, _held(table), min_match_share=0.75)
+    assert (decision.replica, decision.reason) == ("r2", RoutingReason.SHORT_MATCH)  # r1 as loaded, no match
 
 
 def test_the_load_bound_sends_a_busy_best_match_to_the_best_match_under_it():
