@@ -1,7 +1,8 @@
 """`python -m bench cluster`: engine replicas on a local Ray Serve under four routers, side by side.
 
     python -m bench cluster --model small --replicas 4 --repeats 2      # random-weight Llama (8 layers)
-    python -m bench cluster --model default --replicas 2 --repeats 2    # SmolLM2-135M-Instruct
+    python -m bench cluster --model default --replicas 2 --repeats 2 \
+        --first-user-tokens 384 --blocks-per-replica 224 --concurrency 7     # SmolLM2-135M-Instruct
 
 Trace (seeded): system prompts with Zipf popularity, the exponent solved so that the hottest one carries
 `--hot-load` x one replica's share (1/N) of the chats; every `--public-every`-th prompt by rank, the
@@ -10,6 +11,9 @@ one tenant (its own salt). Multi-turn chats on top (8 turns; each turn's prompt 
 the answer + a new user message), so most of a prompt is its chat's history: what a router that sends a
 chat's turns to different replicas computes again, and what every replica must hold for every chat in
 flight (more than its pool) when turns are spread; more distinct system-prompt blocks than one pool holds.
+With `--first-user-tokens` a chat opens with a document of its own that its later turns ask about: each
+history is then mostly that chat's, so a router that spreads a chat's turns needs every chat in every
+pool (on 2 replicas, where a turn lands beside the chat's turn t-2 half the time, only that tells them apart).
 
 Runs: round robin, Ray's default (power of two choices), Ray's PrefixCacheAffinityRouter and ours, and
 the reference, one replica with the whole pool (N x blocks, N x max_num_seqs), whose hit rate is the
@@ -91,9 +95,12 @@ def is_public(rank: int, public_every: int) -> bool:
 
 
 def build_trace(*, chats: int, prefixes: int, tenants: int, public_every: int, hot_share: float, turns: int,
-                system_tokens: int, user_tokens: int, vocab_size: int, seed: int = 0) -> list[Chat]:
+                system_tokens: int, user_tokens: int, vocab_size: int, seed: int = 0,
+                first_user_tokens: int | None = None) -> list[Chat]:
     """Chats in arrival order. A public prompt's chats come from tenants drawn at random (one salt for
-    all); a private prompt belongs to tenant rank % tenants."""
+    all); a private prompt belongs to tenant rank % tenants. A chat's first message has `first_user_tokens`
+    (a pasted document, say; default `user_tokens`), its later ones `user_tokens`."""
+    first_user_tokens = user_tokens if first_user_tokens is None else first_user_tokens
     rng = random.Random(seed)
     words = lambda n: [rng.randrange(SPECIAL_IDS, vocab_size) for _ in range(n)]  # noqa: E731
     systems = [words(system_tokens) for _ in range(prefixes)]
@@ -104,7 +111,7 @@ def build_trace(*, chats: int, prefixes: int, tenants: int, public_every: int, h
             public = is_public(rank, public_every)
             tenant = rng.randrange(tenants) if public else rank % tenants
             trace.append(Chat(tenant, rank, PUBLIC_SALT if public else f"tenant-{tenant}", systems[rank],
-                              [words(user_tokens) for _ in range(turns)]))
+                              [words(first_user_tokens if turn == 0 else user_tokens) for turn in range(turns)]))
     rng.shuffle(trace)
     return trace
 
@@ -307,12 +314,15 @@ def targets(means: dict[str, dict[str, dict]]) -> list[dict]:
 # ---- output
 
 def render(report: dict) -> str:
-    t = report["trace"]
+    t, a = report["trace"], report["args"]
     lines = [f"trace: {t['chats']} chats ({t['requests']} requests) over {t['prefixes']} system prompts, Zipf "
              f"s={report['zipf_s']:.2f}, hottest {t['hot_share']:.1%} of chats (one replica's share "
              f"{1 / report['args']['replicas']:.1%}); public prompts {t['public_prefixes']} used by "
              f"{t['tenants_per_public_prefix']} tenants; {t['system_prompt_blocks']} system-prompt blocks, "
              f"{report['args']['blocks_per_replica']} per replica pool",
+             f"{a['turns']}-turn chats: system prompt {a['system_tokens']}, first message "
+             f"{a['first_user_tokens'] or a['user_tokens']}, later ones {a['user_tokens']}, answers {a['max_tokens']} "
+             f"tokens; {a['concurrency']} chats in flight",
              "mean over repeats [each repeat]; KV use = prompt tokens each replica computed into its KV cache",
              f"{'run':<12}{'hit rate':>22}{'computed':>9}{'oracle':>8}{'TTFT p50 ms':>22}{'p99 ms':>8}"
              f"{'requests max/mean':>24}{'KV max/mean':>22}"]
@@ -374,8 +384,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each router, in a rotated order each round")
     parser.add_argument("--blocks-per-replica", type=int, default=96,
-                        help="KV pool of each replica (blocks): the chats in flight fit in N pools when each replica keeps its "
-                             "own, not when every replica holds every chat")
+                        help="KV pool of each replica (blocks): the chats in flight fit in N pools when each replica "
+                             "keeps its own, not when every replica holds every chat")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=8, help="per replica (the reference gets N x this)")
     parser.add_argument("--chats", type=int, default=None,
@@ -389,6 +399,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=64)
     parser.add_argument("--user-tokens", type=int, default=64)
+    parser.add_argument("--first-user-tokens", type=int, default=None,
+                        help="a chat's first message (default: --user-tokens); longer, it is a document the chat's "
+                             "later turns ask about, and most of each history is that chat's own")
     parser.add_argument("--max-tokens", type=int, default=16, help="the answer of each turn")
     parser.add_argument("--concurrency", type=int, default=None,
                         help="chats in flight (default: 2N + 1; with a multiple of N, a closed loop of equal requests "
@@ -443,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     trace = build_trace(chats=args.chats, prefixes=args.prefixes, tenants=args.tenants,
                         public_every=args.public_every, hot_share=hot_share, turns=args.turns,
                         system_tokens=args.system_tokens, user_tokens=args.user_tokens,
+                        first_user_tokens=args.first_user_tokens,
                         vocab_size=vocab_size, seed=args.seed)
     names = args.routers
     summaries = []

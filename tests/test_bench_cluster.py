@@ -60,6 +60,14 @@ def test_the_trace_is_seeded_and_tokens_stay_in_the_vocabulary():
     assert max(tokens) < 512 and min(tokens) >= 20
 
 
+def test_a_chats_first_message_can_be_a_longer_document():
+    chats = trace(first_user_tokens=40)
+    assert {len(c.user_turns[0]) for c in chats} == {40}
+    assert {len(m) for c in chats for m in c.user_turns[1:]} == {8}
+    assert len({tuple(c.user_turns[0]) for c in chats}) == len(chats)  # each chat's own
+    assert trace(first_user_tokens=None) == trace(first_user_tokens=8) == trace()  # the default: --user-tokens
+
+
 def test_the_system_prompts_hold_more_blocks_than_one_pool():
     info = describe_trace(trace(system_tokens=192), block_size=16)
     assert info["system_prompt_blocks"] == 12 * info["prefixes"] > 64
