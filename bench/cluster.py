@@ -12,8 +12,8 @@ the answer + a new user message), so most of a prompt is its chat's history: wha
 chat's turns to different replicas computes again, and what every replica must hold for every chat in
 flight (more than its pool) when turns are spread; more distinct system-prompt blocks than one pool holds.
 With `--first-user-tokens` a chat opens with a document of its own that its later turns ask about: each
-history is then mostly that chat's, so a router that spreads a chat's turns needs every chat in every
-pool (on 2 replicas, where a turn lands beside the chat's turn t-2 half the time, only that tells them apart).
+history is then mostly that chat's own, so a router that spreads a chat's turns needs every chat in every
+pool, and a pool smaller than that separates the routers (docs/scale-out.md).
 
 Runs: round robin, Ray's default (power of two choices), Ray's PrefixCacheAffinityRouter and ours, and
 the reference, one replica with the whole pool (N x blocks, N x max_num_seqs), whose hit rate is the
