@@ -58,14 +58,13 @@ def choose_replica(block_hashes: Sequence[bytes], loads: dict[str, int],
     under = [r for r in loads if loads[r] < bound]
     scores = {replica: matched(replica, block_hashes) for replica in loads}
     best = max(loads, key=lambda r: (scores[r], -loads[r]))
-    if 0 < scores[best] < min_match_share * len(block_hashes):
-        least = min(under, key=lambda r: (loads[r], -scores[r], sizes.get(r, 0)))
-        return RoutingDecision(least, RoutingReason.SHORT_MATCH, scores[least])
     chosen = max(under, key=lambda r: (scores[r], -loads[r], -sizes.get(r, 0)))
-    if scores[chosen] == 0:
-        least = min(under, key=lambda r: (loads[r], sizes.get(r, 0)))
-        reason = RoutingReason.NO_MATCH if scores[best] == 0 else RoutingReason.LOAD_GUARD
-        return RoutingDecision(least, reason, 0)
+    short = scores[best] < min_match_share * len(block_hashes)
+    if short or scores[chosen] == 0:
+        least = min(under, key=lambda r: (loads[r], -scores[r], sizes.get(r, 0)))
+        reason = (RoutingReason.NO_MATCH if scores[best] == 0 else
+                  RoutingReason.SHORT_MATCH if short else RoutingReason.LOAD_GUARD)
+        return RoutingDecision(least, reason, scores[least])
     reason = RoutingReason.PREFIX_MATCH if scores[chosen] == scores[best] else RoutingReason.LOAD_GUARD
     return RoutingDecision(chosen, reason, scores[chosen])
 
