@@ -317,9 +317,9 @@ def render(report: dict) -> str:
     t, a = report["trace"], report["args"]
     lines = [f"trace: {t['chats']} chats ({t['requests']} requests) over {t['prefixes']} system prompts, Zipf "
              f"s={report['zipf_s']:.2f}, hottest {t['hot_share']:.1%} of chats (one replica's share "
-             f"{1 / report['args']['replicas']:.1%}); public prompts {t['public_prefixes']} used by "
+             f"{1 / a['replicas']:.1%}); public prompts {t['public_prefixes']} used by "
              f"{t['tenants_per_public_prefix']} tenants; {t['system_prompt_blocks']} system-prompt blocks, "
-             f"{report['args']['blocks_per_replica']} per replica pool",
+             f"{a['blocks_per_replica']} per replica pool",
              f"{a['turns']}-turn chats: system prompt {a['system_tokens']}, first message "
              f"{a['first_user_tokens'] or a['user_tokens']}, later ones {a['user_tokens']}, answers {a['max_tokens']} "
              f"tokens; {a['concurrency']} chats in flight",
