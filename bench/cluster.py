@@ -62,6 +62,7 @@ class Chat:
     salt: str
     system: list[int]
     user_turns: list[list[int]]
+    think_s: list[float]  # the user's pause before each turn (reading the last answer); 0 before the first
 
 
 def zipf_exponent(num_prefixes: int, hot_share: float) -> float:
@@ -96,12 +97,15 @@ def is_public(rank: int, public_every: int) -> bool:
 
 def build_trace(*, chats: int, prefixes: int, tenants: int, public_every: int, hot_share: float, turns: int,
                 system_tokens: int, user_tokens: int, vocab_size: int, seed: int = 0,
-                first_user_tokens: int | None = None) -> list[Chat]:
+                first_user_tokens: int | None = None, think_s: float = 0.0) -> list[Chat]:
     """Chats in arrival order. A public prompt's chats come from tenants drawn at random (one salt for
     all); a private prompt belongs to tenant rank % tenants. A chat's first message has `first_user_tokens`
-    (a pasted document, say; default `user_tokens`), its later ones `user_tokens`."""
+    (a pasted document, say; default `user_tokens`), its later ones `user_tokens`. Before each later turn
+    its user pauses for an exponential time of mean `think_s` (0: sends it the moment the answer ends)."""
     first_user_tokens = user_tokens if first_user_tokens is None else first_user_tokens
     rng = random.Random(seed)
+    pauses = random.Random(f"{seed}/think")  # its own stream: a trace with pauses has the same tokens
+    pause = lambda turn: pauses.expovariate(1 / think_s) if turn and think_s else 0.0  # noqa: E731
     words = lambda n: [rng.randrange(SPECIAL_IDS, vocab_size) for _ in range(n)]  # noqa: E731
     systems = [words(system_tokens) for _ in range(prefixes)]
     counts = zipf_counts(chats, prefixes, zipf_exponent(prefixes, hot_share))
@@ -111,7 +115,8 @@ def build_trace(*, chats: int, prefixes: int, tenants: int, public_every: int, h
             public = is_public(rank, public_every)
             tenant = rng.randrange(tenants) if public else rank % tenants
             trace.append(Chat(tenant, rank, PUBLIC_SALT if public else f"tenant-{tenant}", systems[rank],
-                              [words(first_user_tokens if turn == 0 else user_tokens) for turn in range(turns)]))
+                              [words(first_user_tokens if turn == 0 else user_tokens) for turn in range(turns)],
+                              [pause(turn) for turn in range(turns)]))
     rng.shuffle(trace)
     return trace
 
@@ -127,7 +132,8 @@ def describe_trace(trace: list[Chat], block_size: int) -> dict:
             "hot_share": max(per_prefix.values()) / len(trace),
             "public_prefixes": public,
             "tenants_per_public_prefix": [len({c.tenant for c in trace if c.prefix == k}) for k in public],
-            "system_prompt_blocks": system_blocks}
+            "system_prompt_blocks": system_blocks,
+            "mean_think_s": statistics.fmean([s for c in trace for s in c.think_s[1:]] or [0.0])}
 
 
 # ---- one run
@@ -174,7 +180,8 @@ def load_spread(per_replica: dict, replicas: int) -> tuple[list[int], float]:
 
 
 async def run_trace(client, trace: list[Chat], concurrency: int, max_tokens: int, result: RunResult) -> None:
-    """Closed loop: `concurrency` users each take the next chat and send its turns one after another."""
+    """Closed loop: `concurrency` users each take the next chat and send its turns one after another, each
+    after the trace's pause."""
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -185,6 +192,8 @@ async def run_trace(client, trace: list[Chat], concurrency: int, max_tokens: int
             index, chat = queue.pop(0)
             history = list(chat.system)
             for turn, message in enumerate(chat.user_turns):
+                if chat.think_s[turn]:
+                    await asyncio.sleep(chat.think_s[turn])
                 prompt = history + message
                 request_id = f"{result.name}-{result.repeat}-{index}-{turn}"
                 start, first, answer = time.perf_counter(), None, []
@@ -322,7 +331,8 @@ def render(report: dict) -> str:
              f"{a['blocks_per_replica']} per replica pool",
              f"{a['turns']}-turn chats: system prompt {a['system_tokens']}, first message "
              f"{a['first_user_tokens'] or a['user_tokens']}, later ones {a['user_tokens']}, answers {a['max_tokens']} "
-             f"tokens; {a['concurrency']} chats in flight",
+             f"tokens; {a['concurrency']} chats in flight, pausing {t['mean_think_s']:.2f} s on average "
+             "before a next turn",
              "mean over repeats [each repeat]; KV use = prompt tokens each replica computed into its KV cache",
              f"{'run':<12}{'hit rate':>22}{'computed':>9}{'oracle':>8}{'TTFT p50 ms':>22}{'p99 ms':>8}"
              f"{'requests max/mean':>24}{'KV max/mean':>22}"]
@@ -403,6 +413,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="a chat's first message (default: --user-tokens); longer, it is a document the chat's "
                              "later turns ask about, and most of each history is that chat's own")
     parser.add_argument("--max-tokens", type=int, default=16, help="the answer of each turn")
+    parser.add_argument("--think-s", type=float, default=0.0,
+                        help="mean pause (exponential, seeded) before a chat's next turn, as its user reads the "
+                             "answer; 0: the next turn goes the moment the answer ends, when the replica that served "
+                             "it has just freed a slot, which a load-only router then picks again")
     parser.add_argument("--concurrency", type=int, default=None,
                         help="chats in flight (default: 2N + 1; with a multiple of N, a closed loop of equal requests "
                              "sends each chat's turns to one replica under round robin by accident)")
@@ -456,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     trace = build_trace(chats=args.chats, prefixes=args.prefixes, tenants=args.tenants,
                         public_every=args.public_every, hot_share=hot_share, turns=args.turns,
                         system_tokens=args.system_tokens, user_tokens=args.user_tokens,
-                        first_user_tokens=args.first_user_tokens,
+                        first_user_tokens=args.first_user_tokens, think_s=args.think_s,
                         vocab_size=vocab_size, seed=args.seed)
     names = args.routers
     summaries = []

@@ -1,11 +1,14 @@
 """bench/cluster.py's pure parts: the trace, the load spread, the targets and the run order (no Ray)."""
+import asyncio
+import time
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
 from bench.cluster import (OURS, PUBLIC_SALT, REFERENCE, ROUTER_RUNS, RunResult, aggregate, build_trace,
-                           cores_used_elsewhere, describe_trace, parse_args, run_order, targets, zipf_counts,
-                           zipf_exponent)
+                           cores_used_elsewhere, describe_trace, parse_args, run_order, run_trace, targets,
+                           zipf_counts, zipf_exponent)
 
 TRACE = dict(chats=64, prefixes=24, tenants=8, public_every=4, turns=3, system_tokens=64, user_tokens=8,
              vocab_size=512, seed=0)
@@ -66,6 +69,42 @@ def test_a_chats_first_message_can_be_a_longer_document():
     assert {len(m) for c in chats for m in c.user_turns[1:]} == {8}
     assert len({tuple(c.user_turns[0]) for c in chats}) == len(chats)  # each chat's own
     assert trace(first_user_tokens=None) == trace(first_user_tokens=8) == trace()  # the default: --user-tokens
+
+
+def test_users_pause_before_later_turns_only_and_pauses_leave_the_tokens_alone():
+    chats = trace(think_s=2.0)
+    assert all(c.think_s[0] == 0.0 and all(p > 0 for p in c.think_s[1:]) for c in chats)
+    assert 1.5 < describe_trace(chats, block_size=16)["mean_think_s"] < 2.5  # 128 exponential draws of mean 2
+    assert chats == trace(think_s=2.0)  # seeded
+    assert [(c.system, c.user_turns) for c in chats] == [(c.system, c.user_turns) for c in trace()]
+    assert {p for c in trace() for p in c.think_s} == {0.0} and describe_trace(trace(), 16)["mean_think_s"] == 0.0
+
+
+class _EchoClient:
+    """Answers every prompt with one token at once, and notes when each request came."""
+
+    def __init__(self):
+        self.sent = []
+
+    async def generate(self, request_id, prompt, params, cache_salt=None):
+        self.sent.append((request_id, time.perf_counter()))
+        yield SimpleNamespace(new_token_ids=[7], finished=True, finish_reason="length", num_cached_tokens=0)
+
+    def served_by(self, request_id):
+        return "r0"
+
+    def replica_snapshots(self):
+        return {}
+
+
+def test_a_users_next_turn_waits_for_its_pause():
+    chat = trace(chats=1)[0]
+    chat.think_s = [0.0, 0.05, 0.2]
+    client, result = _EchoClient(), RunResult("round_robin")
+    asyncio.run(run_trace(client, [chat], concurrency=1, max_tokens=1, result=result))
+    (_, t0), (_, t1), (_, t2) = client.sent
+    assert t1 - t0 >= 0.05 and t2 - t1 >= 0.2
+    assert result.prompts[1] == chat.system + chat.user_turns[0] + [7] + chat.user_turns[1]
 
 
 def test_the_system_prompts_hold_more_blocks_than_one_pool():
