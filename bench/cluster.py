@@ -2,7 +2,7 @@
 
     python -m bench cluster --model small --replicas 4 --repeats 2      # random-weight Llama (8 layers)
     python -m bench cluster --model default --replicas 2 --repeats 2 \
-        --first-user-tokens 384 --blocks-per-replica 224 --concurrency 7     # SmolLM2-135M-Instruct
+        --first-user-tokens 384 --blocks-per-replica 224 --concurrency 7 --think-s 1  # SmolLM2-135M-Instruct
 
 Trace (seeded): system prompts with Zipf popularity, the exponent solved so that the hottest one carries
 `--hot-load` x one replica's share (1/N) of the chats; every `--public-every`-th prompt by rank, the
@@ -13,7 +13,8 @@ chat's turns to different replicas computes again, and what every replica must h
 flight (more than its pool) when turns are spread; more distinct system-prompt blocks than one pool holds.
 With `--first-user-tokens` a chat opens with a document of its own that its later turns ask about: each
 history is then mostly that chat's own, so a router that spreads a chat's turns needs every chat in every
-pool, and a pool smaller than that separates the routers (docs/scale-out.md).
+pool, and a pool smaller than that separates the routers (docs/scale-out.md). With `--think-s` each user
+pauses before a next turn, as people read an answer before they reply.
 
 Runs: round robin, Ray's default (power of two choices), Ray's PrefixCacheAffinityRouter and ours, and
 the reference, one replica with the whole pool (N x blocks, N x max_num_seqs), whose hit rate is the
