@@ -319,7 +319,13 @@ def litellm():
         # (litellm's telemetry is opt-in: LITELLM_TELEMETRY_GROUPS, unset here)
         module = framework("litellm")
     module.suppress_debug_info = True  # no "Give Feedback" banner per error
-    return module
+    yield module
+    # litellm keeps each OpenAI client it builds in a process-wide cache, its connections open until exit
+    cache = module.in_memory_llm_clients_cache
+    for client in list(cache.cache_dict.values()):
+        if isinstance(client, openai.OpenAI):
+            client.close()
+    cache.flush_cache()
 
 
 def test_litellm_completion(litellm, base_url, model):
