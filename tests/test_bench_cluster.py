@@ -1,4 +1,4 @@
-"""bench/cluster.py's pure parts: the trace, the load spread, the targets and the run order (no Ray)."""
+"""bench/cluster.py without Ray: the trace, the load spread, the targets, the run order and the users' pauses."""
 import asyncio
 import time
 from collections import Counter
