@@ -8,6 +8,7 @@ from __future__ import annotations
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from cluster.prefix_index import RoutingReason
 from metrics.prometheus import PREFIX
 
 # every series name the collector exposes (counters with their _total suffix), for the dashboard's checks
@@ -44,7 +45,7 @@ class ClusterCollector(Collector):
             running.add_metric([model, replica], s.num_running)
             cached.add_metric([model, replica], s.prefix_cache.cached_blocks)
         decisions = CounterMetricFamily(f"{PREFIX}router_decisions",
-                                        "Requests routed, by reason (prefix_match, load_guard, short_match, no_match).",
+                                        f"Requests routed, by reason ({', '.join(RoutingReason)}).",
                                         labels=["model_name", "reason"])
         for reason, n in client.routing_decisions().items():
             decisions.add_metric([model, reason], n)
