@@ -2,7 +2,7 @@
 
     python -m bench cluster --model small --replicas 4 --repeats 2      # random-weight Llama (8 layers)
     python -m bench cluster --model default --replicas 2 --repeats 2 \
-        --first-user-tokens 384 --blocks-per-replica 224 --concurrency 7 --think-s 1  # SmolLM2-135M-Instruct
+        --first-user-tokens 384 --blocks-per-replica 192 --concurrency 8 --think-s 1  # SmolLM2-135M-Instruct
 
 Trace (seeded): system prompts with Zipf popularity, the exponent solved so that the hottest one carries
 `--hot-load` x one replica's share (1/N) of the chats; every `--public-every`-th prompt by rank, the
@@ -419,8 +419,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "answer; 0: the next turn goes the moment the answer ends, when the replica that served "
                              "it has just freed a slot, which a load-only router then picks again")
     parser.add_argument("--concurrency", type=int, default=None,
-                        help="chats in flight (default: 2N + 1; with a multiple of N, a closed loop of equal requests "
-                             "sends each chat's turns to one replica under round robin by accident)")
+                        help="chats in flight (default: 2N + 1; without --think-s, a multiple of N makes a closed "
+                             "loop of equal requests send each chat's turns to one replica under round robin by "
+                             "accident)")
     parser.add_argument("--mean-load-factor", type=float, default=DEFAULT_MEAN_LOAD_FACTOR,
                         help="our router's load bound: at most this x the mean load per replica")
     parser.add_argument("--seed", type=int, default=0)
