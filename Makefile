@@ -22,7 +22,7 @@ $(CLUSTER_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[cluster]'
 	touch $(CLUSTER_STAMP)
 
-# the client frameworks of tests/test_client_compat.py, for make test only; instructor in a venv of its own
+# the client frameworks of tests/gateway/test_client_compat.py, for make test only; instructor in a venv of its own
 # (its pins cannot share this venv's openai: tests/compat/instructor.txt)
 $(COMPAT_STAMP): $(STAMP) tests/compat/instructor.txt
 	$(PY) -m pip install -q -e '.[compat]'

@@ -2,7 +2,7 @@
 generate.py (usage), routes.py and errors.py build, field for field.
 
 Every object is closed (additionalProperties: false) and lists what is always sent as required, so
-tests/test_openapi_responses.py fails as soon as the gateway sends a field the document does not
+tests/gateway/test_openapi_responses.py fails as soon as the gateway sends a field the document does not
 describe, or stops sending one it does.
 """
 from __future__ import annotations

@@ -8,8 +8,8 @@ cd "$(dirname "$0")/.."
 model=${1:-default}
 out=${2:-bench/results}
 mkdir -p "$out"
-python -m pytest -q -o filterwarnings=ignore::DeprecationWarning tests/test_fused_cuda.py tests/test_paged_decode_cuda.py \
-  tests/test_decode_graph_cuda.py "tests/test_engine_hardening.py::test_seeded_sampling_on_cuda"
+python -m pytest -q -o filterwarnings=ignore::DeprecationWarning tests/engine/model/test_fused_cuda.py tests/engine/model/test_paged_decode_cuda.py \
+  tests/engine/model/test_decode_graph_cuda.py "tests/engine/test_engine_hardening.py::test_seeded_sampling_on_cuda"
 decode() { python -m bench.decode --device cuda --model "$model" --steps 32 "$@"; }
 decode --dtype bfloat16 --batches 1,4,8,16,32 --transformers --json "$out/decode_cuda_bf16.json"
 decode --dtype bfloat16 --batches 1,4,8,16,32 --enforce-eager --json "$out/decode_cuda_bf16_eager.json"

@@ -22,8 +22,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 KERNELS = REPO / "engine" / "model"
-ATTENTION_TESTS = ("tests/test_attention.py", "tests/test_decode_step_cpu.py")
-STEP_TESTS = ("tests/test_decode_step_cpu.py",)
+ATTENTION_TESTS = ("tests/engine/model/test_attention.py", "tests/engine/model/test_decode_step_cpu.py")
+STEP_TESTS = ("tests/engine/model/test_decode_step_cpu.py",)
 TIMEOUT_S = 1800
 
 

@@ -1,6 +1,6 @@
 """instructor on chat completions, run by .venv/compat-instructor's python (see instructor.txt):
 `instructor_cases.py BASE_URL MODEL MODE` prints one JSON object, what instructor parsed and what the
-completion it parsed from said. tests/test_client_compat.py asserts on it."""
+completion it parsed from said. tests/gateway/test_client_compat.py asserts on it."""
 from __future__ import annotations
 
 import json

@@ -1,0 +1,78 @@
+"""bench serving's report: which run each target reads, and the table (no servers started here)."""
+import asyncio
+
+from bench import multiturn, serving
+from bench.http import drive_lean
+from engine.tokenizer import load_tokenizer
+from tests.support.gateway_helpers import served
+
+BLOCK = 16
+
+
+def _chats(itl_ms: float, ttft_s: float, tok_s: float) -> dict:
+    return {"itl_p50_s": itl_ms / 1e3, "ttft_p50_s": ttft_s, "output_tok_s": tok_s}
+
+
+def _result() -> dict:
+    server = {"pss_idle_mb": {"1 -m gateway serve": 70.0}, "pss_after_mb": {}, "pss_idle_total_mb": 2000.0,
+              "pss_after_total_mb": 2010.0}
+    return {
+        "in_process": {"decode_step_p50_ms": 20.0, "weight_mb": 540.0, "kv_pool_mb": 1000.0,
+                       "multiturn": _chats(30.0, 0.5, 56.0), "multiturn_paused": _chats(30.0, 1.0, 40.0)},
+        # closed loop through HTTP: TTFT twice in process (arrival phase); paused: within the targets
+        "serve": {"one_stream_itl_p50_ms": 20.5, "multiturn": _chats(32.0, 1.0, 57.0),
+                  "multiturn_paused": _chats(32.0, 1.1, 41.0), **server},
+        "llama.cpp": {"one_stream_itl_p50_ms": 24.0, "multiturn": _chats(80.0, 3.0, 21.0),
+                      "multiturn_paused": _chats(82.0, 3.3, 18.0), **server},
+    }
+
+
+def test_targets_read_the_paused_chats_against_in_process_and_the_closed_loop_against_llama_cpp():
+    targets = {name: (figure, met) for name, figure, met in serving.targets(_result())}
+    assert targets["4 chats (paused): TTFT p50 <= 1.2x in process"] == ("1.100 / 1.000 s = 1.10x", True)
+    assert targets["4 chats (paused): ITL p50 <= 1.1x in process"] == ("32.0 / 30.0 ms = 1.07x", True)
+    assert targets["4 chats (closed loop): output tok/s >= 1.2x llama.cpp"] == ("57.0 / 21.0 = 2.71x", True)
+    assert targets["one stream: ITL p50 <= 1.05x in-process step"] == ("20.5 / 20.0 ms = 1.02x", True)
+    assert targets["PSS at idle <= weights + KV pool + 600 MB"] == ("2000 MB (budget 2140 MB)", True)
+    assert targets["one stream: ITL p50 <= 1.0x llama.cpp"][1] is True
+
+
+def test_render_shows_both_chat_runs_and_every_target():
+    result = _result()
+    result["targets"] = serving.targets(result)
+    text = serving.render(result)
+    serve_row = next(line for line in text.splitlines() if line.startswith("serve "))
+    assert "1.000 s" in serve_row and "1.100 s" in serve_row  # closed-loop and paused TTFT
+    assert text.count("met    ") == len(result["targets"]) == 6
+
+
+def test_paused_chats_wait_before_every_later_turn(tiny_llama_dir):
+    tokenizer = load_tokenizer(tiny_llama_dir, set())
+    work = multiturn.workload(tokenizer, turns=3, think_s=0.75)
+    assert [r.think_s for r in work.requests if r.after is None] == [0.0] * multiturn.CHATS
+    assert {r.think_s for r in work.requests if r.after is not None} == {0.75}
+    closed = multiturn.workload(tokenizer, turns=3)
+    assert {r.think_s for r in closed.requests} == {0.0}
+
+
+def test_the_lean_client_reads_timings_and_usage_from_a_real_server(tiny_llama_dir):
+    """bench serving's aiohttp client against `serve` on a tiny model: every turn streams its tokens,
+    later turns report the earlier turns' prompt as cached, and one stream yields a gap."""
+    tokenizer = load_tokenizer(tiny_llama_dir, set())
+    work = multiturn.workload(tokenizer, turns=2)
+    for r in work.requests:
+        r.max_tokens = 4
+    with served("--model", str(tiny_llama_dir), "--kv-cache-memory-mb", "64", "--block-size", str(BLOCK)) as server:
+        timings, duration = asyncio.run(drive_lean(server.base_url, tiny_llama_dir.name, work, {"ignore_eos": True}))
+        gap_ms = asyncio.run(serving.one_stream(server.base_url, tiny_llama_dir.name, 5))
+    by_id = {t.request_id: t for t in timings}
+    assert len(by_id) == len(work.requests) and duration > 0
+    for r in work.requests:
+        t = by_id[r.request_id]
+        assert t.num_output_tokens == 4 and t.num_prompt_tokens == len(r.prompt_token_ids) and not t.error
+        assert 0 < t.ttft <= t.e2e
+        if r.after is not None:  # the full blocks this turn shares with the previous turn's prompt are hits
+            previous = next(p for p in work.requests if p.request_id == r.after).prompt_token_ids
+            shared = next((i for i, (a, b) in enumerate(zip(previous, r.prompt_token_ids)) if a != b), len(previous))
+            assert t.num_cached_tokens == shared // BLOCK * BLOCK
+    assert gap_ms > 0

@@ -1,0 +1,64 @@
+"""The CUDA path's fused elementwise kernels against the eager ops they replace (on CUDA where there is one,
+through Triton's interpreter on CPU elsewhere)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model.llama import RMSNorm, apply_rotary
+from tests.support.machine import KERNEL_DEVICE as DEVICE, triton_module
+
+fused_cuda = triton_module("fused_cuda")
+
+
+def _randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("shape,dtype", [((5, 576), torch.float32), ((3, 100), torch.float32),
+                                         ((4, 96), torch.bfloat16)])
+def test_rms_norm_matches_the_module(shape, dtype):
+    norm = RMSNorm(shape[-1], 1e-5).to(dtype)
+    norm.weight.data = _randn(shape[-1], dtype=dtype, seed=1)
+    x = _randn(*shape, dtype=dtype)
+    expected = norm(x).detach()  # eager ops on CPU
+    out = fused_cuda.rms_norm(x.to(DEVICE), norm.weight.to(DEVICE), 1e-5).cpu()
+    assert out.dtype == expected.dtype
+    # bf16: two roundings, each of which Triton's interpreter does by truncation (a GPU rounds to nearest)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_rms_norm_of_strided_heads():
+    """q_norm / k_norm (Qwen3) normalize [T, heads, D] views into the fused qkv projection's output."""
+    qkv = _randn(3, 9 * 64 + 2 * 3 * 64)
+    q = qkv[:, :9 * 64].view(3, 9, 64)
+    weight = _randn(64, seed=2)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = weight
+    out = fused_cuda.rms_norm(q.to(DEVICE), weight.to(DEVICE), 1e-6).cpu()
+    torch.testing.assert_close(out, norm(q).detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,dim", [(9, 64), (2, 16), (4, 80)])  # 80: halves of 40, masked blocks
+def test_rotary_matches_the_eager_ops(heads, dim):
+    tokens = 6
+    qkv = _randn(tokens, heads * dim + 7)  # a strided view, as the split of the fused projection gives
+    x = qkv[:, :heads * dim].view(tokens, heads, dim)
+    angles = torch.arange(tokens)[:, None] * _randn(dim // 2, seed=3)[None, :].abs()
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    expected = apply_rotary(x, cos, sin)  # eager ops on CPU
+    out = fused_cuda.apply_rotary(x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE)).cpu()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_the_eager_ops(dtype):
+    gate_up = _randn(3, 2 * 1536, dtype=dtype)  # 1,536 wide: two blocks of 1,024, the second masked
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = (F.silu(gate) * up).to(dtype)
+    out = fused_cuda.silu_and_mul(gate_up.to(DEVICE)).cpu()
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)

@@ -1,0 +1,165 @@
+"""The Responses API through the openai SDK: plain, streamed (the documented events), continued with
+previous_response_id (the second turn a cache hit over the whole first), function tools, text.format, the
+stored responses' routes, and tenants that never see each other's response ids."""
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+from gateway.settings import ApiKey
+from tests.support.gateway_helpers import LiveServer, sdk_client, tiny_settings
+
+KEYS = {"alice": "sk-alice", "bob": "sk-bob"}
+SYSTEM = "You are a helpful assistant who answers about the capital of France and the prefix cache. " * 3
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_tools_dir):
+    keys = tuple(ApiKey(key, tenant) for tenant, key in KEYS.items())
+    with LiveServer(tiny_settings(tiny_tools_dir, keys=keys)) as live:
+        live.clients = {}
+        yield live
+        for sdk in live.clients.values():
+            sdk.close()
+
+
+def client(server, tenant: str = "alice") -> openai.OpenAI:
+    """One SDK client per tenant, closed with the server (an unclosed pool's sockets warn at garbage collection)."""
+    if tenant not in server.clients:
+        server.clients[tenant] = sdk_client(server)
+        server.clients[tenant].api_key = KEYS[tenant]
+    return server.clients[tenant]
+
+
+def test_a_plain_response_and_its_stored_routes(server):
+    sdk, model = client(server), server.state.model_name
+    resp = sdk.responses.create(model=model, input="hello world", max_output_tokens=6, temperature=0)
+    assert resp.object == "response" and resp.status in ("completed", "incomplete")
+    assert resp.output[0].type == "message" and resp.output_text == resp.output[0].content[0].text
+    assert resp.usage.input_tokens > 0 and resp.usage.input_tokens_details.cached_tokens == 0
+    assert resp.usage.output_tokens == 6 and resp.incomplete_details.reason == "max_output_tokens"
+    assert sdk.responses.retrieve(resp.id).output_text == resp.output_text
+    items = sdk.responses.input_items.list(resp.id)
+    assert [i.content[0].text for i in items.data] == ["hello world"]
+    with pytest.raises(openai.BadRequestError, match="background"):
+        sdk.responses.cancel(resp.id)
+    sdk.responses.delete(resp.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(resp.id)
+    server.wait_idle()
+
+
+def test_previous_response_id_continues_from_the_cache(server):
+    sdk, model = client(server), server.state.model_name
+    first = sdk.responses.create(model=model, instructions=SYSTEM, input="What is the capital of France?",
+                                 max_output_tokens=20, temperature=0)
+    second = sdk.responses.create(model=model, instructions=SYSTEM, previous_response_id=first.id,
+                                  input="And of Italy?", max_output_tokens=4, temperature=0)
+    turn_one = first.usage.input_tokens + first.usage.output_tokens  # the first prompt and its answer
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert cached >= (turn_one - 1) // 16 * 16 - 16, (cached, turn_one)  # all but the partial last block
+    # the request sent only the new message: the server brought the conversation
+    assert second.usage.input_tokens > turn_one
+    server.wait_idle()
+
+
+def test_another_tenant_never_sees_a_response_id(server):
+    alice, bob = client(server, "alice"), client(server, "bob")
+    resp = alice.responses.create(model=server.state.model_name, input="a secret", max_output_tokens=2)
+    for call in (lambda: bob.responses.retrieve(resp.id), lambda: bob.responses.delete(resp.id),
+                 lambda: bob.responses.input_items.list(resp.id),
+                 lambda: bob.responses.create(model=server.state.model_name, input="x", previous_response_id=resp.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert alice.responses.retrieve(resp.id).id == resp.id
+    server.wait_idle()
+
+
+def test_a_stream_sends_the_documented_events(server):
+    sdk = client(server)
+    # (the SDK's stream helper wants response.completed; a response cut by max_output_tokens ends, as
+    # OpenAI's do, with response.incomplete, which the plain stream hands over)
+    events = list(sdk.responses.create(model=server.state.model_name, input="count", max_output_tokens=8,
+                                       temperature=0, stream=True))
+    final = events[-1].response
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert "response.output_text.delta" in kinds and kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text and final.usage.output_tokens == 8
+    assert sdk.responses.retrieve(final.id).output_text == final.output_text  # stored too
+    server.wait_idle()
+
+
+def test_a_function_tool_round_trip(server):
+    sdk, model = client(server), server.state.model_name
+    resp = sdk.responses.create(model=model, input="What is the weather in Paris?", tools=[WEATHER],
+                                tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=400,
+                                temperature=0)
+    calls = [o for o in resp.output if o.type == "function_call"]
+    assert resp.status == "completed", resp.output  # the grammar closes the call
+    assert len(calls) == 1 and calls[0].name == "get_weather" and "city" in json.loads(calls[0].arguments)
+    follow = sdk.responses.create(model=model, previous_response_id=resp.id, tools=[WEATHER], max_output_tokens=4,
+                                  input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                                          "output": '{"temperature": 21}'}])
+    assert follow.status in ("completed", "incomplete") and follow.usage.input_tokens_details.cached_tokens > 0
+    with pytest.raises(openai.BadRequestError, match="web_search"):
+        sdk.responses.create(model=model, input="x", tools=[{"type": "web_search"}])
+    server.wait_idle()
+
+
+class City(BaseModel):  # enums: the tiny random model closes them at once (a free string it never ends)
+    name: Literal["Paris", "Rome"]
+    country: Literal["France", "Italy"]
+
+
+def test_text_format_json_schema_and_parse(server):
+    sdk, model = client(server), server.state.model_name
+    parsed = sdk.responses.parse(model=model, input="A city, as JSON", text_format=City, max_output_tokens=600,
+                                 temperature=0)
+    assert isinstance(parsed.output_parsed, City)
+    resp = sdk.responses.create(model=model, input="JSON please", max_output_tokens=600, temperature=0,
+                                text={"format": {"type": "json_object"}})
+    assert isinstance(json.loads(resp.output_text), dict)
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_function_call_cut_short_is_an_incomplete_call(server, stream):
+    """A string that cannot close within max_output_tokens: the call is cut short, and stays a call."""
+    sdk, model = client(server), server.state.model_name
+    note = {"type": "function", "name": "take_note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string", "minLength": 2000}}, "required": ["text"]}}
+    kwargs = dict(model=model, input="Note this.", tools=[note], tool_choice="required", max_output_tokens=64,
+                  temperature=0)
+    if stream:  # (the SDK's stream helper wants response.completed; an incomplete one ends response.incomplete)
+        events = list(sdk.responses.create(**kwargs, stream=True))
+        assert events[-1].type == "response.incomplete"
+        resp = events[-1].response
+    else:
+        resp = sdk.responses.create(**kwargs)
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    assert [o.type for o in resp.output] == ["function_call"]  # no internal tool-call text as a message
+    call = resp.output[0]
+    assert call.name == "take_note" and call.status == "incomplete"
+    assert call.arguments.startswith('{"text"') and not call.arguments.endswith("}")
+    server.wait_idle()
+
+
+def test_a_forced_call_with_a_text_format_is_the_call(server):
+    """Agents send text.format (their output type) on every turn, and force a tool on some: the call wins."""
+    sdk, model = client(server), server.state.model_name
+    resp = sdk.responses.create(model=model, input="Weather?", tools=[WEATHER], max_output_tokens=400,
+                                tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "City", "strict": True,
+                                                 "schema": City.model_json_schema() | {"additionalProperties": False}}})
+    assert [o.type for o in resp.output] == ["function_call"] and resp.output[0].name == "get_weather"
+    server.wait_idle()

@@ -1,0 +1,164 @@
+"""Forced tool calls (tool_choice "required" or a named function) through the real `openai` SDK against
+the real server and a tiny random-weight model: the grammar (engine/structured.py, SamplingParams.
+structured) makes even a random model write a valid call for the schema."""
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+from engine.async_engine import AsyncEngine
+from tests.support.gateway_helpers import LiveServer, ask, sdk_client, tiny_settings
+
+BLOCK = 16
+CITY = {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}  # bounded: a random model cannot ramble
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city", "parameters": {
+        "type": "object", "properties": {"city": CITY}, "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+class GetWeather(BaseModel):
+    city: Literal["Paris", "Rome", "Oslo"]  # bounded like CITY: a free string lets a random model ramble
+
+
+@pytest.fixture(scope="module")
+def server(tiny_tools_dir):
+    settings = tiny_settings(tiny_tools_dir, engine={"num_kv_blocks": 512})
+    with LiveServer(settings, AsyncEngine.from_config(settings.engine)) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with sdk_client(server, timeout=60) as sdk:
+        yield sdk
+
+
+@pytest.fixture(scope="module")
+def model(server) -> str:
+    return server.state.model_name
+
+
+def check_call(call, name: str) -> dict:
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == name
+    arguments = json.loads(call.function.arguments)
+    schema = WEATHER if name == "get_weather" else TIME
+    assert set(arguments) == set(schema["function"]["parameters"]["required"])
+    for key, value in arguments.items():
+        assert value in schema["function"]["parameters"]["properties"][key]["enum"]
+    return arguments
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_named_function_is_always_a_valid_call(client, model, temperature):
+    resp = client.chat.completions.create(model=model, messages=ask("Weather?"), tools=[WEATHER, TIME],
+                                          tool_choice=NAMED, temperature=temperature, seed=1, max_tokens=200)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert len(choice.message.tool_calls) == 1
+    check_call(choice.message.tool_calls[0], "get_weather")
+
+
+def test_required_is_always_at_least_one_valid_call(client, model):
+    for seed in range(3):
+        resp = client.chat.completions.create(model=model, messages=ask("Anything?"), tools=[WEATHER, TIME],
+                                              tool_choice="required", temperature=1.0, seed=seed, max_tokens=300)
+        calls = resp.choices[0].message.tool_calls
+        assert resp.choices[0].finish_reason == "tool_calls" and calls
+        for call in calls:
+            check_call(call, call.function.name)
+
+
+def test_required_without_parallel_calls_is_one_call(client, model):
+    resp = client.chat.completions.create(model=model, messages=ask("Anything?"), tools=[WEATHER, TIME],
+                                          tool_choice="required", parallel_tool_calls=False, max_tokens=300)
+    assert len(resp.choices[0].message.tool_calls) == 1
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_forced_call_streams_like_the_non_streaming_answer(client, model, tool_choice):
+    kwargs = dict(model=model, messages=ask("Weather?"), tools=[WEATHER, TIME], tool_choice=tool_choice,
+                  temperature=0, max_tokens=300)
+    plain = client.chat.completions.create(**kwargs).choices[0]
+    with client.chat.completions.stream(**kwargs) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == plain.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+           [(c.function.name, c.function.arguments) for c in plain.message.tool_calls]
+    for call in plain.message.tool_calls:
+        check_call(call, call.function.name)
+
+
+def test_parse_returns_typed_arguments(client, model):
+    tool = openai.pydantic_function_tool(GetWeather, name="get_weather")
+    resp = client.chat.completions.parse(model=model, messages=ask("Weather?"), tools=[tool],
+                                         tool_choice=NAMED, max_tokens=200)
+    call = resp.choices[0].message.tool_calls[0]
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
+def test_agent_loop_forced_call_then_answer_hits_the_cache(client, model):
+    messages = ask("What is the weather in Paris? " * 3)
+    kwargs = dict(model=model, tools=[WEATHER], temperature=0, max_tokens=200)
+    first = client.chat.completions.create(messages=messages, tool_choice=NAMED, **kwargs)
+    call = first.choices[0].message.tool_calls[0]
+    city = check_call(call, "get_weather")["city"]
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": f"sunny in {city}"}]
+    second = client.chat.completions.create(messages=messages, **{**kwargs, "max_tokens": 8})
+    messages += [{"role": "assistant", "content": second.choices[0].message.content or ""},
+                 {"role": "user", "content": "And tomorrow?"}]
+    third = client.chat.completions.create(messages=messages, **{**kwargs, "max_tokens": 8})
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in (first, second, third)]
+    assert cached[0] == 0
+    assert cached[1] >= first.usage.prompt_tokens // BLOCK * BLOCK > 0
+    assert cached[2] >= second.usage.prompt_tokens // BLOCK * BLOCK > cached[1]
+
+
+# a string that cannot close within max_tokens: the call is always cut short, however the random model samples
+NOTE = {"type": "function", "function": {"name": "take_note", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string", "minLength": 2000}}, "required": ["text"]}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "take_note"}}],
+                         ids=["required", "named"])
+def test_a_call_cut_short_by_max_tokens_stays_a_call(client, model, tool_choice):
+    kwargs = dict(model=model, messages=ask("Note this."), tools=[NOTE], tool_choice=tool_choice, temperature=0,
+                  max_tokens=64)
+    plain = client.chat.completions.create(**kwargs).choices[0]
+    assert plain.finish_reason == "length" and not plain.message.content  # no internal call text leaked
+    (call,) = plain.message.tool_calls
+    assert call.function.name == "take_note" and call.function.arguments.startswith('{"text"')
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    deltas = [c.delta for c in chunks]  # (the SDK's stream helper raises on "length" before showing the calls)
+    assert chunks[-1].finish_reason == "length" and not "".join(d.content or "" for d in deltas)
+    pieces = [p for d in deltas for p in d.tool_calls or ()]
+    assert {p.index for p in pieces} == {0} and pieces[0].function.name == "take_note"
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+
+
+def test_legacy_functions_get_the_legacy_shape(client, model):
+    kwargs = dict(model=model, messages=ask("Weather?"), functions=[WEATHER["function"], TIME["function"]],
+                  function_call={"name": "get_weather"}, temperature=0, max_tokens=200)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    assert choice.message.function_call.name == "get_weather"
+    city = json.loads(choice.message.function_call.arguments)["city"]
+    assert city in CITY["enum"]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    pieces = [c.choices[0].delta.function_call for c in chunks if c.choices and c.choices[0].delta.function_call]
+    assert pieces[0].name == "get_weather"
+    assert "".join(p.arguments or "" for p in pieces) == choice.message.function_call.arguments
+    assert chunks[-1].choices[0].finish_reason == "function_call"
+    history = ask("Weather?") + [choice.message.model_dump(exclude_none=True),
+                                 {"role": "function", "name": "get_weather", "content": f"sunny in {city}"}]
+    answer = client.chat.completions.create(model=model, messages=history, functions=[WEATHER["function"]],
+                                            function_call="none", max_tokens=4)
+    assert answer.choices[0].message.function_call is None and answer.choices[0].message.content
