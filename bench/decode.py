@@ -84,7 +84,7 @@ def measure(core: EngineCore, probe: torch.Tensor, batch: int, context: int, ste
     requests = start_decoding(core, batch, context, steps, shared)
     step_s, bandwidth = [], []
     for i in range(steps):
-        bandwidth.append(bandwidth_gb_s(probe, repeats=1))  # every step: one probe now and then swung to 75 GB/s
+        bandwidth.append(bandwidth_gb_s(probe, repeats=1))  # every step: the probe swings between steps
         start = time.perf_counter()
         core.step()
         step_s.append(time.perf_counter() - start)
@@ -97,8 +97,8 @@ def measure(core: EngineCore, probe: torch.Tensor, batch: int, context: int, ste
     # K/V a step has to read: the shared prefix once (cascade attention), each sequence's own part once
     kv = kv_bytes_per_token(core) * (shared + batch * (context - shared + steps // 2))
     roofline_s = (weights + kv) / (bw * 1e9)
-    # each step against the probe taken just before it: the bandwidth here drifts by 2x within a minute
-    # (other tenants of the host), and a step and its own probe see the same phase of that drift
+    # each step against the probe taken just before it: the bandwidth here drifts within a minute (other
+    # tenants of the host), and a step and its own probe see the same phase of that drift
     ratio = statistics.median((weights + kv) / (b * 1e9) / s for b, s in zip(bandwidth, step_s))
     return {"batch": batch, "context": context, "shared_prefix": shared, "step_ms": step * 1e3,
             "ms_per_token": step * 1e3 / batch, "tok_s": batch / step, "bandwidth_gb_s": bw,
@@ -147,7 +147,7 @@ def transformers_step_ms(model_path: str, batch: int, context: int, steps: int, 
 def measure_in_turns(core: EngineCore, partner: EngineCore, batch: int, context: int, steps: int,
                      shared: int = 0) -> dict:
     """`batch` decodes on `core`, each step right after a batch-1 step on `partner` (an engine over the same
-    weights): the two steps of a pair see the same moment of the machine, whose memory bandwidth swings by 2x
+    weights): the two steps of a pair see the same moment of the machine, whose memory bandwidth swings
     within a minute, so their ratio carries less of that noise than two medians taken a few seconds apart."""
     batched = start_decoding(core, batch, context, steps, shared)
     single = start_decoding(partner, 1, context, steps, shared)

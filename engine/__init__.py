@@ -8,11 +8,11 @@ from __future__ import annotations
 import importlib
 import os
 
-# OpenMP workers that spin for libgomp's default ~7 ms after each op steal the core another thread needs
-# (a 1,000-token prefill: 1.9-2.9 s spinning, 1.9 s sleeping), and workers that sleep at once pay a wake-up
-# per parallel op (a batch-1 decode step: 25 ms instead of 17). A ~0.3 ms spin keeps them awake through a
-# step and asleep between steps. It must be set before torch loads libgomp, so the engine package sets it
-# on import (an explicit GOMP_SPINCOUNT or OMP_WAIT_POLICY wins: libgomp lets GOMP_SPINCOUNT override the policy).
+# OpenMP workers that spin for libgomp's long default steal the core another thread needs, and workers that
+# sleep at once pay a wake-up per parallel op; a short spin (10,000 rounds) keeps them awake through a step and
+# asleep between steps (measured: docs/speed.md#the-decode-step). It must be set before torch loads libgomp, so
+# the engine package sets it on import (an explicit GOMP_SPINCOUNT or OMP_WAIT_POLICY wins: libgomp lets
+# GOMP_SPINCOUNT override the policy).
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 

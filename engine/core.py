@@ -209,7 +209,7 @@ class EngineCore:
         decodes = [c for c in chunks if not c.request.is_catching_up]
         num_prefill = sum(c.num_tokens for c in chunks) - len(decodes)
         if num_prefill:  # only steps with a prefill share are sized by the model; pure decode steps take
-            # another code path (on CPU the compiled step, ~30% faster) and would pull the correction down
+            # another, faster code path (on CPU the compiled step) and would pull the correction down
             self.step_target.observe(num_prefill, sum(c.request.num_tokens for c in decodes), seconds)
 
     def _guarded(self, request: Request, work, *args) -> list[RequestOutput]:

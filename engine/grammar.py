@@ -51,7 +51,7 @@ class GrammarCache:
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
         self.max_entries = max_entries
         self._fresh: OrderedDict[StructuredOutput, "llguidance.LLMatcher"] = OrderedDict()
-        self._ll_tokenizer: "llguidance.LLTokenizer | None" = None  # built on first use (~0.7 s for 49k tokens)
+        self._ll_tokenizer: "llguidance.LLTokenizer | None" = None  # built on first use: slow (docs/speed.md#start-up)
         self._lock = threading.Lock()
 
     def matcher(self, so: StructuredOutput) -> StructuredMatcher:
@@ -83,7 +83,7 @@ def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((num_rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
-# a bit -> what it adds to the logit: a branch-free add, 2-7x faster here than masked_fill with the same mask
+# a bit -> what it adds to the logit: a branch-free add, measured faster than masked_fill with the same mask
 _BIT_TO_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)
 
 

@@ -2,7 +2,7 @@
 with a prefill chunk (llama.cpp's --threads and --threads-batch).
 
 A batch-1 decode step streams the weights once and is bound by memory: on a 2-core machine one thread
-decoded faster than two (9.3 against 13.4 ms a token), while a prefill chunk is bound by arithmetic and
+decoded faster than two (docs/speed.md#threads), while a prefill chunk is bound by arithmetic and
 wants every core. Either number left unset is chosen at start-up by timing both kinds of step at each
 thread count the process may use; the fastest count wins, a smaller one when it is within 5 %, which
 leaves a core to the API process.

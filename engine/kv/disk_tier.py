@@ -64,7 +64,7 @@ def model_fingerprint(model_path: Path, dtype: torch.dtype, block_size: int, blo
 
 def _content_digest(path: Path) -> str:
     """xxh3-128 of the whole weights file: a fine-tune of the same shapes differs somewhere, maybe only
-    there (about 0.1 s for the default model's 540 MB, read from the page cache the load just filled)."""
+    there (cheap: read from the page cache the load just filled; docs/speed.md#start-up)."""
     digest = xxhash.xxh3_128()
     with path.open("rb", buffering=0) as f:
         buf = bytearray(_HASH_CHUNK)

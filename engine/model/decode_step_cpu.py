@@ -35,7 +35,7 @@ from engine.model.paged_decode_cpu import attend, cascade_groups
 from engine.model.paged_decode_loops import fast_exp
 
 # decode-only steps of up to this many rows take the compiled step: as many as the packed weights serve
-# (linear.MAX_PACKED_ROWS). Measured here (bench/decode.py): batch 16 44.7 ms against 50-63 ms eager
+# (linear.MAX_PACKED_ROWS); measured faster than eager there (docs/speed.md#the-decode-step)
 MAX_ROWS = MAX_PACKED_ROWS
 
 
@@ -109,7 +109,7 @@ class CompiledDecode:
 
     def _rotary_rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin [rows, head_dim] of `positions`, rows of a table of the rotary module's own output (grown
-        by doubling): the module's half-dozen small torch ops cost ~0.1 ms a step, a table lookup a few us."""
+        by doubling): a table lookup, where the module's half-dozen small torch ops cost far more a step."""
         needed = int(positions.max()) + 1
         if needed > len(self._cos):
             size = max(needed, 2 * len(self._cos), 1024)
@@ -170,8 +170,8 @@ def _head_norm(head, weight, eps):
 def _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads, q_norm, k_norm, qk_norm, eps):
     """Rotates q and k in place (after Qwen3's q/k norm) and writes each row's k and v to its slot."""
     rows, dim = qkv.shape[0], cos.shape[1]
-    # q heads, k heads, v heads: indexed by loop counters only (measured at 8 rows: 4.0 us a layer against
-    # 6.5 us with computed indices like q_size + h * dim + d, which numba checks for wraparound)
+    # q heads, k heads, v heads: indexed by loop counters only, measured faster than computed indices like
+    # q_size + h * dim + d, which numba checks for wraparound (docs/speed.md#the-decode-step)
     by_head = qkv.reshape(rows, heads + 2 * kv_heads, dim)
     for m in range(rows):
         if qk_norm:

@@ -2,8 +2,8 @@
 
 Eager PyTorch runs RMSNorm as 7 kernels in bfloat16 (cast, square, mean, add, rsqrt, multiply, scale),
 rotary as 5 per tensor and SiLU-and-multiply as 2. On a GPU each launch costs more than its
-arithmetic: even replayed from a CUDA graph a kernel takes 2-4 us, and a SmolLM2 decode step took
-3.9 ms against a 0.12 ms memory roofline (2.2 ms with these kernels; H100, bf16, batch 1). Each function
+arithmetic, even replayed from a CUDA graph, so a small model's decode step is bound by its kernel
+count, far above its memory roofline (docs/speed.md#on-a-gpu-cuda). Each function
 here is one kernel that computes in float32 and rounds once. The CPU keeps the eager ops (and its
 compiled decode step).
 """

@@ -25,13 +25,10 @@ instead two matmuls by the matmul microkernel (_cascade): the chunk's keys are t
 weight layout so that the scores of up to 8 queries come 32 keys at a time with the keys in vector
 lanes, no sums across lanes at all; the values, copied into the same layout, are weighted by the
 exponentials the same way. While it computes, such a task asks for the K/V of its thread's next task,
-a share between its steps. Measured here (`python -m bench.attention`: 8 rows, 1,000-token contexts,
-30 layers): K/V in cache 3.7-3.9 ms, from memory 12.2-12.7 ms (the arithmetic and the wait for K/V add
-up instead of overlapping), 960 tokens shared 4.0-4.9 ms (4.5-5.3 before the matmul form), 16 rows
-with 960 shared 6.7-6.8 ms (7.8), batch 1 1.4-2.9 ms. Other head sizes take the plain
-loops (one compiled copy of the chunk serves every head size: a copy per size, as the plain loops once
-had, took the kernel's first compile from 20 to 27 s). float32 and bfloat16 caches (the math is
-float32); other dtypes and CUDA take the plain path.
+a share between its steps. Its speed (`python -m bench.attention`): docs/speed.md#paged-attention. Other
+head sizes take the plain loops (one compiled copy of the chunk serves every head size: a copy per size,
+as the plain loops once had, made the kernel's first compile slower). float32 and bfloat16 caches (the
+math is float32); other dtypes and CUDA take the plain path.
 """
 from __future__ import annotations
 
@@ -48,13 +45,11 @@ from engine.model.cpu_threads import launch_lock, use_threads
 from engine.model.paged_decode_loops import _matmul_form, _task
 
 # context slots a parallel task attends: a batch-1 step at a 1,000-token context makes 4 tasks for the
-# threads, and the partials to merge stay few (measured: 128 and 512 were no faster)
+# threads, and the partials to merge stay few (128 and 512 measured no faster)
 CHUNK = 256
 MIN_SHARED_CHUNK = 64  # context slots of a cascade group's task, at the least
-# a row-slot of a task in the plain loops costs this many of one in _cascade's matmuls, to deal tasks by
-# (measured in decode steps, 8 rows, 960 of 1,000 slots shared: 4.5 us for a row's own 40 slots against 12 us for
-# a 64-slot cascade task of 8 rows, 5x a row-slot; 1.8x with K/V in cache. With 1 (slots x rows), one thread
-# got every own chunk while the other waited at the join: attention 4.18-4.30 ms a step, 3.98-4.15 with 3 or 4)
+# a row-slot of a task in the plain loops costs this many of one in _cascade's matmuls, to deal tasks by (with
+# 1, one thread got every own chunk while the other waited at the join; docs/speed.md#paged-attention)
 PLAIN_COST = 3
 
 
@@ -103,7 +98,7 @@ def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_leng
     rows = q.shape[0]
     dim = q.shape[1] // heads
     # (3-D, so that no index is computed: numba checks a computed index for wraparound, and that check
-    # alone kept the dot products from vectorizing, 3x slower)
+    # alone kept the dot products from vectorizing)
     scaled = np.empty((rows, heads, dim), np.float32)
     for m in range(rows):
         for h in range(heads):
@@ -149,7 +144,7 @@ def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_leng
 @njit(nogil=True, cache=kernel_cache.CACHE)
 def _plan(lengths, group, shared_lengths, threads, per_kv, dim):
     """attend's tasks and their bins (a function of its own: in attend's parallel body numba would launch
-    each of these small array operations as a parallel loop, measured: 60 us a call)."""
+    each of these small array operations as a parallel loop, which measured costly)."""
     rows = len(lengths)
     own = (lengths + CHUNK - 1) // CHUNK
     # a shared chunk serves every row of its group: 1/size of CHUNK each, so that a cascade task costs
@@ -193,9 +188,8 @@ def _plan(lengths, group, shared_lengths, threads, per_kv, dim):
             task += 1
     member_first[tasks] = member
     # the tasks dealt to one bin per thread, the costliest first to the least loaded bin: numba hands each
-    # thread an equal run of a prange's iterations, and a cascade task costs members x slots (measured:
-    # in task order one thread got every cascade task, and the cascade took 1.2-2.4x the time of reading
-    # the prefix once per row), PLAIN_COST times that in the plain loops
+    # thread an equal run of a prange's iterations, and a cascade task costs members x slots (in task order
+    # one thread got every cascade task, slower than no cascade), PLAIN_COST times that in the plain loops
     cost = np.empty(tasks, np.int64)
     for task in range(tasks):
         members = member_first[task + 1] - member_first[task]

@@ -14,8 +14,8 @@ from engine.model.packed_matmul_cpu import ROW_GROUP, TILE, tile_product
 from engine.model.paged_decode_vectors import (KEYS, SCORE_HEADS, VALUE_VECTORS, _copy, _key_scores, _largest,
                                                _pack_keys, _prefetch_row, _vector_head_size, _weighted_values)
 
-# query vectors of one kv head (rows x its query heads) from which a chunk is two matmuls (_cascade); measured
-# in cache, 64 slots, 3 query heads per kv head: 1.2x slower at 2 rows, even at 3, 1.1x faster at 4, 1.3x at 8
+# query vectors of one kv head (rows x its query heads) from which a chunk is two matmuls (_cascade): below
+# it the matmul form measured slower than the plain loops (docs/speed.md#paged-attention)
 CASCADE_QUERIES = 12
 
 
@@ -25,7 +25,7 @@ def fast_exp(x):
     libm call per element): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial, 2^n by bits."""
     x = max(x, np.float32(-87.0))  # keeps 2^n a normal float; e^-87 is 0 to a softmax anyway
     # n = x log2(e) rounded to nearest: truncating y - 0.5 rounds any y <= 0.5 so, and unlike math.floor (a
-    # libm call per element, measured: 4% of an attention step) it vectorizes
+    # libm call per element, a visible share of an attention profile) it vectorizes
     n = np.float32(np.int32(x * np.float32(1.442695) - np.float32(0.5)))
     r = x - n * np.float32(0.693145751953125) - n * np.float32(1.428606765330187e-06)  # ln2 in two parts
     p = np.float32(1.0) + r * (np.float32(1.0) + r * (np.float32(0.5) + r * (np.float32(1 / 6) + r * (
@@ -51,7 +51,7 @@ def _matmul_form(members, per_kv, dim):
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")
 def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
     """One chunk of slots for the rows `members` (q [rows, heads, dim], already scaled), one row after the
-    other (measured: rows innermost, every key serving all rows at once, ran 1.3x slower). Fills acc[p]
+    other (rows innermost, every key serving all rows at once, measured slower). Fills acc[p]
     [heads, dim], top[p] and total[p] [heads] of each row's partial p."""
     heads = q.shape[1]
     kv_heads = k_cache.shape[1]
@@ -62,8 +62,7 @@ def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
     for i in range(len(members)):  # the chunk's K/V come from memory for the first row, then from the cache
         m, p = members[i], partials[i]
         # (keys outermost: the chunk's K rows stream in order, each pass asking for the next KEYS rows; measured
-        # from memory in decode-like steps, 1,000-token contexts: batch 1 1.68-1.82 vs 1.84-1.92 ms, batch 8
-        # 10.49-11.22 vs 10.64-11.63 ms)
+        # faster from memory: docs/speed.md#paged-attention)
         for t in range(0, vector_keys, KEYS):
             _prefetch_rows(k_cache, slots, t + KEYS, KEYS)
             for kvh in range(kv_heads):
@@ -113,16 +112,13 @@ def _cascade(q, members, partials, k_cache, v_cache, slots, following, dim, acc,
     outputs = np.empty((len(queries), dim), np.float32)
     whole = count - count % KEYS
     # the next task's K/V are asked for in shares between the steps below, ahead of their first read
-    # (measured: from memory it took as long as this task's arithmetic, one after the other; in one burst it
-    # was no faster)
+    # (from memory it took as long as this task's arithmetic, one after the other; one burst was no faster)
     groups = (len(queries) + ROW_GROUP - 1) // ROW_GROUP
     steps = kv_heads * (groups * (padded // TILE + dim // TILE) + len(queries))
     share, ahead = (len(following) + steps - 1) // steps, 0
     # every kv head's K and V in one pass over the slots (the chunk's one read from memory, in address order),
     # each pass asking for the rows a little ahead of it into L1: what the task before asked for waits in L2,
-    # where the transposes' loads found it too slowly (measured in decode-like steps, 8 rows, 960 of 1,000
-    # slots shared: packing 2.2 us and copying the values 2.6 us a task against 0.8 and 1.0 with K/V in
-    # cache; attention 3.65-3.95 ms a step with these prefetches against 4.02-4.46 without)
+    # where the transposes' loads found it too slowly (measured: docs/speed.md#paged-attention)
     for t in range(0, whole, KEYS):
         _prefetch_rows(k_cache, slots, t + KEYS, KEYS)
         for kvh in range(kv_heads):

@@ -42,8 +42,8 @@ def _largest(typingctx, row, vectors):
 
 @intrinsic
 def _prefetch_row(typingctx, cache, slot):
-    """Asks for cache[slot] (every kv head's) into every cache level, ahead of its use (measured in decode-like
-    steps, 8 rows with 960 slots shared: attention 3.82-4.10 ms a step against 3.98-4.36 ms from L2 outward)."""
+    """Asks for cache[slot] (every kv head's) into every cache level, ahead of its use (measured faster than
+    from L2 outward: docs/speed.md#paged-attention)."""
     def codegen(context, builder, signature, args):
         cache_ty = signature.args[0]
         cache_arg, slot_arg = args
@@ -62,7 +62,7 @@ def _prefetch_row(typingctx, cache, slot):
 @intrinsic
 def _copy(typingctx, dst, src, n):
     """dst[:n] = src[:n] (float32, or bfloat16 bits widened) for n a constant multiple of LANES, both with unit
-    stride: straight vector moves (numba's loop over computed indices does not vectorize, measured 17x slower)."""
+    stride: straight vector moves (numba's loop over computed indices does not vectorize, measured far slower)."""
     if not isinstance(n, types.IntegerLiteral):
         return None
     bits = src.dtype == types.uint16
