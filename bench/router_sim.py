@@ -1,7 +1,7 @@
 """`python -m bench router-sim`: the cluster router and its prefix index at 64 and 256 replicas, simulated.
 
 No Ray and no model: a recorded trace of multi-turn chats (bench/traces/) is replayed against simulated
-replicas, each a KV pool of block hashes (LRU, ref counts while a request runs) serving up to
+replicas, each the engine's own `BlockPool` (engine/kv, LRU) over the trace's block hashes, serving up to
 `max_num_seqs` requests at once, for a time set by the prefill tokens it computes and its decode steps.
 Each of G gateways owns a real `PrefixIndex` (cluster/prefix_index.py) and routes its share of the
 requests with the real `choose` + `reserve`; the replicas push their KV events to one ordered log every
@@ -25,13 +25,14 @@ import statistics
 import sys
 import time
 from array import array
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cluster.prefix_index import DEFAULT_MEAN_LOAD_FACTOR, PrefixIndex
-from engine.config import HashAlgo
+from engine.config import EvictionPolicy, HashAlgo
+from engine.kv.block_pool import BlockPool, KVCacheBlock
 from engine.kv.hashing import hash_full_blocks
 
 TRACE = Path(__file__).parent / "traces" / "multiturn-256.json.gz"
@@ -43,8 +44,8 @@ WARMUP_S = 300.0  # chats start this long before the replayed window, so it open
 
 @dataclass(frozen=True, slots=True)
 class ReplicaShape:
-    """One replica. Costs of this repo's engine with SmolLM2-135M on 2 CPU cores (docs/speed.md): a
-    512-token prefill chunk ~820 ms, a decode step of 8 rows 34-60 ms."""
+    """One replica; its costs are this repo's engine's with SmolLM2-135M on 2 CPU cores
+    (docs/router-simulation.md#what-is-modelled)."""
 
     num_blocks: int = 2048  # 32k tokens: SmolLM2-135M's bf16 K/V in 0.7 GB
     max_num_seqs: int = 8
@@ -235,83 +236,42 @@ def oracle_hit_rate(requests: Sequence[TraceRequest]) -> float:
     seen: set[bytes] = set()
     cached = prompt = 0
     for r in requests:
-        hit = _cached_prefix(r.chat_hashes, (r.prompt_tokens - 1) // BLOCK_SIZE, seen.__contains__)
+        hit, max_hit = 0, (r.prompt_tokens - 1) // BLOCK_SIZE
+        while hit < max_hit and r.chat_hashes[hit] in seen:
+            hit += 1
         cached, prompt = cached + hit * BLOCK_SIZE, prompt + r.prompt_tokens
         seen.update(r.chat_hashes[:(r.prompt_tokens + r.output_tokens - 1) // BLOCK_SIZE])
     return cached / prompt
 
 
-def _cached_prefix(block_hashes: Sequence[bytes], max_blocks: int, held: Callable[[bytes], bool]) -> int:
-    n = 0
-    while n < max_blocks and held(block_hashes[n]):
-        n += 1
-    return n
+# ---- a replica: the engine's own BlockPool over the trace's block hashes, its slots and queue
+
+# the trace's blocks are known by their chained SHA-256 hashes alone, so no token ids guard a hit here
+NO_TOKENS: tuple[int, ...] = ()
 
 
-# ---- a replica: its KV pool as block hashes, its slots and queue
+def new_pool(num_blocks: int, emit_events: bool) -> BlockPool:
+    """A replica's KV pool: engine/kv's BlockPool with LRU eviction, "stored" / "removed" events if asked."""
+    pool = BlockPool(num_blocks, eviction_policy=EvictionPolicy.LRU)
+    if emit_events:
+        pool.kv_events = []
+    return pool
 
 
-class ReplicaCache:
-    """A replica's KV pool, engine/kv's rules on hashes only: blocks in use have ref counts and are never
-    evicted; a freed block keeps its hash (lazy eviction) in LRU order until a new block needs its room."""
+def cached_blocks(pool: BlockPool, block_hashes: Sequence[bytes], max_blocks: int) -> list[KVCacheBlock]:
+    """The longest run of leading blocks `pool` holds, at most `max_blocks`."""
+    blocks = []
+    for block_hash in block_hashes[:max_blocks]:
+        block = pool.get_cached_block(block_hash, NO_TOKENS)
+        if block is None:
+            break
+        blocks.append(block)
+    return blocks
 
-    def __init__(self, num_blocks: int, emit_events: bool) -> None:
-        self.num_blocks = num_blocks
-        self.in_use: dict[bytes, int] = {}  # cached block hash -> requests holding it
-        self.free: OrderedDict[bytes, None] = OrderedDict()  # cached, no request holds it: first is evicted first
-        self.num_uncached = 0  # in-use blocks with no hash (not computed yet, partial, or a copy of a cached one)
-        self.events: list[tuple[str, bytes]] | None = [] if emit_events else None
-        self.evictions = 0
 
-    def __contains__(self, block_hash: bytes) -> bool:
-        return block_hash in self.in_use or block_hash in self.free
-
-    def cached_prefix(self, block_hashes: Sequence[bytes], max_blocks: int) -> int:
-        return _cached_prefix(block_hashes, max_blocks, self.__contains__)
-
-    def fits(self, hits: Sequence[bytes], num_new: int) -> bool:
-        reclaimed = sum(1 for h in hits if h in self.free)  # a hit on a free block takes it off the free list
-        return len(self.in_use) + reclaimed + self.num_uncached + num_new <= self.num_blocks
-
-    def acquire(self, hits: Sequence[bytes], num_new: int) -> None:
-        """Takes the hit blocks and `num_new` fresh ones, evicting the least recently used free blocks."""
-        for h in hits:
-            if h in self.free:
-                del self.free[h]
-                self.in_use[h] = 1
-            else:
-                self.in_use[h] += 1
-        while len(self.in_use) + self.num_uncached + len(self.free) + num_new > self.num_blocks:
-            evicted, _ = self.free.popitem(last=False)
-            self.evictions += 1
-            if self.events is not None:
-                self.events.append(("removed", evicted))
-        self.num_uncached += num_new
-
-    def store(self, block_hashes: Sequence[bytes]) -> list[bytes]:
-        """Hashes computed blocks (taken as uncached ones); returns those cached. A hash already cached
-        (the same tokens computed twice) leaves its block an uncached copy."""
-        stored = [h for h in block_hashes if h not in self]
-        for h in stored:
-            self.in_use[h] = 1
-        self.num_uncached -= len(stored)
-        if self.events is not None:
-            self.events += [("stored", h) for h in stored]
-        return stored
-
-    def release(self, held: Sequence[bytes], num_uncached: int) -> None:
-        """Frees a finished request's blocks; `held` in block order, freed tail first so the prefix outlives
-        the suffix."""
-        self.num_uncached -= num_uncached
-        for h in reversed(held):
-            if self.in_use[h] == 1:
-                del self.in_use[h]
-                self.free[h] = None
-            else:
-                self.in_use[h] -= 1
-
-    def hashes(self) -> set[bytes]:
-        return set(self.in_use) | set(self.free)
+def fits(pool: BlockPool, hits: Sequence[KVCacheBlock], num_new: int) -> bool:
+    """Whether `num_new` fresh blocks are free once the hits are taken (a hit on a free block leaves the queue)."""
+    return pool.num_free_blocks - sum(1 for block in hits if block.ref_cnt == 0) >= num_new
 
 
 @dataclass(slots=True)
@@ -320,8 +280,7 @@ class Request:
     gateway: int
     replica: SimReplica | None = None
     hit_blocks: int = 0
-    held: list[bytes] = field(default_factory=list)
-    num_uncached: int = 0
+    blocks: list[KVCacheBlock] = field(default_factory=list)  # its block table, in block order
 
     @property
     def block_hashes(self) -> list[bytes]:
@@ -331,7 +290,7 @@ class Request:
 @dataclass(slots=True)
 class SimReplica:
     name: str
-    cache: ReplicaCache
+    pool: BlockPool
     max_num_seqs: int
     push_phase_s: float = 0.0  # its push loop started at this offset
     queue: list[Request] = field(default_factory=list)
@@ -436,10 +395,10 @@ class Simulation:
         rng = random.Random(config.seed)
         prefix = config.policy is Policy.PREFIX
         if config.policy is Policy.ONE_POOL:
-            self.replicas = [SimReplica("pool", ReplicaCache(shape.num_blocks * config.replicas, False),
+            self.replicas = [SimReplica("pool", new_pool(shape.num_blocks * config.replicas, False),
                                         shape.max_num_seqs * config.replicas)]
         else:
-            self.replicas = [SimReplica(f"replica-{i:03d}", ReplicaCache(shape.num_blocks, prefix), shape.max_num_seqs,
+            self.replicas = [SimReplica(f"replica-{i:03d}", new_pool(shape.num_blocks, prefix), shape.max_num_seqs,
                                         rng.uniform(0, config.lag_s)) for i in range(config.replicas)]
         self.by_name = {r.name: r for r in self.replicas}
         self.names = list(self.by_name)
@@ -503,25 +462,26 @@ class Simulation:
             block_hashes = request.block_hashes
             # NOTE: the last prompt token is always computed: its logits give the first output token
             max_hit = (request.trace.prompt_tokens - 1) // BLOCK_SIZE
-            hit = replica.cache.cached_prefix(block_hashes, max_hit)
-            if hit < max_hit and block_hashes[hit] in replica.computing:
+            hits = cached_blocks(replica.pool, block_hashes, max_hit)
+            if len(hits) < max_hit and block_hashes[len(hits)] in replica.computing:
                 replica.queue.append(request)
                 continue
-            if replica.running == replica.max_num_seqs or not self._start(replica, request, hit):
+            if replica.running == replica.max_num_seqs or not self._start(replica, request, hits):
                 replica.queue += queue[i:]
                 break
         self._take_events(replica)
 
-    def _start(self, replica: SimReplica, request: Request, hit: int) -> bool:
-        """Runs `request` with `hit` cached blocks, if its blocks fit."""
+    def _start(self, replica: SimReplica, request: Request, hits: list[KVCacheBlock]) -> bool:
+        """Runs `request` on its cached blocks `hits` and fresh ones for the rest, if they fit."""
         prompt, output = request.trace.prompt_tokens, request.trace.output_tokens
-        hits, num_new = request.block_hashes[:hit], -(-(prompt + output) // BLOCK_SIZE) - hit
-        if not replica.cache.fits(hits, num_new):
+        hit, pool = len(hits), replica.pool
+        num_new = -(-(prompt + output) // BLOCK_SIZE) - hit
+        if not fits(pool, hits, num_new):
             assert replica.running, "a request larger than a replica's whole pool"
             return False
         replica.running += 1
-        replica.cache.acquire(hits, num_new)
-        request.hit_blocks, request.held, request.num_uncached = hit, list(hits), num_new
+        pool.touch(hits)
+        request.hit_blocks, request.blocks = hit, hits + pool.allocate(num_new)
         replica.computing.update(request.block_hashes[hit:])
         prefill_s = self.shape.service_s(prompt - hit * BLOCK_SIZE, 0)
         service_s = prefill_s + self.shape.service_s(0, output)
@@ -541,31 +501,31 @@ class Simulation:
                 del computing[h]
             else:
                 computing[h] -= 1
-        self._store(request, computed)
+        self._store(request, request.hit_blocks, request.trace.prompt_tokens // BLOCK_SIZE)
         self._admit(request.replica)  # requests waiting for this prefix hit it now
 
     def _finish(self, request: Request) -> None:
         t, replica = request.trace, request.replica
         # the answer's full blocks are cached too (all but the last token were computed)
-        self._store(request, t.chat_hashes[t.prompt_tokens // BLOCK_SIZE:(t.prompt_tokens + t.output_tokens - 1)
-                                           // BLOCK_SIZE])
-        replica.cache.release(request.held, request.num_uncached)
+        self._store(request, t.prompt_tokens // BLOCK_SIZE, (t.prompt_tokens + t.output_tokens - 1) // BLOCK_SIZE)
+        # NOTE: tail first, so the prefix outlives the suffix
+        replica.pool.free(reversed(request.blocks))
         replica.running -= 1
         self.loads[replica.name] -= 1
         if self.config.policy is Policy.PREFIX:
             self.gateways[request.gateway].index.release(replica.name)
         self._admit(replica)
 
-    def _store(self, request: Request, block_hashes: Sequence[bytes]) -> None:
-        stored = request.replica.cache.store(block_hashes)
-        request.held += stored
-        request.num_uncached -= len(stored)
+    def _store(self, request: Request, first: int, end: int) -> None:
+        """Caches the computed blocks `first` to `end` of the request's table under their hashes."""
+        pool, chat_hashes = request.replica.pool, request.trace.chat_hashes
+        for i in range(first, end):
+            pool.cache_block(request.blocks[i], chat_hashes[i], NO_TOKENS)
         self._take_events(request.replica)
 
     def _take_events(self, replica: SimReplica) -> None:
-        events = replica.cache.events
+        events = replica.pool.take_kv_events()
         if events:
-            replica.cache.events = []
             self._publish(replica, events)
 
     def _publish(self, replica: SimReplica, events: list[tuple[str, bytes]]) -> None:
@@ -594,7 +554,7 @@ class Simulation:
             "max_over_mean_busy": max(busy) / statistics.fmean(busy),
             "offered_load": sum(r.busy_s for r in replicas) / (slots * last_arrival_s),
             "ttft_p50_s": _quantile(self.ttfts, 0.5), "ttft_p99_s": _quantile(self.ttfts, 0.99),
-            "evictions": sum(r.cache.evictions for r in replicas), "sim_s": self.now, "wall_s": wall_s,
+            "evictions": sum(r.pool.evictions["capacity"] for r in replicas), "sim_s": self.now, "wall_s": wall_s,
         }
         if c.policy is Policy.PREFIX:
             summary.update(self._index_summary(last_arrival_s))

@@ -1,4 +1,4 @@
-"""bench router-sim on a tiny recorded trace: the simulated replica cache keeps engine/kv's rules, the event
+"""bench router-sim on a tiny recorded trace: the simulated replicas drive engine/kv's real BlockPool, the event
 log feeds the real PrefixIndex exactly, and the routing results hold (behaviour, not times)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from bench import router_sim
 from bench.__main__ import main as bench_main
-from bench.router_sim import (ChatHashes, Policy, ReplicaCache, ReplicaShape, RunConfig, Simulation, TraceShape,
+from bench.router_sim import (ChatHashes, Policy, ReplicaShape, RunConfig, Simulation, TraceRequest, TraceShape,
                               read_trace, record_trace, workload, write_trace)
 
 TINY_REPLICA = ReplicaShape(num_blocks=256, max_num_seqs=4)
@@ -35,45 +35,46 @@ def run(requests, replicas=4, **config) -> Simulation:
     return sim
 
 
-def test_cache_evicts_least_recently_freed_and_frees_tail_first():
-    cache = ReplicaCache(6, emit_events=True)
-    cache.acquire([], 3)
-    assert cache.store([b"a", b"b", b"c"]) == [b"a", b"b", b"c"]
-    cache.release([b"a", b"b", b"c"], 0)  # tail first: c is evicted before b before a
-    cache.acquire([b"a"], 2)  # a hit takes its block off the free list
-    cache.store([b"d", b"e"])
-    cache.acquire([], 2)  # 6 blocks: a, d, e in use, 2 new, so 1 of b and c goes
-    cache.acquire([], 1)
-    assert cache.events == [("stored", b"a"), ("stored", b"b"), ("stored", b"c"), ("stored", b"d"),
-                            ("stored", b"e"), ("removed", b"c"), ("removed", b"b")]
-    assert cache.hashes() == {b"a", b"d", b"e"} and cache.num_uncached == 3
+def chat(name: str, num_blocks: int) -> list[bytes]:
+    return [f"{name}{i}".encode() for i in range(num_blocks)]
 
 
-def test_running_blocks_are_never_evicted():
-    cache = ReplicaCache(4, emit_events=True)
-    cache.acquire([], 3)
-    cache.store([b"a", b"b", b"c"])
-    assert not cache.fits([], 2)  # 3 blocks held by a running request, 1 free
-    assert cache.fits([b"a"], 1)  # a shared block costs nothing more
-    cache.release([b"a", b"b", b"c"], 0)
-    assert cache.fits([], 4)
+def logged_events(sim: Simulation) -> list[tuple[str, bytes]]:
+    return [event for _, events in sim.log.since(0) for event in events]
+
+
+def test_a_replica_keeps_running_blocks_frees_tail_first_and_evicts_least_recently_freed():
+    a, b = chat("a", 4), chat("b", 4)
+    c = a[:2] + chat("c", 2)  # shares a's first two blocks
+    # each 48 prompt + 16 output tokens: 4 blocks of a 6-block pool, the 3 prompt blocks cached
+    requests = [TraceRequest(0.0, a, 48, 16), TraceRequest(0.001, b, 48, 16), TraceRequest(10.0, c, 48, 16)]
+    shape = ReplicaShape(num_blocks=6, max_num_seqs=4)
+    sim = Simulation(requests, RunConfig(Policy.PREFIX, 1, lag_s=0.0), shape)
+    sim.run()
+    # b waits for a's blocks: then a's prompt is freed tail first, so a2 goes and a0, a1 stay for c to hit
+    # c's 2 new blocks: the free queue's blockless block, then the least recently freed cached one, b2
+    assert logged_events(sim) == [("stored", a[0]), ("stored", a[1]), ("stored", a[2]), ("removed", a[2]),
+                                  ("stored", b[0]), ("stored", b[1]), ("stored", b[2]), ("removed", b[2]),
+                                  ("stored", c[2])]
+    prefill_s, a_done_s = 48 * shape.prefill_s_per_token, 48 * shape.prefill_s_per_token + 16 * shape.decode_step_s
+    assert sim.ttfts == pytest.approx([prefill_s, a_done_s - 0.001 + prefill_s, 16 * shape.prefill_s_per_token])
+    assert sim.cached_tokens == 32
+    pool = sim.replicas[0].pool
+    assert set(pool.cached) == {a[0], a[1], b[0], b[1], c[2]} and pool.num_free_blocks == 6
 
 
 def test_a_block_computed_twice_is_stored_once():
-    cache = ReplicaCache(8, emit_events=True)
-    cache.acquire([], 2)
-    cache.acquire([], 2)
-    assert cache.store([b"a", b"b"]) == [b"a", b"b"]
-    assert cache.store([b"a", b"b"]) == []  # the second request's copies stay uncached
-    assert cache.num_uncached == 2
-    cache.release([], 2)
-    cache.release([b"a", b"b"], 0)
-    assert (cache.num_uncached, cache.in_use, list(cache.free)) == (0, {}, [b"b", b"a"])
+    same = chat("s", 30)
+    # the second waits for the first's prompt and hits it, then both compute the same two answer blocks
+    requests = [TraceRequest(t, same, 320, 40) for t in (0.0, 0.001)]
+    sim = Simulation(requests, RunConfig(Policy.PREFIX, 1, lag_s=0.0), TINY_REPLICA)
+    sim.run()
+    assert logged_events(sim) == [("stored", h) for h in same[:22]]
+    assert set(sim.replicas[0].pool.cached) == set(same[:22])
 
 
 def test_a_request_waits_for_the_prefill_computing_its_prefix_and_hits_it():
-    chat = [bytes([i]) * 32 for i in range(30)]
-    same_prompt = [router_sim.TraceRequest(t, chat, 320, 10) for t in (0.0, 0.001)]
+    same_prompt = [TraceRequest(t, chat("p", 30), 320, 10) for t in (0.0, 0.001)]
     sim = run(same_prompt, policy=Policy.ROUND_ROBIN, replicas=1)
     assert sim.cached_tokens == (320 - 1) // 16 * 16  # all but the last block, as the engine caps a hit
     prefill_s = TINY_REPLICA.prefill_s_per_token
@@ -86,7 +87,7 @@ def test_the_log_gives_every_gateway_exactly_each_replica_cache(requests, lag_s)
     assert sim.summary["evictions"] > 0  # the pools were full: "removed" events count too
     for gateway in sim.gateways:
         for replica in sim.replicas:
-            assert gateway.index.held(replica.name) == replica.cache.hashes()
+            assert gateway.index.held(replica.name) == set(replica.pool.cached)
     assert sim.log.events == sum(g.applied for g in sim.gateways) / 2
 
 
