@@ -85,4 +85,4 @@ def _fastest(timings: dict[int, float]) -> int:
 def _describe(timings: dict[int, float]) -> str:
     if not timings:
         return "(as set)"
-    return "(timed: " + ", ".join(f"{n} threads {ms:.2f} ms" for n, ms in timings.items()) + ")"
+    return "(timed: " + ", ".join(f"{n} thread{'s' * (n != 1)} {ms:.2f} ms" for n, ms in timings.items()) + ")"

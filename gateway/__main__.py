@@ -160,7 +160,8 @@ async def serve(settings: Settings, app: web.Application) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     host, port = runner.addresses[0][:2]  # the real port when --port 0
-    log.info("listening on http://%s:%d/v1 (auth %s)", host, port, "on" if gw.api_keys else "off")
+    log.info("listening on http://%s:%d/v1 (auth %s); the chat page is at http://%s:%d/", host, port,
+             "on" if gw.api_keys else "off", host, port)
     gave_up = app[ENGINE_GAVE_UP].event
     await asyncio.wait([asyncio.ensure_future(stop.wait()), asyncio.ensure_future(gave_up.wait())],
                        return_when=asyncio.FIRST_COMPLETED)

@@ -142,7 +142,8 @@ async def _engine_ctx(settings: Settings, engine: EngineClient | None, auth: Aut
     metrics.responses.watch(lambda: len(store), lambda: store.num_dropped)
     names = frozenset({engine.model_name, settings.engine.model})
     gw = settings.gateway
-    defaults = sampling_defaults(engine.model_path, gw.generation_config, parse_override(gw.override_generation_config))
+    defaults = sampling_defaults(engine.model_path, gw.generation_config, parse_override(gw.override_generation_config),
+                                 gw.default_max_tokens)
     app[STATE] = GatewayState(settings, engine, auth, admission, metrics, names, defaults)
     app[TOOL_TEMPLATE] = detect_tool_template(engine.tokenizer, settings.gateway.tool_call_parser)
     engine.start()

@@ -175,5 +175,8 @@ def _completion_logprobs() -> dict[str, Any]:
 def _model(model_name: str) -> dict[str, Any]:
     return _closed({"id": {"type": "string", "enum": [model_name]}, "object": _const("model"), "created": _COUNT,
                     "owned_by": _const("prefixgate"), "max_model_len": {"type": "integer", "minimum": 1},
-                    "sampling_defaults": _closed({name: {"type": "number"} for name in SAMPLING_FIELDS}),
+                    "sampling_defaults": _closed({**{name: {"type": "number"} for name in SAMPLING_FIELDS},
+                                                  "max_tokens": {"type": "integer", "minimum": 1, "nullable": True,
+                                                                 "description": "for a request that sets none; "
+                                                                                "null: the rest of the context"}}),
                     "embeddings": _closed({"pooling": _const("last"), "normalized": {"type": "boolean"}})})

@@ -47,6 +47,9 @@ class GatewaySettings:
     max_body_bytes: int = _knob(4 * 1024 * 1024, "largest request body accepted (413 above)")
     max_prompt_tokens: int | None = _knob(None, "longest prompt in tokens (None: the model's context length)")
     max_tokens_limit: int | None = _knob(None, "largest max_tokens a request may ask for (None: no cap but the context)")
+    default_max_tokens: int | None = _knob(
+        1024, "max_tokens of a request that sets none, when the model's generation_config.json has no "
+              "max_new_tokens (None: the rest of the context, as vLLM)")
     max_n: int = _knob(8, "largest n (choices per prompt)")
     max_prompts: int = _knob(64, "largest number of prompts in one /v1/completions request")
     max_stop_sequences: int = _knob(4, "most stop strings per request")
@@ -66,7 +69,7 @@ class GatewaySettings:
     tool_call_parser: str = _knob("auto", "auto (from the chat template) | hermes | llama3_json")
     allowed_origins: tuple[str, ...] = _knob((), "CORS: browser origins allowed to call the API ('*': any); none: off")
     generation_config: str = _knob(
-        "auto", "auto: sampling defaults from the model's generation_config.json | none: OpenAI's")
+        "auto", "auto: sampling defaults and max_new_tokens from the model's generation_config.json | none: OpenAI's")
     override_generation_config: str | None = _knob(
         None, 'JSON object of sampling defaults over the model\'s, e.g. \'{"temperature": 0.2}\'')
     responses_store_max: int = _knob(
@@ -85,6 +88,7 @@ class GatewaySettings:
         _check(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
         _check(self.max_prompt_tokens is None or self.max_prompt_tokens >= 1, "max_prompt_tokens must be >= 1")
         _check(self.max_tokens_limit is None or self.max_tokens_limit >= 1, "max_tokens_limit must be >= 1")
+        _check(self.default_max_tokens is None or self.default_max_tokens >= 1, "default_max_tokens must be >= 1")
         for name in ("max_n", "max_prompts", "max_stop_sequences", "max_messages"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1")
         _check(self.max_top_logprobs >= 0, "max_top_logprobs must be >= 0")

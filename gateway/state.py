@@ -38,18 +38,19 @@ class GatewayState:
 
     def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str,
                       default_max_tokens: int | None = None) -> int:
-        """The request's max_tokens (default: the route's default, else the rest of the context; either
-        capped by max_tokens_limit); 400 when it cannot fit."""
+        """The request's max_tokens; a request without one gets the smallest of the route's default, the
+        server's (sampling_defaults' max_tokens), max_tokens_limit and the rest of the context. 400 when the
+        prompt, or the prompt and the request's own max_tokens, cannot fit."""
         context = self.engine.max_model_len
         limit = self.settings.gateway.max_prompt_tokens or context
         if num_prompt_tokens > min(limit, context - 1):
             raise invalid(f"the prompt has {num_prompt_tokens} tokens; the limit is {min(limit, context - 1)} "
                           f"(context length {context}, one token left to generate)", prompt_param,
                           "context_length_exceeded")
-        if max_tokens is None:
-            max_tokens = default_max_tokens or context - num_prompt_tokens
-            if self.settings.gateway.max_tokens_limit is not None:
-                max_tokens = min(max_tokens, self.settings.gateway.max_tokens_limit)
+        if max_tokens is None:  # a default is clamped to the context, never refused
+            server_cap = self.sampling_defaults.get("max_tokens")
+            caps = (default_max_tokens, server_cap, self.settings.gateway.max_tokens_limit)
+            max_tokens = min([context - num_prompt_tokens, *(cap for cap in caps if cap is not None)])
         if num_prompt_tokens + max_tokens > context:
             raise invalid(f"this model's maximum context length is {context} tokens; the prompt has "
                           f"{num_prompt_tokens} tokens and max_tokens is {max_tokens}", "max_tokens",

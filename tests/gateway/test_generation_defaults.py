@@ -22,10 +22,10 @@ def model_dir(tmp_path):
 
 def test_the_models_fields_fill_the_defaults_and_the_override_goes_over_them(model_dir):
     assert sampling_defaults(model_dir, "auto", {}) == {**SAMPLING_FIELDS, "temperature": 0.2, "top_p": 0.9,
-                                                        "top_k": 40}
-    assert sampling_defaults(model_dir, "none", {}) == SAMPLING_FIELDS
+                                                        "top_k": 40, "max_tokens": None}
+    assert sampling_defaults(model_dir, "none", {}) == {**SAMPLING_FIELDS, "max_tokens": None}
     assert sampling_defaults(model_dir, "auto", {"temperature": 0.7})["temperature"] == 0.7
-    assert sampling_defaults(model_dir / "absent", "auto", {}) == SAMPLING_FIELDS
+    assert sampling_defaults(model_dir / "absent", "auto", {}) == {**SAMPLING_FIELDS, "max_tokens": None}
 
 
 def test_a_request_that_sets_a_field_wins(model_dir):
