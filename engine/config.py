@@ -42,7 +42,9 @@ class EngineConfig:
     kv_disk_gb: float = 10.0  # disk tier size bound in GiB (its own LRU drops the oldest files)
     max_pinned_fraction: float = 0.5  # share of the KV pool that pinned prefixes (cache_control) may hold
     device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA; a GGUF's weights in their formats) | float32 | bfloat16 | float16
+    # auto (a GGUF file's own formats, CPU) | none (weights as dtype) | q8_0 | q4_0 (quantized at load, CPU)
+    quantization: str = "auto"
     kv_cache_dtype: str = "auto"  # K/V storage: auto (the model's dtype) | float32 | bfloat16 | float16
     enforce_eager: bool = False  # CUDA: launch every decode step's kernels one by one (no CUDA graphs)
     cpu_kernels: str = "compiled"  # CPU: compiled (numba kernels, packed weights) | eager (plain PyTorch, no numba)
@@ -74,6 +76,7 @@ class EngineConfig:
         _check(self.threads is None or self.threads >= 1, "threads must be >= 1")
         _check(self.threads_batch is None or self.threads_batch >= 1, "threads_batch must be >= 1")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype!r}")
+        _check(self.quantization in ("auto", "none", "q8_0", "q4_0"), f"unknown quantization {self.quantization!r}")
         _check(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"),
                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}")
 

@@ -16,7 +16,7 @@ from engine.kv.kv_io import KVBlockIO
 from engine.messages import CacheCommand, CacheErased, PinInfo
 from engine.model import cpu_kernels
 from engine.model.llama import LlamaForCausalLM, head_dim
-from engine.model.loader import load_config, load_model, resolve_model_path
+from engine.model.loader import load_config, load_model, resolve_model_path, weights_format
 from engine.outputs import FinishReason, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
@@ -51,7 +51,9 @@ class EngineCore:
         path = resolve_model_path(config.model, config.model_cache_dir)
         hf_config = load_config(path)
         self.model_path = path
-        self.model = model if model is not None else load_model(path, hf_config, dtype, self.device, pack=compiled)
+        self.weights_format = weights_format(path, config.quantization, config.dtype, compiled)
+        self.model = model if model is not None else load_model(path, hf_config, dtype, self.device, pack=compiled,
+                                                                weights=self.weights_format)
         self.tokenizer = load_tokenizer(path, _eos_token_ids(path, hf_config))
         self.vocab_size = hf_config.vocab_size
         kv_cache = _allocate_kv_cache(config, hf_config, kv_dtype, self.device)

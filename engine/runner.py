@@ -9,6 +9,7 @@ import torch
 
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.model.attention import AttentionMetadata, DecodeBatch, PrefillSeq, SharedPrefix
+from engine.model.linear import uniform_linears
 from engine.model.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.scheduler import ScheduledChunk
@@ -40,7 +41,7 @@ class ModelRunner:
             from engine.model import decode_step_cpu, paged_decode_cpu
             self.paged_kernel = paged_decode_cpu.supports(kv_cache.dtype, device)
             if (decode_step_cpu.supports(self.dtype, device) and decode_step_cpu.supports(kv_cache.dtype, device)
-                    and model.lm_head.packed is not None):  # the step multiplies by the packed weights
+                    and uniform_linears(model)):  # the step multiplies by packed (or quantized) weights
                 self.compiled_decode = decode_step_cpu.CompiledDecode(model)
                 self.max_compiled_rows = decode_step_cpu.MAX_ROWS
                 self._load_kernels()

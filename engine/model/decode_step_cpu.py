@@ -28,9 +28,9 @@ from engine.model import paged_decode_cpu
 from engine.model.attention import SharedPrefix
 from engine.model.bfloat16_bits import as_float32, numpy_view, to_element
 from engine.model.cpu_threads import launch_lock, use_threads
-from engine.model.linear import MAX_PACKED_ROWS
+from engine.model.linear import MAX_PACKED_ROWS, matmul_weight
 from engine.model.llama import LlamaForCausalLM
-from engine.model.packed_matmul_cpu import matmul
+from engine.model.quant_matmul_cpu import embed_row, linear_into
 from engine.model.paged_decode_cpu import attend, cascade_groups
 from engine.model.paged_decode_loops import fast_exp
 
@@ -56,7 +56,8 @@ class CompiledDecode:
         self.scale = attn.scale
         self.eps = config.rms_norm_eps
         self.qk_norm = attn.qk_norm
-        self.embed = numpy_view(model.model.embed_tokens.row_tiles())
+        embed = model.model.embed_tokens
+        self.embed = embed.quant.arrays() if embed.quant is not None else numpy_view(embed.row_tiles())
         self.rotary = model.model.rotary_emb
         self._cos = self._sin = np.zeros((0, 0), np.float32)  # the rotary table of every position so far
         self.vocab_size = model.lm_head.out_features
@@ -72,18 +73,18 @@ class CompiledDecode:
         self.weights = (
             weights(lambda l: l.input_layernorm.weight),
             weights(lambda l: l.post_attention_layernorm.weight),
-            weights(lambda l: l.self_attn.qkv_proj.packed),
+            List([matmul_weight(layer.self_attn.qkv_proj) for layer in layers]),
             biases(lambda l: l.self_attn.qkv_proj.bias),
             weights(lambda l: l.self_attn.q_norm.weight) if self.qk_norm else List([np.ones(1, np.float32)]),
             weights(lambda l: l.self_attn.k_norm.weight) if self.qk_norm else List([np.ones(1, np.float32)]),
-            weights(lambda l: l.self_attn.o_proj.packed),
+            List([matmul_weight(layer.self_attn.o_proj) for layer in layers]),
             biases(lambda l: l.self_attn.o_proj.bias),
-            weights(lambda l: l.mlp.gate_up_proj.packed),
+            List([matmul_weight(layer.mlp.gate_up_proj) for layer in layers]),
             biases(lambda l: l.mlp.gate_up_proj.bias),
-            weights(lambda l: l.mlp.down_proj.packed),
+            List([matmul_weight(layer.mlp.down_proj) for layer in layers]),
             biases(lambda l: l.mlp.down_proj.bias),
             numpy_view(model.model.norm.weight),
-            numpy_view(model.lm_head.packed),
+            matmul_weight(model.lm_head),
             np.zeros(0, np.float32),
         )
 
@@ -191,12 +192,10 @@ def _step(input_ids, embed, cos, sin, kv, slot_mapping, slots, lengths, group, s
           logits_indices, input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
           down_w, down_b, final_norm, lm_head, lm_head_b, qkv_size, gate_up_size, heads, kv_heads, eps, scale,
           qk_norm, threads, logits):
-    rows, hidden, tile = len(input_ids), embed.shape[1], embed.shape[2]
+    rows, hidden = len(input_ids), final_norm.shape[0]
     x = np.empty((rows, hidden), np.float32)  # the step computes in float32 whatever the weights
     for m in range(rows):
-        token = input_ids[m]
-        for i in range(hidden):
-            x[m, i] = as_float32(embed[token // tile, i, token % tile])
+        embed_row(embed, input_ids[m], x[m])
     dim = cos.shape[1]
     normed = np.empty_like(x)
     qkv = np.empty((rows, qkv_size), np.float32)
@@ -207,18 +206,18 @@ def _step(input_ids, embed, cos, sin, kv, slot_mapping, slots, lengths, group, s
     for layer in range(len(qkv_w)):
         k_cache, v_cache = kv[0, layer], kv[1, layer]
         _rms_norm(x, input_norm[layer], eps, normed)
-        matmul(normed, qkv_w[layer], qkv_b[layer], qkv, False, threads)
+        linear_into(normed, qkv_w[layer], qkv_b[layer], qkv, False, threads)
         _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads,
                         q_norm[layer if qk_norm else 0], k_norm[layer if qk_norm else 0], qk_norm, eps)
         q[:] = qkv[:, :heads * dim]
         attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_lengths, heads, scale, threads, attn)
-        matmul(attn, o_w[layer], o_b[layer], x, True, threads)  # the residual add folded into the matmul
+        linear_into(attn, o_w[layer], o_b[layer], x, True, threads)  # the residual add folded into the matmul
         _rms_norm(x, post_norm[layer], eps, normed)
-        matmul(normed, gate_up_w[layer], gate_up_b[layer], gate_up, False, threads)
+        linear_into(normed, gate_up_w[layer], gate_up_b[layer], gate_up, False, threads)
         _silu_and_mul(gate_up, act)
-        matmul(act, down_w[layer], down_b[layer], x, True, threads)
+        linear_into(act, down_w[layer], down_b[layer], x, True, threads)
     last = np.empty((len(logits_indices), hidden), np.float32)
     for r in range(len(logits_indices)):
         last[r] = x[logits_indices[r]]
     _rms_norm(last, final_norm, eps, last)
-    matmul(last, lm_head, lm_head_b, logits, False, threads)
+    linear_into(last, lm_head, lm_head_b, logits, False, threads)

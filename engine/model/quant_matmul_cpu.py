@@ -1,0 +1,303 @@
+"""Small-batch matmuls on CPU that stream quantized weights as they are (4-bit or 8-bit integers, a float32
+scale and min per group of k): the bytes read per decode step are the file's, not fp32's.
+
+Layout (packed_matmul_cpu's tiles, with integers): a weight [N, K] in QuantRows form becomes
+- data [ceil(N / TILE), K, TILE / 2] uint8 for 4 bits (byte j of a k: column j low, column j + 16 high) or
+  [.., K, TILE] (int8 bits) for 8 bits: each thread reads its tiles as one sequential stream;
+- scales, mins [tiles, K / group, TILE] float32 (mins [tiles, 0, TILE] when the format has none).
+
+The microkernel keeps, for each of up to ROW_GROUP rows, two 16-float accumulators of the group's
+sum of x[k] * q[k] (q widened to float in registers) and two of the whole product; at each group's end it
+adds scale * group sum and min * (the group's sum of x). So the arithmetic is float32 throughout, and the
+integer products never round: the result is the dequantized weight's product to fp32 summation order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from engine.model import kernel_cache  # numba's cache folder, set before any @njit below
+from engine.model import simd
+from engine.model.bfloat16_bits import as_float32
+from engine.model.cpu_threads import launch_lock, use_threads
+from engine.model.packed_matmul_cpu import REGISTERS, TILE, matmul
+from engine.model.quant_formats import QuantRows
+from engine.model.simd import LANES, const
+
+HALF = TILE // 2
+_BYTES = ir.VectorType(ir.IntType(8), LANES)
+
+
+def row_group(isa: str) -> int:
+    """Rows one pass over a tile serves: each row keeps 4 vectors (group sum and product, 2 each) in
+    registers beside the tile's 2 weight vectors and a broadcast; AVX2: 1, AVX-512: 7."""
+    registers, per_vector = REGISTERS[isa]
+    return max(1, min(8, (registers // per_vector - 3) // 4))
+
+
+ROW_GROUP = row_group(kernel_cache.TARGET_ISA)
+
+
+@dataclass(frozen=True)
+class QuantTiles:
+    """A quantized weight packed for the kernels (torch tensors, so a module can hold them)."""
+    data: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    group: int
+    out_features: int
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.data.shape[2] == HALF else 8
+
+    @property
+    def in_features(self) -> int:
+        return self.data.shape[1]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.mins))
+
+    def arrays(self) -> tuple:
+        """The numba view: (data, scales, mins, group)."""
+        return self.data.numpy(), self.scales.numpy(), self.mins.numpy(), self.group
+
+
+def pack(rows: QuantRows) -> QuantTiles:
+    n, k = rows.shape
+    tiles = -(-n // TILE)
+    q = np.zeros((tiles * TILE, k), rows.q.dtype)
+    q[:n] = rows.q
+    q = q.reshape(tiles, TILE, k).transpose(0, 2, 1)  # [tiles, K, TILE]
+    if rows.bits == 4:
+        data = (q[..., :HALF] | (q[..., HALF:] << 4)).astype(np.uint8)
+    else:
+        data = q.astype(np.int8).view(np.uint8)
+
+    def per_group(values: np.ndarray | None) -> np.ndarray:
+        if values is None:
+            return np.zeros((tiles, 0, TILE), np.float32)
+        padded = np.zeros((tiles * TILE, values.shape[1]), np.float32)
+        padded[:n] = values
+        return padded.reshape(tiles, TILE, -1).transpose(0, 2, 1)
+
+    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    return QuantTiles(as_tensor(data), as_tensor(per_group(rows.scales)), as_tensor(per_group(rows.mins)),
+                      rows.group, n)
+
+
+def linear(x: torch.Tensor, weight: QuantTiles, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T + bias for x [rows, K], W the quantized weight; in x's dtype."""
+    out = torch.empty(x.shape[0], weight.out_features)
+    b = bias.detach().float().numpy() if bias is not None else np.zeros(0, np.float32)
+    with launch_lock:
+        threads = use_threads()
+        quant_matmul(x.float().contiguous().numpy(), *weight.arrays(), b, out.numpy(), False, threads)
+    return out.to(x.dtype)
+
+
+def dequantize(weight: QuantTiles) -> torch.Tensor:
+    """The weight [N, K] in float32: prefill's compute-bound matmuls run on it, one chunk at a time."""
+    out = torch.empty(weight.out_features, weight.in_features)
+    with launch_lock:
+        _dequantize(*weight.arrays(), use_threads(), out.numpy())
+    return out
+
+
+def embedding_rows(weight: QuantTiles, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight (an embedding table read from its tied lm_head) in float32."""
+    out = torch.empty(len(ids), weight.in_features)
+    _rows(*weight.arrays(), ids.numpy(), out.numpy())
+    return out
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+def _row(data, scales, mins, group, row, out):
+    """out[k] = W[row, k] for one row of the packed weight."""
+    tile, j = row // TILE, row % TILE
+    four_bit = data.shape[2] == HALF
+    for k in range(data.shape[1]):
+        if four_bit:
+            byte = data[tile, k, j % HALF]
+            q = np.float32(byte & 0x0F if j < HALF else byte >> 4)
+        else:
+            q = np.float32(np.int8(data[tile, k, j]))
+        value = q * scales[tile, k // group, j]
+        out[k] = value + mins[tile, k // group, j] if mins.shape[1] else value
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+def _rows(data, scales, mins, group, ids, out):
+    for r in range(len(ids)):
+        _row(data, scales, mins, group, ids[r], out[r])
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, parallel=True)
+def _dequantize(data, scales, mins, group, threads, out):
+    rows = out.shape[0]
+    parts = min(threads, rows)
+    for part in prange(parts):
+        for row in range(part * rows // parts, (part + 1) * rows // parts):
+            _row(data, scales, mins, group, row, out[row])
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+def _group_sums(x, group, has_min):
+    """sums[r, g] = x[r, g * group:(g + 1) * group].sum(): what the mins multiply (none without mins)."""
+    if not has_min:
+        return np.zeros((x.shape[0], 0), np.float32)
+    sums = np.zeros((x.shape[0], x.shape[1] // group), np.float32)
+    for r in range(x.shape[0]):
+        for k in range(x.shape[1]):
+            sums[r, k // group] += x[r, k]
+    return sums
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, parallel=True)
+def quant_matmul(x, data, scales, mins, group, bias, out, accumulate, threads):
+    """out (+)= x @ W.T + bias (none if empty) for x [rows, K] float32 and W packed by pack(). Each of the
+    `threads` takes an equal run of tiles: one sequential stream of the weight."""
+    tiles = data.shape[0]
+    parts = min(threads, tiles)
+    has_min = mins.shape[1] > 0
+    sums = _group_sums(x, group, has_min)
+    four_bit = data.shape[2] == HALF
+    for part in prange(parts):
+        scratch = np.empty((ROW_GROUP, TILE), np.float32)
+        for tile in range(part * tiles // parts, (part + 1) * tiles // parts):
+            start = tile * TILE
+            width = min(TILE, out.shape[1] - start)
+            for first in range(0, x.shape[0], ROW_GROUP):
+                group_x = x[first:first + ROW_GROUP]
+                group_sums = sums[first:first + ROW_GROUP]
+                if four_bit:
+                    if has_min:
+                        _tile(group_x, data, scales, mins, group_sums, tile, group, scratch, 4, True)
+                    else:
+                        _tile(group_x, data, scales, mins, group_sums, tile, group, scratch, 4, False)
+                elif has_min:
+                    _tile(group_x, data, scales, mins, group_sums, tile, group, scratch, 8, True)
+                else:
+                    _tile(group_x, data, scales, mins, group_sums, tile, group, scratch, 8, False)
+                for m in range(group_x.shape[0]):
+                    for j in range(width):
+                        value = scratch[m, j] + (bias[start + j] if len(bias) else np.float32(0.0))
+                        if accumulate:
+                            out[first + m, start + j] += value
+                        else:
+                            out[first + m, start + j] = value
+
+
+def _widen(builder: ir.IRBuilder, raw: ir.Value, signed: bool) -> ir.Value:
+    return builder.sitofp(raw, simd.FLOATS) if signed else builder.uitofp(raw, simd.FLOATS)
+
+
+@intrinsic
+def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_min):
+    """out[r, :TILE] = x[r, :] @ W[tile].T for each of x's 1 to ROW_GROUP rows (the literal `bits` and
+    `has_min` pick the code): x [rows, K] float32 with unit stride along K, data / scales / mins contiguous
+    as pack() makes them, sums [rows, K / group] the group sums of x (read only with mins), out [>= rows,
+    >= TILE] float32 with unit stride along its rows."""
+    if not isinstance(bits, types.IntegerLiteral) or not isinstance(has_min, types.BooleanLiteral):
+        return None  # numba then retries with the literal values of the constants the caller passes
+
+    def codegen(context, builder, signature, args):
+        x_arg, data_arg, scales_arg, mins_arg, sums_arg, tile_arg, group_arg, out_arg, _, _ = args
+        arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 7)]
+        x_ary, data_ary, scales_ary, mins_ary, sums_ary, out_ary = arrays
+        four_bit, with_min = bits.literal_value == 4, has_min.literal_value
+        rows, k_len = cgutils.unpack_tuple(builder, x_ary.shape, 2)
+        x_row = builder.udiv(cgutils.unpack_tuple(builder, x_ary.strides, 2)[0], const(4))  # in elements
+        out_row = builder.udiv(cgutils.unpack_tuple(builder, out_ary.strides, 2)[0], const(4))
+        sums_row = builder.udiv(cgutils.unpack_tuple(builder, sums_ary.strides, 2)[0], const(4))
+        width = HALF if four_bit else TILE  # bytes of one k of a tile
+        groups = builder.udiv(k_len, group_arg)
+        tile_data = builder.gep(data_ary.data, [builder.mul(tile_arg, builder.mul(k_len, const(width)))])
+        tile_scales = builder.gep(scales_ary.data, [builder.mul(tile_arg, builder.mul(groups, const(TILE)))])
+        tile_mins = builder.gep(mins_ary.data, [builder.mul(tile_arg, builder.mul(groups, const(TILE)))])
+
+        def weights_at(k):  # the tile's 32 weights of row k as 2 float vectors (columns 0-15, 16-31)
+            here = builder.gep(tile_data, [builder.mul(k, const(width))])
+            if four_bit:
+                raw = builder.load(builder.bitcast(here, _BYTES.as_pointer()), align=1)
+                low = builder.and_(raw, ir.Constant(_BYTES, [0x0F] * LANES))
+                high = builder.lshr(raw, ir.Constant(_BYTES, [4] * LANES))
+                return [_widen(builder, low, False), _widen(builder, high, False)]
+            return [_widen(builder, builder.load(builder.bitcast(builder.gep(here, [const(v * LANES)]),
+                                                                 _BYTES.as_pointer()), align=1), True)
+                    for v in range(2)]
+
+        def product(num_rows):
+            def group_step(g, acc):
+                first_k = builder.mul(g, group_arg)
+
+                def k_step(i, partial):  # partial[r * 2 + v] += x[r, k] * q[k, v-th half of the tile]
+                    k = builder.add(first_k, i)
+                    w = weights_at(k)
+                    summed = []
+                    for r in range(num_rows):
+                        x_rk = simd.broadcast(builder, builder.load(
+                            builder.gep(x_ary.data, [builder.add(builder.mul(const(r), x_row), k)])))
+                        summed += [simd.fma(builder, w[v], x_rk, partial[r * 2 + v]) for v in range(2)]
+                    return summed
+
+                partial = simd.accumulate(builder, group_arg, num_rows * 2, k_step)
+                at = builder.mul(g, const(TILE))
+                scale = simd.load_pieces(builder, builder.gep(tile_scales, [at]), 2, False)
+                low = simd.load_pieces(builder, builder.gep(tile_mins, [at]), 2, False) if with_min else None
+                added = []
+                for r in range(num_rows):
+                    x_sum = simd.broadcast(builder, builder.load(builder.gep(
+                        sums_ary.data, [builder.add(builder.mul(const(r), sums_row), g)]))) if with_min else None
+                    for v in range(2):
+                        total = simd.fma(builder, scale[v], partial[r * 2 + v], acc[r * 2 + v])
+                        added.append(simd.fma(builder, low[v], x_sum, total) if with_min else total)
+                return added
+
+            results = simd.accumulate(builder, groups, num_rows * 2, group_step)
+            for r in range(num_rows):
+                for v in range(2):
+                    to = builder.gep(out_ary.data, [builder.add(builder.mul(const(r), out_row), const(v * LANES))])
+                    simd.store(builder, results[r * 2 + v], to)
+
+        simd.cases(builder, rows, range(1, ROW_GROUP + 1), product)
+        return context.get_dummy_value()
+
+    return types.void(x, data, scales, mins, sums, tile, group, out, bits, has_min), codegen
+
+
+def linear_into(x, weight, bias, out, accumulate, threads):
+    """out (+)= x @ weight.T + bias inside compiled code, for a weight packed either way: float tiles
+    (packed_matmul_cpu) or the (data, scales, mins, group) of quantized ones."""
+
+
+@overload(linear_into)
+def _linear_into(x, weight, bias, out, accumulate, threads):
+    if isinstance(weight, types.Array):
+        return lambda x, weight, bias, out, accumulate, threads: matmul(x, weight, bias, out, accumulate, threads)
+
+    def quantized(x, weight, bias, out, accumulate, threads):
+        quant_matmul(x, weight[0], weight[1], weight[2], weight[3], bias, out, accumulate, threads)
+    return quantized
+
+
+def embed_row(table, token, out):
+    """out[:] = row `token` of an embedding table inside compiled code: float tiles [V / T, H, T] or the
+    (data, scales, mins, group) of quantized ones."""
+
+
+@overload(embed_row)
+def _embed_row(table, token, out):
+    if isinstance(table, types.Array):
+        def from_tiles(table, token, out):
+            tile = table.shape[2]
+            for i in range(out.shape[0]):
+                out[i] = as_float32(table[token // tile, i, token % tile])
+        return from_tiles
+    return lambda table, token, out: _row(table[0], table[1], table[2], table[3], token, out)

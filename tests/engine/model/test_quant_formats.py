@@ -1,0 +1,82 @@
+"""ggml block formats decoded to integers and per-group scales: bit-exact against the gguf library's own
+dequantizer, for the formats the kernels run natively."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QType
+from gguf.quants import dequantize, quantize
+
+from engine.model import quant_formats
+from engine.model.quant_formats import QuantRows
+
+ROWS, K = 24, 512
+
+
+def _random_blocks(qtype: QType, rng: np.random.Generator) -> np.ndarray:
+    """Valid raw blocks of a K-quant (no quantizer in the gguf library): random bytes with sane fp16 scales."""
+    per_block, block_bytes, _ = quant_formats.FORMATS[qtype]
+    blocks = rng.integers(0, 256, (ROWS, K // per_block, block_bytes), dtype=np.uint8)
+    scales = rng.uniform(-0.05, 0.05, (ROWS, K // per_block, 2)).astype(np.float16)
+    # d (and Q4_K's dmin) are fp16 at the block's start; Q6_K's d is its last two bytes
+    if qtype == QType.Q6_K:
+        blocks[..., -2:] = scales[..., :1].view(np.uint8)
+    else:
+        blocks[..., 0:4] = scales.view(np.uint8).reshape(ROWS, K // per_block, 4)
+    return blocks.reshape(ROWS, -1)
+
+
+def _file_blocks(qtype: QType) -> np.ndarray:
+    rng = np.random.default_rng(int(qtype))
+    if qtype in (QType.Q4_K, QType.Q6_K):
+        return _random_blocks(qtype, rng)
+    weight = rng.standard_normal((ROWS, K)).astype(np.float32)
+    weight[3, 40] = 25.0  # an outlier: its block's scale is far from the others'
+    return quantize(weight, qtype)
+
+
+@pytest.mark.parametrize("qtype", list(quant_formats.FORMATS))
+def test_decoded_weight_equals_the_gguf_librarys_dequantization(qtype):
+    raw = _file_blocks(qtype)
+    rows = quant_formats.decode(raw, qtype, K)
+    assert rows.shape == (ROWS, K)
+    assert np.array_equal(rows.dequantize(), dequantize(raw, qtype).reshape(ROWS, K))
+
+
+@pytest.mark.parametrize("qtype,bits,group,with_mins", [
+    (QType.Q8_0, 8, 32, False), (QType.Q4_0, 4, 32, True), (QType.Q4_1, 4, 32, True),
+    (QType.Q4_K, 4, 32, True), (QType.Q6_K, 8, 16, False)])
+def test_each_format_decodes_to_its_bits_group_and_offset(qtype, bits, group, with_mins):
+    rows = quant_formats.decode(_file_blocks(qtype), qtype, K)
+    assert (rows.bits, rows.group, rows.mins is not None) == (bits, group, with_mins)
+    assert rows.q.dtype == (np.uint8 if bits == 4 else np.int8)
+    if bits == 4:
+        assert rows.q.max() <= 15
+    assert rows.scales.shape == (ROWS, K // group)
+
+
+def test_a_row_that_is_not_whole_blocks_is_refused():
+    with pytest.raises(ValueError, match="not whole blocks of 256"):
+        quant_formats.decode(np.zeros((2, 144), np.uint8), QType.Q4_K, 200)
+
+
+def test_stacking_formats_promotes_without_changing_a_weight():
+    """q and k in Q4_K, v in Q6_K (as Q4_K_M files mix them): one 8-bit, 16-group weight."""
+    parts = [quant_formats.decode(_file_blocks(q), q, K) for q in (QType.Q4_K, QType.Q4_K, QType.Q6_K)]
+    stacked = quant_formats.concat(parts)
+    assert (stacked.bits, stacked.group, stacked.q.dtype) == (8, 16, np.int8)
+    assert np.array_equal(stacked.dequantize(), np.concatenate([p.dequantize() for p in parts]))
+
+
+def test_take_rows_reorders_every_part():
+    rows = quant_formats.decode(_file_blocks(QType.Q4_1), QType.Q4_1, K)
+    order = np.arange(ROWS)[::-1].copy()
+    assert np.array_equal(quant_formats.take_rows(rows, order).dequantize(), rows.dequantize()[order])
+
+
+def test_quantize_at_load_is_the_reference_quantizer_then_decode():
+    weight = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    rows = quant_formats.quantize(weight, QType.Q8_0)
+    assert isinstance(rows, QuantRows)
+    assert np.array_equal(rows.dequantize(), dequantize(quantize(weight, QType.Q8_0), QType.Q8_0).reshape(8, 64))
+    assert np.abs(rows.dequantize() - weight).max() < np.abs(weight).max() / 100

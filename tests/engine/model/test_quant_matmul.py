@@ -1,0 +1,78 @@
+"""The quantized matmul kernels against a float64 reference: every format, row groups of 1, 2 and 8 (and the
+remainder past a group), output widths that are not whole tiles, planted outliers in scales and mins."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.model import quant_matmul_cpu
+from engine.model.quant_formats import QuantRows
+from engine.model.quant_matmul_cpu import ROW_GROUP, TILE
+
+# (bits, group, with mins): Q4_0 / Q4_1 / Q4_K, Q8_0, Q6_K (16-weight groups), an 8-bit stack with mins
+LAYOUTS = [(4, 32, True), (8, 32, False), (8, 16, False), (8, 16, True)]
+ROW_COUNTS = sorted({1, 2, 8, ROW_GROUP, ROW_GROUP + 1})
+
+
+def _rows(n: int, k: int, bits: int, group: int, with_mins: bool, seed: int = 0) -> QuantRows:
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 16, (n, k), dtype=np.uint8) if bits == 4 else rng.integers(-128, 128, (n, k), dtype=np.int8)
+    scales = rng.uniform(0.001, 0.02, (n, k // group)).astype(np.float32)
+    scales[n // 2, 0] = 3.0  # planted outliers: one group's scale, one group's min, far from the rest
+    mins = rng.uniform(-0.1, 0.1, (n, k // group)).astype(np.float32) if with_mins else None
+    if mins is not None:
+        mins[0, -1] = -40.0
+    return QuantRows(q, scales, mins, group, bits)
+
+
+def _reference(x: np.ndarray, rows: QuantRows) -> np.ndarray:
+    w = rows.q.astype(np.float64) * np.repeat(rows.scales.astype(np.float64), rows.group, axis=1)
+    if rows.mins is not None:
+        w += np.repeat(rows.mins.astype(np.float64), rows.group, axis=1)
+    return x.astype(np.float64) @ w.T
+
+
+@pytest.mark.parametrize("bits,group,with_mins", LAYOUTS)
+@pytest.mark.parametrize("n", [TILE, 3 * TILE + 5])
+def test_product_matches_float64(bits, group, with_mins, n):
+    k = 96 if group == 32 else 80
+    rows = _rows(n, k, bits, group, with_mins)
+    tiles = quant_matmul_cpu.pack(rows)
+    assert tiles.bits == bits
+    for m in ROW_COUNTS:
+        x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+        got = quant_matmul_cpu.linear(torch.from_numpy(x), tiles, None).numpy()
+        expected = _reference(x, rows)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_bias_and_accumulate_add_onto_the_output():
+    rows = _rows(TILE + 7, 64, 4, 32, True)
+    tiles = quant_matmul_cpu.pack(rows)
+    x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+    bias = np.arange(TILE + 7, dtype=np.float32)
+    out = np.full((3, TILE + 7), 2.0, np.float32)
+    quant_matmul_cpu.quant_matmul(x, *tiles.arrays(), bias, out, True, 2)
+    np.testing.assert_allclose(out, 2.0 + bias + _reference(x, rows), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits,group,with_mins", LAYOUTS)
+def test_dequantize_and_embedding_rows_are_exact(bits, group, with_mins):
+    rows = _rows(2 * TILE + 3, 64, bits, group, with_mins)
+    tiles = quant_matmul_cpu.pack(rows)
+    weight = rows.dequantize()
+    assert np.array_equal(quant_matmul_cpu.dequantize(tiles).numpy(), weight)
+    ids = torch.tensor([0, TILE // 2 - 1, TILE // 2, TILE + 1, 2 * TILE + 2])  # both nibbles, the last tile
+    assert np.array_equal(quant_matmul_cpu.embedding_rows(tiles, ids).numpy(), weight[ids.numpy()])
+
+
+def test_four_bit_tiles_hold_half_a_byte_a_weight():
+    tiles = quant_matmul_cpu.pack(_rows(TILE, 64, 4, 32, True))
+    assert tiles.data.shape == (1, 64, TILE // 2)
+    assert tiles.nbytes() == 64 * TILE // 2 + 2 * 2 * TILE * 4  # nibbles, then a scale and a min per group
+
+
+@pytest.mark.parametrize("isa,rows", [("avx2", 1), ("avx512", 7), ("neon", 1)])
+def test_row_group_keeps_each_rows_four_accumulators_in_registers(isa, rows):
+    assert quant_matmul_cpu.row_group(isa) == rows
