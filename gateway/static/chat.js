@@ -6,7 +6,9 @@ const $ = (id) => document.getElementById(id);
 const STORE = "prefixgate.chats";
 const CURRENT = "prefixgate.current";
 const KEY = "prefixgate.key";
+const SETTINGS = "prefixgate.settings";  // the sampling fields, kept across reloads
 const SAMPLING = ["temperature", "top_p", "max_tokens", "seed"];
+const EXPORT_FORMAT = "prefixgate.chats";
 const CACHE_REFRESH_MS = 2000;
 
 let chats = load(STORE, []);
@@ -44,47 +46,83 @@ function currentChat() {
   return chats.find((c) => c.id === current);
 }
 
+function newId() {
+  return `${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 8)}`;
+}
+
 function newChat() {
-  const id = `${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 8)}`;
-  chats.unshift({ id, title: "New chat", system: "", messages: [] });
-  current = id;
+  chats.unshift({ id: newId(), title: "New chat", system: "", messages: [] });
+  current = chats[0].id;
   save();
   render();
+}
+
+function button(className, text, title, onClick) {
+  const el = document.createElement("button");
+  el.type = "button";
+  el.className = className;
+  el.textContent = text;
+  if (title) el.title = title;
+  el.addEventListener("click", onClick);
+  return el;
 }
 
 // ---- drawing
 
 function render() {
-  const list = $("chats");
-  list.replaceChildren(...chats.map((c) => {
-    const item = document.createElement("li");
-    item.classList.toggle("current", c.id === current);
-    const open = document.createElement("button");
-    open.className = "open";
-    open.type = "button";
-    open.textContent = c.title;
-    open.addEventListener("click", () => { current = c.id; save(); render(); });
-    const remove = document.createElement("button");
-    remove.className = "delete";
-    remove.type = "button";
-    remove.title = "Delete this chat";
-    remove.textContent = "×";
-    remove.addEventListener("click", () => {
-      chats = chats.filter((other) => other.id !== c.id);
-      if (current === c.id) current = chats[0]?.id ?? null;
-      save();
-      if (!chats.length) newChat(); else render();
-    });
-    item.append(open, remove);
-    return item;
-  }));
+  $("chats").replaceChildren(...chats.map(chatItem));
   const chat = currentChat();
   $("system").value = chat?.system ?? "";
-  $("messages").replaceChildren(...(chat?.messages ?? []).map(messageElement));
+  $("topbar-title").textContent = chat?.title ?? "";
+  const messages = chat?.messages ?? [];
+  $("messages").replaceChildren(...messages.map((m, index) => messageElement(m, index, messages.length)));
   $("messages").scrollTop = $("messages").scrollHeight;
 }
 
-function messageElement(message) {
+function chatItem(chat) {
+  const item = document.createElement("li");
+  item.classList.toggle("current", chat.id === current);
+  const open = button("open", chat.title, chat.title, () => {
+    current = chat.id;
+    document.body.classList.remove("sidebar-open");
+    save();
+    render();
+  });
+  const rename = button("rename", "✎", "Rename this chat", () => renameChat(item, open, chat));
+  const remove = button("delete", "×", "Delete this chat", () => {
+    chats = chats.filter((other) => other.id !== chat.id);
+    if (current === chat.id) current = chats[0]?.id ?? null;
+    save();
+    if (!chats.length) newChat(); else render();
+  });
+  item.append(open, rename, remove);
+  return item;
+}
+
+function renameChat(item, open, chat) {
+  const input = document.createElement("input");
+  input.className = "title-input";
+  input.value = chat.title;
+  input.setAttribute("aria-label", "Chat title");
+  let done = false;
+  const finish = (keep) => {
+    if (done) return;
+    done = true;
+    if (keep && input.value.trim()) chat.title = input.value.trim();
+    save();
+    render();
+  };
+  input.addEventListener("keydown", (event) => {
+    if (event.key === "Enter") finish(true);
+    if (event.key === "Escape") finish(false);
+  });
+  input.addEventListener("blur", () => finish(true));
+  open.replaceWith(input);
+  input.focus();
+  input.select();
+}
+
+function messageElement(message, index, count) {
   const el = document.createElement("div");
   el.className = `message ${message.role}`;
   const role = document.createElement("div");
@@ -92,9 +130,16 @@ function messageElement(message) {
   role.textContent = message.role;
   const body = document.createElement("div");
   body.className = "body";
-  if (message.role === "assistant") body.append(renderMarkdown(message.content));
-  else body.textContent = message.content;
-  el.append(role, body);
+  if (message.role === "assistant") {
+    body.append(renderMarkdown(message.content));
+    for (const pre of body.querySelectorAll("pre")) {
+      const code = pre.querySelector("code").textContent;
+      pre.prepend(button("copy-code", "Copy", "Copy this code", (event) => copyText(code, event.target)));
+    }
+  } else {
+    body.textContent = message.content;
+  }
+  el.append(role, body, actions(message, index, count, el));
   if (message.stats) {
     const stats = document.createElement("div");
     stats.className = "stats";
@@ -104,6 +149,56 @@ function messageElement(message) {
   return el;
 }
 
+function actions(message, index, count, el) {
+  const bar = document.createElement("div");
+  bar.className = "actions";
+  bar.append(button("copy", "Copy", "Copy this message", (event) => copyText(message.content, event.target)));
+  if (message.role === "user") {
+    bar.append(button("edit", "Edit", "Edit this message and answer it again", () => editBox(el, index)));
+  } else if (index === count - 1) {
+    bar.append(button("regenerate", "Regenerate", "Answer the last message again", regenerate));
+  }
+  return bar;
+}
+
+function editBox(el, index) {
+  if (controller) return;
+  const chat = currentChat();
+  const box = document.createElement("div");
+  box.className = "edit-box";
+  const text = document.createElement("textarea");
+  text.value = chat.messages[index].content;
+  text.rows = Math.min(10, text.value.split("\n").length + 1);
+  text.setAttribute("aria-label", "Edited message");
+  const saveButton = button("save", "Save & send", "Replace this message and answer it again", () => {
+    const content = text.value.trim();
+    if (!content || controller) return;
+    chat.messages[index].content = content;
+    chat.messages.splice(index + 1);  // the edit replaces what followed it (no branches)
+    answer(chat);
+  });
+  box.append(text, saveButton, button("cancel", "Cancel", "", render));
+  el.querySelector(".body").replaceWith(box);
+  el.querySelector(".actions").remove();
+  text.focus();
+}
+
+async function copyText(text, target) {
+  try {
+    await navigator.clipboard.writeText(text);
+  } catch {  // no Clipboard API outside a secure context (http:// on another host than localhost)
+    const area = document.createElement("textarea");
+    area.value = text;
+    document.body.append(area);
+    area.select();
+    document.execCommand("copy");
+    area.remove();
+  }
+  const label = target.textContent;
+  target.textContent = "Copied";
+  setTimeout(() => { target.textContent = label; }, 1500);
+}
+
 let painting = false;
 
 function paintLast(message) {  // at most once a frame while tokens stream in
@@ -111,21 +206,25 @@ function paintLast(message) {  // at most once a frame while tokens stream in
   painting = true;
   requestAnimationFrame(() => {
     painting = false;
-    const last = $("messages").lastElementChild;
-    if (last) last.replaceWith(messageElement(message));
-    $("messages").scrollTop = $("messages").scrollHeight;
+    const list = $("messages");
+    const last = list.lastElementChild;
+    if (last) last.replaceWith(messageElement(message, list.children.length - 1, list.children.length));
+    list.scrollTop = list.scrollHeight;
   });
 }
 
-function statsLine(usage, sent, first, end, stopped) {
+// usage: the server's (null when stopped: it comes with the last chunk); tokens: counted from the stream
+function statsLine(usage, tokens, sent, first, end, stopped) {
   const parts = [];
   if (usage) {
     const cached = usage.prompt_tokens_details?.cached_tokens ?? 0;
     parts.push(`prompt ${usage.prompt_tokens} tokens`, `cached ${cached}`);
   }
+  const generated = usage?.completion_tokens ?? tokens;
+  parts.push(`answer ${generated} token${generated === 1 ? "" : "s"}`);
   if (first !== null) parts.push(`TTFT ${((first - sent) / 1000).toFixed(2)} s`);
-  if (usage && first !== null && end > first && usage.completion_tokens > 1) {
-    parts.push(`${((usage.completion_tokens - 1) / ((end - first) / 1000)).toFixed(1)} tokens/s`);
+  if (first !== null && end > first && generated > 1) {
+    parts.push(`${((generated - 1) / ((end - first) / 1000)).toFixed(1)} tokens/s`);
   }
   if (stopped) parts.push("stopped");
   return parts.join(" · ");
@@ -164,11 +263,23 @@ function sampling() {
   return fields;
 }
 
-async function send(text) {
+function send(text) {
   const chat = currentChat();
   chat.system = $("system").value;
   chat.messages.push({ role: "user", content: text });
   if (chat.title === "New chat") chat.title = text.slice(0, 40);
+  answer(chat);
+}
+
+function regenerate() {
+  const chat = currentChat();
+  if (controller || chat.messages.at(-1)?.role !== "assistant") return;
+  chat.messages.pop();
+  answer(chat);
+}
+
+// Streams an answer to the chat's messages as they are, into a new last message.
+async function answer(chat) {
   const reply = { role: "assistant", content: "", stats: "" };
   chat.messages.push(reply);
   save();
@@ -176,12 +287,15 @@ async function send(text) {
   showError("");
   const history = chat.messages.slice(0, -1).map(({ role, content }) => ({ role, content }));
   const messages = chat.system ? [{ role: "system", content: chat.system }, ...history] : history;
-  const body = { model, messages, stream: true, stream_options: { include_usage: true }, ...sampling() };
+  // logprobs: one entry per generated token, so a stopped answer still knows how many it got
+  const body = { model, messages, stream: true, stream_options: { include_usage: true }, logprobs: true,
+                 ...sampling() };
   controller = new AbortController();
   setBusy(true);
   const sent = performance.now();
   let first = null;
   let usage = null;
+  let tokens = 0;
   let stopped = false;
   try {
     const response = await fetch("/v1/chat/completions", {
@@ -194,10 +308,11 @@ async function send(text) {
     }
     for await (const event of serverEvents(response)) {
       if (event.error) throw new Error(event.error.message);
-      const delta = event.choices?.[0]?.delta?.content;
-      if (delta) {
+      const choice = event.choices?.[0];
+      tokens += choice?.logprobs?.content?.length ?? 0;
+      if (choice?.delta?.content) {
         first ??= performance.now();
-        reply.content += delta;
+        reply.content += choice.delta.content;
         paintLast(reply);
       }
       if (event.usage) usage = event.usage;
@@ -206,7 +321,7 @@ async function send(text) {
     if (error.name === "AbortError") stopped = true;
     else showError(error.message);
   } finally {
-    reply.stats = statsLine(usage, sent, first, performance.now(), stopped);
+    reply.stats = statsLine(usage, tokens, sent, first, performance.now(), stopped);
     controller = null;
     setBusy(false);
     save();
@@ -218,7 +333,51 @@ async function send(text) {
 function setBusy(busy) {
   $("send").hidden = busy;
   $("stop").hidden = !busy;
+  document.body.classList.toggle("busy", busy);
 }
+
+// ---- export and import (JSON)
+
+function exportChat() {
+  const chat = currentChat();
+  if (!chat) return;
+  const data = { format: EXPORT_FORMAT, version: 1, chats: [chat] };
+  const link = document.createElement("a");
+  link.href = URL.createObjectURL(new Blob([JSON.stringify(data, null, 2)], { type: "application/json" }));
+  link.download = `${chat.title.replace(/[^\w.-]+/g, "_").slice(0, 60) || "chat"}.json`;
+  link.click();
+  URL.revokeObjectURL(link.href);
+}
+
+function importedChat(raw) {  // only the fields the page uses, as text: an imported file is not trusted
+  const messages = Array.isArray(raw?.messages) ? raw.messages : [];
+  return {
+    id: newId(),
+    title: String(raw?.title ?? "Imported chat").slice(0, 200),
+    system: String(raw?.system ?? ""),
+    messages: messages.filter((m) => ["user", "assistant"].includes(m?.role))
+      .map((m) => ({ role: m.role, content: String(m.content ?? ""), stats: String(m.stats ?? "") })),
+  };
+}
+
+async function importChats(file) {
+  try {
+    const data = JSON.parse(await file.text());
+    if (data?.format !== EXPORT_FORMAT || !Array.isArray(data.chats)) {
+      throw new Error("not a chat exported from this page");
+    }
+    const added = data.chats.map(importedChat);
+    chats.unshift(...added);
+    current = added[0]?.id ?? current;
+    save();
+    render();
+    showError("");
+  } catch (error) {
+    showError(`Import failed: ${error.message}`);
+  }
+}
+
+// ---- the cache panel
 
 function formatBytes(bytes) {
   return bytes >= 2 ** 30 ? `${(bytes / 2 ** 30).toFixed(1)} GiB` : `${(bytes / 2 ** 20).toFixed(1)} MiB`;
@@ -243,14 +402,30 @@ async function refreshCache() {
   }
 }
 
+// ---- settings kept across reloads
+
+function restoreSettings() {
+  const saved = load(SETTINGS, {});
+  for (const name of SAMPLING) {
+    if (typeof saved[name] === "string") $(name).value = saved[name];
+  }
+}
+
+function saveSettings() {
+  localStorage.setItem(SETTINGS, JSON.stringify(Object.fromEntries(SAMPLING.map((n) => [n, $(n).value]))));
+}
+
 async function start() {
   const response = await fetch("/v1/models", { headers: headers() });
   if (response.status === 401) {
     askKey();
     return;
   }
-  model = (await response.json()).data[0].id;
+  const card = (await response.json()).data[0];
+  model = card.id;
   $("model-name").textContent = model;
+  const cap = card.sampling_defaults?.max_tokens;  // what a request without max_tokens gets
+  $("max_tokens").placeholder = cap ? `server default ${cap}` : "rest of the context";
   if (!currentChat()) {
     if (chats.length) current = chats[0].id; else newChat();
   }
@@ -275,13 +450,30 @@ $("input").addEventListener("keydown", (event) => {
 });
 $("stop").addEventListener("click", () => controller?.abort());
 $("new-chat").addEventListener("click", newChat);
+$("export").addEventListener("click", exportChat);
+$("import").addEventListener("click", () => $("import-file").click());
+$("import-file").addEventListener("change", (event) => {
+  if (event.target.files[0]) importChats(event.target.files[0]);
+  event.target.value = "";
+});
 $("system").addEventListener("change", () => {
   const chat = currentChat();
   if (chat) { chat.system = $("system").value; save(); }
 });
+for (const name of SAMPLING) $(name).addEventListener("input", saveSettings);
+for (const [toggle, open] of [["toggle-sidebar", "sidebar-open"], ["toggle-cache", "cache-open"]]) {
+  $(toggle).addEventListener("click", () => {  // the phone layout: one panel at a time over the chat
+    const opened = !document.body.classList.contains(open);
+    document.body.classList.remove("sidebar-open", "cache-open");
+    document.body.classList.toggle(open, opened);
+    $("toggle-sidebar").setAttribute("aria-expanded", String(document.body.classList.contains("sidebar-open")));
+    $("toggle-cache").setAttribute("aria-expanded", String(document.body.classList.contains("cache-open")));
+  });
+}
 $("key-form").addEventListener("submit", () => {
   localStorage.setItem(KEY, $("key-input").value.trim());
   start();
 });
+restoreSettings();
 setInterval(refreshCache, CACHE_REFRESH_MS);
 start();

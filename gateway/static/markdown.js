@@ -1,6 +1,10 @@
 // Markdown to DOM nodes, for model text: every piece of text becomes a text node, never HTML, so a reply
 // holding <img onerror=...> or <script> shows as those characters. Covers what chat answers use: fenced
-// code, headings, lists, paragraphs, `code`, **bold**, *emphasis* and [links](http...).
+// code (highlighted), tables, headings, lists, paragraphs, `code`, **bold**, *emphasis* and [links](http...).
+import { highlight } from "./highlight.js";
+
+const TABLE_ROW = /^\s*\|.*\|\s*$/;
+const TABLE_RULE = /^\s*\|(\s*:?-+:?\s*\|)+\s*$/;
 
 export function renderMarkdown(text) {
   const root = document.createDocumentFragment();
@@ -15,9 +19,18 @@ export function renderMarkdown(text) {
       i += 1;  // the closing fence (or the end of a text still streaming)
       const pre = document.createElement("pre");
       const el = document.createElement("code");
-      el.textContent = code.join("\n");
+      if (fence[1]) el.dataset.language = fence[1];
+      el.append(highlight(code.join("\n"), fence[1]));
       pre.append(el);
       root.append(pre);
+      continue;
+    }
+    if (startsTable(lines, i)) {
+      const head = cells(line);
+      const align = cells(lines[i + 1]).map(alignment);
+      const rows = [];
+      for (i += 2; i < lines.length && TABLE_ROW.test(lines[i]); i += 1) rows.push(cells(lines[i]));
+      root.append(table(head, rows, align));
       continue;
     }
     const heading = line.match(/^(#{1,6})\s+(.*)$/);
@@ -41,7 +54,8 @@ export function renderMarkdown(text) {
     }
     if (!line.trim()) { i += 1; continue; }
     const para = [];
-    for (; i < lines.length && lines[i].trim() && !/^(```|#{1,6}\s|\s*([-*]|\d+\.)\s)/.test(lines[i]); i += 1) {
+    for (; i < lines.length && lines[i].trim() && !/^(```|#{1,6}\s|\s*([-*]|\d+\.)\s)/.test(lines[i])
+                              && !startsTable(lines, i); i += 1) {
       para.push(lines[i]);
     }
     const p = document.createElement("p");
@@ -52,6 +66,39 @@ export function renderMarkdown(text) {
     root.append(p);
   }
   return root;
+}
+
+function startsTable(lines, i) {  // a header row, then a |---|:--:| rule
+  return TABLE_ROW.test(lines[i]) && TABLE_RULE.test(lines[i + 1] ?? "");
+}
+
+function cells(row) {
+  return row.trim().replace(/^\|/, "").replace(/\|$/, "").split("|").map((cell) => cell.trim());
+}
+
+function alignment(rule) {  // :--- left (the default), :---: center, ---: right
+  if (!rule.endsWith(":")) return "";
+  return rule.startsWith(":") ? "center" : "right";
+}
+
+function table(head, rows, align) {
+  const el = document.createElement("table");
+  const line = (tag, values) => {
+    const tr = document.createElement("tr");
+    head.forEach((_, k) => {  // every row as wide as the header, as GitHub renders it
+      const cell = document.createElement(tag);
+      if (align[k]) cell.style.textAlign = align[k];
+      appendInline(cell, values[k] ?? "");
+      tr.append(cell);
+    });
+    return tr;
+  };
+  const thead = document.createElement("thead");
+  thead.append(line("th", head));
+  const tbody = document.createElement("tbody");
+  tbody.append(...rows.map((row) => line("td", row)));
+  el.append(thead, tbody);
+  return el;
 }
 
 const INLINE = /(`[^`]+`)|(\*\*[^*]+\*\*)|(\*[^*\s][^*]*\*)|(\[[^\]]+\]\([^)\s]+\))/;

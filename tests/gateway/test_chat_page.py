@@ -1,11 +1,15 @@
 """The chat page at / in a real browser: Debian's Chromium, headless, driven by Playwright (make test installs
 both; Playwright's own browser download needs the internet). A message streams in, the second turn of a chat
-reports cached tokens, the stop button ends the request on the server, the cache panel moves, a hostile
-reply stays text, the keys work, a phone-width layout stacks, and no page logs an error."""
+reports cached tokens, the stop button ends the request on the server and keeps the answer's token count, the
+cache panel moves, a hostile reply stays text, the keys work, copy / regenerate / edit, Markdown tables and
+highlighted code, rename / export / import, settings kept across a reload, a phone layout whose panels fold
+behind buttons, the system's dark theme, and no page logs an error."""
 from __future__ import annotations
 
+import json
 import re
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -118,7 +122,10 @@ def test_the_stop_button_ends_the_request_on_the_server(opened, server):
         send(page, "count to a thousand")
         expect(page.locator(".message.assistant .body").first).not_to_be_empty(timeout=30_000)
         page.click("#stop")
-        expect(page.locator(".message.assistant .stats").first).to_contain_text("stopped")
+        stats = page.locator(".message.assistant .stats").first
+        expect(stats).to_contain_text("stopped")
+        shown = len(page.locator(".message.assistant .body").first.inner_text())
+        assert int(re.search(r"answer (\d+) tokens?", stats.inner_text()).group(1)) >= 1 and shown > 0
         server.wait_idle(timeout=10)  # the engine aborted it and released its blocks
         metrics = server.call(_get(server.url + "/metrics"))
         assert re.search(r"^prefixgate_requests_running\{[^}]*\} 0\.0$", metrics, re.M)
@@ -192,12 +199,154 @@ def test_a_server_with_keys_asks_for_one(browser, tiny_llama_dir):
         opened.close()
 
 
-def test_a_phone_width_layout_stacks_the_panels(opened):
+def test_a_phone_layout_folds_the_chat_list_and_the_cache_panel_behind_buttons(opened):
     page = opened(viewport={"width": 390, "height": 844}).page
     expect(page.locator("#model-name")).not_to_be_empty()
-    sidebar, composer = page.locator("#sidebar").bounding_box(), page.locator("#composer").bounding_box()
-    assert sidebar["width"] == pytest.approx(390, abs=1) and composer["y"] > sidebar["y"] + sidebar["height"] - 1
+    expect(page.locator("#sidebar")).to_be_hidden()  # the chat gets the screen
+    composer = page.locator("#composer").bounding_box()
+    assert composer["y"] + composer["height"] == pytest.approx(844, abs=1)
+    assert page.locator("#messages").bounding_box()["height"] > 500
+    page.click("#toggle-sidebar")
+    expect(page.locator("#chats")).to_be_visible()
+    expect(page.locator("#cache-panel")).to_be_hidden()
+    expect(page.locator("#toggle-cache")).to_be_visible()  # the top bar stays reachable over the panel
+    page.locator("#chats li button.open").first.click()  # opening a chat folds the list away
+    expect(page.locator("#sidebar")).to_be_hidden()
+    page.click("#toggle-cache")
+    expect(page.locator("#cache-panel")).to_be_visible()
+    expect(page.locator("#chats")).to_be_hidden()
+    page.click("#toggle-cache")
+    expect(page.locator("#sidebar")).to_be_hidden()
     assert page.evaluate("document.documentElement.scrollWidth") <= 390  # nothing wider than the screen
+
+
+MARKDOWN_REPLY = """Two capitals:
+
+| country | capital |
+|:--|--:|
+| France | **Paris** |
+| Italy | Rome |
+
+```python
+def capital(country):  # looked up
+    return {"France": "Paris"}.get(country, 42)
+```
+"""
+CODE = 'def capital(country):  # looked up\n    return {"France": "Paris"}.get(country, 42)'
+
+
+@pytest.fixture(scope="module")
+def markdown_server(tiny_llama_dir):
+    with LiveServer(tiny_settings(tiny_llama_dir), engine=InstantEngine(Path(tiny_llama_dir), MARKDOWN_REPLY)) as live:
+        yield live
+
+
+def clipboard(page: Page) -> str:
+    return page.evaluate("navigator.clipboard.readText()")
+
+
+def test_tables_and_highlighted_code_render_and_copy_buttons_copy_them(opened, markdown_server):
+    page = opened(markdown_server.url + "/", permissions=["clipboard-read", "clipboard-write"]).page
+    send(page, "capitals?")
+    body = page.locator(".message.assistant .body").first
+    expect(body.locator("table")).to_have_count(1)
+    assert body.locator("th").all_inner_texts() == ["country", "capital"]
+    assert body.locator("td").all_inner_texts() == ["France", "Paris", "Italy", "Rome"]
+    expect(body.locator("td strong")).to_have_text("Paris")
+    assert body.locator("td").nth(1).evaluate("el => el.style.textAlign") == "right"
+    code = body.locator("pre code")
+    expect(code).to_have_attribute("data-language", "python")
+    assert code.locator(".tok-keyword").all_inner_texts() == ["def", "return"]
+    assert code.locator(".tok-string").all_inner_texts() == ['"France"', '"Paris"']
+    assert code.locator(".tok-comment").all_inner_texts() == ["# looked up"]
+    assert code.locator(".tok-number").all_inner_texts() == ["42"]
+    assert code.inner_text() == CODE  # highlighting only wraps the text
+    body.locator("pre .copy-code").click()
+    assert clipboard(page) == CODE
+    page.locator(".message.assistant .actions .copy").click()
+    assert clipboard(page) == MARKDOWN_REPLY
+    expect(page.locator(".message.assistant .actions .copy")).to_have_text("Copied")
+    page.locator(".message.user .actions .copy").click()
+    assert clipboard(page) == "capitals?"
+
+
+def test_regenerate_answers_the_last_message_again_in_place(opened, server):
+    page = opened().page
+    system = f"[{uuid.uuid4().hex}] " + "You are a helpful assistant who answers about capitals. " * 3
+    settings(page, max_tokens="6", system=system)  # (a system prompt of its own: no earlier test's blocks)
+    send(page, "the capital of France?")
+    first = answer_stats(page, 0)
+    assert cached(first) == 0
+    expect(page.locator(".message.user .actions .regenerate")).to_have_count(0)  # answers only
+    page.locator(".message.assistant .actions .regenerate").click()
+    expect(page.locator(".message")).to_have_count(2)  # replaced, not added
+    expect(page.locator(".message.assistant .stats")).not_to_have_text(first)
+    assert cached(answer_stats(page, 0)) > 0  # the same prompt again: its blocks were cached
+
+
+def test_editing_a_message_replaces_it_and_what_followed(opened, server):
+    page = opened().page
+    settings(page, max_tokens="4")
+    send(page, "first question")
+    answer_stats(page, 0)
+    send(page, "second question")
+    answer_stats(page, 1)
+    page.locator(".message.user .actions .edit").first.click()
+    page.fill(".edit-box textarea", "a better first question")
+    page.click(".edit-box .save")
+    expect(page.locator(".message")).to_have_count(2)
+    expect(page.locator(".message.user .body")).to_have_text("a better first question")
+    answer_stats(page, 0)
+    page.reload()  # the edit is kept
+    expect(page.locator(".message.user .body")).to_have_text("a better first question")
+
+
+def test_a_chat_is_renamed_exported_and_imported(opened, server, tmp_path):
+    page = opened().page
+    settings(page, max_tokens="4")
+    send(page, "a chat worth keeping")
+    answer_stats(page, 0)
+    page.locator("#chats li.current button.rename").click()
+    page.fill("#chats li .title-input", "Kept chat")
+    page.press("#chats li .title-input", "Enter")
+    expect(page.locator("#chats li.current button.open")).to_have_text("Kept chat")
+    with page.expect_download() as download:
+        page.click("#export")
+    path = tmp_path / "chat.json"
+    download.value.save_as(path)
+    data = json.loads(path.read_text())
+    assert (data["format"], data["version"], download.value.suggested_filename) == ("prefixgate.chats", 1,
+                                                                                   "Kept_chat.json")
+    (chat,) = data["chats"]
+    assert chat["title"] == "Kept chat"
+    assert [(m["role"], m["content"]) for m in chat["messages"]][0] == ("user", "a chat worth keeping")
+    page.click("#new-chat")
+    page.set_input_files("#import-file", str(path))
+    expect(page.locator("#chats li")).to_have_count(3)
+    expect(page.locator("#chats li.current button.open")).to_have_text("Kept chat")
+    expect(page.locator(".message")).to_have_count(2)
+    path.write_text('{"chats": "nope"}')
+    page.set_input_files("#import-file", str(path))
+    expect(page.locator("#error")).to_have_text("Import failed: not a chat exported from this page")
+    expect(page.locator("#chats li")).to_have_count(3)
+
+
+def test_settings_are_kept_across_a_reload_and_the_server_default_is_shown(opened, server):
+    page = opened().page
+    cap = server.state.sampling_defaults["max_tokens"]
+    expect(page.locator("#max_tokens")).to_have_attribute("placeholder", f"server default {cap}")
+    settings(page, temperature="0.3", max_tokens="7", seed="5")
+    page.reload()
+    assert [page.input_value(f"#{name}") for name in ("temperature", "top_p", "max_tokens", "seed")] == \
+        ["0.3", "", "7", "5"]
+
+
+def test_the_page_follows_the_systems_dark_theme(opened):
+    dark = opened(color_scheme="dark").page
+    light = opened(color_scheme="light").page
+    background = "getComputedStyle(document.body).backgroundColor"
+    expect(dark.locator("#model-name")).not_to_be_empty()
+    assert (dark.evaluate(background), light.evaluate(background)) == ("rgb(27, 28, 31)", "rgb(250, 250, 250)")
 
 
 @pytest.mark.slow
