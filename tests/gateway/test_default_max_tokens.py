@@ -16,6 +16,7 @@ from gateway.app import create_app
 from gateway.generation_defaults import SAMPLING_FIELDS, parse_override, sampling_defaults
 from gateway.settings import GatewaySettings, Settings
 from gateway.state import STATE
+from tests.support.gateway_helpers import LiveServer, sdk_client, tiny_settings
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -146,3 +147,13 @@ async def test_the_model_card_and_the_start_up_log_show_the_cap(make_client, cap
     assert ("sampling defaults for requests that leave them out: temperature=0.5, top_p=1.0, top_k=0, min_p=0.0, "
             "repetition_penalty=1.0 (generation_config.json); max_tokens=5 (generation_config.json's "
             "max_new_tokens)") in caplog.messages
+
+
+def test_a_plain_sdk_call_ends_at_the_cap(tiny_llama_dir):
+    """The openai SDK sends no max_tokens unless told: the answer still ends, at the server's cap."""
+    with LiveServer(tiny_settings(tiny_llama_dir, default_max_tokens=9)) as server:
+        client = sdk_client(server)
+        model = client.models.list().data[0].id
+        assert client.models.retrieve(model).model_dump()["sampling_defaults"]["max_tokens"] == 9
+        resp = client.chat.completions.create(model=model, messages=QUESTION, extra_body={"ignore_eos": True})
+        assert (resp.usage.completion_tokens, resp.choices[0].finish_reason) == (9, "length")

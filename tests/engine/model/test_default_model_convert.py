@@ -120,6 +120,15 @@ def test_a_directory_converted_before_gets_the_model_cards_sampling(tmp_path, fa
     assert len(fake_pipeline) == 1  # not converted again
 
 
+def test_a_directory_with_the_earlier_sampling_gets_the_answer_cap(tmp_path, fake_pipeline):
+    """Converted before max_new_tokens was recommended: the next start adds it (bounded answers by default)."""
+    model_dir = ensure_default_model(tmp_path)
+    (model_dir / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.2, "top_p": 0.9}')
+    ensure_default_model(tmp_path)
+    assert json.loads((model_dir / "generation_config.json").read_text())["max_new_tokens"] == 1024
+    assert len(fake_pipeline) == 1
+
+
 def test_an_interrupted_conversion_leaves_no_model_directory(tmp_path, monkeypatch, fake_pipeline):
     def build_then_fail(gguf: Path, out_dir: Path) -> None:
         out_dir.mkdir()
