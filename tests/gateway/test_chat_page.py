@@ -226,6 +226,7 @@ MARKDOWN_REPLY = """Two capitals:
 |:--|--:|
 | France | **Paris** |
 | Italy | Rome |
+| <b>Evil</b> | <img src=x onerror="window.pwned = 3"> |
 
 ```python
 def capital(country):  # looked up
@@ -251,7 +252,9 @@ def test_tables_and_highlighted_code_render_and_copy_buttons_copy_them(opened, m
     body = page.locator(".message.assistant .body").first
     expect(body.locator("table")).to_have_count(1)
     assert body.locator("th").all_inner_texts() == ["country", "capital"]
-    assert body.locator("td").all_inner_texts() == ["France", "Paris", "Italy", "Rome"]
+    assert body.locator("td").all_inner_texts() == ["France", "Paris", "Italy", "Rome", "<b>Evil</b>",
+                                                    '<img src=x onerror="window.pwned = 3">']
+    assert body.locator("img, b").count() == 0 and page.evaluate("window.pwned") is None  # model HTML stays text
     expect(body.locator("td strong")).to_have_text("Paris")
     assert body.locator("td").nth(1).evaluate("el => el.style.textAlign") == "right"
     code = body.locator("pre code")
