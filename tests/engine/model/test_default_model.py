@@ -47,6 +47,7 @@ def test_a_plain_sdk_call_samples_with_the_model_cards_defaults():
         model = client.models.list().data[0].id
         card = client.models.retrieve(model).model_dump()
         assert card["sampling_defaults"]["temperature"] == 0.2 and card["sampling_defaults"]["top_p"] == 0.9
+        assert card["sampling_defaults"]["max_tokens"] == 1024  # an answer without max_tokens ends by then
 
         def answers(**fields) -> list[str]:
             return [client.chat.completions.create(model=model, messages=question, max_tokens=32, seed=seed,
