@@ -65,7 +65,7 @@ class EngineCore:
                                  max_pinned_blocks=int(config.max_pinned_fraction * self.num_blocks))
         if config.kv_disk_dir and config.enable_prefix_caching:
             kv_io = KVBlockIO(kv_cache)
-            if (disk := _disk_tier(config, path, dtype, kv_dtype, kv_io)) is not None:
+            if (disk := _disk_tier(config, path, dtype, kv_dtype, kv_io, self.weights_format)) is not None:
                 self.kv.use_disk_tier(disk, kv_io)
                 if restored := self.kv.restore_pins():
                     logger.info("disk tier: %d pinned prefixes restored (%d blocks)", restored,
@@ -426,9 +426,9 @@ def _step_target(config: EngineConfig, runner: ModelRunner, num_blocks: int) -> 
 
 
 def _disk_tier(config: EngineConfig, model_path, dtype: torch.dtype, kv_dtype: torch.dtype,
-               kv_io: KVBlockIO) -> DiskTier | None:
+               kv_io: KVBlockIO, weights_format: str) -> DiskTier | None:
     fingerprint = model_fingerprint(model_path, dtype, config.block_size, kv_io.block_shape, config.hash_algo.value,
-                                    kv_dtype)
+                                    kv_dtype, weights_format)
     return open_disk_tier(config.kv_disk_dir, int(config.kv_disk_gb * 2**30), fingerprint, kv_io.block_shape,
                           kv_dtype)
 

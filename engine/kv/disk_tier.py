@@ -49,15 +49,19 @@ _FINGERPRINT_FOLDER = re.compile(r"[0-9a-f]{16}")
 
 
 def model_fingerprint(model_path: Path, dtype: torch.dtype, block_size: int, block_shape: tuple[int, ...],
-                      hash_algo: str, kv_dtype: torch.dtype | None = None) -> bytes:
-    """What makes a block's KV valid: model config and weights, dtype (the one the K/V were computed in, and
-    the one they are stored in where that differs), block size, KV shape, hash function."""
+                      hash_algo: str, kv_dtype: torch.dtype | None = None, weights_format: str = "none") -> bytes:
+    """What makes a block's KV valid: model config and weights (and the format they run in: quantized
+    kernels sum in another order than float ones), dtype (the one the K/V were computed in, and the one
+    they are stored in where that differs), block size, KV shape, hash function."""
     config = json.loads((Path(model_path) / "config.json").read_text())
-    weights = [(p.name, p.stat().st_size, _content_digest(p)) for p in sorted(Path(model_path).glob("*.safetensors"))]
+    files = sorted([*Path(model_path).glob("*.safetensors"), *Path(model_path).glob("*.gguf")])
+    weights = [(p.name, p.stat().st_size, _content_digest(p)) for p in files]
     identity = {"config": config, "weights": weights, "dtype": str(dtype), "block_size": block_size,
                 "block_shape": list(block_shape), "hash_algo": hash_algo}
     if kv_dtype not in (None, dtype):  # (an unchanged identity keeps the blocks saved before this field)
         identity["kv_dtype"] = str(kv_dtype)
+    if weights_format != "none":
+        identity["weights_format"] = weights_format
     identity = json.dumps(identity, sort_keys=True)
     return hashlib.sha256(identity.encode()).digest()
 

@@ -27,7 +27,7 @@ logger = logging.getLogger("prefixgate.engine")
 WEIGHTS_NAME = "model.gguf"  # the weights inside a GGUF model directory (the file itself or a link to it)
 _FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 # llama.cpp's tensor names -> ours ({i}: the layer); a name not here is an error, not a silent skip
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
@@ -38,7 +38,7 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 _ROPE_TABLES = ("rope_freqs.weight",)  # llama 3's rope scaling factors: the config already carries them
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -46,13 +46,13 @@ FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_at
 
 
 def hf_name(name: str) -> str | None:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
     if name in _ROPE_TABLES:
         return None
     parts = name.split(".", 2)
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
     raise ValueError(f"GGUF tensor {name!r} has no place in a Llama-family decoder")
 
 

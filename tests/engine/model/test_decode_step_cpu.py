@@ -21,10 +21,12 @@ PROMPTS = [list(range(3, 14)), list(range(3, 11)) + [40, 41, 42, 43, 44, 45], li
 
 
 def _plain_runner(llm: LLM, path) -> ModelRunner:
-    """A runner over the engine's own K/V pool and block tables whose model has no packed weights and whose
-    attention is torch's (compiled_kernels=False): the reference the compiled step is held to."""
+    """A runner over the engine's own K/V pool and block tables whose model has no packed weights (quantized
+    ones multiply module by module) and whose attention is torch's (compiled_kernels=False): the reference the
+    compiled step is held to."""
     runner = llm.core.runner
-    model = load_model(path, load_config(path), torch.float32, torch.device("cpu"), pack=False)
+    model = load_model(path, load_config(path), torch.float32, torch.device("cpu"), pack=False,
+                       weights=llm.core.weights_format)
     kv = runner.kv_slots.view(*runner.kv_slots.shape[:2], -1, runner.block_size, *runner.kv_slots.shape[3:])
     return ModelRunner(model, kv, llm.core.kv, torch.device("cpu"), compiled_kernels=False)
 
@@ -73,6 +75,19 @@ def test_compiled_step_equals_plain_pytorch(arch_dir, request):
     calls = _record_both_paths(llm, path)
     llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert {len(compiled) for compiled, *_ in calls} >= {len(PROMPTS)}  # the full batch took the compiled step
+    for compiled, plain, kv_compiled, kv_plain in calls:
+        torch.testing.assert_close(compiled, plain, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kv_compiled, kv_plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_0"])
+def test_compiled_step_on_quantized_weights_equals_the_module_path(quantization, tiny_qwen2_dir):
+    """The step's matmuls and embedding rows over quantized tiles (and a float bias: Qwen2's q/k/v)."""
+    llm = LLM(str(tiny_qwen2_dir), block_size=4, num_kv_blocks=64, quantization=quantization)
+    assert llm.core.runner.compiled_decode is not None
+    calls = _record_both_paths(llm, tiny_qwen2_dir)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert {len(compiled) for compiled, *_ in calls} >= {len(PROMPTS)}
     for compiled, plain, kv_compiled, kv_plain in calls:
         torch.testing.assert_close(compiled, plain, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(kv_compiled, kv_plain, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,131 @@
+"""Quantized models end to end on tiny random weights: GGUF files in every format the kernels run (and one
+they don't), and HF checkpoints quantized at load. Quantized weights give the dequantized model's greedy
+tokens, with or without the cache, through the compiled decode step and the eager path alike."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from engine.model import quant_formats
+from engine.model.loader import weights_format
+from tests.support.tiny_gguf import write_gguf_model
+
+NEW_TOKENS = 24
+# min_tokens masks EOS as transformers' min_new_tokens does, so both pick the same token where EOS leads
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
+SMALL = dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=64)
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, vocab_size, (36,), generator=gen).tolist()  # two whole blocks shared
+    return [shared + torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in (5, 1, 20)]
+
+
+def _transformers_greedy(model_dir, prompts) -> list[list[int]]:
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = [hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+            for p in prompts]
+    return [out[0, len(p):].tolist() for out, p in zip(outs, prompts)]
+
+
+def _greedy_twice(llm: LLM, prompts) -> tuple[list[list[int]], list[int]]:
+    """Greedy tokens of the prompts alone, then again batched (cache hits); asserts both runs agree."""
+    first = [llm.generate(p, GREEDY)[0].token_ids for p in prompts]
+    again = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in again] == first
+    return first, [o.num_cached_tokens for o in again]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_an_f32_gguf_gives_transformers_greedy_tokens(arch, request, tmp_path):
+    """llama.cpp's names and its q/k row permutation (llama only) undone at load."""
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    gguf_dir = write_gguf_model(model_dir, tmp_path / "gguf", lambda name: QType.F32)
+    prompts = _prompts(LLM(str(gguf_dir), **SMALL).core.vocab_size)
+    tokens, _ = _greedy_twice(LLM(str(gguf_dir), **SMALL), prompts)
+    assert tokens == _transformers_greedy(model_dir, prompts)
+
+
+# q/k/v stacked from three formats; one layer's ffn_down in a format no kernel runs
+MIXED = {".attn_q.": QType.Q4_0, ".attn_k.": QType.Q4_1, ".attn_v.": QType.Q8_0, "blk.0.ffn_down.": QType.Q5_0}
+
+
+@pytest.mark.parametrize("files", ["Q8_0", "Q4_0", "Q4_1", "mixed"])
+def test_native_formats_give_the_dequantized_models_tokens(files, tiny_llama_dir, tmp_path, caplog):
+    def format_of(name: str) -> QType:
+        if files == "mixed":
+            return next((qtype for part, qtype in MIXED.items() if part in name), QType.Q8_0)
+        return QType[files]
+    gguf_dir = write_gguf_model(tiny_llama_dir, tmp_path / "gguf", format_of)
+    with caplog.at_level(logging.WARNING, logger="prefixgate.engine"):
+        native = LLM(str(gguf_dir), **SMALL)
+    assert native.core.weights_format == "gguf"
+    layer = native.core.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.quant is not None and layer.self_attn.qkv_proj.weight is None
+    assert native.core.model.lm_head.quant is native.core.model.model.embed_tokens.quant  # tied, one copy
+    if files == "mixed":
+        assert layer.self_attn.qkv_proj.quant.bits == 8  # 4-bit q and k promoted beside 8-bit v
+        assert layer.mlp.down_proj.quant is None and "Q5_0" in caplog.text
+        assert native.core.model.model.layers[1].mlp.down_proj.quant is not None
+        assert native.core.runner.compiled_decode is None  # float and quantized down_proj: the eager path
+    else:
+        assert native.core.runner.compiled_decode is not None
+    dequantized = LLM(str(gguf_dir), quantization="none", **SMALL)
+    assert dequantized.core.model.lm_head.quant is None
+    prompts = _prompts(native.core.vocab_size)
+    tokens, cached = _greedy_twice(native, prompts)
+    assert cached == [32, 32, 48]  # every whole block of each prompt but its last token
+    assert _greedy_twice(dequantized, prompts)[0] == tokens
+    assert _greedy_twice(LLM(str(gguf_dir), cpu_kernels="eager", **SMALL), prompts)[0] == tokens
+
+
+def _dequantized_twin(model_dir, out_dir, qtype: QType):
+    """model_dir with every weight quantize-at-load touches replaced by its quantized-then-dequantized value."""
+    shutil.copytree(model_dir, out_dir)
+    state = load_file(out_dir / "model.safetensors")
+    tied = json.loads((model_dir / "config.json").read_text())["tie_word_embeddings"]
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"  # an untied embedding stays float
+    for name, value in state.items():
+        if name.endswith("proj.weight") or name == head:
+            rows = quant_formats.quantize(value.float().numpy(), qtype)
+            state[name] = torch.from_numpy(np.ascontiguousarray(rows.dequantize()))
+    if tied:
+        state.pop("lm_head.weight", None)
+    save_file(state, out_dir / "model.safetensors")
+    return out_dir
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_0"])
+def test_quantized_at_load_gives_transformers_tokens_on_the_dequantized_weights(arch, quantization, request,
+                                                                                 tmp_path):
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    twin = _dequantized_twin(model_dir, tmp_path / "twin", QType[quantization.upper()])
+    llm = LLM(str(model_dir), quantization=quantization, **SMALL)
+    assert llm.core.weights_format == quantization and llm.core.runner.compiled_decode is not None
+    prompts = _prompts(llm.core.vocab_size)
+    tokens, cached = _greedy_twice(llm, prompts)
+    assert cached == [32, 32, 48]  # every whole block of each prompt but its last token
+    assert tokens == _transformers_greedy(twin, prompts)
+
+
+def test_weights_format_follows_dtype_and_kernels(tiny_llama_dir, tmp_path):
+    gguf_dir = write_gguf_model(tiny_llama_dir, tmp_path / "gguf", lambda name: QType.Q8_0)
+    assert weights_format(gguf_dir, "auto", "auto", True) == "gguf"
+    assert weights_format(gguf_dir, "auto", "float32", True) == "none"  # a dtype asked for: dequantized
+    assert weights_format(gguf_dir, "auto", "auto", False) == "none"  # eager kernels: dequantized
+    assert weights_format(tiny_llama_dir, "auto", "auto", True) == "none"
+    with pytest.raises(ValueError, match="already quantized"):
+        weights_format(gguf_dir, "q8_0", "auto", True)
+    with pytest.raises(ValueError, match="compiled CPU kernels only"):
+        weights_format(tiny_llama_dir, "q4_0", "auto", False)
