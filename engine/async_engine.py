@@ -11,10 +11,9 @@ import threading
 from engine.client import RelayedEngineClient
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.outputs import RequestOutput
+from engine.messages import CommandReply, Inbound, StepOutputs
 from engine.sampling_params import SamplingParams
-from engine.stats import StepStats
-from engine.step_loop import Message, StepLoop
+from engine.step_loop import StepLoop
 
 logger = logging.getLogger("prefixgate.engine")
 
@@ -26,13 +25,13 @@ class _ThreadInbox:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
 
-    def put(self, message: Message | None) -> None:
+    def put(self, message: Inbound | None) -> None:
         """None only wakes the loop (to see that it should stop)."""
         if message is not None:
             self._queue.put(message)
         self._wake.set()
 
-    def receive(self, timeout: float) -> list[Message]:
+    def receive(self, timeout: float) -> list[Inbound]:
         if timeout and self._queue.empty():
             self._wake.wait(timeout)
         self._wake.clear()
@@ -107,14 +106,14 @@ class AsyncEngine(RelayedEngineClient):
                 self._loop.call_soon_threadsafe(self._fail_all, f"engine loop died: {exc!r}")
             raise
 
-    def _reply(self, command_id: int, result: object) -> None:
+    def _reply(self, reply: CommandReply) -> None:
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._on_reply, command_id, result)
+            self._loop.call_soon_threadsafe(self._on_reply, reply)
 
-    def _emit(self, outputs: list[RequestOutput], stats: StepStats) -> None:
-        self._publish(stats)  # before the outputs, so a client never sees its answer before /metrics does
-        if outputs and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._streams.deliver, outputs)
+    def _emit(self, step: StepOutputs) -> None:
+        self._publish(step.stats)  # before the outputs, so a client never sees its answer before /metrics does
+        if step.outputs and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._streams.deliver, step.outputs)
 
 
 def served_name(core: EngineCore) -> str:

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from engine.config import EngineConfig
-from engine.messages import AbortRequest, AddRequest, CacheCommand, CacheDirectives, CacheErased, PinInfo
+from engine.messages import (AbortRequest, AddRequest, CacheCommand, CacheDirectives, CacheErased, CommandReply,
+                             EngineError, PinInfo)
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import SchedulerStats, StepStats
@@ -32,6 +33,14 @@ logger = logging.getLogger("prefixgate.engine")
 
 class EngineDeadError(RuntimeError):
     """The engine stopped (its process died, or its loop broke) while this request waited on it."""
+
+
+class EngineCommandError(Exception):
+    """A cache command failed in the engine: its error's type and message, raised on this side."""
+
+    def __init__(self, error: EngineError) -> None:
+        super().__init__(f"{error.type}: {error.message}")
+        self.error = error
 
 
 @runtime_checkable
@@ -163,17 +172,40 @@ class OutputStreams:
             queue.put_nowait(EngineDeadError(message))
 
 
-class RelayedEngineClient(ABC):
+class StatsPublisher:
+    """How every engine client hands out its engine's stats: each step's (or, from replicas, each report's)
+    kept for scheduler_stats() and handed to the listeners."""
+
+    def __init__(self, stats: SchedulerStats) -> None:
+        self._listeners: list[Callable[[StepStats], None]] = []
+        self._stats = stats
+
+    def add_stats_listener(self, fn: Callable[[StepStats], None]) -> None:
+        self._listeners.append(fn)
+
+    def scheduler_stats(self) -> SchedulerStats:
+        return self._stats
+
+    def _publish(self, stats: StepStats) -> None:
+        """A broken listener (metrics) stops neither the others nor the engine."""
+        self._stats = stats.scheduler
+        for listener in self._listeners:
+            try:
+                listener(stats)
+            except Exception:
+                logger.exception("stats listener failed")
+
+
+class RelayedEngineClient(StatsPublisher, ABC):
     """What the in-process AsyncEngine and the ProcessClient share: requests relayed through OutputStreams to
     an engine that steps elsewhere (a thread, a process), and the stats of its steps as they arrive.
     Subclasses say how a request is checked (`_validate`) and whether the engine runs (`is_alive`)."""
 
     def __init__(self, send: Callable[[AddRequest | AbortRequest | CacheCommand], None],
                  stats: SchedulerStats) -> None:
+        super().__init__(stats)
         self._send_message = send
         self._streams = OutputStreams(send)
-        self._listeners: list[Callable[[StepStats], None]] = []
-        self._stats = stats
         self._commands: dict[int, asyncio.Future] = {}  # cache commands waiting for the engine's reply
         self._command_ids = itertools.count()
 
@@ -214,14 +246,14 @@ class RelayedEngineClient(ABC):
         finally:
             self._commands.pop(command_id, None)
 
-    def _on_reply(self, command_id: int, result: object) -> None:
-        future = self._commands.get(command_id)
+    def _on_reply(self, reply: CommandReply) -> None:
+        future = self._commands.get(reply.command_id)
         if future is None or future.done():
             return
-        if isinstance(result, BaseException):
-            future.set_exception(result)
+        if reply.error is not None:
+            future.set_exception(EngineCommandError(reply.error))
         else:
-            future.set_result(result)
+            future.set_result(reply.result)
 
     def _fail_all(self, message: str) -> None:
         """The engine is gone: every request and command waiting on it fails with EngineDeadError."""
@@ -233,24 +265,8 @@ class RelayedEngineClient(ABC):
     def abort(self, request_id: str) -> None:
         self._streams.abort(request_id)
 
-    def add_stats_listener(self, fn: Callable[[StepStats], None]) -> None:
-        self._listeners.append(fn)
-
-    def scheduler_stats(self) -> SchedulerStats:
-        return self._stats
-
     def num_unfinished(self) -> int:
         return len(self._streams)
 
     def request_ids(self) -> list[str]:
         return self._streams.request_ids()
-
-    def _publish(self, stats: StepStats) -> None:
-        """A step's stats: kept for scheduler_stats() and handed to the listeners (a broken one, metrics,
-        stops neither the others nor the engine)."""
-        self._stats = stats.scheduler
-        for listener in self._listeners:
-            try:
-                listener(stats)
-            except Exception:
-                logger.exception("stats listener failed")

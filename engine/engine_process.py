@@ -1,8 +1,9 @@
 """The engine process: `python -m engine.engine_process IN OUT CONFIG`, started by ProcessClient.
 
 Its main thread runs the step loop (scheduler, KV cache manager, model, sampler), so the compiled CPU
-kernels always run on the thread that first ran them; the API process does HTTP. Messages are pickled
-over two ZeroMQ IPC sockets: adds and aborts in, one message per engine step out (its outputs and stats).
+kernels always run on the thread that first ran them; the API process does HTTP. Messages are the
+dataclasses of engine/messages.py, pickled over two ZeroMQ IPC sockets: adds, aborts and cache commands in;
+EngineInfo (or StartFailed) once, then one StepOutputs per engine step and a CommandReply per command out.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import sys
 import zmq
 
 from engine.config import EngineConfig
-from engine.messages import AbortRequest, AddRequest, CacheCommand, EngineInfo
+from engine.messages import EngineInfo, Inbound, Outbound, StartFailed
 
 logger = logging.getLogger("prefixgate.engine")
 
@@ -26,7 +27,7 @@ class _SocketInbox:
         self._socket = socket
         self._parent = os.getppid()
 
-    def receive(self, timeout: float) -> list[AddRequest | AbortRequest | CacheCommand]:
+    def receive(self, timeout: float) -> list[Inbound]:
         if timeout and not self._socket.poll(int(timeout * 1000)):
             if os.getppid() != self._parent:  # the API process is gone: nobody will read our outputs
                 raise SystemExit(0)
@@ -50,18 +51,19 @@ def main(argv: list[str]) -> int:
     inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     inbox.connect(inbox_address)
     outbox.connect(outbox_address)
+
+    def send(message: Outbound) -> None:
+        outbox.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
     try:
         core = _load(config)
     except Exception as exc:  # a setting it cannot start with: one line for the operator, no traceback
         logger.debug("engine start-up failed", exc_info=True)
-        outbox.send(pickle.dumps(("failed", f"{exc}")))
+        send(StartFailed(f"{exc}"))
         outbox.close(linger=2000)
         return 2
-    outbox.send(pickle.dumps(("ready", _info(core))))
+    send(_info(core))
     stopping = False
-
-    def emit(outputs, stats) -> None:
-        outbox.send(pickle.dumps(("step", outputs, stats), protocol=pickle.HIGHEST_PROTOCOL))
 
     def on_term(signum, frame) -> None:
         nonlocal stopping
@@ -69,12 +71,8 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     from engine.step_loop import StepLoop
-    def reply(command_id, result) -> None:
-        outbox.send(pickle.dumps(("reply", command_id, result), protocol=pickle.HIGHEST_PROTOCOL))
-
-    StepLoop(core, _SocketInbox(inbox), emit, reply).run(lambda: stopping)
+    StepLoop(core, _SocketInbox(inbox), send, send).run(lambda: stopping)
     core.close()  # the disk tier keeps the cache for the next start
-    outbox.send(pickle.dumps(("stopped",)))
     outbox.close(linger=2000)
     return 0
 

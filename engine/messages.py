@@ -1,10 +1,16 @@
 """What crosses between a client and the engine's step loop: plain data, pickled over the engine process's
-sockets (and handed over as objects in process). No torch: the API process imports it."""
+sockets (and handed over as objects in process). No torch: the API process imports it.
+
+In (API process -> engine): AddRequest, AbortRequest, CacheCommand. Out (engine -> API process): EngineInfo
+or StartFailed once, then StepOutputs per step and a CommandReply per CacheCommand. Exceptions never cross
+as objects: an EngineError carries the type's name and the message, as strings."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import StepStats
 
 
 @dataclass(slots=True)
@@ -38,6 +44,42 @@ class EngineInfo:
     threads: int | None  # compute threads of decode steps and of steps with a prefill (None: not CPU)
     threads_batch: int | None
     pid: int
+
+
+@dataclass(slots=True)
+class StartFailed:
+    """The engine process could not start with its settings (instead of EngineInfo)."""
+
+    reason: str  # one line for the operator
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    """One step's outputs and stats (or, from an idle loop, stats alone)."""
+
+    outputs: list[RequestOutput]
+    stats: StepStats
+
+
+@dataclass(frozen=True, slots=True)
+class EngineError:
+    """An exception raised in the engine, as it crosses to the API process."""
+
+    type: str  # the exception's class name, e.g. "ValueError"
+    message: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "EngineError":
+        return cls(type(exc).__name__, str(exc))
+
+
+@dataclass(slots=True)
+class CommandReply:
+    """What a CacheCommand returned (`result`), or the error it raised."""
+
+    command_id: int
+    result: list[PinInfo] | CacheErased | None = None
+    error: EngineError | None = None
 
 
 # ---- prompt caching: pins (engine/kv/pins.py)
@@ -88,3 +130,7 @@ class CacheErased:
     blocks: int = 0  # cached blocks dropped from RAM
     disk_blocks: int = 0  # block files deleted from the disk tier
     pins: int = 0  # pins released
+
+
+Inbound = AddRequest | AbortRequest | CacheCommand  # what a client sends the step loop
+Outbound = EngineInfo | StartFailed | StepOutputs | CommandReply  # what the engine process sends back

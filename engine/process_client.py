@@ -4,8 +4,10 @@ The API process (this side) spawns `python -m engine.engine_process`, sends it a
 one message per engine step. When the engine process dies (kill -9, out of memory), every request waiting
 on it ends at once with EngineDeadError, is_alive() turns False, and a new engine process starts, up to
 `max_restarts` within `restart_window_s`; past that `on_fatal` is called (the gateway exits non-zero, so a
-supervisor above it takes over). Each engine incarnation gets fresh sockets, so no message meant for a
-dead engine reaches its successor. Importing this module loads no torch.
+supervisor above it takes over). A message from the engine that cannot be read (it does not unpickle, or is
+none of engine/messages.py's outbound types) counts as a death: the engine process is killed and the same
+happens. Each engine incarnation gets fresh sockets, so no message meant for a dead engine reaches its
+successor. Importing this module loads no torch.
 """
 from __future__ import annotations
 
@@ -27,10 +29,9 @@ import zmq.asyncio
 
 from engine.client import RelayedEngineClient
 from engine.config import EngineConfig
-from engine.messages import AbortRequest, AddRequest, CacheCommand, EngineInfo
-from engine.outputs import RequestOutput
+from engine.messages import CommandReply, EngineInfo, Inbound, StartFailed, StepOutputs
 from engine.sampling_params import SamplingParams, validate_prompt
-from engine.stats import SchedulerStats, StepStats
+from engine.stats import SchedulerStats
 from engine.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("prefixgate.engine")
@@ -132,22 +133,34 @@ class ProcessClient(RelayedEngineClient):
 
     # ---- messages and supervision
 
-    def _send(self, message: AddRequest | AbortRequest | CacheCommand) -> None:
+    def _send(self, message: Inbound) -> None:
         if self._alive:
             with contextlib.suppress(zmq.ZMQError):  # a dying engine: its requests fail through _supervise
                 self._engine.inbox.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
 
     async def _read(self, engine: _Incarnation) -> None:
-        while True:
-            message = pickle.loads(await engine.outbox.recv())
-            if message[0] == "step":
-                self._on_step(message[1], message[2])
-            elif message[0] == "reply":
-                self._on_reply(message[1], message[2])
+        """Hands on the engine's messages; one it cannot read ends the engine, whose supervisor restarts it."""
+        try:
+            while True:
+                self._on_message(pickle.loads(await engine.outbox.recv()))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("engine process %d sent a message that cannot be read; killing it", engine.process.pid)
+            self._alive = False
+            self._fail_all("the engine process sent a message that cannot be read")
+            with contextlib.suppress(ProcessLookupError):
+                engine.process.kill()  # _supervise sees it exit, and restarts it
 
-    def _on_step(self, outputs: list[RequestOutput], stats: StepStats) -> None:
-        self._publish(stats)  # before the outputs: a client never sees its answer before /metrics
-        self._streams.deliver(outputs)
+    def _on_message(self, message: object) -> None:
+        match message:
+            case StepOutputs(outputs, stats):
+                self._publish(stats)  # before the outputs: a client never sees its answer before /metrics
+                self._streams.deliver(outputs)
+            case CommandReply():
+                self._on_reply(message)
+            case _:
+                raise TypeError(f"not a message the engine sends after it started: {type(message).__name__}")
 
     async def _supervise(self) -> None:
         while True:
@@ -217,14 +230,28 @@ async def _spawn(config: EngineConfig) -> tuple[_Incarnation, EngineInfo]:
         incarnation.close()
         raise EngineStartError(f"the engine process exited (code {process.returncode}) before it was ready")
     exited.cancel()
-    message = pickle.loads(first.result())
-    if message[0] != "ready":
+    info = _ready(first.result())
+    if isinstance(info, str):
         with contextlib.suppress(ProcessLookupError):
             process.kill()
         await process.wait()
         incarnation.close()
-        raise EngineStartError(message[1])
-    info: EngineInfo = message[1]
+        raise EngineStartError(info)
     logger.info("engine process %d ready: %s, context %d tokens, %d KV blocks, threads %s (decode) / %s (prefill)",
                 info.pid, info.model_name, info.max_model_len, info.num_blocks, info.threads, info.threads_batch)
     return incarnation, info
+
+
+def _ready(data: bytes) -> EngineInfo | str:
+    """The engine process's first message: its EngineInfo, or why it did not start."""
+    try:
+        message = pickle.loads(data)
+    except Exception as exc:
+        return f"the engine process's first message cannot be read ({exc!r})"
+    match message:
+        case EngineInfo():
+            return message
+        case StartFailed(reason):
+            return reason
+        case _:
+            return f"the engine process's first message is a {type(message).__name__}, not its EngineInfo"

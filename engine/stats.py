@@ -1,42 +1,137 @@
-"""Plain stats the engine hands out; metrics/ turns them into Prometheus series."""
+"""Plain stats the engine hands out; metrics/ turns them into Prometheus series.
+
+Every stats class merges itself (`merge`, `merged`): the stats of several steps of one engine (a replica's
+report between two outputs), or the snapshots of several engines taken together (a cluster's). How each
+field combines is its rule, named where the field is declared:
+
+- `count`: how many since start-up, or in a step: numbers add, dicts add per key, lists concatenate. An
+  engine that is gone keeps counting (a Prometheus counter never goes down).
+- `level`: how many now (free blocks, running requests): adds over the engines that are up; a gone one's is 0.
+- `mean`: a fraction now (pool usage): the mean over the engines that are up (a deployment's pools are equal).
+- `latest`: a snapshot (a step's scheduler stats): the last one given replaces the others.
+- `nested`: stats of their own, merged field by field by the same rules (None: not there, as without a disk tier).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, Field, dataclass, field, fields
+from enum import Enum
+from functools import reduce
+from typing import Any, Iterable, Self
+
+
+class Merge(Enum):
+    COUNT = "count"
+    LEVEL = "level"
+    MEAN = "mean"
+    LATEST = "latest"
+    NESTED = "nested"
+
+
+def _rule(rule: Merge, default: Any = MISSING, factory: Any = MISSING) -> Any:
+    return field(default=default, default_factory=factory, metadata={"merge": rule})
+
+
+def count(factory: type | None = None) -> Any:
+    return _rule(Merge.COUNT, factory=factory) if factory else _rule(Merge.COUNT, 0)
+
+
+def level(factory: type | None = None) -> Any:
+    return _rule(Merge.LEVEL, factory=factory) if factory else _rule(Merge.LEVEL, 0)
+
+
+def mean() -> Any:
+    return _rule(Merge.MEAN, 0.0)
+
+
+def latest() -> Any:
+    return _rule(Merge.LATEST)
+
+
+def nested(factory: type | None = None) -> Any:
+    return _rule(Merge.NESTED, factory=factory) if factory else _rule(Merge.NESTED, None)
+
+
+class Mergeable:
+    """A stats dataclass whose fields each name their merge rule."""
+
+    __slots__ = ()
+
+    def merge(self, *others: Self) -> Self:
+        """These stats and `others` taken together (in order: the last one's snapshots win)."""
+        return type(self).merged((self, *others))
+
+    @classmethod
+    def merged(cls, up: Iterable[Self], gone: Iterable[Self] = ()) -> Self:
+        """The stats of the engines `up` taken together, and the counts of those `gone` (replicas that died:
+        their counters still count, their levels no longer do)."""
+        up, gone = list(up), list(gone)
+        return cls(**{f.name: _merge_field(f, [getattr(s, f.name) for s in up], [getattr(s, f.name) for s in gone])
+                      for f in fields(cls)})
+
+
+def _merge_field(f: Field, up: list, gone: list) -> Any:
+    rule = f.metadata["merge"]
+    if rule is Merge.COUNT:
+        return reduce(_add, up + gone, _empty(f))
+    if rule is Merge.LEVEL:
+        return reduce(_add, up, _empty(f))
+    if rule is Merge.MEAN:
+        return sum(up) / len(up) if up else f.default
+    if rule is Merge.LATEST:
+        return (up + gone)[-1]
+    up, gone = [s for s in up if s is not None], [s for s in gone if s is not None]
+    return type((up + gone)[0]).merged(up, gone) if up or gone else _empty(f)
+
+
+def _empty(f: Field) -> Any:
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def _add(total: Any, value: Any) -> Any:
+    """`total` and `value` added; never changes either (they may be an engine's own)."""
+    if isinstance(total, dict):
+        added = dict(total)
+        for key, num in value.items():
+            added[key] = _add(added[key], num) if key in added else num
+        return added
+    if isinstance(total, tuple):
+        return tuple(map(_add, total, value))
+    return total + value  # numbers add, lists concatenate
 
 
 @dataclass(slots=True)
-class DiskTierStats:
-    files: int = 0
-    bytes: int = 0
-    writes: int = 0  # blocks written
-    dropped_spills: int = 0  # spills refused: the writer was too far behind
-    evictions: int = 0  # files dropped by the tier's LRU
-    corrupt: int = 0  # files that failed a check (deleted, never served)
-    write_errors: dict[str, int] = field(default_factory=dict)  # failed block writes by reason (no_space, ...)
+class DiskTierStats(Mergeable):
+    files: int = level()
+    bytes: int = level()
+    writes: int = count()  # blocks written
+    dropped_spills: int = count()  # spills refused: the writer was too far behind
+    evictions: int = count()  # files dropped by the tier's LRU
+    corrupt: int = count()  # files that failed a check (deleted, never served)
+    write_errors: dict[str, int] = count(dict)  # failed block writes by reason (no_space, ...)
 
 
 @dataclass(slots=True)
-class PrefixCacheStats:
-    """Cumulative counters of the prefix cache since start-up."""
+class PrefixCacheStats(Mergeable):
+    """Cumulative counters of the prefix cache since start-up, and its levels now."""
 
-    queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # prompt tokens found cached
-    requests: int = 0  # lookups (one per admitted request)
-    evictions_capacity: int = 0  # cached blocks dropped to make room
-    evictions_preemption: int = 0  # computed blocks (no hash, no other holder) dropped by preemption
-    cached_blocks: int = 0  # blocks currently holding a registered hash
-    usage: float = 0.0  # fraction of blocks referenced by running requests
-    evictions_spill: int = 0  # cached blocks dropped from RAM with their KV written to the disk tier
-    evictions_reset: int = 0  # cached blocks forgotten by a cache reset
-    regrets: int = 0  # evicted blocks asked for again while their hash was in the ghost list
-    disk_hits: int = 0  # prompt tokens loaded from the disk tier (part of `hits`)
-    evictions_erase: int = 0  # cached blocks forgotten by DELETE /v1/cache
-    pins: int = 0  # pinned prefixes now (cache_control breakpoints)
-    pinned_blocks: int = 0  # distinct blocks they hold
-    max_pinned_blocks: int = 0  # what pins may hold at most (max_pinned_fraction of the pool)
-    pins_released: dict[str, int] = field(default_factory=dict)  # cumulative, by reason: expired, pressure, erased
-    tenant_pinned_blocks: dict[str, int] = field(default_factory=dict)  # tenant -> blocks its pins hold now
-    disk: DiskTierStats | None = None  # None: no disk tier
+    queries: int = count()  # prompt tokens looked up
+    hits: int = count()  # prompt tokens found cached
+    requests: int = count()  # lookups (one per admitted request)
+    evictions_capacity: int = count()  # cached blocks dropped to make room
+    evictions_preemption: int = count()  # computed blocks (no hash, no other holder) dropped by preemption
+    cached_blocks: int = level()  # blocks currently holding a registered hash
+    usage: float = mean()  # fraction of blocks referenced by running requests
+    evictions_spill: int = count()  # cached blocks dropped from RAM with their KV written to the disk tier
+    evictions_reset: int = count()  # cached blocks forgotten by a cache reset
+    regrets: int = count()  # evicted blocks asked for again while their hash was in the ghost list
+    disk_hits: int = count()  # prompt tokens loaded from the disk tier (part of `hits`)
+    evictions_erase: int = count()  # cached blocks forgotten by DELETE /v1/cache
+    pins: int = level()  # pinned prefixes now (cache_control breakpoints)
+    pinned_blocks: int = level()  # distinct blocks they hold
+    max_pinned_blocks: int = level()  # what pins may hold at most (max_pinned_fraction of the pool)
+    pins_released: dict[str, int] = count(dict)  # by reason: expired, pressure, erased
+    tenant_pinned_blocks: dict[str, int] = level(dict)  # tenant -> blocks its pins hold now
+    disk: DiskTierStats | None = nested()  # None: no disk tier
 
     @property
     def hit_rate(self) -> float:
@@ -44,16 +139,16 @@ class PrefixCacheStats:
 
 
 @dataclass(slots=True)
-class SchedulerStats:
+class SchedulerStats(Mergeable):
     """A snapshot taken after each engine step."""
 
-    num_running: int = 0
-    num_waiting: int = 0
-    num_preemptions: int = 0  # cumulative
-    num_steps: int = 0  # cumulative
-    num_blocks: int = 0
-    num_free_blocks: int = 0  # in the free queue: empty, or cached and hittable
-    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    num_running: int = level()
+    num_waiting: int = level()
+    num_preemptions: int = count()
+    num_steps: int = count()
+    num_blocks: int = level()
+    num_free_blocks: int = level()  # in the free queue: empty, or cached and hittable
+    prefix_cache: PrefixCacheStats = nested(PrefixCacheStats)
 
 
 @dataclass(slots=True)
@@ -77,20 +172,20 @@ class FinishedRequestStats:
 
 
 @dataclass(slots=True)
-class StepStats:
-    """What one engine step did, for per-step metrics."""
+class StepStats(Mergeable):
+    """What one engine step did, for per-step metrics (merged: what several steps did)."""
 
-    scheduler: SchedulerStats
-    num_prompt_tokens: int = 0  # prefill tokens computed this step
-    num_generation_tokens: int = 0
-    finished: list[FinishedRequestStats] = field(default_factory=list)
-    tenant_cache: dict[str, tuple[int, int]] = field(default_factory=dict)  # tenant -> (queries, hits) tokens this step
-    tenant_evictions: dict[str, int] = field(default_factory=dict)  # tenant whose block was evicted -> blocks this step
+    scheduler: SchedulerStats = latest()
+    num_prompt_tokens: int = count()  # prefill tokens computed this step
+    num_generation_tokens: int = count()
+    finished: list[FinishedRequestStats] = count(list)
+    tenant_cache: dict[str, tuple[int, int]] = count(dict)  # tenant -> (queries, hits) tokens this step
+    tenant_evictions: dict[str, int] = count(dict)  # tenant whose block was evicted -> blocks this step
     # latencies of the tokens this step produced, in seconds: observed now, not when their request finishes
-    ttfts: list[float] = field(default_factory=list)  # arrival -> first token, one per first token
-    prefill_times: list[float] = field(default_factory=list)  # first scheduled -> first token
-    inter_token_latencies: list[float] = field(default_factory=list)  # one per later token
-    kv_events: list[tuple[str, bytes]] = field(default_factory=list)  # ("stored"|"removed", block hash), if enabled
-    tenant_regrets: dict[str, int] = field(default_factory=dict)  # tenant whose evicted block was asked again -> blocks
-    tenant_pin_expiries: dict[str, int] = field(default_factory=dict)  # tenant -> its pins that expired
-    tenant_pin_refusals: dict[tuple[str, str], int] = field(default_factory=dict)  # (tenant, quota) -> refused pins
+    ttfts: list[float] = count(list)  # arrival -> first token, one per first token
+    prefill_times: list[float] = count(list)  # first scheduled -> first token
+    inter_token_latencies: list[float] = count(list)  # one per later token
+    kv_events: list[tuple[str, bytes]] = count(list)  # ("stored"|"removed", block hash), if enabled
+    tenant_regrets: dict[str, int] = count(dict)  # tenant whose evicted block was asked again -> blocks
+    tenant_pin_expiries: dict[str, int] = count(dict)  # tenant -> its pins that expired
+    tenant_pin_refusals: dict[tuple[str, str], int] = count(dict)  # (tenant, quota) -> refused pins

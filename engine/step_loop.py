@@ -1,6 +1,7 @@
-"""The engine's step loop, whatever carries its messages: adds and aborts come in through an inbox, each
-step's outputs and stats go out through `emit`. The engine process runs it on its main thread; the
-in-process AsyncEngine on a thread of its own."""
+"""The engine's step loop, whatever carries its messages: adds, aborts and cache commands come in through an
+inbox; each step's StepOutputs go out through `emit`, each command's CommandReply through `reply`
+(engine/messages.py). The engine process runs it on its main thread; the in-process AsyncEngine on a thread
+of its own."""
 from __future__ import annotations
 
 import logging
@@ -13,8 +14,7 @@ from engine.core import EngineCore
 from engine.grammar import StructuredMatcher
 from engine.outputs import FinishReason, RequestOutput
 from engine.request import Request
-from engine.messages import AbortRequest, AddRequest, CacheCommand
-from engine.stats import StepStats
+from engine.messages import AddRequest, CacheCommand, CommandReply, EngineError, Inbound, StepOutputs
 
 logger = logging.getLogger("prefixgate.engine")
 
@@ -28,16 +28,13 @@ class _Compiling:
     matcher: Future = field(repr=False)
 
 
-Message = AddRequest | AbortRequest | CacheCommand
-
-
 class Inbox(Protocol):
-    def receive(self, timeout: float) -> list[Message]:
+    def receive(self, timeout: float) -> list[Inbound]:
         """What arrived; waits up to `timeout` seconds (0: not at all) while nothing has."""
 
 
-Emit = Callable[[list[RequestOutput], StepStats], None]
-Reply = Callable[[int, object], None]  # a cache command's id and its result (or the exception it raised)
+Emit = Callable[[StepOutputs], None]
+Reply = Callable[[CommandReply], None]
 
 
 class StepLoop:
@@ -59,15 +56,17 @@ class StepLoop:
             if not self.core.has_unfinished():
                 self.core.idle(just_idle=busy)  # pins expire; the disk tier catches up, off the step path
                 busy = False
-                self.emit([], self.core.take_stats())  # aborts leave no step behind: report them now
+                self._emit([])  # aborts leave no step behind: report them now
                 continue
             busy = True
-            outputs, stats = self.core.step()
-            self.emit(outputs, stats)
+            self.emit(StepOutputs(*self.core.step()))
         self._take(self.inbox.receive(0))  # aborts sent while the last step ran
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
-    def _take(self, messages: list[Message]) -> None:
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        self.emit(StepOutputs(outputs, self.core.take_stats()))
+
+    def _take(self, messages: list[Inbound]) -> None:
         for message in messages:
             if isinstance(message, AddRequest):
                 self._add(message)
@@ -78,12 +77,12 @@ class StepLoop:
 
     def _command(self, command: CacheCommand) -> None:
         try:
-            result = self.core.cache_command(command)
+            reply = CommandReply(command.command_id, self.core.cache_command(command))
         except Exception as exc:  # a failed command fails its caller alone
             logger.exception("cache command %s failed", command.op)
-            result = exc
-        self.reply(command.command_id, result)
-        self.emit([], self.core.take_stats())  # an erase shows in the metrics at once
+            reply = CommandReply(command.command_id, error=EngineError.of(exc))
+        self.reply(reply)
+        self._emit([])  # an erase shows in the metrics at once
 
     def _add(self, add: AddRequest) -> None:
         if add.params.structured is not None:
@@ -116,8 +115,7 @@ class StepLoop:
     def _reject(self, add: AddRequest, exc: Exception) -> None:
         if not isinstance(exc, ValueError):
             logger.error("adding request %s failed", add.request_id, exc_info=exc)
-        self.emit([unrun_output(add.request_id, FinishReason.ERROR, len(add.prompt_token_ids), str(exc))],
-                  self.core.take_stats())
+        self._emit([unrun_output(add.request_id, FinishReason.ERROR, len(add.prompt_token_ids), str(exc))])
 
     def _abort(self, request_id: str) -> None:
         if (compiling := self._compiling.pop(request_id, None)) is not None:
@@ -130,7 +128,7 @@ class StepLoop:
                 logger.exception("aborting request %s failed", request_id)
                 output = unrun_output(request_id, FinishReason.ERROR, error=f"abort failed: {exc!r}")
         if output is not None:
-            self.emit([output], self.core.take_stats())
+            self._emit([output])
 
 
 def unrun_output(request_id: str, finish_reason: str, num_prompt_tokens: int = 0,
