@@ -5,7 +5,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.default_model
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +32,7 @@ def test_cache_hit_gives_the_same_answer(llm):
     assert warm.token_ids == cold.token_ids
 
 
+@pytest.mark.server
 def test_a_plain_sdk_call_samples_with_the_model_cards_defaults():
     """The SDK sends no temperature: the server samples at the converted model's recommended 0.2 / top_p 0.9.
     At temperature 1 (the old default) most answers were word salad ("Estèle_is_la_lande, or in French, ...").
@@ -56,3 +57,35 @@ def test_a_plain_sdk_call_samples_with_the_model_cards_defaults():
     assert sum("Paris" in a for a in plain) >= 6, plain
     clean = "The capital of France is Paris."
     assert sum(a == clean for a in plain) >= 5 and sum(a == clean for a in hot) <= 2, (plain, hot)
+
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?",
+             "Name three primary colors."]
+
+
+def test_its_q4_1_file_gives_the_dequantized_fp32_models_tokens(llm):
+    """Served as its file's Q4_1 / Q8_0 blocks by default; --dtype float32 dequantizes the same file exactly,
+    so the two differ only in fp32 summation order."""
+    assert llm.core.weights_format == "gguf"
+    reference = LLM("default", kv_cache_memory_mb=128, dtype="float32")
+    assert reference.core.weights_format == "none" and reference.core.model.lm_head.quant is None
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    params = SamplingParams(max_tokens=32, temperature=0, logprobs=0)
+    ours, theirs = llm.generate(prompts, params), reference.generate(prompts, params)
+    assert [o.token_ids for o in ours] == [t.token_ids for t in theirs]
+    for o, t in zip(ours, theirs):
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(o.logprobs, t.logprobs)) < 1e-3
+
+
+def test_a_gguf_file_is_a_model(llm, tmp_path):
+    """--model FILE.gguf: config and tokenizer come from the file's metadata, the weights stay in its formats."""
+    from engine.model.default_model import ensure_default_model
+    from engine.model.gguf_loader import WEIGHTS_NAME
+
+    by_file = LLM(str(ensure_default_model() / WEIGHTS_NAME), model_cache_dir=str(tmp_path), kv_cache_memory_mb=64)
+    assert by_file.core.weights_format == "gguf"
+    assert (by_file.core.model_path / WEIGHTS_NAME).is_symlink()
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}])
+    assert by_file.tokenizer.encode(prompt) == llm.tokenizer.encode(prompt)
+    params = SamplingParams(max_tokens=16, temperature=0)
+    assert by_file.generate(prompt, params)[0].token_ids == llm.generate(prompt, params)[0].token_ids
