@@ -55,6 +55,7 @@ def test_paused_chats_wait_before_every_later_turn(tiny_llama_dir):
     assert {r.think_s for r in closed.requests} == {0.0}
 
 
+@pytest.mark.server
 def test_the_lean_client_reads_timings_and_usage_from_a_real_server(tiny_llama_dir):
     """bench serving's aiohttp client against `serve` on a tiny model: every turn streams its tokens,
     later turns report the earlier turns' prompt as cached, and one stream yields a gap."""

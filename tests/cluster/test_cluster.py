@@ -26,6 +26,7 @@ from gateway.auth import Tenant  # noqa: E402
 from gateway.settings import ApiKey, GatewaySettings, Settings  # noqa: E402
 from tests.support.gateway_helpers import served  # noqa: E402
 
+pytestmark = pytest.mark.ray
 APP = "test-cluster"
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
@@ -191,6 +192,7 @@ def _index_sizes(metrics_text: str) -> dict[str, int]:
             re.findall(r'prefixgate_router_index_blocks\{model_name="[^"]*",replica="([^"]+)"\} (\S+)', metrics_text)}
 
 
+@pytest.mark.server
 async def test_two_gateways_attached_to_one_app_share_its_cache(cluster, engine_config, aiohttp_client, tmp_path):
     """A second gateway process (`python -m cluster serve --attach`, started after the first one cached a
     prompt) sees every replica's cache through the KV event log: a prompt cached through either gateway

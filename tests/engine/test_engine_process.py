@@ -56,6 +56,7 @@ async def chat_cached_tokens(session, base: str, model: str) -> int:
         return (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+@pytest.mark.server
 async def test_kill_9_of_the_engine_fails_in_flight_requests_restarts_warm_then_gives_up(tiny_llama_dir, tmp_path):
     disk = tmp_path / "kv"
     with served("--model", str(tiny_llama_dir), "--num-kv-blocks", "512", "--kv-disk-dir", str(disk),
@@ -102,6 +103,7 @@ async def test_kill_9_of_the_engine_fails_in_flight_requests_restarts_warm_then_
     assert "giving up" in log and "capital of France" not in log
 
 
+@pytest.mark.server
 def test_a_disconnect_releases_the_engine_process_blocks(tiny_llama_dir):
     with LiveServer(tiny_settings(tiny_llama_dir, engine_process=True)) as server:
         client = sdk_client(server)

@@ -21,6 +21,8 @@ from gateway.settings import ApiKey
 from tests.support.gateway_helpers import REPO, LiveServer, served, tiny_settings
 from tests.support.machine import require_binary
 
+pytestmark = pytest.mark.browser
+
 # as the machine notes start it: without the background-networking flags Chromium dials hosts it cannot reach
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
@@ -352,7 +354,8 @@ def test_the_page_follows_the_systems_dark_theme(opened):
     assert (dark.evaluate(background), light.evaluate(background)) == ("rgb(27, 28, 31)", "rgb(250, 250, 250)")
 
 
-@pytest.mark.slow
+@pytest.mark.default_model
+@pytest.mark.server
 def test_the_default_model_in_the_page_and_the_readme_screenshot(browser):
     """The page as a newcomer sees it after `make serve`: the real default model, its sampling defaults, two
     turns of one chat (the second hits the cache). Saves docs/images/chat-page.png, which the README shows."""

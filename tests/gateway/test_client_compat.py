@@ -21,6 +21,8 @@ from pydantic import BaseModel
 from tests.support.gateway_helpers import REPO, LiveServer, sdk_client, tiny_settings
 from tests.support.machine import IN_CI
 
+pytestmark = pytest.mark.compat
+
 INSTRUCTOR_PYTHON = REPO / ".venv" / "compat-instructor" / "bin" / "python"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "strict": True,
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},

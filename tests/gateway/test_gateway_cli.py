@@ -9,6 +9,8 @@ import pytest
 
 from tests.support.gateway_helpers import served
 
+pytestmark = pytest.mark.server
+
 
 @pytest.fixture
 def server_process(tiny_llama_dir, tmp_path):

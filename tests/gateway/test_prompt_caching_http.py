@@ -184,6 +184,7 @@ def test_an_expired_pin_is_released_and_counted(tiny_llama_dir):
         assert f'prefixgate_pins_released_total{{model_name="{model}",reason="expired"}} 1.0' in metrics
 
 
+@pytest.mark.server
 def test_the_engine_process_answers_cache_commands(tiny_llama_dir):
     with LiveServer(tiny_settings(tiny_llama_dir, engine_process=True)) as live:
         c = client(live)

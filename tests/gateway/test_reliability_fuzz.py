@@ -20,6 +20,8 @@ from gateway.openapi import build_openapi
 from gateway.settings import ApiKey
 from tests.support.gateway_helpers import LiveServer, is_error_body, tiny_settings
 
+pytestmark = pytest.mark.fuzz
+
 # examples per (operation, mode); hypothesis may stop early on an operation with few distinct inputs
 BUDGET = {
     ("/v1/chat/completions", GenerationMode.POSITIVE): 250,

@@ -49,6 +49,7 @@ def compose() -> dict:
     return yaml.safe_load((ROOT / "compose.yaml").read_text())
 
 
+@pytest.mark.prometheus
 def test_promtool_check_config():
     promtool = require_binary("promtool")
     result = subprocess.run([promtool, "check", "config", str(PROMETHEUS_CONFIG)], capture_output=True, text=True,
@@ -56,6 +57,7 @@ def test_promtool_check_config():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.prometheus
 def test_every_dashboard_expr_is_valid_promql(tmp_path):
     promtool = require_binary("promtool")
     rules = {"groups": [{"name": "dashboard", "rules": [

@@ -216,6 +216,7 @@ async def prometheus(server, tmp_path):
         await prom.stop()
 
 
+@pytest.mark.prometheus
 async def test_every_dashboard_query_returns_data_from_a_real_prometheus(server, prometheus):
     async with aiohttp.ClientSession() as session:
         # a scrape before the workload, so rate() over the window sees the counters move

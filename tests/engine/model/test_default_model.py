@@ -33,6 +33,7 @@ def test_cache_hit_gives_the_same_answer(llm):
 
 
 @pytest.mark.server
+@pytest.mark.server
 def test_a_plain_sdk_call_samples_with_the_model_cards_defaults():
     """The SDK sends no temperature: the server samples at the converted model's recommended 0.2 / top_p 0.9.
     At temperature 1 (the old default) most answers were word salad ("Estèle_is_la_lande, or in French, ...").
