@@ -91,7 +91,8 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_s
         raise ValueError("the prompt is empty")
     if any(not 0 <= t < vocab_size for t in prompt_token_ids):
         raise ValueError(f"token ids must be in [0, {vocab_size})")
-    if len(prompt_token_ids) + params.max_tokens > max_model_len:
+    generated = 0 if params.pooling else params.max_tokens  # a pooling request (embedding, warm) generates none
+    if len(prompt_token_ids) + generated > max_model_len:
         raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                          f"exceeds the context length ({max_model_len})")
     if any(t >= vocab_size for t in params.logit_bias):

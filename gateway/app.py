@@ -24,6 +24,7 @@ from gateway.embeddings import embeddings
 from gateway.responses import RESPONSE_STORE, ResponseStore
 from gateway.salt_secret import SaltSecret, resolve_salt_secret
 from gateway.errors import APIError, error_middleware, error_response
+from gateway.generate import Shutdown
 from gateway.generation_defaults import parse_override, sampling_defaults
 from gateway.settings import Settings
 from gateway.state import STATE, GatewayState
@@ -36,28 +37,36 @@ REQUEST_ID_KEY = web.RequestKey("request_id", str)
 
 
 class InFlight:
-    """The handler tasks now running, so shutdown can wait for them, then cancel the rest."""
+    """The handler tasks now running, so shutdown can wait for them, then end the rest."""
 
-    def __init__(self) -> None:
+    def __init__(self, retry_after_s: int) -> None:
         self.tasks: set[asyncio.Task] = set()
         self.draining = False
+        self.shutdown = Shutdown(retry_after_s)
 
     async def drain(self, timeout: float) -> int:
-        """Refuse new requests, wait up to `timeout` for running ones, cancel the rest (their
-        engine requests are aborted). Returns how many were cancelled."""
+        """Refuse new requests (/health: 503 `draining`), wait up to `timeout` for running ones, then end
+        the rest with their terminal event (a 503 with Retry-After; a stream's error event and its end) and
+        abort their engine requests; a handler still not done GOODBYE_S later is cancelled. Returns how
+        many were still running at the deadline."""
         self.draining = True
         pending: set[asyncio.Task] = set()
         if self.tasks:
             _, pending = await asyncio.wait(set(self.tasks), timeout=timeout)
-        for task in pending:
-            task.cancel()
         if pending:
-            await asyncio.wait(pending, timeout=5)
+            self.shutdown.cut_off()
+            _, stuck = await asyncio.wait(pending, timeout=GOODBYE_S)
+            for task in stuck:  # not waiting on the engine (a client that reads nothing, say)
+                task.cancel()
+            if stuck:
+                await asyncio.wait(stuck, timeout=5)
         return len(pending)
 
 
 IN_FLIGHT = web.AppKey("in_flight", InFlight)
 _CLIENT_REQUEST_ID = re.compile(r"[\w.:/+=@-]{1,128}")
+GOODBYE_S = 5.0  # after the drain: how long a request cut off has to send its terminal event
+BODILESS_METHODS = frozenset({"GET", "HEAD", "DELETE"})
 _QUIET_ROUTES = frozenset({"/health", "/metrics"})  # probes and scrapes: access lines at DEBUG only
 
 
@@ -79,8 +88,8 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     settings = dataclasses.replace(settings, gateway=settings.gateway.replace(salt_secret=secret.value))
     auth = Authenticator(settings.gateway)  # bad key settings fail here, before the model loads
     app = web.Application(client_max_size=settings.gateway.max_body_bytes,
-                          middlewares=[observe_middleware, error_middleware])
-    app[IN_FLIGHT] = InFlight()
+                          middlewares=[observe_middleware, error_middleware, bodiless_middleware])
+    app[IN_FLIGHT] = InFlight(settings.gateway.retry_after_s)
     app[ENGINE_GAVE_UP] = EngineGaveUp()
     app.on_response_prepare.append(_add_request_id)
     if settings.gateway.allowed_origins:
@@ -144,7 +153,7 @@ async def _engine_ctx(settings: Settings, engine: EngineClient | None, auth: Aut
     gw = settings.gateway
     defaults = sampling_defaults(engine.model_path, gw.generation_config, parse_override(gw.override_generation_config),
                                  gw.default_max_tokens)
-    app[STATE] = GatewayState(settings, engine, auth, admission, metrics, names, defaults)
+    app[STATE] = GatewayState(settings, engine, auth, admission, metrics, names, app[IN_FLIGHT].shutdown, defaults)
     app[TOOL_TEMPLATE] = detect_tool_template(engine.tokenizer, settings.gateway.tool_call_parser)
     engine.start()
     log.info("serving model %s (context %d tokens)", engine.model_name, engine.max_model_len)
@@ -168,8 +177,7 @@ async def observe_middleware(request: web.Request, handler) -> web.StreamRespons
     in_flight.tasks.add(task)
     try:
         if in_flight.draining:
-            response = error_response(APIError(503, "the server is shutting down", code="shutting_down",
-                                               headers={"Connection": "close"}))
+            response = error_response(_refused_while_draining(request.path, in_flight.shutdown.retry_after_s))
         else:
             response = await handler(request)
         status = response.status
@@ -182,6 +190,24 @@ async def observe_middleware(request: web.Request, handler) -> web.StreamRespons
         request.app[STATE].metrics.on_http(route, request.method, status, seconds)
         level = logging.DEBUG if route in _QUIET_ROUTES and status < 400 else logging.INFO
         log.log(level, "%s %s %d %.3fs", request.method, request.path, status, seconds)
+
+
+def _refused_while_draining(path: str, retry_after_s: int) -> APIError:
+    headers = {"Connection": "close", "Retry-After": str(retry_after_s)}
+    if path == "/health":  # a load balancer's probe: send nothing more here
+        return APIError(503, "the server is draining: it finishes the requests it has, then stops",
+                        code="draining", headers=headers)
+    return APIError(503, "the server is shutting down", code="shutting_down", headers=headers)
+
+
+@web.middleware
+async def bodiless_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """GET, HEAD and DELETE take no body: one sent anyway is refused unread (413 past max_body_bytes)."""
+    if request.method in BODILESS_METHODS and request.body_exists:
+        if (request.content_length or 0) > request.app[STATE].settings.gateway.max_body_bytes:
+            raise APIError(413, "request body is too large", code="request_too_large")
+        raise APIError(400, f"{request.method} {request.path[:200]} takes no request body", code="unexpected_body")
+    return await handler(request)
 
 
 async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:

@@ -4,21 +4,20 @@ caller's cached blocks, in memory and on disk, pinned or not. Each acts on the c
 anonymous one without API keys)."""
 from __future__ import annotations
 
-import contextlib
 import uuid
 from typing import Any
 
 from aiohttp import web
 
-from engine.client import EngineDeadError
 from engine.messages import CacheBreakpoint, CacheErased, PinInfo
 from engine.sampling_params import SamplingParams
 from gateway.cache_control import DEFAULT_TTL, TTLS, WHOLE_PROMPT, directives, parse_ttl
-from gateway.errors import APIError, invalid
-from gateway.generate import Choice, check_output, prompt_tokens_details, run_choices
+from gateway.errors import invalid
+from gateway.generate import Choice, prompt_tokens_details
 from gateway.jsonbody import parse_body
 from gateway.protocol import _Fields, parse_prompts
 from gateway.render import encode_prompts, normalize_messages, render_chat
+from gateway.runner import RequestRun, run_command
 from gateway.state import STATE, GatewayState
 from gateway.tool_prompt import TOOL_TEMPLATE
 from gateway.tools import parse_tools
@@ -27,7 +26,7 @@ from gateway.tools import parse_tools
 async def list_pins(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tenant = state.auth.authenticate(request)
-    pins = await _command(state, state.engine.list_pins(tenant.name))
+    pins = await run_command(state.engine, state.engine.list_pins(tenant.name))
     return web.json_response({"object": "list", "data": [_pin(p) for p in pins],
                               "pinned_blocks": sum(p.num_blocks for p in pins),
                               "max_pinned_blocks": tenant.max_pinned_blocks})
@@ -36,7 +35,7 @@ async def list_pins(request: web.Request) -> web.Response:
 async def erase(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tenant = state.auth.authenticate(request)
-    erased: CacheErased = await _command(state, state.engine.erase_cache(tenant.name))
+    erased: CacheErased = await run_command(state.engine, state.engine.erase_cache(tenant.name))
     return web.json_response({"object": "cache.deleted", "deleted": True, "blocks": erased.blocks,
                               "disk_blocks": erased.disk_blocks, "pins": erased.pins})
 
@@ -54,19 +53,9 @@ async def warm(request: web.Request) -> web.Response:
     with state.admission.admit(tenant, 1):
         prompt, param = await _prompt(request, state, fields)
         state.check_lengths(len(prompt), 1, param)
-        if not state.engine.is_alive():
-            raise APIError(503, "the engine is not running", code="engine_unavailable")
         choice = Choice(0, 0, f"warm-{uuid.uuid4().hex}", prompt, SamplingParams(max_tokens=1, pooling="none"),
                         directives([CacheBreakpoint(WHOLE_PROMPT, ttl_s)], tenant.max_pinned_blocks), stream=False)
-        outputs = run_choices(state.engine, [choice], cache_salt=tenant.cache_salt(fields.string("cache_salt", None)),
-                              tenant=tenant.name)
-        async with contextlib.aclosing(outputs):
-            try:
-                async for _, out in outputs:
-                    check_output(out)
-                    choice.add(out)
-            except ValueError as exc:
-                raise invalid(str(exc), param) from None
+        await RequestRun(state, tenant, fields.string("cache_salt", None), [choice], param).to_end()
     return web.json_response({"object": "cache.warm", "model": state.model_name,
                               "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt),
                                         "prompt_tokens_details": prompt_tokens_details([choice])}})
@@ -87,16 +76,6 @@ async def _prompt(request: web.Request, state: GatewayState, fields: _Fields) ->
     template = request.app[TOOL_TEMPLATE]
     return await render_chat(tokenizer, messages, tools.template_tools if tools else None, template,
                              add_generation_prompt=False), "messages"
-
-
-async def _command(state: GatewayState, command) -> Any:
-    if not state.engine.is_alive():
-        command.close()
-        raise APIError(503, "the engine is not running", code="engine_unavailable")
-    try:
-        return await command
-    except (EngineDeadError, RuntimeError) as exc:
-        raise APIError(503, f"the engine stopped: {exc}", code="engine_dead") from None
 
 
 def _pin(pin: PinInfo) -> dict[str, Any]:

@@ -6,7 +6,6 @@ prefix never changes a vector."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import struct
 import uuid
 from dataclasses import dataclass
@@ -15,11 +14,12 @@ from typing import Any
 from aiohttp import web
 
 from engine.sampling_params import SamplingParams
-from gateway.errors import APIError, invalid
-from gateway.generate import Choice, check_output, prompt_tokens_details, run_choices
+from gateway.errors import invalid
+from gateway.generate import Choice, prompt_tokens_details
 from gateway.jsonbody import parse_body
 from gateway.protocol import _Fields, parse_prompts
 from gateway.render import encode_prompts
+from gateway.runner import RequestRun
 from gateway.state import STATE
 
 POOLING = {"pooling": "last", "normalized": True}  # what /v1/models says of this endpoint
@@ -65,28 +65,16 @@ async def embeddings(request: web.Request) -> web.Response:
     with state.admission.admit(tenant, len(req.inputs)):
         prompts = await encode_prompts(state.engine.tokenizer, req.inputs, "input")
         for prompt in prompts:
-            state.check_lengths(len(prompt), 1, "input")
-        if not state.engine.is_alive():
-            raise APIError(503, "the engine is not running", code="engine_unavailable")
+            state.check_prompt(len(prompt), "input", generates=False)
         response_id = f"embd-{uuid.uuid4().hex}"
         params = SamplingParams(max_tokens=1, pooling="last")
         choices = [Choice(i, i, f"{response_id}-{i}", p, params, stream=False) for i, p in enumerate(prompts)]
-        vectors: dict[int, list[float]] = {}
-        outputs = run_choices(state.engine, choices, cache_salt=tenant.cache_salt(req.cache_salt), tenant=tenant.name)
-        async with contextlib.aclosing(outputs):
-            try:
-                async for choice, out in outputs:
-                    check_output(out)
-                    choice.add(out)
-                    if out.finished:
-                        vectors[choice.index] = out.embedding
-            except ValueError as exc:  # the engine's own checks
-                raise invalid(str(exc), "input") from None
+        await RequestRun(state, tenant, req.cache_salt, choices, "input").to_end()
     tokens = sum(len(p) for p in prompts)
     return web.json_response({
         "object": "list", "model": state.model_name,
-        "data": [{"object": "embedding", "index": i, "embedding": _encoded(vectors[i], req.encoding_format)}
-                 for i in range(len(prompts))],
+        "data": [{"object": "embedding", "index": i, "embedding": _encoded(c.embedding, req.encoding_format)}
+                 for i, c in enumerate(choices)],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
                   "prompt_tokens_details": prompt_tokens_details(choices)},
     })

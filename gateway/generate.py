@@ -44,6 +44,7 @@ class Choice:
     pinned_until: float | None = None
     pin_refused: str | None = None
     finish_reason: str | None = None
+    embedding: list[float] | None = None  # a pooling request's vector, when it finished
 
     def add(self, out: RequestOutput) -> None:
         self.text.append(out.new_text)
@@ -58,6 +59,7 @@ class Choice:
         self.pin_refused = out.pin_refused
         if out.finished:
             self.finish_reason = out.finish_reason
+            self.embedding = out.embedding
 
 
 def check_output(out: RequestOutput) -> None:
@@ -68,6 +70,22 @@ def check_output(out: RequestOutput) -> None:
     if out.finish_reason == FinishReason.ABORT:
         raise APIError(503, "the request was aborted (the server is shutting down, or an operator aborted it)",
                        code="aborted")
+
+
+def best_choices(choices: list[Choice], n: int, keep_logprobs: bool) -> list[Choice]:
+    """Per prompt, the n choices with the highest cumulative logprob (best_of), renumbered prompt by prompt."""
+    by_prompt: dict[int, list[Choice]] = {}
+    for choice in choices:
+        by_prompt.setdefault(choice.prompt_index, []).append(choice)
+    best = []
+    for prompt_index in sorted(by_prompt):
+        ranked = sorted(by_prompt[prompt_index], key=lambda c: -sum(t.logprob for t in c.logprobs))
+        best += ranked[:n]
+    for index, choice in enumerate(best):
+        choice.index = index
+        if not keep_logprobs:  # asked for internally to rank the choices
+            choice.logprobs = []
+    return best
 
 
 def usage(choices: list[Choice]) -> dict[str, Any]:
@@ -108,8 +126,35 @@ def prompt_tokens_details(leaders) -> dict[str, Any]:
     return details
 
 
-async def run_choices(engine: EngineClient, choices: list[Choice], *, cache_salt: str,
-                      tenant: str) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+class Shutdown:
+    """The end of a drain: every request still waiting on the engine then ends with a 503
+    `server_shutting_down` (a stream: its terminal error event), never cut off without a word."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        self.retry_after_s = retry_after_s
+        self._queues: set[asyncio.Queue] = set()  # those of the requests now running
+        self.cut = False
+
+    def watch(self, queue: asyncio.Queue) -> None:
+        self._queues.add(queue)
+        if self.cut:
+            queue.put_nowait(self._error())
+
+    def unwatch(self, queue: asyncio.Queue) -> None:
+        self._queues.discard(queue)
+
+    def cut_off(self) -> None:
+        self.cut = True
+        for queue in self._queues:
+            queue.put_nowait(self._error())  # after the outputs already queued; later ones are not waited for
+
+    def _error(self) -> APIError:
+        return APIError(503, "the server is shutting down; this request did not finish, send it again",
+                        code="server_shutting_down", headers={"Retry-After": str(self.retry_after_s)})
+
+
+async def run_choices(engine: EngineClient, choices: list[Choice], *, cache_salt: str, tenant: str,
+                      shutdown: Shutdown | None = None) -> AsyncIterator[tuple[Choice, RequestOutput]]:
     """Yields (choice, delta) as the engine produces them. Closing this generator (a client
     disconnect cancels the handler) cancels every engine request, which releases its blocks."""
     queue: asyncio.Queue[tuple[Choice, RequestOutput] | BaseException | None] = asyncio.Queue()
@@ -135,12 +180,16 @@ async def run_choices(engine: EngineClient, choices: list[Choice], *, cache_salt
             queue.put_nowait(None)
 
     runner = asyncio.create_task(run_all())
+    if shutdown is not None:
+        shutdown.watch(queue)
     try:
         while (item := await _next(queue, engine)) is not None:
             if isinstance(item, BaseException):
                 raise item
             yield item
     finally:
+        if shutdown is not None:
+            shutdown.unwatch(queue)
         runner.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await runner

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.openapi_responses import ref, response_schemas
+from gateway.openapi_responses_api import responses_paths, responses_request, responses_schemas
 from gateway.protocol import MAX_SEED
 from gateway.settings import GatewaySettings
 
@@ -35,13 +36,18 @@ def build_openapi(model_name: str, vocab_size: int, limits: GatewaySettings) -> 
                           "delete": _operation("Erase the caller's cached blocks, in memory and on disk, pinned "
                                                "or not", ref("CacheDeleted"), secured=True, errors=(503,))},
             "/v1/cache/warm": {"post": _warm_operation(model_name, vocab_size, limits)},
+            "/v1/cache/stats": {"get": _operation("The caller's hit rate and the pool's occupancy", ref("CacheStats"),
+                                                  secured=True)},
+            "/v1/embeddings": {"post": _embeddings_operation(model_name, vocab_size, limits)},
+            **responses_paths(_responses_request(model_name, limits), _operation),
             "/health": {"get": _operation("Liveness of the engine loop", ref("Health"), errors=(503,))},
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
                 "description": "exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
             "/openapi.json": {"get": {"summary": "This document", "responses": {
                 "200": {"description": "OpenAPI 3 document", "content": {_JSON: {"schema": {"type": "object"}}}}}}},
         },
-        "components": {"schemas": response_schemas(model_name),
+        "components": {"schemas": {**(schemas := response_schemas(model_name)),
+                                   **responses_schemas(model_name, schemas["Usage"])},
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
     }
 
@@ -52,7 +58,7 @@ def _generation(body: dict[str, Any], response: str, summary: str) -> dict[str, 
     chunk = response + "Chunk"
     op["responses"]["200"]["content"]["text/event-stream"] = {
         "schema": {"type": "string", "description": f"with stream: true, `data: {{{chunk}}}` events, then "
-                   "`data: [DONE]`; a failure after the first event is one `data: {Error}` event, then the end"},
+                   "`data: [DONE]`; a failure after the first event is one `data: {Error}` event, then `data: [DONE]`"},
         "x-stream-chunk": ref(chunk)}  # OpenAPI 3.0 cannot type the events themselves
     return {"post": op}
 
@@ -239,3 +245,20 @@ def _warm_operation(model_name: str, vocab_size: int, limits: GatewaySettings) -
                        "cache_control": {**_CACHE_CONTROL, "description": "the pin's TTL (default 5m)"},
                        "cache_salt": chat["cache_salt"]}}}}}
     return op
+
+
+def _embeddings_operation(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[str, Any]:
+    op = _operation("Embed each input (last-token pooling, L2-normalized)", ref("EmbeddingList"), secured=True,
+                    errors=(400, 404, 413, 429, 503))
+    op["requestBody"] = {"required": True, "content": {_JSON: {"schema": {
+        "type": "object", "required": ["model", "input"], "properties": {
+            "model": {"type": "string", "enum": [model_name]},
+            "input": _completion_request(model_name, vocab_size, limits)["properties"]["prompt"],
+            "encoding_format": {"type": "string", "enum": ["float", "base64"], "nullable": True},
+            "user": {"type": "string", "nullable": True},
+            "cache_salt": {"type": "string", "nullable": True}}}}}}
+    return op
+
+
+def _responses_request(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
+    return responses_request(_chat_request(model_name, limits)["properties"])

@@ -23,52 +23,65 @@ def response_schemas(model_name: str) -> dict[str, Any]:
         "Error": _error(),
         "Usage": usage,
         "ToolCall": _tool_call(),
-        "ChatCompletion": _closed({
+        "ChatCompletion": closed({
             **_head("chat.completion", "chatcmpl-", model_name),
-            "choices": {"type": "array", "items": _closed({
-                "index": _COUNT, "message": _chat_message(), "logprobs": _nullable(_chat_logprobs()),
+            "choices": {"type": "array", "items": closed({
+                "index": _COUNT, "message": _chat_message(), "logprobs": nullable(_chat_logprobs()),
                 "finish_reason": {"type": "string", "enum": ["stop", "length", "tool_calls", "function_call"],
                                   "description": '"tool_calls" ("function_call" for legacy functions) when the '
                                                  'message holds calls and ended normally; a call cut short by '
                                                  'max_tokens stays "length", its arguments as far as they go'}})},
             "usage": ref("Usage")}),
-        "ChatCompletionChunk": _closed({
+        "ChatCompletionChunk": closed({
             **_head("chat.completion.chunk", "chatcmpl-", model_name),
-            "choices": {"type": "array", "description": "empty in the usage chunk", "items": _closed({
-                "index": _COUNT, "delta": _chat_delta(), "logprobs": _nullable(_chat_logprobs()),
+            "choices": {"type": "array", "description": "empty in the usage chunk", "items": closed({
+                "index": _COUNT, "delta": _chat_delta(), "logprobs": nullable(_chat_logprobs()),
                 "finish_reason": _nullable_enum("stop", "length", "tool_calls", "function_call")})},
-            "usage": _nullable(usage, "null but in the last chunk, with stream_options.include_usage")}),
-        "Completion": _closed({
+            "usage": nullable(usage, "null but in the last chunk, with stream_options.include_usage")}),
+        "Completion": closed({
             **_head("text_completion", "cmpl-", model_name),
-            "choices": {"type": "array", "items": _closed({
-                "index": _COUNT, "text": _TEXT, "logprobs": _nullable(_completion_logprobs()),
+            "choices": {"type": "array", "items": closed({
+                "index": _COUNT, "text": _TEXT, "logprobs": nullable(_completion_logprobs()),
                 "finish_reason": {"type": "string", "enum": ["stop", "length"]}})},
             "usage": ref("Usage")}),
-        "CompletionChunk": _closed({
+        "CompletionChunk": closed({
             **_head("text_completion", "cmpl-", model_name),
-            "choices": {"type": "array", "description": "empty in the usage chunk", "items": _closed({
-                "index": _COUNT, "text": _TEXT, "logprobs": _nullable(_completion_logprobs()),
+            "choices": {"type": "array", "description": "empty in the usage chunk", "items": closed({
+                "index": _COUNT, "text": _TEXT, "logprobs": nullable(_completion_logprobs()),
                 "finish_reason": _nullable_enum("stop", "length")})},
-            "usage": _nullable(usage, "null but in the last chunk, with stream_options.include_usage")}),
+            "usage": nullable(usage, "null but in the last chunk, with stream_options.include_usage")}),
         "Model": _model(model_name),
-        "ModelList": _closed({"object": _const("list"), "data": {"type": "array", "items": ref("Model")}}),
-        "CachePins": _closed({
-            "object": _const("list"), "data": {"type": "array", "items": _closed({
-                "object": _const("cache.pin"), "id": {"type": "string", "pattern": "^pin_[0-9a-f]{32}$"},
+        "ModelList": closed({"object": const("list"), "data": {"type": "array", "items": ref("Model")}}),
+        "CachePins": closed({
+            "object": const("list"), "data": {"type": "array", "items": closed({
+                "object": const("cache.pin"), "id": {"type": "string", "pattern": "^pin_[0-9a-f]{32}$"},
                 "tokens": _COUNT, "blocks": _COUNT, "ttl": _TEXT, "created_at": _COUNT, "expires_at": _COUNT,
                 "hits": _COUNT})},
-            "pinned_blocks": _COUNT, "max_pinned_blocks": _nullable({**_COUNT, "description": "the key's quota"})}),
-        "CacheDeleted": _closed({"object": _const("cache.deleted"), "deleted": {"type": "boolean", "enum": [True]},
+            "pinned_blocks": _COUNT, "max_pinned_blocks": nullable({**_COUNT, "description": "the key's quota"})}),
+        "CacheDeleted": closed({"object": const("cache.deleted"), "deleted": {"type": "boolean", "enum": [True]},
                                  "blocks": _COUNT, "disk_blocks": _COUNT, "pins": _COUNT}),
-        "CacheWarm": _closed({"object": _const("cache.warm"), "model": {"type": "string", "enum": [model_name]},
-                              "usage": _closed({"prompt_tokens": _COUNT, "total_tokens": _COUNT,
+        "CacheWarm": closed({"object": const("cache.warm"), "model": {"type": "string", "enum": [model_name]},
+                              "usage": closed({"prompt_tokens": _COUNT, "total_tokens": _COUNT,
                                                 "prompt_tokens_details": usage["properties"]["prompt_tokens_details"]})}),
-        "Health": _closed({"status": _const("ok"), "replicas_up": _COUNT, "replicas": _COUNT},
+        "CacheStats": closed({
+            "object": const("cache.stats"), "tenant": _TEXT, "prompt_tokens": _COUNT, "cached_tokens": _COUNT,
+            "hit_rate": {"type": "number", "minimum": 0, "maximum": 1}, "evicted_blocks": _COUNT,
+            "kv_blocks": closed({"total": _COUNT, "used": _COUNT, "cached": _COUNT, "free": _COUNT}),
+            "disk": nullable(closed({"blocks": _COUNT, "bytes": _COUNT}), "null without a disk tier")}),
+        "EmbeddingList": closed({
+            "object": const("list"), "model": {"type": "string", "enum": [model_name]},
+            "data": {"type": "array", "items": closed({
+                "object": const("embedding"), "index": _COUNT,
+                "embedding": {"oneOf": [{"type": "array", "items": {"type": "number"}},
+                                        {"type": "string", "description": "base64 of little-endian float32"}]}})},
+            "usage": closed({"prompt_tokens": _COUNT, "total_tokens": _COUNT,
+                             "prompt_tokens_details": usage["properties"]["prompt_tokens_details"]})}),
+        "Health": closed({"status": const("ok"), "replicas_up": _COUNT, "replicas": _COUNT},
                           optional=("replicas_up", "replicas")),
     }
 
 
-def _closed(properties: dict[str, Any], *, optional: tuple[str, ...] = ()) -> dict[str, Any]:
+def closed(properties: dict[str, Any], *, optional: tuple[str, ...] = ()) -> dict[str, Any]:
     """An object with exactly these fields, each always sent unless named in `optional`."""
     schema: dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}
     if required := [name for name in properties if name not in optional]:
@@ -76,7 +89,7 @@ def _closed(properties: dict[str, Any], *, optional: tuple[str, ...] = ()) -> di
     return schema
 
 
-def _nullable(schema: dict[str, Any], description: str | None = None) -> dict[str, Any]:
+def nullable(schema: dict[str, Any], description: str | None = None) -> dict[str, Any]:
     return {**schema, "nullable": True, **({"description": description} if description else {})}
 
 
@@ -84,7 +97,7 @@ def _nullable_enum(*values: str) -> dict[str, Any]:
     return {"type": "string", "nullable": True, "enum": [*values, None]}
 
 
-def _const(value: str) -> dict[str, Any]:
+def const(value: str) -> dict[str, Any]:
     return {"type": "string", "enum": [value]}
 
 
@@ -93,63 +106,63 @@ def ref(name: str) -> dict[str, str]:
 
 
 def _head(object_name: str, id_prefix: str, model_name: str) -> dict[str, Any]:
-    return {"id": {"type": "string", "pattern": f"^{id_prefix}[0-9a-f]{{32}}$"}, "object": _const(object_name),
+    return {"id": {"type": "string", "pattern": f"^{id_prefix}[0-9a-f]{{32}}$"}, "object": const(object_name),
             "created": _COUNT, "model": {"type": "string", "enum": [model_name]},
             "system_fingerprint": {"type": "string", "pattern": "^fp_[0-9a-f]{10}$",
                                    "description": "changes when the model or the engine configuration does"}}
 
 
 def _usage() -> dict[str, Any]:
-    return _closed({
+    return closed({
         "prompt_tokens": _COUNT, "completion_tokens": _COUNT, "total_tokens": _COUNT,
-        "prompt_tokens_details": _closed({
+        "prompt_tokens_details": closed({
             "cached_tokens": {**_COUNT, "description": "prompt tokens served from the prefix cache"},
             "disk_cached_tokens": {**_COUNT, "description": "the part of cached_tokens read back from the disk tier"},
             "cache_write_tokens": {**_COUNT, "description": "prompt tokens this request computed and wrote to the "
                                                             "cache (its full blocks not served from it)"},
             "pinned_tokens": {**_COUNT, "description": "the prompt's pinned prefix (cache_control) this request "
                                                        "made or renewed by a hit"},
-            "pinned_until": _nullable({**_COUNT, "description": "when that pin expires (Unix seconds)"}),
+            "pinned_until": nullable({**_COUNT, "description": "when that pin expires (Unix seconds)"}),
             "pin_refused": {"type": "string", "enum": ["tenant_quota", "pool_quota", "not_cached"],
                             "description": "only when a breakpoint was not pinned: the quota it would exceed"}},
             optional=("pin_refused",)),
-        "completion_tokens_details": {**_closed({name: {**_COUNT, "enum": [0]} for name in (
+        "completion_tokens_details": {**closed({name: {**_COUNT, "enum": [0]} for name in (
             "reasoning_tokens", "audio_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")}),
             "description": "always zeros (no reasoning, audio or predicted outputs), as OpenAI sends them"},
     })
 
 
 def _error() -> dict[str, Any]:
-    fields = {"message": _TEXT, "type": _TEXT, "param": _nullable(_TEXT), "code": _nullable(_TEXT)}
-    return _closed({"error": _closed(fields)})
+    fields = {"message": _TEXT, "type": _TEXT, "param": nullable(_TEXT), "code": nullable(_TEXT)}
+    return closed({"error": closed(fields)})
 
 
 def _tool_call() -> dict[str, Any]:
-    return _closed({"id": _CALL_ID, "type": _const("function"),
-                    "function": _closed({"name": _TEXT, "arguments": {**_TEXT, "description": "JSON text"}})})
+    return closed({"id": _CALL_ID, "type": const("function"),
+                    "function": closed({"name": _TEXT, "arguments": {**_TEXT, "description": "JSON text"}})})
 
 
 def _chat_message() -> dict[str, Any]:
     """Plain text, or tool calls with the text around them (null when there is none); a request that sent
     the deprecated `functions` gets its one call as `function_call`."""
-    role = _const("assistant")
+    role = const("assistant")
     return {"oneOf": [
-        _closed({"role": role, "content": _TEXT}),
-        _closed({"role": role, "content": _nullable(_TEXT),
+        closed({"role": role, "content": _TEXT}),
+        closed({"role": role, "content": nullable(_TEXT),
                  "tool_calls": {"type": "array", "items": ref("ToolCall"), "minItems": 1}}),
-        _closed({"role": role, "content": _nullable(_TEXT),
-                 "function_call": _closed({"name": _TEXT, "arguments": {**_TEXT, "description": "JSON text"}})}),
+        closed({"role": role, "content": nullable(_TEXT),
+                 "function_call": closed({"name": _TEXT, "arguments": {**_TEXT, "description": "JSON text"}})}),
     ]}
 
 
 def _chat_delta() -> dict[str, Any]:
     """The first chunk has the role (and content ""); a call's first delta has its id, type and
     name, its later ones only index and the next piece of the arguments."""
-    head = _closed({"index": _COUNT, "id": _CALL_ID, "type": _const("function"),
-                    "function": _closed({"name": _TEXT, "arguments": _TEXT})})
-    piece = _closed({"index": _COUNT, "function": _closed({"arguments": _TEXT})})
-    legacy = _closed({"name": _TEXT, "arguments": _TEXT}, optional=("name",))
-    return _closed({"role": _const("assistant"), "content": _TEXT,
+    head = closed({"index": _COUNT, "id": _CALL_ID, "type": const("function"),
+                    "function": closed({"name": _TEXT, "arguments": _TEXT})})
+    piece = closed({"index": _COUNT, "function": closed({"arguments": _TEXT})})
+    legacy = closed({"name": _TEXT, "arguments": _TEXT}, optional=("name",))
+    return closed({"role": const("assistant"), "content": _TEXT,
                     "tool_calls": {"type": "array", "items": {"oneOf": [head, piece]}, "minItems": 1},
                     "function_call": legacy},
                    optional=("role", "content", "tool_calls", "function_call"))
@@ -159,13 +172,13 @@ def _chat_logprobs() -> dict[str, Any]:
     token = {"token": {**_TEXT, "description": 'a token holding part of a UTF-8 character: "bytes:\\xNN..."'},
              "logprob": _LOGPROB, "bytes": {"type": "array", "items": {"type": "integer", "minimum": 0,
                                                                         "maximum": 255}}}
-    top = {"type": "array", "items": _closed(token), "description": "top_logprobs of them; [] without it"}
-    return _closed({"content": {"type": "array", "items": _closed({**token, "top_logprobs": top})}})
+    top = {"type": "array", "items": closed(token), "description": "top_logprobs of them; [] without it"}
+    return closed({"content": {"type": "array", "items": closed({**token, "top_logprobs": top})}})
 
 
 def _completion_logprobs() -> dict[str, Any]:
     top = {"type": "object", "additionalProperties": _LOGPROB}
-    return _closed({"tokens": {"type": "array", "items": _TEXT},
+    return closed({"tokens": {"type": "array", "items": _TEXT},
                     "token_logprobs": {"type": "array", "items": _LOGPROB},
                     "top_logprobs": {"type": "array", "items": top, "nullable": True,
                                      "description": "token -> logprob, when logprobs > 0"},
@@ -173,10 +186,10 @@ def _completion_logprobs() -> dict[str, Any]:
 
 
 def _model(model_name: str) -> dict[str, Any]:
-    return _closed({"id": {"type": "string", "enum": [model_name]}, "object": _const("model"), "created": _COUNT,
-                    "owned_by": _const("prefixgate"), "max_model_len": {"type": "integer", "minimum": 1},
-                    "sampling_defaults": _closed({**{name: {"type": "number"} for name in SAMPLING_FIELDS},
+    return closed({"id": {"type": "string", "enum": [model_name]}, "object": const("model"), "created": _COUNT,
+                    "owned_by": const("prefixgate"), "max_model_len": {"type": "integer", "minimum": 1},
+                    "sampling_defaults": closed({**{name: {"type": "number"} for name in SAMPLING_FIELDS},
                                                   "max_tokens": {"type": "integer", "minimum": 1, "nullable": True,
                                                                  "description": "for a request that sets none; "
                                                                                 "null: the rest of the context"}}),
-                    "embeddings": _closed({"pooling": _const("last"), "normalized": {"type": "boolean"}})})
+                    "embeddings": closed({"pooling": const("last"), "normalized": {"type": "boolean"}})})

@@ -23,11 +23,11 @@ from engine.outputs import FinishReason
 from gateway.cache_control import chat_directives
 from gateway.errors import APIError, invalid
 from gateway.formats import ChatFormat
-from gateway.generate import Choice, check_output, run_choices, usage
+from gateway.generate import Choice, check_output, usage
 from gateway.jsonbody import parse_body
 from gateway.protocol import ChatRequest, parse_chat
 from gateway.render import render_chat
-from gateway.routes import sampling_params
+from gateway.runner import RequestRun, sampling_params
 from gateway.state import STATE
 from gateway.streaming import SSE_HEADERS, encode_event
 from gateway.tool_prompt import TOOL_TEMPLATE
@@ -35,6 +35,8 @@ from gateway.tool_prompt import TOOL_TEMPLATE
 HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
                 "image_generation", "mcp", "local_shell")
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+ITEM_TYPES = ("message", "function_call", "function_call_output")
+TEXT_PARTS = ("input_text", "output_text", "text")
 # chat parameter names as the Responses API calls them, for the 400s the chat parser raises
 PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 
@@ -104,7 +106,7 @@ def parse_responses(body: Any, state, tenant: str, store: ResponseStore) -> Resp
         raise invalid("previous_response_id must be a string", "previous_response_id")
     history = list(store.get(tenant, previous_id).messages) if previous_id else []
     items = _input_items(body.get("input"))
-    messages = history + [m for item in items for m in _messages(item)]
+    messages = history + [m for i, item in enumerate(items) for m in _messages(item, f"input[{i}]")]
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -135,13 +137,20 @@ def parse_responses(body: Any, state, tenant: str, store: ResponseStore) -> Resp
                           state.sampling_defaults)
     except APIError as err:
         if err.param:
-            head = err.param.split("[")[0].split(".")[0]
-            err.param = PARAMS.get(head, err.param)
+            err.param = _responses_param(err.param)
         raise
     store_it = body.get("store", True)
     if not isinstance(store_it, bool):
         raise invalid("store must be a boolean", "store")
     return ResponsesRequest(chat, body, items, messages, store_it, previous_id, tools)
+
+
+def _responses_param(chat_param: str) -> str:
+    """The Responses name of the field a chat parser's 400 names."""
+    head = chat_param.split("[")[0].split(".")[0]
+    if head == "tools":  # a Responses tool is flat: tools[0].parameters, not tools[0].function.parameters
+        return chat_param.replace(".function.", ".", 1)
+    return PARAMS.get(head, chat_param)
 
 
 def _input_items(raw: Any) -> list[dict[str, Any]]:
@@ -154,38 +163,55 @@ def _input_items(raw: Any) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise invalid("each input item must be an object", f"input[{i}]")
         kind = item.get("type", "message")
-        if kind not in ("message", "function_call", "function_call_output"):
-            raise invalid(f"input items of type {kind!r} are not supported", f"input[{i}].type")
+        if kind not in ITEM_TYPES:
+            raise invalid(f"input items of type {kind!r} are not supported; supported: {', '.join(ITEM_TYPES)}",
+                          f"input[{i}].type")
+        _optional_string(item, "id", f"input[{i}]")
         items.append({**item, "type": kind})
     return items
 
 
-def _messages(item: dict[str, Any]) -> list[dict[str, Any]]:
+def _messages(item: dict[str, Any], at: str) -> list[dict[str, Any]]:
+    """One input item (at `at`, as `input[3]`) as chat messages."""
     if item["type"] == "function_call":
+        call = {"name": _string(item, "name", at), "arguments": _optional_string(item, "arguments", at) or ""}
         return [{"role": "assistant", "content": "", "tool_calls": [{
-            "id": item.get("call_id"), "type": "function",
-            "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}]}]
+            "id": _string(item, "call_id", at), "type": "function", "function": call}]}]
     if item["type"] == "function_call_output":
-        output = item.get("output")
-        return [{"role": "tool", "tool_call_id": item.get("call_id"),
+        call_id, output = _string(item, "call_id", at), item.get("output")
+        if output is None:
+            raise invalid("a function_call_output needs its output", f"{at}.output")
+        return [{"role": "tool", "tool_call_id": call_id,
                  "content": output if isinstance(output, str) else json.dumps(output)}]
-    role = ROLES.get(item.get("role"))
-    if role is None:
-        raise invalid(f"unknown role {item.get('role')!r}; expected one of {sorted(ROLES)}", "input")
-    return [{"role": role, "content": _text(item.get("content"))}]
+    role = item.get("role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise invalid(f"unknown role {role!r}; expected one of {sorted(ROLES)}", f"{at}.role")
+    return [{"role": ROLES[role], "content": _text(item.get("content"), f"{at}.content")}]
 
 
-def _text(content: Any) -> str:
+def _text(content: Any, at: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid("message content must be a string or an array of content parts", "input")
+        raise invalid("message content must be a string or an array of content parts", at)
     parts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-            raise invalid("only text content parts (input_text, output_text) are supported", "input")
-        parts.append(part.get("text", ""))
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise invalid("each content part must be an object", f"{at}[{j}]")
+        if part.get("type") not in TEXT_PARTS:
+            raise invalid(f"only text content parts ({', '.join(TEXT_PARTS)}) are supported", f"{at}[{j}].type")
+        parts.append(_string(part, "text", f"{at}[{j}]"))
     return "".join(parts)
+
+
+def _string(obj: dict[str, Any], key: str, at: str) -> str:
+    if not isinstance(value := obj.get(key), str):
+        raise invalid(f"{key} must be a string" if key in obj else f"{key} is required", f"{at}.{key}")
+    return value
+
+
+def _optional_string(obj: dict[str, Any], key: str, at: str) -> str | None:
+    return None if obj.get(key) is None else _string(obj, key, at)
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:
@@ -212,7 +238,9 @@ def _tool_choice(raw: Any) -> Any:
 def _text_format(raw: Any) -> dict[str, Any] | None:
     if raw is None:
         return None
-    fmt = raw.get("format") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict):
+        raise invalid("text must be an object", "text")
+    fmt = raw.get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
@@ -278,8 +306,6 @@ async def create(request: web.Request) -> web.StreamResponse:
     req = parse_responses(parse_body(await request.read()), state, tenant.name, store)
     chat = req.chat
     state.check_model(chat.model)
-    if not state.engine.is_alive():
-        raise APIError(503, "the engine is not running", code="engine_unavailable")
     tool_template = request.app[TOOL_TEMPLATE]
     with state.admission.admit(tenant, 1):
         tools = chat.tools.template_tools if chat.tools else None
@@ -291,18 +317,12 @@ async def create(request: web.Request) -> web.StreamResponse:
         fmt = ChatFormat(response_id, state.model_name, state.engine.tokenizer, tools=chat.tools,
                          tool_call_parser=tool_template.parser)
         choice = Choice(0, 0, response_id, prompt, sampling_params(chat, max_tokens, 0), cache, stream=chat.stream)
-        outputs = run_choices(state.engine, [choice], cache_salt=tenant.cache_salt(chat.cache_salt),
-                              tenant=tenant.name)
+        run = RequestRun(state, tenant, chat.cache_salt, [choice], "input")
         created = int(time.time())
-        async with contextlib.aclosing(outputs):
-            try:
-                if chat.stream:
-                    return await _stream(request, req, fmt, choice, outputs, created, store, tenant.name)
-                async for _, out in outputs:
-                    check_output(out)
-                    choice.add(out)
-            except ValueError as exc:
-                raise invalid(str(exc), "input") from None
+        if chat.stream:
+            return await run.streamed(lambda outputs: _stream(request, req, fmt, choice, outputs, created, store,
+                                                              tenant.name))
+        await run.to_end()
     body = fmt.choice_body(choice)
     response = _response(response_id, req, state.model_name, created, _output_items(body["message"], body["finish_reason"]),
                          body["finish_reason"], usage([choice]))
@@ -346,7 +366,8 @@ async def _stream(request: web.Request, req: ResponsesRequest, fmt: ChatFormat, 
         return resp
     except APIError as err:
         with contextlib.suppress(ConnectionResetError):
-            await resp.write(events.error(err))
+            for event in events.failed(err):
+                await resp.write(event)
     with contextlib.suppress(ConnectionResetError):
         await resp.write_eof()
     return resp
@@ -426,9 +447,13 @@ class _Events:
         events.append(self._event(kind, response=self.final))
         return events
 
-    def error(self, err: APIError) -> bytes:
+    def failed(self, err: APIError) -> list[bytes]:
+        """A failure after the first event: an `error` event, then response.failed (the stream's last)."""
         body = err.body()["error"]
-        return self._event("error", code=body["code"], message=body["message"], param=body["param"])
+        response = {**self.response(self.items, None, None), "status": "failed",
+                    "error": {"code": body["code"], "message": body["message"]}}
+        return [self._event("error", code=body["code"], message=body["message"], param=body["param"]),
+                self._event("response.failed", response=response)]
 
 
 # ---- stored responses

@@ -2,7 +2,6 @@
 /openapi.json, and the chat page at /."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import uuid
 from pathlib import Path
@@ -11,7 +10,6 @@ from typing import Any
 from aiohttp import web
 
 from engine.messages import CacheDirectives
-from engine.sampling_params import SamplingParams
 from gateway.auth import Tenant
 from gateway.cache_control import chat_directives, directives
 from gateway.cache_stats import CACHE_STATS
@@ -19,12 +17,13 @@ from gateway.embeddings import POOLING
 from gateway.errors import APIError, invalid
 from gateway.fingerprint import system_fingerprint
 from gateway.formats import ChatFormat, CompletionFormat
-from gateway.generate import Choice, check_output, run_choices, usage
+from gateway.generate import Choice, best_choices, usage
 from gateway.jsonbody import parse_body
 from gateway.openapi import build_openapi
 from gateway.protocol import GenerationRequest, parse_chat, parse_completion
 from gateway.render import encode_prompts, render_chat
-from gateway.sampling_fields import best_choices, check_logit_bias_ids
+from gateway.runner import RequestRun, sampling_params
+from gateway.sampling_fields import check_logit_bias_ids
 from gateway.state import STATE, GatewayState
 from gateway.streaming import stream_response
 from gateway.tool_prompt import TOOL_TEMPLATE
@@ -126,8 +125,6 @@ async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, r
                     prompts: list[list[int]], fmt: ChatFormat, prompt_param: str,
                     default_max_tokens: int | None, cache: CacheDirectives | None = None) -> web.StreamResponse:
     """`cache`: the breakpoints to pin, the same for every prompt."""
-    if not state.engine.is_alive():
-        raise APIError(503, "the engine is not running", code="engine_unavailable")
     check_logit_bias_ids(req.logit_bias, state.engine.tokenizer.vocab_size)
     choices = []
     samples = getattr(req, "best_of", req.n)
@@ -139,36 +136,16 @@ async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, r
             params = sampling_params(req, max_tokens, i, rank_by_logprob=samples > req.n)
             choices.append(Choice(len(choices), prompt_index, f"{fmt.response_id}-{len(choices)}", prompt, params,
                                   cache, stream=req.stream))
-    outputs = run_choices(state.engine, choices, cache_salt=tenant.cache_salt(req.cache_salt), tenant=tenant.name)
-    async with contextlib.aclosing(outputs):
-        try:
-            if req.stream:
-                resp = await stream_response(request, fmt, choices, outputs, req.include_usage,
-                                             state.settings.gateway.stream_write_timeout_s)
-                _log_done(fmt.response_id, tenant, choices)
-                return resp
-            async for choice, out in outputs:
-                check_output(out)
-                choice.add(out)
-        except ValueError as exc:  # the engine's own checks, before any output
-            raise invalid(str(exc), prompt_param) from None
+    run = RequestRun(state, tenant, req.cache_salt, choices, prompt_param)
+    if req.stream:
+        resp = await run.streamed(lambda outputs: stream_response(
+            request, fmt, choices, outputs, req.include_usage, state.settings.gateway.stream_write_timeout_s))
+        _log_done(fmt.response_id, tenant, choices)
+        return resp
+    await run.to_end()
     _log_done(fmt.response_id, tenant, choices)
     returned = best_choices(choices, req.n, req.logprobs is not None) if samples > req.n else choices
     return web.json_response(fmt.response(returned, usage(choices)))  # usage counts every sample generated
-
-
-def sampling_params(req: GenerationRequest, max_tokens: int, choice: int,
-                     rank_by_logprob: bool = False) -> SamplingParams:
-    logprobs = 0 if rank_by_logprob and req.logprobs is None else req.logprobs
-    structured = req.structured
-    if (tools := getattr(req, "tools", None)) is not None and tools.forced:  # the grammar forces a valid call
-        structured = tools.structured_output()  # never beside another constraint: protocol refuses that
-    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                          top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
-                          stop=list(req.stop), ignore_eos=req.ignore_eos, logprobs=logprobs,
-                          presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                          repetition_penalty=req.repetition_penalty, min_p=req.min_p, min_tokens=req.min_tokens,
-                          logit_bias=req.logit_bias, structured=structured)
 
 
 def _fingerprint(state: GatewayState) -> str:

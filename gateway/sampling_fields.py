@@ -13,7 +13,6 @@ from typing import Any
 
 from engine.structured import StructuredOutput, build_grammar
 from gateway.errors import invalid
-from gateway.generate import Choice
 
 MAX_LOGIT_BIAS_ENTRIES = 1024  # each entry is work on every decode step
 GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
@@ -154,19 +153,3 @@ def completion_extras(fields: Any, n: int, max_n: int, stream: bool, logprobs: i
         raise invalid("echo with logprobs is not supported (the prompt's logprobs are not computed: cached "
                       "prefix tokens are never run through the model)", "echo")
     return dict(best_of=best_of, echo=echo)
-
-
-def best_choices(choices: list[Choice], n: int, keep_logprobs: bool) -> list[Choice]:
-    """Per prompt, the n choices with the highest cumulative logprob, renumbered prompt by prompt."""
-    by_prompt: dict[int, list[Choice]] = {}
-    for choice in choices:
-        by_prompt.setdefault(choice.prompt_index, []).append(choice)
-    best = []
-    for prompt_index in sorted(by_prompt):
-        ranked = sorted(by_prompt[prompt_index], key=lambda c: -sum(t.logprob for t in c.logprobs))
-        best += ranked[:n]
-    for index, choice in enumerate(best):
-        choice.index = index
-        if not keep_logprobs:  # asked for internally to rank the choices
-            choice.logprobs = []
-    return best

@@ -11,6 +11,7 @@ from engine.client import EngineClient
 from gateway.admission import Admission
 from gateway.auth import Authenticator
 from gateway.errors import APIError, invalid
+from gateway.generate import Shutdown
 from gateway.generation_defaults import SAMPLING_FIELDS
 from gateway.settings import Settings
 
@@ -23,6 +24,7 @@ class GatewayState:
     admission: Admission
     metrics: Any  # metrics.prometheus.Metrics
     model_names: frozenset[str]  # the served name and the --model value both select the model
+    shutdown: Shutdown  # the drain's end (app.py's InFlight)
     # what requests that leave sampling fields out get (gateway/generation_defaults.py)
     sampling_defaults: dict[str, Any] = field(default_factory=lambda: dict(SAMPLING_FIELDS))
     created: int = field(default_factory=lambda: int(time.time()))
@@ -36,17 +38,23 @@ class GatewayState:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
+    def check_prompt(self, num_prompt_tokens: int, prompt_param: str, generates: bool = True) -> None:
+        """400 when the prompt is over max_prompt_tokens or the context (less the first token to generate,
+        for a request that generates)."""
+        context = self.engine.max_model_len
+        limit = min(self.settings.gateway.max_prompt_tokens or context, context - generates)
+        if num_prompt_tokens > limit:
+            left = ", one token left to generate" if generates else ""
+            raise invalid(f"the prompt has {num_prompt_tokens} tokens; the limit is {limit} "
+                          f"(context length {context}{left})", prompt_param, "context_length_exceeded")
+
     def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str,
                       default_max_tokens: int | None = None) -> int:
         """The request's max_tokens; a request without one gets the smallest of the route's default, the
         server's (sampling_defaults' max_tokens), max_tokens_limit and the rest of the context. 400 when the
         prompt, or the prompt and the request's own max_tokens, cannot fit."""
         context = self.engine.max_model_len
-        limit = self.settings.gateway.max_prompt_tokens or context
-        if num_prompt_tokens > min(limit, context - 1):
-            raise invalid(f"the prompt has {num_prompt_tokens} tokens; the limit is {min(limit, context - 1)} "
-                          f"(context length {context}, one token left to generate)", prompt_param,
-                          "context_length_exceeded")
+        self.check_prompt(num_prompt_tokens, prompt_param)
         if max_tokens is None:  # a default is clamped to the context, never refused
             server_cap = self.sampling_defaults.get("max_tokens")
             caps = (default_max_tokens, server_cap, self.settings.gateway.max_tokens_limit)

@@ -39,11 +39,8 @@ async def test_sigterm_lets_in_flight_requests_finish_then_aborts_the_rest(serve
         short_text = (await short.read()).decode()
         assert short_text.rstrip().endswith("data: [DONE]")  # in flight: allowed to finish
         assert '"finish_reason":"length"' in short_text
-        try:
-            long_text = (await long.read()).decode()
-        except aiohttp.ClientPayloadError:
-            long_text = ""
-        assert "[DONE]" not in long_text  # still running after shutdown_timeout_s: cut off
+        long_text = (await long.read()).decode()  # still running after shutdown_timeout_s: told so, then ended
+        assert long_text.rstrip().endswith('"code":"server_shutting_down"}}\n\ndata: [DONE]'), long_text[-300:]
         # the process exits cleanly; only then is a refused connection certain (while it drains, a kept-alive
         # connection may still get the 503 shutting_down answer)
         assert await asyncio.to_thread(server_process.wait, 30) == 0

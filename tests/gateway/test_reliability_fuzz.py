@@ -18,16 +18,24 @@ from schemathesis.checks import content_type_conformance, response_schema_confor
 
 from gateway.openapi import build_openapi
 from gateway.settings import ApiKey
+from tests.gateway.field_corpus import field_corpus
 from tests.support.gateway_helpers import LiveServer, is_error_body, tiny_settings
 
 pytestmark = pytest.mark.fuzz
 
-# examples per (operation, mode); hypothesis may stop early on an operation with few distinct inputs
+# examples per (path, method, mode); hypothesis may stop early on an operation with few distinct inputs
+POS, NEG = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 BUDGET = {
-    ("/v1/chat/completions", GenerationMode.POSITIVE): 250,
-    ("/v1/chat/completions", GenerationMode.NEGATIVE): 250,
-    ("/v1/completions", GenerationMode.POSITIVE): 500,
-    ("/v1/completions", GenerationMode.NEGATIVE): 500,
+    ("/v1/chat/completions", "POST", POS): 150, ("/v1/chat/completions", "POST", NEG): 150,
+    ("/v1/completions", "POST", POS): 200, ("/v1/completions", "POST", NEG): 200,
+    ("/v1/responses", "POST", POS): 150, ("/v1/responses", "POST", NEG): 150,
+    ("/v1/embeddings", "POST", POS): 60, ("/v1/embeddings", "POST", NEG): 60,
+    ("/v1/cache/warm", "POST", POS): 40, ("/v1/cache/warm", "POST", NEG): 40,
+    **{(path, method, POS): 10 for path, method in [
+        ("/v1/models", "GET"), ("/v1/models/{model_id}", "GET"), ("/v1/cache", "GET"), ("/v1/cache", "DELETE"),
+        ("/v1/cache/stats", "GET"), ("/v1/responses/{response_id}", "GET"), ("/v1/responses/{response_id}", "DELETE"),
+        ("/v1/responses/{response_id}/input_items", "GET"), ("/v1/responses/{response_id}/cancel", "POST"),
+        ("/health", "GET"), ("/metrics", "GET"), ("/openapi.json", "GET")]},
 }
 RAW_EXAMPLES = 600
 MIN_REQUESTS = 2000
@@ -77,8 +85,13 @@ def check_response(resp: requests.Response, stream_requested: bool) -> None:
         assert stream_requested
         lines = resp.content.decode().split("\n")  # not splitlines(): the text may hold U+2028 and the like
         events = [line[6:] for line in lines if line.startswith("data: ")]
-        assert events and events[-1] == "[DONE]", what + resp.text[-300:]
-        assert all("error" not in json.loads(e) for e in events[:-1])
+        if resp.request.path_url.startswith("/v1/responses"):  # typed events, no [DONE] (as OpenAI's)
+            kinds = [json.loads(e)["type"] for e in events]
+            assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete"), what
+            assert "error" not in kinds, what
+        else:
+            assert events and events[-1] == "[DONE]", what + resp.text[-300:]
+            assert all("error" not in json.loads(e) for e in events[:-1])
     else:
         assert content_type.startswith(("application/json", "text/plain")), what
         resp.json() if content_type.startswith("application/json") else resp.text
@@ -91,18 +104,21 @@ def test_openapi_document_is_served_and_valid(server, http):
     state = server.state
     assert doc == build_openapi(state.model_name, state.engine.tokenizer.vocab_size, state.settings.gateway)
     schema = schemathesis.openapi.from_dict(doc)  # parses and resolves every reference
-    assert {op.path for op in (r.ok() for r in schema.get_all_operations())} >= {
-        "/v1/chat/completions", "/v1/completions", "/v1/models", "/health"}
+    documented = {(op.path, op.method.upper()) for op in (r.ok() for r in schema.get_all_operations())}
+    assert documented == {(path, method) for path, method, _ in BUDGET}  # every route, and each one fuzzed
+    served = {(route.resource.canonical, route.method) for route in server.app.router.routes()
+              if route.method not in ("HEAD", "OPTIONS") and not route.resource.canonical.startswith("/static")}
+    assert documented == served - {("/", "GET")}  # all but the chat page
     TALLY.statuses[resp.status_code] += 1
 
 
-@pytest.mark.parametrize("path, mode", list(BUDGET), ids=lambda v: getattr(v, "value", v))
-def test_generated_requests(server, http, path, mode):
+@pytest.mark.parametrize("path, method, mode", list(BUDGET), ids=lambda v: getattr(v, "value", v))
+def test_generated_requests(server, http, path, method, mode):
     schema = schemathesis.openapi.from_dict(http.get(server.url + "/openapi.json").json())
-    operation = schema[path]["POST"]
+    operation = schema[path][method]
     auth = st.sampled_from([{"Authorization": f"Bearer {KEY}"}] * 4 + [{}, {"Authorization": "Bearer wrong"}])
 
-    @settings(FUZZ_SETTINGS, max_examples=BUDGET[path, mode])
+    @settings(FUZZ_SETTINGS, max_examples=BUDGET[path, method, mode])
     @given(case=operation.as_strategy(generation_mode=mode), headers=auth)
     def run(case, headers):
         started = time.perf_counter()
@@ -115,13 +131,16 @@ def test_generated_requests(server, http, path, mode):
             case.validate_response(resp, checks=[response_schema_conformance, content_type_conformance])
 
     run()
-    print(f"{path} {mode.value}: {TALLY.sent} requests so far, {TALLY.seconds:.1f}s waiting for the server")
+    print(f"{method} {path} {mode.value}: {TALLY.sent} requests so far, {TALLY.seconds:.1f}s waiting for the server")
 
 
 @settings(FUZZ_SETTINGS, max_examples=RAW_EXAMPLES)
 @given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]),
        path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
-                             "/openapi.json", "/v1/", "/%00", "/v1/completions/../models"]),
+                             "/openapi.json", "/v1/", "/%00", "/v1/completions/../models", "/v1/responses",
+                             "/v1/responses/resp_x", "/v1/responses/resp_x/input_items",
+                             "/v1/responses/resp_x/cancel", "/v1/embeddings", "/v1/cache", "/v1/cache/warm",
+                             "/v1/cache/stats", "/v1/models/x", "/metrics"]),
        body=st.one_of(st.binary(max_size=256), st.text(max_size=64).map(str.encode),
                       st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
                                    lambda inner: st.lists(inner, max_size=4)
@@ -203,14 +222,15 @@ def _output_text(resp: requests.Response) -> str:
 def test_hostile_corpus_concurrent_with_normal_traffic(server):
     auth = {"Authorization": f"Bearer {KEY}"}
     model = server.state.model_name
-    normal, hostile = _normal_requests(model), _hostile_corpus(model)
+    normal = _normal_requests(model)
+    hostile = [(path, body, None) for path, body in _hostile_corpus(model)] + field_corpus(model)
 
     def send_normal(item: tuple[str, dict]) -> str:
         path, body = item
         return _output_text(requests.post(server.url + path, json=body, headers=auth, timeout=60))
 
-    def send_hostile(item: tuple[str, bytes]) -> requests.Response:
-        path, body = item
+    def send_hostile(item: tuple[str, bytes, str | None]) -> requests.Response:
+        path, body, _ = item
         return requests.post(server.url + path, data=body, timeout=60,
                              headers={**auth, "Content-Type": "application/json"})
 
@@ -222,14 +242,31 @@ def test_hostile_corpus_concurrent_with_normal_traffic(server):
         normal_futures = [pool.submit(send_normal, n) for n in normal * 2]
         got = [f.result() for f in normal_futures]
         answers = [f.result() for f in hostile_futures]
-    assert len(hostile) >= 90
-    for (path, body), resp in zip(hostile * 2, answers):
-        what = f"{path} {body[:120]!r} -> {resp.status_code} {resp.text[:200]}"
+    assert len(hostile) >= 240
+    for (path, body, param), resp in zip(hostile * 2, answers):
+        what = f"{path} {body[:300]!r} -> {resp.status_code} {resp.text[:200]}"
         assert 400 <= resp.status_code < 500 and is_error_body(resp.json()), what
+        if param is not None:  # the error names the one field at fault
+            assert resp.json()["error"]["param"] == param, what
         TALLY.statuses[resp.status_code] += 1
     assert got == expected * 2  # greedy outputs unchanged by the hostile traffic around them
     server.wait_idle()  # nothing held: every block free, no reference left
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_10mb_bodies_on_every_route_and_method(server, http):
+    """A body past max_body_bytes is refused on every route and method (413, 405 for a method a route does not
+    serve, 404 for a stored response that is not there), unread and as an error object."""
+    paths = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/resp_x",
+             "/v1/responses/resp_x/input_items", "/v1/responses/resp_x/cancel", "/v1/embeddings", "/v1/cache",
+             "/v1/cache/warm", "/v1/cache/stats", "/v1/models", "/v1/models/x", "/health", "/metrics", "/openapi.json"]
+    body = b'{"a": "' + b"x" * (10 * 1024 * 1024) + b'"}'
+    for path in paths:
+        for method in ("GET", "POST", "PUT", "DELETE", "PATCH"):
+            resp = http.request(method, server.url + path, data=body, timeout=60,
+                                headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+            check_response(resp, False)
+            assert resp.status_code in (404, 405, 413), f"{method} {path} -> {resp.status_code} {resp.text[:200]}"
 
 
 def test_zz_server_healthy_and_nothing_held_after_fuzzing(server, http):
@@ -243,3 +280,4 @@ def test_zz_server_healthy_and_nothing_held_after_fuzzing(server, http):
     print(f"fuzz: {TALLY.sent} requests, statuses {dict(sorted(TALLY.statuses.items()))}")
     assert TALLY.sent >= MIN_REQUESTS
     assert not [s for s in TALLY.statuses if s >= 500]
+

@@ -1,0 +1,93 @@
+"""One HTTP request through the engine, the same way for every endpoint (chat, completions, Responses,
+embeddings, cache warm): the engine's liveness checked once, every choice run, the outputs closed when the
+handler ends (a disconnect aborts the engine requests), and the engine's own ValueErrors turned into a 400
+naming the request field they are about. Cache commands (list pins, erase) go through `run_command`.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from engine.client import EngineClient, EngineDeadError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from gateway.auth import Tenant
+from gateway.errors import APIError, invalid
+from gateway.generate import Choice, check_output, run_choices
+from gateway.state import GatewayState
+
+if TYPE_CHECKING:
+    from gateway.protocol import GenerationRequest
+
+R = TypeVar("R")
+Outputs = AsyncIterator[tuple[Choice, RequestOutput]]
+
+
+def check_engine(engine: EngineClient) -> None:
+    """A request is refused before it reaches an engine whose loop is not running."""
+    if not engine.is_alive():
+        raise APIError(503, "the engine is not running", code="engine_unavailable")
+
+
+@dataclass(slots=True)
+class RequestRun:
+    """The engine requests of one HTTP request. `param`: the request field an engine ValueError is about."""
+
+    state: GatewayState
+    tenant: Tenant
+    cache_salt: str | None  # the body's own; the tenant's salt is always applied under it
+    choices: list[Choice]
+    param: str
+
+    async def to_end(self) -> None:
+        """Runs every choice to its end, each output added to its choice."""
+        async with self._outputs() as outputs:
+            async for choice, out in outputs:
+                check_output(out)
+                choice.add(out)
+
+    async def streamed(self, write: Callable[[Outputs], Awaitable[R]]) -> R:
+        """`write` consumes the outputs as they come (an SSE stream) and returns the response."""
+        async with self._outputs() as outputs:
+            return await write(outputs)
+
+    @contextlib.asynccontextmanager
+    async def _outputs(self) -> AsyncIterator[Outputs]:
+        check_engine(self.state.engine)
+        outputs = run_choices(self.state.engine, self.choices, cache_salt=self.tenant.cache_salt(self.cache_salt),
+                              tenant=self.tenant.name, shutdown=self.state.shutdown)
+        async with contextlib.aclosing(outputs):
+            try:
+                yield outputs
+            except ValueError as exc:  # the engine's own checks, before any output
+                raise invalid(str(exc), self.param) from None
+
+
+async def run_command(engine: EngineClient, command: Coroutine[Any, Any, R]) -> R:
+    """A cache command (list pins, erase): 503 if the engine is not running or stops meanwhile."""
+    try:
+        check_engine(engine)
+    except APIError:
+        command.close()  # never awaited
+        raise
+    try:
+        return await command
+    except (EngineDeadError, RuntimeError) as exc:
+        raise APIError(503, f"the engine stopped: {exc}", code="engine_dead") from None
+
+
+def sampling_params(req: GenerationRequest, max_tokens: int, choice: int,
+                    rank_by_logprob: bool = False) -> SamplingParams:
+    """The engine's parameters for choice `choice` of a chat or completion request (seeds differ by choice)."""
+    logprobs = 0 if rank_by_logprob and req.logprobs is None else req.logprobs
+    structured = req.structured
+    if (tools := getattr(req, "tools", None)) is not None and tools.forced:  # the grammar forces a valid call
+        structured = tools.structured_output()  # never beside another constraint: protocol refuses that
+    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                          top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
+                          stop=list(req.stop), ignore_eos=req.ignore_eos, logprobs=logprobs,
+                          presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                          repetition_penalty=req.repetition_penalty, min_p=req.min_p, min_tokens=req.min_tokens,
+                          logit_bias=req.logit_bias, structured=structured)

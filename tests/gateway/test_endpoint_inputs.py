@@ -1,0 +1,106 @@
+"""Malformed input on the newer endpoints gets a 400 naming the field, never a 500: the Responses API's
+input items and content parts, embeddings at the context's edge, and bodies sent with methods that take
+none."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from tests.support.gateway_helpers import LiveServer, is_error_body, tiny_settings
+
+CONTEXT = 256  # max_model_len: an embedding input may fill all of it
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    with LiveServer(tiny_settings(tiny_llama_dir, engine={"max_model_len": CONTEXT}, max_tokens_limit=2)) as live:
+        yield live
+
+
+def post(server, path: str, body: dict) -> requests.Response:
+    return requests.post(server.url + path, json={"model": server.state.model_name, **body}, timeout=60)
+
+
+def assert_400(resp: requests.Response, param: str | None) -> None:
+    assert resp.status_code == 400, resp.text
+    body = resp.json()
+    assert is_error_body(body) and body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["param"] == param, body
+
+
+def message(*parts) -> list[dict]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+@pytest.mark.parametrize("items, param", [
+    (message({"type": "input_text", "text": 5}), "input[0].content[0].text"),
+    (message({"type": "input_text", "text": None}), "input[0].content[0].text"),
+    (message({"type": "input_text", "text": ["a"]}), "input[0].content[0].text"),
+    (message({"type": "input_text"}), "input[0].content[0].text"),
+    (message({"type": "input_text", "text": "ok"}, {"type": "output_text", "text": {"a": 1}}),
+     "input[0].content[1].text"),
+    (message({"type": "input_image", "image_url": "x"}), "input[0].content[0].type"),
+    (message({"type": ["input_text"], "text": "x"}), "input[0].content[0].type"),
+    (message("just text"), "input[0].content[0]"),
+    ([{"role": "user", "content": 5}], "input[0].content"),
+    ([{"role": "user", "content": None}], "input[0].content"),
+    ([{"role": ["user"], "content": "x"}], "input[0].role"),
+    ([{"role": {"a": 1}, "content": "x"}], "input[0].role"),
+    ([{"role": "robot", "content": "x"}], "input[0].role"),
+    ([{"content": "x"}], "input[0].role"),
+    ([{"role": "user", "content": "x"}, {"type": {"a": 1}}], "input[1].type"),
+    ([{"role": "user", "content": "x", "id": 7}], "input[0].id"),
+    ([{"type": "function_call", "call_id": "c1", "name": ["f"], "arguments": "{}"}], "input[0].name"),
+    ([{"type": "function_call", "call_id": 1, "name": "f", "arguments": "{}"}], "input[0].call_id"),
+    ([{"type": "function_call", "call_id": "c1", "name": "f", "arguments": {"a": 1}}], "input[0].arguments"),
+    ([{"type": "function_call_output", "output": "sunny"}], "input[0].call_id"),
+    ([{"type": "function_call_output", "call_id": "c1"}], "input[0].output"),
+    (["hello"], "input[0]"),
+])
+def test_malformed_input_items_name_the_field(server, items, param):
+    assert_400(post(server, "/v1/responses", {"input": items, "max_output_tokens": 2}), param)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"text": 5}, "text"),
+    ({"text": {"format": "json"}}, "text.format"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": 5}]}, "tools[0].parameters"),
+])
+def test_malformed_top_level_fields_name_the_field(server, extra, param):
+    assert_400(post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 2, **extra}), param)
+
+
+def test_well_formed_items_still_answer(server):
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "c1", "output": {"temp": 21}}]
+    resp = post(server, "/v1/responses", {"input": items, "max_output_tokens": 2, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["status"] in ("completed", "incomplete")
+
+
+def test_an_embedding_input_may_fill_the_whole_context(server):
+    resp = post(server, "/v1/embeddings", {"input": [[7] * CONTEXT]})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["prompt_tokens"] == CONTEXT
+    resp = post(server, "/v1/embeddings", {"input": [[7] * (CONTEXT + 1)]})
+    assert_400(resp, "input")
+    assert resp.json()["error"]["code"] == "context_length_exceeded"
+    assert f"the limit is {CONTEXT} " in resp.json()["error"]["message"]
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/v1/cache"), ("DELETE", "/v1/cache"), ("GET", "/v1/models"),
+                                          ("GET", "/health"), ("DELETE", "/v1/responses/resp_x")])
+def test_a_body_on_a_method_that_takes_none_is_refused(server, method, path):
+    resp = requests.request(method, server.url + path, data=json.dumps({"a": 1}), timeout=60,
+                            headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400 and is_error_body(resp.json()), resp.text
+    assert resp.json()["error"]["code"] == "unexpected_body"
+    big = b"x" * (server.settings.gateway.max_body_bytes + 1)
+    resp = requests.request(method, server.url + path, data=big, timeout=60)
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large", resp.text
+    assert requests.request(method, server.url + path, timeout=60).status_code in (200, 404)  # no body: served
