@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import ray.exceptions
@@ -19,14 +20,15 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.kv_event_log import event_log
 from cluster.prefix_index import PrefixIndex, index_for
-from cluster.replica import ReplicaReport
+from cluster.replica import Report
+from engine.client import StatsPublisher
 from engine.config import EngineConfig, HashAlgo
 from engine.kv.hashing import hash_full_blocks
 from engine.messages import CacheDirectives, CacheErased, PinInfo
 from engine.model.loader import resolve_model_path
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams, validate_prompt
-from engine.stats import PrefixCacheStats, SchedulerStats, StepStats
+from engine.stats import SchedulerStats
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger("prefixgate.cluster")
@@ -38,9 +40,10 @@ FOLLOW_WAIT_S = 1.0  # a pull of the KV event log waits this long for events
 COMMAND_TIMEOUT_S = 60.0  # a tenant's pins or erasure, on every replica
 
 
-class ClusterEngine:
+class ClusterEngine(StatsPublisher):
     def __init__(self, handle: DeploymentHandle, config: EngineConfig, info: dict, tokenizer, model_path: Path,
                  app: str, num_replicas: int, max_attempts: int = 3) -> None:
+        super().__init__(SchedulerStats())
         self._handle = handle
         self._app = app
         self._index: PrefixIndex = index_for(app)
@@ -58,7 +61,6 @@ class ClusterEngine:
         self._max_attempts = max_attempts
         self._streams: dict[str, object] = {}  # request id -> its replica response stream
         self._served_by: dict[str, str] = {}  # request id -> replica, once it streamed
-        self._listeners: list[Callable[[StepStats], None]] = []
         self._snapshots: dict[str, SchedulerStats] = {}  # replica -> its latest scheduler stats
         self._started = False
         self.num_retries = 0
@@ -160,7 +162,7 @@ class ClusterEngine:
             try:
                 async for report, output in outputs:
                     self._on_report(report)
-                    self._served_by[request_id] = report.replica
+                    self._served_by[request_id] = report[0]
                     finished = output.finished
                     if stream:
                         given = True
@@ -231,9 +233,6 @@ class ClusterEngine:
 
     # ---- stats
 
-    def add_stats_listener(self, fn: Callable[[StepStats], None]) -> None:
-        self._listeners.append(fn)
-
     def register_metrics(self, registry) -> None:
         """Per-replica and routing series in the gateway's registry."""
         from cluster.metrics import ClusterCollector
@@ -252,9 +251,6 @@ class ClusterEngine:
     def routing_decisions(self) -> dict[str, int]:
         return {reason.value: n for reason, n in self._index.decisions.items()}
 
-    def scheduler_stats(self) -> SchedulerStats:
-        return _merged(self._snapshots, set(self._index.replicas))
-
     async def replica_caches(self) -> dict[str, set[bytes]]:
         """Each live replica's cached block hashes, asked of each (the router's index reaches the same
         sets once the replicas' latest events went through the KV event log)."""
@@ -263,57 +259,19 @@ class ClusterEngine:
         caches: dict[str, set[bytes]] = {}
         for report, cached in answers:
             self._on_report(report)
-            caches[report.replica] = cached
+            caches[report[0]] = cached
         return caches
 
-    def _on_report(self, report: ReplicaReport) -> None:
-        if report.scheduler is not None:
-            self._snapshots[report.replica] = report.scheduler
-        if not self._listeners:
-            return
-        stats = StepStats(self.scheduler_stats(), report.num_prompt_tokens, report.num_generation_tokens,
-                          report.finished, report.tenant_cache, report.tenant_evictions, report.ttfts,
-                          report.prefill_times, report.inter_token_latencies,
-                          tenant_pin_expiries=report.tenant_pin_expiries,
-                          tenant_pin_refusals=report.tenant_pin_refusals)
-        for listener in self._listeners:
-            try:
-                listener(stats)
-            except Exception:  # a broken listener (metrics) must not fail the request
-                logger.exception("stats listener failed")
-
-
-def _merged(snapshots: dict[str, SchedulerStats], live: set[str]) -> SchedulerStats:
-    """One engine's worth of stats for the gateway's series: cumulative counters summed over every
-    replica ever seen (so they never go down when one dies), gauges over the live ones."""
-    merged, cache = SchedulerStats(), PrefixCacheStats()
-    usage = []
-    for replica, s in snapshots.items():
-        p = s.prefix_cache
-        merged.num_preemptions += s.num_preemptions
-        merged.num_steps += s.num_steps
-        cache.queries += p.queries
-        cache.hits += p.hits
-        cache.requests += p.requests
-        cache.evictions_capacity += p.evictions_capacity
-        cache.evictions_preemption += p.evictions_preemption
-        cache.evictions_erase += p.evictions_erase
-        for reason, num in p.pins_released.items():
-            cache.pins_released[reason] = cache.pins_released.get(reason, 0) + num
-        if replica in live:
-            cache.pins += p.pins
-            cache.pinned_blocks += p.pinned_blocks
-            cache.max_pinned_blocks += p.max_pinned_blocks
-            for tenant, num in p.tenant_pinned_blocks.items():
-                cache.tenant_pinned_blocks[tenant] = cache.tenant_pinned_blocks.get(tenant, 0) + num
-            merged.num_running += s.num_running
-            merged.num_waiting += s.num_waiting
-            merged.num_blocks += s.num_blocks
-            cache.cached_blocks += p.cached_blocks
-            usage.append(p.usage)
-    cache.usage = sum(usage) / len(usage) if usage else 0.0
-    merged.prefix_cache = cache
-    return merged
+    def _on_report(self, report: Report) -> None:
+        """A replica's steps since its previous report, published as any engine's step is, with the
+        scheduler stats of the whole cluster: the counters of every replica ever seen (they never go down
+        when one dies), the levels of those up."""
+        replica, stats = report
+        self._snapshots[replica] = stats.scheduler
+        live = set(self._index.replicas)
+        merged = SchedulerStats.merged([s for r, s in self._snapshots.items() if r in live],
+                                       gone=[s for r, s in self._snapshots.items() if r not in live])
+        self._publish(replace(stats, scheduler=merged))
 
 
 def _replica_failed(request_id: str, num_prompt_tokens: int, exc: BaseException, given: bool) -> RequestOutput:

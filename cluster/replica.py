@@ -11,7 +11,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import ray.exceptions
 from ray import serve
@@ -23,28 +23,11 @@ from engine.config import EngineConfig
 from engine.messages import CacheDirectives
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.stats import FinishedRequestStats, SchedulerStats, StepStats
-
-
-@dataclass(slots=True)
-class ReplicaReport:
-    """What one replica's engine did since its previous report (several steps merged)."""
-
-    replica: str
-    scheduler: SchedulerStats | None = None  # the latest snapshot (cumulative counters)
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    finished: list[FinishedRequestStats] = field(default_factory=list)
-    tenant_cache: dict[str, tuple[int, int]] = field(default_factory=dict)
-    tenant_evictions: dict[str, int] = field(default_factory=dict)
-    ttfts: list[float] = field(default_factory=list)
-    prefill_times: list[float] = field(default_factory=list)
-    inter_token_latencies: list[float] = field(default_factory=list)
-    tenant_pin_expiries: dict[str, int] = field(default_factory=dict)
-    tenant_pin_refusals: dict[tuple[str, str], int] = field(default_factory=dict)
+from engine.stats import SchedulerStats, StepStats
 
 
 logger = logging.getLogger("prefixgate.cluster")
+Report = tuple[str, StepStats]  # a replica's id and what its engine did since its previous report
 PUSH_INTERVAL_S = 0.05  # how often a replica sends its KV events to the log (the gateways' lag behind it)
 
 
@@ -52,36 +35,21 @@ class ReportBuffer:
     """Merges the engine's per-step stats (engine thread) until the next item goes out, and its KV events
     until the next push to the log (event loop)."""
 
-    def __init__(self, replica: str) -> None:
-        self._replica = replica
+    def __init__(self, first: SchedulerStats) -> None:
         self._lock = threading.Lock()
-        self._report = ReplicaReport(replica)
+        self._stats = StepStats(first)
         self._kv_events: list[KvEvent] = []
 
     def on_step(self, stats: StepStats) -> None:
         with self._lock:
-            r = self._report
-            r.scheduler = stats.scheduler
-            r.num_prompt_tokens += stats.num_prompt_tokens
-            r.num_generation_tokens += stats.num_generation_tokens
-            r.finished.extend(stats.finished)
-            for tenant, (queries, hits) in stats.tenant_cache.items():
-                q, h = r.tenant_cache.get(tenant, (0, 0))
-                r.tenant_cache[tenant] = (q + queries, h + hits)
-            for tenant, blocks in stats.tenant_evictions.items():
-                r.tenant_evictions[tenant] = r.tenant_evictions.get(tenant, 0) + blocks
-            for tenant, num in stats.tenant_pin_expiries.items():
-                r.tenant_pin_expiries[tenant] = r.tenant_pin_expiries.get(tenant, 0) + num
-            for key, num in stats.tenant_pin_refusals.items():
-                r.tenant_pin_refusals[key] = r.tenant_pin_refusals.get(key, 0) + num
             self._kv_events.extend(stats.kv_events)
-            r.ttfts.extend(stats.ttfts)
-            r.prefill_times.extend(stats.prefill_times)
-            r.inter_token_latencies.extend(stats.inter_token_latencies)
+            # the events go to the log alone: every gateway follows it, not only the one that gets this report
+            self._stats = self._stats.merge(replace(stats, kv_events=[]))
 
-    def take(self) -> ReplicaReport:
+    def take(self) -> StepStats:
+        """What the engine did since the previous take, with its latest scheduler snapshot."""
         with self._lock:
-            taken, self._report = self._report, ReplicaReport(self._replica, scheduler=self._report.scheduler)
+            taken, self._stats = self._stats, StepStats(self._stats.scheduler)
             return taken
 
     def take_kv_events(self) -> list[KvEvent]:
@@ -98,7 +66,7 @@ class EngineReplica:
         self.engine = AsyncEngine.from_config(config)
         pool = self.engine.core.kv.pool
         pool.kv_events = []  # opt in: the routers' view is built from these
-        self.reports = ReportBuffer(self.replica)
+        self.reports = ReportBuffer(self.engine.scheduler_stats())
         self.engine.add_stats_listener(self.reports.on_step)
         self._app = app
         self._log = event_log(app)
@@ -133,11 +101,11 @@ class EngineReplica:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        cache_salt: str | None = None, tenant: str | None = None,
                        block_hashes: list[bytes] | None = None,
-                       cache: CacheDirectives | None = None) -> AsyncIterator[tuple[ReplicaReport, RequestOutput]]:
+                       cache: CacheDirectives | None = None) -> AsyncIterator[tuple[Report, RequestOutput]]:
         """`block_hashes` is read by the router only."""
         async for output in self.engine.generate(request_id, prompt_token_ids, params,
                                                  cache_salt=cache_salt, tenant=tenant, cache=cache):
-            yield self.reports.take(), output
+            yield self._report(), output
 
     def __call__(self, request) -> dict:
         """An HTTP request through Serve's proxy (the app's route_prefix, e.g. /engine): this replica's info.
@@ -151,18 +119,21 @@ class EngineReplica:
                 "eos_token_ids": sorted(engine.tokenizer.eos_token_ids), "vocab_size": engine.core.vocab_size,
                 "block_size": engine.config.block_size, "hash_algo": engine.config.hash_algo.value}
 
-    def cache_snapshot(self, replica: str) -> tuple[ReplicaReport, set[bytes]]:
+    def _report(self) -> Report:
+        return self.replica, self.reports.take()
+
+    def cache_snapshot(self, replica: str) -> tuple[Report, set[bytes]]:
         """The block hashes this replica's pool holds, with the report up to this moment (exact when
         the replica is idle: the engine thread changes the map while it steps). `replica` routes the call."""
         assert replica == self.replica, "the router sent a targeted call to the wrong replica"
-        return self.reports.take(), set(self._cached())
+        return self._report(), set(self._cached())
 
-    async def cache_command(self, replica: str, op: str, tenant: str) -> tuple[ReplicaReport, object]:
+    async def cache_command(self, replica: str, op: str, tenant: str) -> tuple[Report, object]:
         """A tenant's pins ("list") or the erasure of its cache ("erase") on this replica; `replica` routes
         the call."""
         assert replica == self.replica, "the router sent a targeted call to the wrong replica"
         result = await (self.engine.list_pins(tenant) if op == "list" else self.engine.erase_cache(tenant))
-        return self.reports.take(), result
+        return self._report(), result
 
     def check_health(self) -> None:
         if not self.engine.is_alive():
