@@ -36,7 +36,7 @@ from engine.kv.block_pool import BlockPool, KVCacheBlock
 from engine.kv.hashing import hash_full_blocks
 
 TRACE = Path(__file__).parent / "traces" / "multiturn-256.json.gz"
-OUT = Path(__file__).parent.parent / "docs" / "results" / "router-sim-2026-11-25.json"
+OUT = Path(__file__).parent / "results" / "router-sim.json"  # kept runs are copied to docs/results/ with their date
 BLOCK_SIZE = 16
 PUBLIC_SALT = "public"  # the common salt of the prompts every tenant may use
 WARMUP_S = 300.0  # chats start this long before the replayed window, so it opens in steady state
