@@ -13,6 +13,8 @@ from bench.oracle import oracle_prefill_tokens
 from bench.suite import ALL_WORKLOADS, plan_for
 from bench.workloads import BenchRequest, Scale, Workload
 
+pytestmark = pytest.mark.slow  # whole benchmark runs, at tiny sizes
+
 TINY = Scale(chatbot_users=3, multiturn_convs=1, multiturn_turns=(3, 3), rag_docs=2, rag_requests=3,
              nosharing_requests=3, bursty_hot=3, bursty_bursts=1, lpm_prefixes=2, lpm_per_prefix=2, lpm_unique=1,
              mixed_clients=8, max_tokens=2, time_scale=0.0)

@@ -68,6 +68,7 @@ def stream(detok: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], bo
     return released, False
 
 
+@pytest.mark.fuzz
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_incremental_text_equals_a_full_decode(tokenizer, data):
@@ -83,6 +84,7 @@ def test_incremental_text_equals_a_full_decode(tokenizer, data):
     assert "".join(released) == detok.text == full
 
 
+@pytest.mark.fuzz
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_the_text_stops_right_before_the_first_stop_string(tokenizer, data):

@@ -139,6 +139,7 @@ def test_tiktoken_backend_structured(tiny_tiktoken_dir):
     assert json.loads(out.text)["color"] in ("red", "green") and out.finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_structured_bench_runs_every_case(tiny_llama_dir):
     from bench import structured
     result = structured.run(str(tiny_llama_dir), rounds=1, steps=3)

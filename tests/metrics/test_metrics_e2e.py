@@ -90,6 +90,7 @@ async def scrape_when_finished(client, count: int, timeout: float = 10.0) -> dic
         await asyncio.sleep(0.02)
 
 
+@pytest.mark.server
 async def test_counters_and_histograms_after_a_known_workload(server):
     responses = await run_workload(server)
     usages = [r["usage"] for r in responses]

@@ -608,6 +608,6 @@ class SmallSLRUBlockPoolMachine(SLRUBlockPoolMachine):
 
 for machine in (BlockPoolMachine, SLRUBlockPoolMachine, SmallSLRUBlockPoolMachine):
     machine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
-TestBlockPoolMachine = BlockPoolMachine.TestCase
-TestSLRUBlockPoolMachine = SLRUBlockPoolMachine.TestCase
-TestSmallSLRUBlockPoolMachine = SmallSLRUBlockPoolMachine.TestCase
+TestBlockPoolMachine = pytest.mark.fuzz(BlockPoolMachine.TestCase)
+TestSLRUBlockPoolMachine = pytest.mark.fuzz(SLRUBlockPoolMachine.TestCase)
+TestSmallSLRUBlockPoolMachine = pytest.mark.fuzz(SmallSLRUBlockPoolMachine.TestCase)

@@ -186,6 +186,7 @@ def test_a_restart_serves_the_first_repeated_prompt_from_disk(tiny_llama_dir, tm
     restarted.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", [{"block_size": 8}, {"dtype": "bfloat16"}, {"kv_cache_dtype": "bfloat16"},
                                     {"hash_algo": "xxhash"}])
 def test_a_model_dtype_or_block_size_change_never_serves_old_files(tiny_llama_dir, tmp_path, change):
@@ -235,6 +236,7 @@ async def test_concurrent_eviction_and_reload_leak_no_block(tiny_llama_dir, tmp_
     assert engine.core.kv.disk.closed
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("salt_secrets, expected", [(["fixed-secret"] * 2, [0, 64]),
                                                      ([None, None], [0, 64]),  # the kept secret
                                                      (["one", "another"], [0, 0])])
@@ -260,6 +262,7 @@ async def test_a_gateway_restart_hits_the_disk_tier_while_the_salt_secret_stays(
     assert cached == expected
 
 
+@pytest.mark.server
 async def test_usage_says_what_came_from_disk_and_what_was_written(tiny_llama_dir, tmp_path):
     from aiohttp.test_utils import TestClient, TestServer
 

@@ -134,6 +134,7 @@ salts = st.text(min_size=1, max_size=12)
 token_lists = st.lists(st.integers(min_value=0, max_value=200_000), min_size=BS, max_size=6 * BS)
 
 
+@pytest.mark.fuzz
 @settings(max_examples=150, deadline=None)
 @given(tokens_a=token_lists, tokens_b=token_lists, salt_a=salts, salt_b=salts | st.none(),
        algo=st.sampled_from(list(HashAlgo)))

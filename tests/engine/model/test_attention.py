@@ -101,6 +101,7 @@ def test_fused_cpu_kernel_and_plain_matmuls_agree():
     torch.testing.assert_close(fused, plain)
 
 
+@pytest.mark.slow
 def test_cascade_decode_in_bfloat16_keeps_the_dtype(decode_path):
     torch.manual_seed(3)
     k_cache = torch.randn(32, KV_HEADS, DIM).bfloat16()
@@ -171,6 +172,7 @@ def test_paged_kernel_cascade_over_long_shared_prefixes(dtype, dim):
     assert_matches_fp64(out, q, k_cache, v_cache, contexts, dim ** -0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [DIM, 64, 128])
 def test_a_spike_anywhere_in_a_rows_context_is_its_output(dim, dtype):

@@ -133,6 +133,7 @@ def test_supported_on_cpu_in_float32_and_bfloat16():
     assert not decode_step_cpu.supports(torch.float32, torch.device("cuda"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch_dir", ["tiny_llama_dir", "tiny_qwen3_dir"])
 def test_bfloat16_step_is_float32_math_over_bfloat16_weights_and_cache(arch_dir, request):
     """In bfloat16 the step widens weights and K/V to float32 and computes in float32: its logits are those
@@ -233,6 +234,7 @@ def _record_logits(llm: LLM) -> dict[tuple[tuple[int, ...], int], torch.Tensor]:
     return recorded
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cpu_kernels", ["compiled", "eager"])
 def test_smollm2_shaped_model_gives_transformers_greedy_tokens_and_logits(smollm2_case, cpu_kernels):
     """Compiled decode steps of 17 rows and of one (and eager PyTorch, no numba) against transformers: the same

@@ -32,6 +32,7 @@ def test_linear_matches_torch(rows, out_features, in_features, bias):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bfloat16_weights_are_widened_exactly():
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 40, generator=gen).bfloat16()

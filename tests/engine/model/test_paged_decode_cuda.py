@@ -12,6 +12,8 @@ from engine.model.llama import head_dim
 from engine.model.loader import load_config, load_model
 from tests.support.machine import KERNEL_DEVICE as DEVICE, triton_module
 
+pytestmark = pytest.mark.slow  # off CUDA, Triton's interpreter runs each kernel in Python
+
 paged_decode_cuda = triton_module("paged_decode_cuda")
 
 
