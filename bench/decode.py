@@ -47,9 +47,11 @@ def _synchronize(device: torch.device) -> None:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step reads from the linear layers (the embedding reads only a few rows)."""
+    """Bytes a decode step reads from the linear layers (the embedding reads only a few rows): quantized
+    tiles as they are packed (integers, scales and mins), float weights at their dtype's size."""
     itemsize = next(p for p in model.parameters()).element_size()
-    return sum(m.in_features * m.out_features * itemsize for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return sum(m.quant.nbytes() if getattr(m, "quant", None) is not None else m.in_features * m.out_features * itemsize
+               for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def kv_bytes_per_token(core: EngineCore) -> int:
@@ -167,7 +169,7 @@ def measure_in_turns(core: EngineCore, partner: EngineCore, batch: int, context:
 
 
 def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, steps: int = 24,
-        dtype: str = "float32", log=print, shared_prefix: int = 0, transformers: bool = False,
+        dtype: str = "auto", log=print, shared_prefix: int = 0, transformers: bool = False,
         **engine_overrides) -> dict:
     # a pool that holds every sequence of the largest batch: a smaller one would preempt some and time a smaller batch
     blocks_per_seq = blocks_per_sequence(context, steps + 8, engine_overrides)
@@ -179,20 +181,23 @@ def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, step
     for r in list(core.requests.values()):
         core.abort(r.request_id)
     rows = []
+    resolved = str(core.runner.dtype).removeprefix("torch.")  # what `auto` chose (the activations' dtype)
+    weights = "" if core.weights_format == "none" else f", weights {core.weights_format}"
     for batch in batches:
         row = measure(core, probe, batch, context, steps, shared_prefix)
-        row["dtype"] = dtype
+        row["dtype"] = resolved
+        row["weights_format"] = core.weights_format
         row["kv_cache_dtype"] = str(core.runner.kv_slots.dtype).removeprefix("torch.")
-        kv = f", K/V {row['kv_cache_dtype']}" if row["kv_cache_dtype"] != dtype else ""
+        kv = f", K/V {row['kv_cache_dtype']}" if row["kv_cache_dtype"] != resolved else ""
         shared = f", {shared_prefix} shared" if shared_prefix else ""
         row["device"] = core.device.type
         if transformers:
-            row["transformers_step_ms"] = transformers_step_ms(str(core.model_path), batch, context, steps, dtype,
+            row["transformers_step_ms"] = transformers_step_ms(str(core.model_path), batch, context, steps, resolved,
                                                                core.device, shared_prefix)
         baseline = f"; transformers {row['transformers_step_ms']:.2f} ms/step" if transformers else ""
         if row["graph_replay_ms"] is not None:
             baseline += f"; graph replay alone {row['graph_replay_ms']:.2f} ms"
-        log(f"decode batch {batch:>2} ({core.device.type}, {dtype}{kv}{shared}): {row['step_ms']:.2f} ms/step, "
+        log(f"decode batch {batch:>2} ({core.device.type}, {resolved}{weights}{kv}{shared}): {row['step_ms']:.2f} ms/step, "
             f"{row['tok_s']:.1f} tok/s, roofline {row['roofline_ms']:.2f} ms at {row['bandwidth_gb_s']:.1f} GB/s; "
             f"each step vs its own probe: {row['roofline_ratio']:.0%}{baseline}")
         rows.append(row)
@@ -216,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__)
     parser.add_argument("--model", default="default")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="auto: a GGUF model's own formats (the default model: Q4_1), else float32")
+    parser.add_argument("--quantization", default="auto", choices=("auto", "none", "q8_0", "q4_0"),
+                        help="q8_0 / q4_0: quantize an HF checkpoint at load")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="K/V storage (auto: the model's dtype)")
     parser.add_argument("--batches", default="1,4,8,16")
@@ -256,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.core.load_model = functools.partial(loader.load_model, pack=False)
     result = run(args.model, tuple(int(b) for b in args.batches.split(",")), args.context, args.steps, args.dtype,
                  shared_prefix=args.shared_prefix, transformers=args.transformers, kv_cache_dtype=args.kv_cache_dtype,
-                 device=args.device, enforce_eager=args.enforce_eager)
+                 device=args.device, enforce_eager=args.enforce_eager, quantization=args.quantization)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot:

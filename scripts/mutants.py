@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 KERNELS = REPO / "engine" / "model"
 ATTENTION_TESTS = ("tests/engine/model/test_attention.py", "tests/engine/model/test_decode_step_cpu.py")
 STEP_TESTS = ("tests/engine/model/test_decode_step_cpu.py",)
+QUANT_TESTS = ("tests/engine/model/test_quant_matmul.py",)
 TIMEOUT_S = 1800
 
 
@@ -69,6 +70,24 @@ MUTANTS = [
     # the matmuls' row groups one row short: every 8th row of a step's batch is never computed
     Mutant("matmul-row-group-one-short", "packed_matmul_cpu.py",
            "group = x[first:first + ROW_GROUP]", "group = x[first:first + ROW_GROUP - 1]", STEP_TESTS),
+    # the quantized kernel drops the min * (group sum of x) term: right only where mins are zero
+    Mutant("quant-min-term-dropped", "quant_matmul_cpu.py",
+           "added.append(simd.fma(builder, low[v], x_sum, total) if with_min else total)",
+           "added.append(total)", QUANT_TESTS),
+    # a group's sum of x skips its last weight
+    Mutant("quant-group-sum-one-short", "quant_matmul_cpu.py",
+           "sums[r, k // group] += x[r, k]", "sums[r, k // group] += x[r, k] if k % group != group - 1 else 0.0",
+           QUANT_TESTS),
+    # the high nibbles (columns 16-31 of a tile) read as the low ones
+    Mutant("quant-high-nibble-as-low", "quant_matmul_cpu.py",
+           "high = builder.lshr(raw, ir.Constant(_BYTES, [4] * LANES))", "high = low", QUANT_TESTS),
+    # 8-bit weights widened as unsigned: negative weights read as 128..255
+    Mutant("quant-int8-read-unsigned", "quant_matmul_cpu.py",
+           "_BYTES.as_pointer()), align=1), True)", "_BYTES.as_pointer()), align=1), False)", QUANT_TESTS),
+    # an embedding row's group index off by one weight
+    Mutant("quant-row-group-index-shifted", "quant_matmul_cpu.py",
+           "value = q * scales[tile, k // group, j]", "value = q * scales[tile, (k + 1) // group % scales.shape[1], j]",
+           QUANT_TESTS),
 ]
 
 

@@ -2,10 +2,10 @@
 
 A decode step multiplies a few rows by every weight matrix once, so its speed is how fast the
 weights stream from memory. On CPU each weight gets a packed copy at load time (packed_matmul_cpu.py)
-that small batches multiply against, much faster than `F.linear` over the row-major weight (measured in
-bench/decode.py), and the row-major weight is then dropped: one copy of the weights. Prefill, compute-bound,
-multiplies by the packed tiles as a batched matmul (within 2-7 % of `F.linear` for 512-row chunks of the
-SmolLM2 shapes, measured here), and a tied embedding reads its rows out of the lm_head's tiles. CUDA keeps
+that small batches multiply against, much faster than `F.linear` over the row-major weight, and the
+row-major weight is then dropped: one copy of the weights. Prefill, compute-bound, multiplies by the packed
+tiles as a batched matmul (about as fast as `F.linear`), and a tied embedding reads its rows out of the
+lm_head's tiles (docs/speed.md#packed-matmul). CUDA keeps
 the row-major weight: plain `F.linear` is at the limit there.
 
 A quantized weight (GGUF blocks, or `--quantization` at load) lives only as the integer tiles of
@@ -25,9 +25,8 @@ from engine.model.bfloat16_bits import numpy_view
 if TYPE_CHECKING:
     from engine.model.quant_matmul_cpu import QuantTiles
 
-# steps of up to this many rows use the packed weight (the default max_num_seqs). Measured here (AVX-512 EPYC,
-# python -m bench.matmul: the 121 SmolLM2 matmuls of a step): packed 12.4-13.1 ms at 1-8 rows and 29.6 ms at
-# 32 against 33-74 ms with F.linear
+# steps of up to this many rows use the packed (or quantized) weight: the default max_num_seqs, and faster than
+# F.linear up to there (docs/speed.md#packed-matmul)
 MAX_PACKED_ROWS = 32
 
 

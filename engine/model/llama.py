@@ -113,7 +113,7 @@ class MLP(nn.Module):
             return self.down_proj(fused_cuda.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         # in place, into the projection's own output: fresh [tokens, intermediate] buffers for silu and the
-        # product made prefill's elementwise ops 2-3x slower in runs (page faults), ~4% of a 512-token step
+        # product cost page faults on every prefill step (docs/speed.md#prefill)
         return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
 
 

@@ -13,13 +13,9 @@ other. This is the layout and microkernel of oneDNN-style GEMMs, written as LLVM
 
 numba cannot express vector registers, so the microkernel is a numba intrinsic that emits the loop as LLVM IR
 (<16 x float> and llvm.fma); LLVM lowers it to AVX-512 here, and splits each vector in 2 on AVX2 and in 4 on
-NEON, where fewer rows fit in the registers (row_group). Measured here (`python -m bench.matmul`: 2-core
-AVX-512 EPYC, the 121 matmuls of a SmolLM2-135M step, fp32): 11.1 / 11.9 / 14.3 / 24.2 ms at 1 / 8 / 16 / 32
-rows against 14.0 / 16.5 / 18.8 / 28.5 ms for oneDNN's packed weights (13.8 / 16.9 / 19.7 / 33.6 against 17.7
-/ 19.3 / 21.7 / 32.8 in a run before the prefetch below); the loops it replaces took 24-26 ms at 8 rows.
-bfloat16 weights are packed as their bits and widened to float32 in the loop (the arithmetic is float32):
-faster than oneDNN's native bf16 dot products at one row (7.4 vs 9.6 ms) and, since the prefetch, at 8 (7.6 vs
-10.1; 12.1 vs 9.7 without it).
+NEON, where fewer rows fit in the registers (row_group). It beats oneDNN's packed weights at 1 to 32 rows
+(docs/speed.md#packed-matmul). bfloat16 weights are packed as their bits and widened to float32 in the loop
+(the arithmetic is float32), which beat oneDNN's native bf16 dot products too.
 """
 from __future__ import annotations
 
@@ -38,25 +34,22 @@ from engine.model.simd import LANES, const
 TILE = 2 * LANES  # output columns of a packed tile
 # vector registers, and how many of them one 16-float vector takes, per instruction set
 REGISTERS = {"avx512": (32, 1), "avx2": (16, 2), "neon": (32, 4), "generic": (16, 4)}
-MAX_ROW_GROUP = 8  # on AVX-512 more rows fit, but 8 measured best
+MAX_ROW_GROUP = 8  # on AVX-512 more rows fit, but more were no faster (docs/speed.md#packed-matmul)
 
 
 def row_group(isa: str) -> int:
     """Input rows one pass over a tile serves: as many as keep 2 accumulators a row, the tile's 2 weight
     vectors and a broadcast in registers (a spilled accumulator costs a load and a store per k). AVX-512: 8;
-    AVX2 and NEON: 2. Compiled for AVX2, 8 rows spilled 664 registers; the 121 matmuls of a SmolLM2 step at
-    1 + 2 + 8 + 16 rows took 121-135 ms with 2 rows (prefetching) against 138-139 ms with 8, 131-143 with 2
-    not prefetching, 3 and 4 slower (`python -m bench.matmul` under NUMBA_CPU_NAME=haswell, docs/engine.md)."""
+    AVX2 and NEON: 2 (compiled for AVX2, 8 rows spilled hundreds of registers and 2 measured fastest:
+    docs/speed.md#packed-matmul)."""
     registers, per_vector = REGISTERS[isa]
     return max(1, min(MAX_ROW_GROUP, (registers // per_vector - 3) // 2))
 
 
 ROW_GROUP = row_group(kernel_cache.TARGET_ISA)
 # from 4 rows on the arithmetic keeps the core from asking for the next weights in time: each step of the
-# microkernel prefetches the tile's lines 6 KB ahead (measured, 121 matmuls at 8 rows: 0.68-0.79x oneDNN's
-# time with it, 0.81-0.88x without; at one row it was no faster). The distance trades memory spells: over
-# 8,216 paired rounds, 6 KB against 4 KB took 0.3-0.4 ms off the 8.2-9.6 ms where memory streamed at 60+
-# GB/s and added 0.1 ms to the 11-12 ms at 40-60 GB/s (8 KB: -0.43 and +0.25)
+# microkernel prefetches the tile's lines 6 KB ahead (no faster at one row; the distance was chosen over paired
+# rounds against 4 and 8 KB: docs/speed.md#packed-matmul)
 PREFETCH_ROWS = min(4, ROW_GROUP)  # AVX2's 2-row passes gained from it as well (row_group)
 PREFETCH_BYTES = 6144
 
@@ -103,8 +96,8 @@ def matmul(x, packed, bias, out, accumulate, threads):
             width = min(TILE, out.shape[1] - start)
             for first in range(0, x.shape[0], ROW_GROUP):
                 group = x[first:first + ROW_GROUP]
-                # a whole tile with no bias goes straight from the registers to out (measured, 8 rows: the
-                # scalar pass through scratch cost 0.6-0.9 ms of a step's 121 matmuls)
+                # a whole tile with no bias goes straight from the registers to out (the scalar pass through
+                # scratch measured slower: docs/speed.md#packed-matmul)
                 if width == TILE and not len(bias):
                     if accumulate:
                         tile_product(group, packed, tile, out[first:first + ROW_GROUP, start:], True)

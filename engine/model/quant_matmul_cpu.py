@@ -7,8 +7,8 @@ Layout (packed_matmul_cpu's tiles, with integers): a weight [N, K] in QuantRows 
 - scales, mins [tiles, K / group, TILE] float32 (mins [tiles, 0, TILE] when the format has none).
 
 The microkernel keeps, for each of up to ROW_GROUP rows, two 16-float accumulators of the group's
-sum of x[k] * q[k] (q widened to float in registers) and two of the whole product; at each group's end it
-adds scale * group sum and min * (the group's sum of x). So the arithmetic is float32 throughout, and the
+sum of x[k] * q[k] (q widened to float in registers); at each group's end it adds scale * group sum and
+min * (the group's sum of x) to the row's product, which waits in `out` (L1) between groups. So the arithmetic is float32 throughout, and the
 integer products never round: the result is the dequantized weight's product to fp32 summation order.
 """
 from __future__ import annotations
@@ -35,10 +35,11 @@ _BYTES = ir.VectorType(ir.IntType(8), LANES)
 
 
 def row_group(isa: str) -> int:
-    """Rows one pass over a tile serves: each row keeps 4 vectors (group sum and product, 2 each) in
-    registers beside the tile's 2 weight vectors and a broadcast; AVX2: 1, AVX-512: 7."""
+    """Rows one pass over a tile serves: each row keeps its 2 group-sum vectors in registers beside the
+    tile's 2 weight vectors and a broadcast (the running product lives in `out`, in L1, updated once a
+    group); AVX2: 2, AVX-512: 8."""
     registers, per_vector = REGISTERS[isa]
-    return max(1, min(8, (registers // per_vector - 3) // 4))
+    return max(1, min(8, (registers // per_vector - 3) // 2))
 
 
 ROW_GROUP = row_group(kernel_cache.TARGET_ISA)
@@ -233,8 +234,16 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
                                                                  _BYTES.as_pointer()), align=1), True)
                     for v in range(2)]
 
+        def out_at(r, v):
+            return builder.gep(out_ary.data, [builder.add(builder.mul(const(r), out_row), const(v * LANES))])
+
         def product(num_rows):
-            def group_step(g, acc):
+            zero = ir.Constant(simd.FLOATS, None)
+            for r in range(num_rows):
+                for v in range(2):
+                    simd.store(builder, zero, out_at(r, v))
+
+            def group_step(g, _):
                 first_k = builder.mul(g, group_arg)
 
                 def k_step(i, partial):  # partial[r * 2 + v] += x[r, k] * q[k, v-th half of the tile]
@@ -251,20 +260,16 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
                 at = builder.mul(g, const(TILE))
                 scale = simd.load_pieces(builder, builder.gep(tile_scales, [at]), 2, False)
                 low = simd.load_pieces(builder, builder.gep(tile_mins, [at]), 2, False) if with_min else None
-                added = []
                 for r in range(num_rows):
                     x_sum = simd.broadcast(builder, builder.load(builder.gep(
                         sums_ary.data, [builder.add(builder.mul(const(r), sums_row), g)]))) if with_min else None
                     for v in range(2):
-                        total = simd.fma(builder, scale[v], partial[r * 2 + v], acc[r * 2 + v])
-                        added.append(simd.fma(builder, low[v], x_sum, total) if with_min else total)
-                return added
+                        to = out_at(r, v)
+                        total = simd.fma(builder, scale[v], partial[r * 2 + v], simd.load(builder, to, False))
+                        simd.store(builder, simd.fma(builder, low[v], x_sum, total) if with_min else total, to)
+                return []
 
-            results = simd.accumulate(builder, groups, num_rows * 2, group_step)
-            for r in range(num_rows):
-                for v in range(2):
-                    to = builder.gep(out_ary.data, [builder.add(builder.mul(const(r), out_row), const(v * LANES))])
-                    simd.store(builder, results[r * 2 + v], to)
+            simd.accumulate(builder, groups, 0, group_step)
 
         simd.cases(builder, rows, range(1, ROW_GROUP + 1), product)
         return context.get_dummy_value()
