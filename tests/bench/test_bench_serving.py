@@ -1,6 +1,8 @@
 """bench serving's report: which run each target reads, and the table (no servers started here)."""
 import asyncio
 
+import pytest
+
 from bench import multiturn, serving
 from bench.http import drive_lean
 from engine.tokenizer import load_tokenizer
