@@ -8,8 +8,14 @@ COMPAT_STAMP := $(VENV)/.installed-compat
 COMPAT_INSTRUCTOR := $(VENV)/compat-instructor
 ARGS ?=
 REPLICAS ?= 4
+# the unit tier: every test without a marker of what makes a test heavy (pyproject.toml lists them)
+HEAVY := server or default_model or ray or compat or browser or prometheus or fuzz or slow
+# two workers: much of the suite waits on processes, sockets and Ray rather than on the CPU; a file stays on
+# one worker, so its module-scoped servers and engines start once
+XDIST := -n 2 --dist loadfile
+COVERAGE := --cov=engine --cov=gateway --cov-report=term:skip-covered
 
-.PHONY: serve serve-cluster test bench bench-quick bench-peers model clean
+.PHONY: serve serve-cluster test test-fast bench bench-quick bench-peers model clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,9 +46,14 @@ serve-cluster: $(CLUSTER_STAMP)
 model: $(STAMP)
 	$(PY) -m engine.model.default_model
 
+# the whole suite, and what .ci/run calls
 test: $(STAMP) $(CLUSTER_STAMP) $(COMPAT_STAMP)
 	bash scripts/ensure_test_deps.sh
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest $(XDIST) $(COVERAGE) $(ARGS)
+
+# the unit tier, for the edit-test loop: no Ray, client frameworks, browser or Prometheus to install
+test-fast: $(STAMP)
+	$(PY) -m pytest $(XDIST) -m "not ($(HEAVY))" $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench $(ARGS)
