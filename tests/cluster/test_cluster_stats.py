@@ -71,6 +71,7 @@ def samples(metrics_text: str) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(metrics_text) for s in family.samples}
 
 
+@pytest.mark.ray
 async def test_metrics_and_cache_stats_show_every_replicas_free_blocks_regrets_and_disk_hits(cluster, engine_config,
                                                                                             aiohttp_client):
     settings = Settings(engine_config, GatewaySettings(api_keys=(ApiKey("key-a", "alice"),), salt_secret="test"))

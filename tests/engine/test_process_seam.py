@@ -17,6 +17,8 @@ from engine.process_client import ProcessClient
 from engine.sampling_params import SamplingParams
 from engine.stats import SchedulerStats, StepStats
 
+pytestmark = pytest.mark.server  # every test runs against a real engine process
+
 LONG = SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=3, temperature=0)
 PROMPT = list(range(20, 60))
