@@ -1,6 +1,6 @@
 """Malformed input on the newer endpoints gets a 400 naming the field, never a 500: the Responses API's
 input items and content parts, embeddings at the context's edge, and bodies sent with methods that take
-none."""
+none; and their answers match the OpenAPI document."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,7 @@ import json
 import pytest
 import requests
 
+from tests.gateway.test_openapi_responses import assert_matches
 from tests.support.gateway_helpers import LiveServer, is_error_body, tiny_settings
 
 CONTEXT = 256  # max_model_len: an embedding input may fill all of it
@@ -104,3 +105,24 @@ def test_a_body_on_a_method_that_takes_none_is_refused(server, method, path):
     resp = requests.request(method, server.url + path, data=big, timeout=60)
     assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large", resp.text
     assert requests.request(method, server.url + path, timeout=60).status_code in (200, 404)  # no body: served
+
+
+def test_the_newer_endpoints_answer_as_the_document_describes(server):
+    spec = requests.get(server.url + "/openapi.json", timeout=30).json()
+
+    def check(path: str, method: str, body) -> None:
+        schema = spec["paths"][path][method]["responses"]["200"]["content"]["application/json"]["schema"]
+        assert_matches(spec, schema, body)
+
+    answer = post(server, "/v1/responses", {"input": "hello", "max_output_tokens": 2, "metadata": {"k": "v"}})
+    assert answer.status_code == 200, answer.text
+    check("/v1/responses", "post", answer.json())
+    response_id = answer.json()["id"]
+    check("/v1/responses/{response_id}", "get", requests.get(f"{server.url}/v1/responses/{response_id}").json())
+    check("/v1/responses/{response_id}/input_items", "get",
+          requests.get(f"{server.url}/v1/responses/{response_id}/input_items").json())
+    check("/v1/responses/{response_id}", "delete", requests.delete(f"{server.url}/v1/responses/{response_id}").json())
+    for inputs, encoding in ((["a", "b"], "float"), ([[1, 2]], "base64")):
+        check("/v1/embeddings", "post", post(server, "/v1/embeddings", {"input": inputs,
+                                                                        "encoding_format": encoding}).json())
+    check("/v1/cache/stats", "get", requests.get(server.url + "/v1/cache/stats").json())
