@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from engine.client import EngineClient, EngineDeadError
 from engine.outputs import RequestOutput
@@ -16,10 +16,8 @@ from engine.sampling_params import SamplingParams
 from gateway.auth import Tenant
 from gateway.errors import APIError, invalid
 from gateway.generate import Choice, check_output, run_choices
+from gateway.protocol import GenerationRequest
 from gateway.state import GatewayState
-
-if TYPE_CHECKING:
-    from gateway.protocol import GenerationRequest
 
 R = TypeVar("R")
 Outputs = AsyncIterator[tuple[Choice, RequestOutput]]
