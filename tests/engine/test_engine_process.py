@@ -99,7 +99,7 @@ async def test_kill_9_of_the_engine_fails_in_flight_requests_restarts_warm_then_
 
             os.kill(second["engine_pid"], signal.SIGKILL)  # past --engine-restarts: the server exits 1
             assert await asyncio.to_thread(server.wait, 60) == 1
-        log = "".join(server.log_lines) + server.stderr.read()
+        log = server.log_text()
     assert "giving up" in log and "capital of France" not in log
 
 

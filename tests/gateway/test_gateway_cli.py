@@ -46,6 +46,6 @@ async def test_sigterm_lets_in_flight_requests_finish_then_aborts_the_rest(serve
         assert await asyncio.to_thread(server_process.wait, 30) == 0
         with pytest.raises(aiohttp.ClientConnectionError):
             await session.get(f"{base}/models")
-    log = "".join(server_process.log_lines) + server_process.stderr.read()
+    log = server_process.log_text()
     assert "shutting down" in log and "aborted 1 requests" in log and "stopped" in log
     assert "sk-test" not in log and "hello" not in log  # no keys or prompts at INFO

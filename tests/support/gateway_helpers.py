@@ -31,23 +31,33 @@ REPO = Path(__file__).resolve().parents[2]
 @contextlib.contextmanager
 def served(*args: str, start_timeout_s: float = 120, module: str = "gateway") -> Iterator[subprocess.Popen]:
     """`python -m MODULE serve --port 0 ARGS` as a real process (the gateway's engine in a process of its own,
-    or `cluster`: a gateway in front of Ray Serve replicas): yields the Popen with `base_url` and the stderr
-    `log_lines` read so far; killed afterwards if alive."""
+    or `cluster`: a gateway in front of Ray Serve replicas): yields the Popen with `base_url`, `log_lines`
+    (stderr's lines so far, growing) and `log_text()` (all of stderr once the process has exited); killed
+    afterwards if alive."""
     cmd = [sys.executable, "-m", module, "serve", "--port", "0", *args]
     proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: list[str] = []
-    deadline = time.monotonic() + start_timeout_s
-    try:
-        while time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
+    listening = threading.Event()
+
+    def drain() -> None:  # for the whole life of the process: a full pipe would block the server's logging
+        for line in proc.stderr:
             lines.append(line)
-            if match := re.search(r"listening on (http://\S+/v1)", line):
-                proc.base_url, proc.log_lines = match.group(1), lines
-                break
-        else:
+            if not listening.is_set() and (match := re.search(r"listening on (http://\S+/v1)", line)):
+                proc.base_url = match.group(1)
+                listening.set()
+        listening.set()  # exited: no more lines
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+
+    def log_text() -> str:
+        reader.join(30)
+        return "".join(lines)
+
+    proc.log_lines, proc.log_text = lines, log_text
+    try:
+        if not listening.wait(start_timeout_s):
             raise AssertionError("server did not start:\n" + "".join(lines))
         if not hasattr(proc, "base_url"):
             raise AssertionError("server exited before listening:\n" + "".join(lines))
@@ -56,6 +66,7 @@ def served(*args: str, start_timeout_s: float = 120, module: str = "gateway") ->
         if proc.poll() is None:
             proc.kill()
         proc.wait(10)
+        reader.join(10)
         proc.stderr.close()
 
 
