@@ -21,7 +21,8 @@ from gateway.cache_stats import CACHE_STATS, CacheStats
 from gateway.cors import Cors
 from gateway import responses
 from gateway.embeddings import embeddings
-from gateway.responses import RESPONSE_STORE, ResponseStore
+from gateway.response_store import open_store
+from gateway.responses import RESPONSE_STORE
 from gateway.salt_secret import SaltSecret, resolve_salt_secret
 from gateway.errors import APIError, error_middleware, error_response
 from gateway.generate import Shutdown
@@ -107,7 +108,9 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     app.router.add_delete("/v1/cache", cache_routes.erase)
     app.router.add_post("/v1/cache/warm", cache_routes.warm)
     app.router.add_post("/v1/embeddings", embeddings)
-    app[RESPONSE_STORE] = ResponseStore(settings.gateway.responses_store_max)
+    gw = settings.gateway
+    app[RESPONSE_STORE] = open_store(gw.responses_store_max, gw.responses_db, gw.responses_ttl_days)
+    app.on_cleanup.append(_close_response_store)
     app.router.add_post("/v1/responses", responses.create)
     app.router.add_get("/v1/responses/{response_id}", responses.retrieve)
     app.router.add_delete("/v1/responses/{response_id}", responses.delete)
@@ -116,6 +119,10 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     app.router.add_get("/", routes.chat_page)
     app.router.add_static("/static/", routes.STATIC_DIR)
     return app
+
+
+async def _close_response_store(app: web.Application) -> None:
+    app[RESPONSE_STORE].close()
 
 
 async def _launch_engine(settings: Settings, gave_up: EngineGaveUp) -> EngineClient:

@@ -12,7 +12,6 @@ import contextlib
 import json
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +26,7 @@ from gateway.generate import Choice, check_output, usage
 from gateway.jsonbody import parse_body
 from gateway.protocol import ChatRequest, parse_chat
 from gateway.render import render_chat
+from gateway.response_store import ResponseStore, Stored
 from gateway.runner import RequestRun, sampling_params
 from gateway.state import STATE
 from gateway.streaming import SSE_HEADERS, encode_event
@@ -39,45 +39,6 @@ ITEM_TYPES = ("message", "function_call", "function_call_output")
 TEXT_PARTS = ("input_text", "output_text", "text")
 # chat parameter names as the Responses API calls them, for the 400s the chat parser raises
 PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
-
-
-@dataclass(slots=True)
-class Stored:
-    tenant: str
-    response: dict[str, Any]
-    input_items: list[dict[str, Any]]
-    messages: list[dict[str, Any]]  # the whole conversation so far, the answer included, as chat messages
-
-
-class ResponseStore:
-    """Stored responses of every tenant, least recently used dropped first beyond `max_responses`."""
-
-    def __init__(self, max_responses: int) -> None:
-        self.max_responses = max_responses
-        self._items: OrderedDict[str, Stored] = OrderedDict()
-        self.num_dropped = 0
-
-    def put(self, stored: Stored) -> None:
-        self._items[stored.response["id"]] = stored
-        while len(self._items) > self.max_responses:
-            self._items.popitem(last=False)
-            self.num_dropped += 1
-
-    def get(self, tenant: str, response_id: str) -> Stored:
-        """The tenant's stored response; 404 for an unknown id and for another tenant's alike."""
-        stored = self._items.get(response_id)
-        if stored is None or stored.tenant != tenant:
-            raise APIError(404, f"no response {response_id!r} is stored for this key", param="response_id",
-                           code="response_not_found")
-        self._items.move_to_end(response_id)
-        return stored
-
-    def delete(self, tenant: str, response_id: str) -> None:
-        self.get(tenant, response_id)
-        del self._items[response_id]
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 RESPONSE_STORE = web.AppKey("response_store", ResponseStore)

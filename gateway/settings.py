@@ -74,6 +74,10 @@ class GatewaySettings:
         None, 'JSON object of sampling defaults over the model\'s, e.g. \'{"temperature": 0.2}\'')
     responses_store_max: int = _knob(
         1000, "responses kept for previous_response_id and GET /v1/responses/{id}, least recently used dropped")
+    responses_ttl_days: float = _knob(30.0, "stored responses older than this many days are dropped (OpenAI: 30)")
+    responses_db: str | None = _knob(
+        None, "SQLite file of stored responses, shared by gateways on one host (None: responses.sqlite3 in the "
+        "cache folder; ':memory:': in the API process, lost at exit)")
     engine_process: bool = _knob(True, "run the engine in its own process (off: on a thread of the API process)")
     engine_restarts: int = _knob(
         3, "new engine processes started after the engine dies, within 10 minutes; then the server exits 1")
@@ -96,6 +100,7 @@ class GatewaySettings:
         _check(self.stream_write_timeout_s > 0, "stream_write_timeout_s must be > 0")
         _check(self.engine_restarts >= 0, "engine_restarts must be >= 0")
         _check(self.responses_store_max >= 0, "responses_store_max must be >= 0")
+        _check(self.responses_ttl_days > 0, "responses_ttl_days must be > 0")
         _check(self.generation_config in ("auto", "none"), f"unknown generation_config {self.generation_config!r}")
         parse_override(self.override_generation_config)
         _check(self.log_level in ("debug", "info", "warning", "error"), f"unknown log_level {self.log_level!r}")

@@ -24,6 +24,16 @@ def _drop_dead_log_handlers():
             root.removeHandler(handler)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _responses_db_in_tmp(tmp_path_factory):
+    """Apps built from settings that name no `responses_db` keep stored responses in this session's tmp folder,
+    never in the user's cache folder."""
+    path = tmp_path_factory.mktemp("responses") / "responses.sqlite3"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("gateway.response_store.default_db_path", lambda: path)
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")

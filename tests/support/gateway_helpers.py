@@ -34,6 +34,8 @@ def served(*args: str, start_timeout_s: float = 120, module: str = "gateway") ->
     or `cluster`: a gateway in front of Ray Serve replicas): yields the Popen with `base_url`, `log_lines`
     (stderr's lines so far, growing) and `log_text()` (all of stderr once the process has exited); killed
     afterwards if alive."""
+    if "--responses-db" not in args:  # never the user's cache folder
+        args = (*args, "--responses-db", ":memory:")
     cmd = [sys.executable, "-m", module, "serve", "--port", "0", *args]
     proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -86,7 +88,7 @@ def tiny_settings(model_dir: Path, keys: tuple[ApiKey, ...] = (), engine: dict |
     config = EngineConfig(**{"model": str(model_dir), "block_size": 16, "num_kv_blocks": 128, **(engine or {})})
     # in process: these tests inject faults into the engine and read its pool (test_engine_process.py
     # covers the engine process)
-    gateway = {"engine_process": False, **gateway}
+    gateway = {"engine_process": False, "responses_db": ":memory:", **gateway}
     return Settings(config, GatewaySettings(api_keys=keys, salt_secret="test", **gateway))
 
 

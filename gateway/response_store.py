@@ -1,0 +1,138 @@
+"""Stored responses of the Responses API in SQLite: a file that outlives the API process (a restart, a kill -9)
+and that several gateways on one host share. One connection per store, WAL mode so readers never wait for a
+writer, and `busy_timeout` so two gateways writing at once queue instead of failing.
+
+NOTE: a row is one response with its whole conversation (JSON text); "used" is the last put or get, the order
+in which rows beyond `max_responses` are dropped; rows older than `ttl_days` (from their put) are dropped lazily:
+on the next put, and a get of one is a 404.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.paths import default_cache_dir
+from gateway.errors import APIError
+
+log = logging.getLogger(__name__)
+
+IN_MEMORY = ":memory:"
+BUSY_TIMEOUT_MS = 2000  # the event loop waits at most this long for another gateway's write
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    response TEXT NOT NULL,
+    input_items TEXT NOT NULL,
+    messages TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    used_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS responses_used_at ON responses (used_at);
+CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at);
+"""
+
+
+@dataclass(slots=True)
+class Stored:
+    tenant: str
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]]
+    messages: list[dict[str, Any]]  # the whole conversation so far, the answer included, as chat messages
+
+
+def default_db_path() -> Path:
+    return default_cache_dir() / "responses.sqlite3"
+
+
+class ResponseStore:
+    """Stored responses of every tenant, least recently used dropped first beyond `max_responses`, and
+    none older than `ttl_days`."""
+
+    def __init__(self, max_responses: int, path: str | Path = IN_MEMORY, ttl_days: float = 30,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.max_responses = max_responses
+        self.ttl_s = ttl_days * 86400
+        self.num_dropped = 0  # dropped by this store to stay within max_responses
+        self._clock = clock
+        self.path = str(path)
+        self._db = _open(self.path)
+
+    def put(self, stored: Stored) -> None:
+        now = self._clock()
+        row = (stored.response["id"], stored.tenant, json.dumps(stored.response), json.dumps(stored.input_items),
+               json.dumps(stored.messages), now, now)
+        with self._db:  # one transaction: the row, the expired rows and the LRU overflow
+            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+            self._db.execute("DELETE FROM responses WHERE created_at < ?", (now - self.ttl_s,))
+            dropped = self._db.execute(
+                "DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY used_at DESC, rowid DESC "
+                "LIMIT -1 OFFSET ?)", (self.max_responses,)).rowcount
+        self.num_dropped += dropped
+
+    def get(self, tenant: str, response_id: str) -> Stored:
+        """The tenant's stored response; 404 for an unknown id, an expired one and another tenant's alike."""
+        now = self._clock()
+        with self._db:
+            row = self._db.execute(
+                "SELECT response, input_items, messages FROM responses WHERE id = ? AND tenant = ? "
+                "AND created_at >= ?", (response_id, tenant, now - self.ttl_s)).fetchone()
+            if row is None:
+                raise _not_found(response_id)
+            self._db.execute("UPDATE responses SET used_at = ? WHERE id = ?", (now, response_id))
+        return Stored(tenant, *map(json.loads, row))
+
+    def delete(self, tenant: str, response_id: str) -> None:
+        with self._db:
+            deleted = self._db.execute("DELETE FROM responses WHERE id = ? AND tenant = ? AND created_at >= ?",
+                                       (response_id, tenant, self._clock() - self.ttl_s)).rowcount
+        if not deleted:
+            raise _not_found(response_id)
+
+    def __len__(self) -> int:
+        (count,) = self._db.execute("SELECT COUNT(*) FROM responses WHERE created_at >= ?",
+                                    (self._clock() - self.ttl_s,)).fetchone()
+        return count
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def open_store(max_responses: int, path: str | None, ttl_days: float) -> ResponseStore:
+    """The store on `path` (None: the default file); one that cannot be opened (corrupt, not a database,
+    a folder that cannot be created) costs a warning and a store in memory, not a failed start."""
+    path = str(default_db_path()) if path is None else path
+    try:
+        return ResponseStore(max_responses, path, ttl_days)
+    except (sqlite3.Error, OSError) as exc:
+        log.warning("stored responses: cannot open %s (%s); keeping them in memory, lost at exit", path, exc)
+        return ResponseStore(max_responses, IN_MEMORY, ttl_days)
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(404, f"no response {response_id!r} is stored for this key", param="response_id",
+                    code="response_not_found")
+
+
+def _open(path: str) -> sqlite3.Connection:
+    if path != IN_MEMORY:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    # the event loop's thread uses it, which need not be the thread that built the app
+    # (the default isolation level: a write opens a transaction, `with db:` commits it)
+    db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False)
+    try:
+        db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        if path != IN_MEMORY:
+            db.execute("PRAGMA journal_mode = WAL")
+            db.execute("PRAGMA synchronous = NORMAL")  # WAL: a process crash loses nothing, a power cut the last commits
+        db.executescript(SCHEMA)
+    except sqlite3.Error:
+        db.close()
+        raise
+    return db

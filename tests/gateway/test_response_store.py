@@ -1,0 +1,198 @@
+"""Stored responses in SQLite: the store's semantics (tenant isolation, LRU drop, TTL), a file that survives its
+store and is shared by two, and `previous_response_id` continued by a new server after kill -9 of the first."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sqlite3
+import time
+
+import aiohttp
+import pytest
+
+from gateway.errors import APIError
+from gateway.response_store import IN_MEMORY, ResponseStore, Stored, open_store
+from gateway.settings import GatewaySettings
+from tests.support.gateway_helpers import served
+
+DAY_S = 86400
+
+
+def stored(response_id: str, tenant: str = "alice", text: str = "hi") -> Stored:
+    return Stored(tenant, {"id": response_id, "object": "response", "output_text": text},
+                  [{"type": "message", "role": "user", "content": text}],
+                  [{"role": "user", "content": text}, {"role": "assistant", "content": "hello"}])
+
+
+def assert_not_found(store: ResponseStore, tenant: str, response_id: str) -> None:
+    with pytest.raises(APIError) as err:
+        store.get(tenant, response_id)
+    assert (err.value.status, err.value.code, err.value.param) == (404, "response_not_found", "response_id")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_put_get_and_delete():
+    store = ResponseStore(10)
+    store.put(stored("resp_1"))
+    assert store.get("alice", "resp_1") == stored("resp_1")
+    assert len(store) == 1
+    store.delete("alice", "resp_1")
+    assert len(store) == 0
+    assert_not_found(store, "alice", "resp_1")
+    with pytest.raises(APIError) as err:
+        store.delete("alice", "resp_1")
+    assert err.value.status == 404
+
+
+def test_another_tenants_id_is_a_404_like_an_unknown_one():
+    store = ResponseStore(10)
+    store.put(stored("resp_a"))
+    with pytest.raises(APIError) as theirs:
+        store.get("bob", "resp_a")
+    with pytest.raises(APIError) as unknown:
+        store.get("bob", "resp_b")
+    assert str(theirs.value).replace("resp_a", "X") == str(unknown.value).replace("resp_b", "X")
+    assert (theirs.value.status, theirs.value.code) == (unknown.value.status, unknown.value.code) == (
+        404, "response_not_found")
+    with pytest.raises(APIError):
+        store.delete("bob", "resp_a")
+    assert store.get("alice", "resp_a").tenant == "alice"  # bob's delete took nothing
+
+
+def test_the_least_recently_used_is_dropped_beyond_the_max():
+    clock = Clock()
+    store = ResponseStore(2, clock=clock)
+    for name in ("resp_a", "resp_b"):
+        store.put(stored(name))
+        clock.now += 1
+    store.get("alice", "resp_a")  # a is now more recent than b
+    clock.now += 1
+    store.put(stored("resp_c"))
+    assert_not_found(store, "alice", "resp_b")
+    assert [store.get("alice", n).response["id"] for n in ("resp_a", "resp_c")] == ["resp_a", "resp_c"]
+    assert (len(store), store.num_dropped) == (2, 1)
+    clock.now += 1
+    store.put(stored("resp_d"))
+    assert (len(store), store.num_dropped) == (2, 2)
+    assert_not_found(store, "alice", "resp_a")
+
+
+def test_a_response_older_than_the_ttl_is_gone(tmp_path):
+    clock = Clock()
+    path = tmp_path / "responses.sqlite3"
+    store = ResponseStore(10, path, ttl_days=1, clock=clock)
+    store.put(stored("resp_old"))
+    clock.now += DAY_S - 1
+    assert store.get("alice", "resp_old").response["id"] == "resp_old"  # a get does not extend its life
+    store.put(stored("resp_new"))
+    clock.now += 2
+    assert_not_found(store, "alice", "resp_old")
+    assert len(store) == 1
+    with pytest.raises(APIError):
+        store.delete("alice", "resp_old")
+    store.put(stored("resp_newer"))  # a put drops the expired rows from the file
+    with sqlite3.connect(path) as db:
+        assert sorted(r for (r,) in db.execute("SELECT id FROM responses")) == ["resp_new", "resp_newer"]
+    db.close()
+    assert store.num_dropped == 0  # expiry is not an LRU drop
+    store.close()
+
+
+def test_stored_responses_survive_reopening_the_file(tmp_path):
+    path = tmp_path / "sub" / "responses.sqlite3"  # its folder is made
+    first = ResponseStore(10, path)
+    first.put(stored("resp_1", text="the first turn"))
+    first.close()
+    again = ResponseStore(10, path)
+    assert again.get("alice", "resp_1") == stored("resp_1", text="the first turn")
+    assert len(again) == 1
+    again.close()
+
+
+def test_two_stores_on_one_file_share_their_rows_in_wal_mode(tmp_path):
+    path = tmp_path / "responses.sqlite3"
+    one, two = ResponseStore(10, path), ResponseStore(10, path)
+    one.put(stored("resp_1"))
+    assert two.get("alice", "resp_1") == stored("resp_1")
+    two.put(stored("resp_2", tenant="bob"))
+    assert one.get("bob", "resp_2").tenant == "bob" and len(one) == 2
+    two.delete("alice", "resp_1")
+    assert_not_found(one, "alice", "resp_1")
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    db.close()
+    one.close()
+    two.close()
+
+
+def test_a_file_that_is_not_a_database_costs_a_warning_and_a_store_in_memory(tmp_path, caplog):
+    path = tmp_path / "responses.sqlite3"
+    path.write_bytes(b"this is not an SQLite database, " * 64)
+    with caplog.at_level(logging.WARNING, logger="gateway.response_store"):
+        store = open_store(10, str(path), ttl_days=30)
+    assert store.path == IN_MEMORY
+    assert f"cannot open {path}" in caplog.text
+    store.put(stored("resp_1"))
+    assert store.get("alice", "resp_1").response["id"] == "resp_1"
+    store.close()
+
+
+def test_the_settings_default_to_a_file_and_thirty_days():
+    assert (GatewaySettings().responses_db, GatewaySettings().responses_ttl_days) == (None, 30.0)
+    with pytest.raises(ValueError, match="responses_ttl_days"):
+        GatewaySettings(responses_ttl_days=0)
+
+
+async def _engine_gone(pid: int) -> None:
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.server
+async def test_previous_response_id_continues_after_kill_9_of_the_api_process(tiny_llama_dir, tmp_path):
+    db, disk = tmp_path / "responses.sqlite3", tmp_path / "kv"
+    args = ("--model", str(tiny_llama_dir), "--num-kv-blocks", "512", "--kv-disk-dir", str(disk),
+            "--responses-db", str(db))
+    first_turn = "Remember the word tangerine. " * 12
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        with served(*args) as server:
+            base = server.base_url
+            engine_pid = (await (await session.get(base.removesuffix("/v1") + "/health")).json())["engine_pid"]
+            model = (await (await session.get(f"{base}/models")).json())["data"][0]["id"]
+            resp = await session.post(f"{base}/responses", json={"model": model, "input": first_turn,
+                                                                 "max_output_tokens": 4, "temperature": 0})
+            assert resp.status == 200, await resp.text()
+            first = await resp.json()
+            deadline = time.monotonic() + 30  # the idle engine writes its cached blocks behind to the disk tier
+            while not list(disk.rglob("*.kv")):
+                assert time.monotonic() < deadline, "no block reached the disk tier"
+                await asyncio.sleep(0.05)
+            os.kill(server.pid, signal.SIGKILL)
+            assert await asyncio.to_thread(server.wait, 10) == -signal.SIGKILL
+            await asyncio.wait_for(_engine_gone(engine_pid), 10)  # the engine went with it
+        with served(*args) as server:
+            base = server.base_url
+            items = await (await session.get(f"{base}/responses/{first['id']}/input_items")).json()
+            assert [item["content"] for item in items["data"]] == [[{"type": "input_text", "text": first_turn}]]
+            resp = await session.post(f"{base}/responses", json={
+                "model": model, "input": "Which word?", "previous_response_id": first["id"],
+                "max_output_tokens": 4, "temperature": 0})
+            assert resp.status == 200, await resp.text()
+            second = await resp.json()
+    assert second["previous_response_id"] == first["id"]
+    # the first turn is in the prompt (more tokens than it alone), and read back warm from the disk tier
+    assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"]
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] > 0
