@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-thread-mode", action="store_true", help="skip `serve --no-engine-process`")
     parser.add_argument("--serve-args", default="", help="more flags for our servers, e.g. '--threads-batch 1'")
     parser.add_argument("--llama-server", default=None, help="llama-server binary (../shared/peers/)")
-    parser.add_argument("--llama-gguf", default=None, help="the same weights as an F32 GGUF")
+    parser.add_argument("--llama-gguf", default=None,
+                        help="the same weights for llama-server (the default model: its own Q4_1 file)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     from engine.model.loader import resolve_model_path
