@@ -56,36 +56,47 @@ class ResponseStore:
     none older than `ttl_days`."""
 
     def __init__(self, max_responses: int, path: str | Path = IN_MEMORY, ttl_days: float = 30,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:
         self.max_responses = max_responses
         self.ttl_s = ttl_days * 86400
         self.num_dropped = 0  # dropped by this store to stay within max_responses
         self._clock = clock
         self.path = str(path)
-        self._db = _open(self.path)
+        self._db = _open(self.path, busy_timeout_ms)
 
     def put(self, stored: Stored) -> None:
         now = self._clock()
         row = (stored.response["id"], stored.tenant, json.dumps(stored.response), json.dumps(stored.input_items),
                json.dumps(stored.messages), now, now)
-        with self._db:  # one transaction: the row, the expired rows and the LRU overflow
-            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)", row)
-            self._db.execute("DELETE FROM responses WHERE created_at < ?", (now - self.ttl_s,))
-            dropped = self._db.execute(
-                "DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY used_at DESC, rowid DESC "
-                "LIMIT -1 OFFSET ?)", (self.max_responses,)).rowcount
+        try:
+            with self._db:  # one transaction: the row, the expired rows and the LRU overflow
+                self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+                self._db.execute("DELETE FROM responses WHERE created_at < ?", (now - self.ttl_s,))
+                dropped = self._db.execute(
+                    "DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY used_at DESC, "
+                    "rowid DESC LIMIT -1 OFFSET ?)", (self.max_responses,)).rowcount
+        except sqlite3.Error as exc:  # locked past the timeout, or broken: the answer is served unstored
+            log.warning("stored responses: %s not stored in %s (%s); its id will be a 404", row[0], self.path, exc)
+            return
         self.num_dropped += dropped
 
     def get(self, tenant: str, response_id: str) -> Stored:
         """The tenant's stored response; 404 for an unknown id, an expired one and another tenant's alike."""
         now = self._clock()
-        with self._db:
+        try:
             row = self._db.execute(
                 "SELECT response, input_items, messages FROM responses WHERE id = ? AND tenant = ? "
                 "AND created_at >= ?", (response_id, tenant, now - self.ttl_s)).fetchone()
-            if row is None:
-                raise _not_found(response_id)
-            self._db.execute("UPDATE responses SET used_at = ? WHERE id = ?", (now, response_id))
+        except sqlite3.Error as exc:
+            log.warning("stored responses: cannot read %s (%s)", self.path, exc)
+            row = None
+        if row is None:
+            raise _not_found(response_id)
+        try:
+            with self._db:
+                self._db.execute("UPDATE responses SET used_at = ? WHERE id = ?", (now, response_id))
+        except sqlite3.Error as exc:  # (it is served all the same; only its place in the LRU order is stale)
+            log.warning("stored responses: cannot mark %s used in %s (%s)", response_id, self.path, exc)
         return Stored(tenant, *map(json.loads, row))
 
     def delete(self, tenant: str, response_id: str) -> None:
@@ -120,17 +131,17 @@ def _not_found(response_id: str) -> APIError:
                     code="response_not_found")
 
 
-def _open(path: str) -> sqlite3.Connection:
+def _open(path: str, busy_timeout_ms: int) -> sqlite3.Connection:
     if path != IN_MEMORY:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     # the event loop's thread uses it, which need not be the thread that built the app
     # (the default isolation level: a write opens a transaction, `with db:` commits it)
-    db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False)
+    # (timeout: SQLite's busy_timeout, how long a write waits for another connection's)
+    db = sqlite3.connect(path, timeout=busy_timeout_ms / 1000, check_same_thread=False)
     try:
-        db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         if path != IN_MEMORY:
             db.execute("PRAGMA journal_mode = WAL")
-            db.execute("PRAGMA synchronous = NORMAL")  # WAL: a process crash loses nothing, a power cut the last commits
+            db.execute("PRAGMA synchronous = NORMAL")  # in WAL mode a crash of the process loses no commit
         db.executescript(SCHEMA)
     except sqlite3.Error:
         db.close()

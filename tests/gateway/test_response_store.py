@@ -146,6 +146,22 @@ def test_a_file_that_is_not_a_database_costs_a_warning_and_a_store_in_memory(tmp
     store.close()
 
 
+def test_a_file_locked_by_another_writer_costs_a_warning_and_a_404_not_an_error(tmp_path, caplog):
+    path = tmp_path / "responses.sqlite3"
+    store = ResponseStore(10, path, busy_timeout_ms=10)
+    store.put(stored("resp_1"))
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")  # another gateway holding the write lock past our timeout
+    with caplog.at_level(logging.WARNING, logger="gateway.response_store"):
+        store.put(stored("resp_2"))
+        assert store.get("alice", "resp_1").response["id"] == "resp_1"  # readers are not blocked (WAL)
+    assert "resp_2 not stored" in caplog.text and "cannot mark resp_1 used" in caplog.text
+    other.execute("ROLLBACK")
+    other.close()
+    assert_not_found(store, "alice", "resp_2")
+    store.close()
+
+
 def test_the_settings_default_to_a_file_and_thirty_days():
     assert (GatewaySettings().responses_db, GatewaySettings().responses_ttl_days) == (None, 30.0)
     with pytest.raises(ValueError, match="responses_ttl_days"):
