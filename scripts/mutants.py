@@ -84,10 +84,6 @@ MUTANTS = [
     # 8-bit weights widened as unsigned: negative weights read as 128..255
     Mutant("quant-int8-read-unsigned", "quant_matmul_cpu.py",
            "_BYTES.as_pointer()), align=1), True)", "_BYTES.as_pointer()), align=1), False)", QUANT_TESTS),
-    # a many-row step's unpacked tile scales its high nibbles by the low columns' scales
-    Mutant("quant-unpacked-high-nibble-scale", "quant_matmul_cpu.py",
-           "floats[k, j + HALF] = np.float32(byte >> 4) * scales[tile, g, j + HALF]",
-           "floats[k, j + HALF] = np.float32(byte >> 4) * scales[tile, g, j]", QUANT_TESTS),
     # an embedding row's group index off by one weight
     Mutant("quant-row-group-index-shifted", "quant_matmul_cpu.py",
            "value = q * scales[tile, k // group, j]", "value = q * scales[tile, (k + 1) // group % scales.shape[1], j]",

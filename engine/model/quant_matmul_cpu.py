@@ -8,9 +8,7 @@ Layout (packed_matmul_cpu's tiles, with integers): a weight [N, K] in QuantRows 
 
 The microkernel keeps, for each of up to ROW_GROUP rows, two 16-float accumulators of the group's
 sum of x[k] * q[k] (q widened to float in registers); at each group's end it adds scale * group sum and
-min * (the group's sum of x) to the row's product, which waits in `out` (L1) between groups. A step of more
-rows than one pass serves unpacks each tile once into float32 (it stays in L2) and runs packed_matmul_cpu's
-float microkernel over it for every row group: the unpacking is the costly part of the arithmetic. So the arithmetic is float32 throughout, and the
+min * (the group's sum of x) to the row's product, which waits in `out` (L1) between groups. So the arithmetic is float32 throughout, and the
 integer products never round: the result is the dequantized weight's product to fp32 summation order.
 """
 from __future__ import annotations
@@ -28,8 +26,7 @@ from engine.model import kernel_cache  # numba's cache folder, set before any @n
 from engine.model import simd
 from engine.model.bfloat16_bits import as_float32
 from engine.model.cpu_threads import launch_lock, use_threads
-from engine.model.packed_matmul_cpu import REGISTERS, TILE, matmul, tile_product
-from engine.model.packed_matmul_cpu import ROW_GROUP as FLOAT_ROWS
+from engine.model.packed_matmul_cpu import REGISTERS, TILE, matmul
 from engine.model.quant_formats import QuantRows
 from engine.model.simd import LANES, const
 
@@ -170,63 +167,32 @@ def quant_matmul(x, data, scales, mins, group, bias, out, accumulate, threads):
     tiles = data.shape[0]
     parts = min(threads, tiles)
     has_min = mins.shape[1] > 0
-    many_rows = x.shape[0] > ROW_GROUP
-    sums = _group_sums(x, group, has_min and not many_rows)  # (the single pass reads them)
+    sums = _group_sums(x, group, has_min)
     four_bit = data.shape[2] == HALF
     for part in prange(parts):
-        scratch = np.empty((max(ROW_GROUP, FLOAT_ROWS), TILE), np.float32)
-        floats = np.empty((1, data.shape[1] if many_rows else 0, TILE), np.float32)
+        scratch = np.empty((ROW_GROUP, TILE), np.float32)
         for tile in range(part * tiles // parts, (part + 1) * tiles // parts):
             start = tile * TILE
             width = min(TILE, out.shape[1] - start)
-            if many_rows:  # unpack the tile once (it stays in L2) for all of x's row groups
-                _tile_floats(data, scales, mins, group, tile, floats[0])
-                for first in range(0, x.shape[0], FLOAT_ROWS):
-                    tile_product(x[first:first + FLOAT_ROWS], floats, 0, scratch, False)
-                    _add_out(scratch, x.shape[0] - first, bias, out, first, start, width, accumulate)
-                continue
-            # one pass: the integers widened in registers
-            if four_bit:
-                if has_min:
-                    _tile(x, data, scales, mins, sums, tile, group, scratch, 4, True)
+            for first in range(0, x.shape[0], ROW_GROUP):
+                group_x = x[first:first + ROW_GROUP]
+                group_sums = sums[first:first + ROW_GROUP]
+                if four_bit:
+                    if has_min:
+                        _tile(group_x, data, scales, mins, group_sums, tile, group, scratch, 4, True)
+                    else:
+                        _tile(group_x, data, scales, mins, group_sums, tile, group, scratch, 4, False)
+                elif has_min:
+                    _tile(group_x, data, scales, mins, group_sums, tile, group, scratch, 8, True)
                 else:
-                    _tile(x, data, scales, mins, sums, tile, group, scratch, 4, False)
-            elif has_min:
-                _tile(x, data, scales, mins, sums, tile, group, scratch, 8, True)
-            else:
-                _tile(x, data, scales, mins, sums, tile, group, scratch, 8, False)
-            _add_out(scratch, x.shape[0], bias, out, 0, start, width, accumulate)
-
-
-@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
-def _add_out(scratch, rows, bias, out, first, start, width, accumulate):
-    """out[first + m, start + j] (+)= scratch[m, j] + bias[start + j] for m < rows (at most a row group)."""
-    for m in range(min(rows, scratch.shape[0])):
-        for j in range(width):
-            value = scratch[m, j] + (bias[start + j] if len(bias) else np.float32(0.0))
-            if accumulate:
-                out[first + m, start + j] += value
-            else:
-                out[first + m, start + j] = value
-
-
-@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
-def _tile_floats(data, scales, mins, group, tile, floats):
-    """floats[k, j] = W[tile * TILE + j, k]: one tile dequantized, as packed_matmul_cpu's float tiles."""
-    has_min = mins.shape[1] > 0
-    for k in range(data.shape[1]):
-        g = k // group
-        if data.shape[2] == HALF:
-            for j in range(HALF):
-                byte = data[tile, k, j]
-                floats[k, j] = np.float32(byte & 0x0F) * scales[tile, g, j]
-                floats[k, j + HALF] = np.float32(byte >> 4) * scales[tile, g, j + HALF]
-        else:
-            for j in range(TILE):
-                floats[k, j] = np.float32(np.int8(data[tile, k, j])) * scales[tile, g, j]
-        if has_min:
-            for j in range(TILE):
-                floats[k, j] += mins[tile, g, j]
+                    _tile(group_x, data, scales, mins, group_sums, tile, group, scratch, 8, False)
+                for m in range(group_x.shape[0]):
+                    for j in range(width):
+                        value = scratch[m, j] + (bias[start + j] if len(bias) else np.float32(0.0))
+                        if accumulate:
+                            out[first + m, start + j] += value
+                        else:
+                            out[first + m, start + j] = value
 
 
 def _widen(builder: ir.IRBuilder, raw: ir.Value, signed: bool) -> ir.Value:
