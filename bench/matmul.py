@@ -4,7 +4,8 @@ A decode step multiplies its few rows by every weight once (per layer the fused 
 projections, then the lm_head): 121 matmuls for SmolLM2-135M. This times them alone, with random weights
 of the model's shapes, for each kernel the engine has had: the packed-weight microkernel
 (engine/model/packed_matmul_cpu.py, what the engine uses), oneDNN over its own packed layout (what it used
-before) and `F.linear` over the row-major weight (what prefill uses). The kernels take turns within each
+before), `F.linear` over the row-major weight (what prefill uses) and, with --quantized, the quantized
+kernel (engine/model/quant_matmul_cpu.py) over the same weights in ggml formats. The kernels take turns within each
 repeat, so that load from other processes shows in all alike; times are medians.
 """
 from __future__ import annotations
@@ -19,7 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.model import packed_matmul_cpu
+from gguf import GGMLQuantizationType as QType
+
+from engine.model import packed_matmul_cpu, quant_formats, quant_matmul_cpu
 from engine.model.bfloat16_bits import numpy_view
 from engine.model.cpu_threads import use_threads
 from engine.model.llama import head_dim
@@ -34,7 +37,8 @@ def step_shapes(config) -> list[tuple[int, int]]:
     return layer * config.num_hidden_layers + [(config.vocab_size, config.hidden_size)]
 
 
-def run(model: str = "default", rows=(1, 8, 16, 32), repeats: int = 15, dtype: str = "float32", log=print) -> dict:
+def run(model: str = "default", rows=(1, 8, 16, 32), repeats: int = 15, dtype: str = "float32", log=print,
+        quantized: tuple[str, ...] = ()) -> dict:
     torch_dtype = getattr(torch, dtype)
     shapes = step_shapes(load_config(resolve_model_path(model)))
     gen = torch.Generator().manual_seed(0)
@@ -49,6 +53,9 @@ def run(model: str = "default", rows=(1, 8, 16, 32), repeats: int = 15, dtype: s
     no_bias = np.zeros(0, np.float32)
     threads = use_threads()
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    tiles = {name: [quant_matmul_cpu.pack(quant_formats.quantize(w.float().numpy(), QType[name.upper()]))
+                    for w in weights] for name in quantized}
+    bytes_read = {f"{name} (engine)": sum(t.nbytes() for t in ts) for name, ts in tiles.items()}
     results = []
     for m in rows:
         inputs = {k: torch.randn(m, k, generator=gen).to(torch_dtype) for k in {k for _, k in shapes}}
@@ -64,6 +71,11 @@ def run(model: str = "default", rows=(1, 8, 16, 32), repeats: int = 15, dtype: s
                 F.linear(inputs[k], w)
 
         kernels = {"packed (engine)": ours, "F.linear": plain}
+        for name, weight_tiles in tiles.items():
+            def quant(weight_tiles=weight_tiles):
+                for (_, k), w, out in zip(shapes, weight_tiles, outs):
+                    quant_matmul_cpu.quant_matmul(floats[k], *w.arrays(), no_bias, out, False, threads)
+            kernels[f"{name} (engine)"] = quant
         if onednn is not None:
             def dnnl():
                 for (_, k), w in zip(shapes, onednn):
@@ -76,9 +88,11 @@ def run(model: str = "default", rows=(1, 8, 16, 32), repeats: int = 15, dtype: s
                 kernel()
                 times[name].append(time.perf_counter() - start)
         row = {"rows": m, "matmuls": len(shapes), "weight_mb": weight_bytes / 1e6, "dtype": dtype,
-               "ms": {name: statistics.median(t[1:]) * 1e3 for name, t in times.items()}}
+               "ms": {name: statistics.median(t[1:]) * 1e3 for name, t in times.items()},
+               "bytes_mb": {name: bytes_read.get(name, weight_bytes) / 1e6 for name in kernels}}
         log(f"{len(shapes)} matmuls, {m:>2} rows ({dtype}): " + ", ".join(
-            f"{name} {ms:.1f} ms ({weight_bytes / ms / 1e6:.0f} GB/s)" for name, ms in row["ms"].items()))
+            f"{name} {ms:.1f} ms ({bytes_read.get(name, weight_bytes) / ms / 1e6:.0f} GB/s)"
+            for name, ms in row["ms"].items()))
         results.append(row)
     return {"rows": results, "threads": torch.get_num_threads()}
 
@@ -89,9 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,8,16,32")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--quantized", default="", help="also the quantized kernel over the weights in these "
+                        "ggml formats, e.g. q4_1,q8_0 (quantized by the gguf library's reference quantizer)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
-    result = run(args.model, tuple(int(r) for r in args.rows.split(",")), args.repeats, args.dtype)
+    result = run(args.model, tuple(int(r) for r in args.rows.split(",")), args.repeats, args.dtype,
+                 quantized=tuple(f for f in args.quantized.split(",") if f))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
