@@ -31,10 +31,10 @@ from bench.workloads import BenchRequest, Workload
 _models: dict = {}
 
 
-def _load_model_once(path, config, dtype, device, pack: bool = True):
-    key = (str(path), dtype, str(device), pack)
+def _load_model_once(path, config, dtype, device, pack: bool = True, weights: str = "none"):
+    key = (str(path), dtype, str(device), pack, weights)
     if key not in _models:
-        _models[key] = load_model(path, config, dtype, device, pack=pack)
+        _models[key] = load_model(path, config, dtype, device, pack=pack, weights=weights)
     return _models[key]
 
 
