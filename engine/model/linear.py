@@ -20,8 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.bfloat16_bits import numpy_view
-
 if TYPE_CHECKING:
     from engine.model.quant_matmul_cpu import QuantTiles
 
@@ -80,6 +78,7 @@ class Embedding(nn.Embedding):
 def matmul_weight(linear: Linear):
     """What the compiled decode step multiplies by: the packed float tiles, or the quantized (data, scales,
     mins, group)."""
+    from engine.model.bfloat16_bits import numpy_view  # (numba: only where the compiled step runs)
     return linear.quant.arrays() if linear.quant is not None else numpy_view(linear.packed)
 
 

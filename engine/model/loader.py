@@ -113,7 +113,9 @@ def _read_state(path: Path, config: PretrainedConfig, weights: str) -> dict[str,
 def _set_quantized(model: LlamaForCausalLM, quantized: dict[str, QuantRows], tied: bool) -> None:
     """Each quantized weight as its module's tiles (its float parameter gone); a tied embedding and lm_head
     share theirs."""
-    from engine.model import quant_matmul_cpu
+    if not quantized:
+        return
+    from engine.model import quant_matmul_cpu  # (numba: only a quantized model needs it)
     for name, rows in quantized.items():
         module = model.get_submodule(name.removesuffix(".weight"))
         if not isinstance(module, (Embedding, Linear)):
