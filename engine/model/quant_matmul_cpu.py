@@ -166,33 +166,40 @@ def quant_matmul(x, data, scales, mins, group, bias, out, accumulate, threads):
     `threads` takes an equal run of tiles: one sequential stream of the weight."""
     tiles = data.shape[0]
     parts = min(threads, tiles)
-    has_min = mins.shape[1] > 0
-    sums = _group_sums(x, group, has_min)
-    four_bit = data.shape[2] == HALF
+    sums = _group_sums(x, group, mins.shape[1] > 0)
     for part in prange(parts):
         scratch = np.empty((ROW_GROUP, TILE), np.float32)
         for tile in range(part * tiles // parts, (part + 1) * tiles // parts):
-            start = tile * TILE
-            width = min(TILE, out.shape[1] - start)
             for first in range(0, x.shape[0], ROW_GROUP):
-                group_x = x[first:first + ROW_GROUP]
-                group_sums = sums[first:first + ROW_GROUP]
-                if four_bit:
-                    if has_min:
-                        _tile(group_x, data, scales, mins, group_sums, tile, group, scratch, 4, True)
-                    else:
-                        _tile(group_x, data, scales, mins, group_sums, tile, group, scratch, 4, False)
-                elif has_min:
-                    _tile(group_x, data, scales, mins, group_sums, tile, group, scratch, 8, True)
-                else:
-                    _tile(group_x, data, scales, mins, group_sums, tile, group, scratch, 8, False)
-                for m in range(group_x.shape[0]):
-                    for j in range(width):
-                        value = scratch[m, j] + (bias[start + j] if len(bias) else np.float32(0.0))
-                        if accumulate:
-                            out[first + m, start + j] += value
-                        else:
-                            out[first + m, start + j] = value
+                _tile_rows(x[first:first + ROW_GROUP], data, scales, mins, sums[first:first + ROW_GROUP], tile,
+                           group, scratch)
+                _add_out(scratch, min(ROW_GROUP, x.shape[0] - first), bias, out, first, tile * TILE, accumulate)
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+def _tile_rows(x, data, scales, mins, sums, tile, group, out):
+    """_tile with the literal bits and has_min of this weight (each pair its own compiled loop)."""
+    if data.shape[2] == HALF:
+        if mins.shape[1]:
+            _tile(x, data, scales, mins, sums, tile, group, out, 4, True)
+        else:
+            _tile(x, data, scales, mins, sums, tile, group, out, 4, False)
+    elif mins.shape[1]:
+        _tile(x, data, scales, mins, sums, tile, group, out, 8, True)
+    else:
+        _tile(x, data, scales, mins, sums, tile, group, out, 8, False)
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+def _add_out(scratch, rows, bias, out, first, start, accumulate):
+    """out[first + m, start + j] (+)= scratch[m, j] + bias[start + j] for m < rows and the columns out has."""
+    for m in range(rows):
+        for j in range(min(TILE, out.shape[1] - start)):
+            value = scratch[m, j] + (bias[start + j] if len(bias) else np.float32(0.0))
+            if accumulate:
+                out[first + m, start + j] += value
+            else:
+                out[first + m, start + j] = value
 
 
 def _widen(builder: ir.IRBuilder, raw: ir.Value, signed: bool) -> ir.Value:
