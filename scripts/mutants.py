@@ -72,8 +72,8 @@ MUTANTS = [
            "group = x[first:first + ROW_GROUP]", "group = x[first:first + ROW_GROUP - 1]", STEP_TESTS),
     # the quantized kernel drops the min * (group sum of x) term: right only where mins are zero
     Mutant("quant-min-term-dropped", "quant_matmul_cpu.py",
-           "added.append(simd.fma(builder, low[v], x_sum, total) if with_min else total)",
-           "added.append(total)", QUANT_TESTS),
+           "simd.store(builder, simd.fma(builder, low[v], x_sum, total) if with_min else total, to)",
+           "simd.store(builder, total, to)", QUANT_TESTS),
     # a group's sum of x skips its last weight
     Mutant("quant-group-sum-one-short", "quant_matmul_cpu.py",
            "sums[r, k // group] += x[r, k]", "sums[r, k // group] += x[r, k] if k % group != group - 1 else 0.0",
