@@ -41,9 +41,6 @@ LAYER_NAMES = {
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 _ROPE_TABLES = ("rope_freqs.weight",)  # llama 3's rope scaling factors: the config already carries them
-FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
-
 
 def hf_name(name: str) -> str | None:
     if name in GLOBAL_NAMES:
@@ -127,22 +124,6 @@ def read_tensors(gguf_file: Path, config: PretrainedConfig) -> dict[str, torch.T
         logger.warning("%s: %d tensors in %s, which no kernel here runs, dequantized to float32 at load (%s...)",
                        gguf_file.name, len(names), qtype_name, ", ".join(names[:3]))
     return state
-
-
-def fuse(state: dict[str, torch.Tensor | QuantRows], num_layers: int) -> None:
-    """Each layer's q/k/v and gate/up into the fused weights our decoder runs, in place: quantized parts
-    stacked as integers (quant_formats.concat), or all dequantized when any part is float."""
-    for i in range(num_layers):
-        for fused, parts in FUSED.items():
-            for kind in ("weight", "bias"):
-                names = [f"model.layers.{i}.{part}.{kind}" for part in parts]
-                if not all(name in state for name in names):
-                    continue
-                values = [state.pop(name) for name in names]
-                if all(isinstance(v, QuantRows) for v in values):
-                    state[f"model.layers.{i}.{fused}.{kind}"] = quant_formats.concat(values)
-                else:
-                    state[f"model.layers.{i}.{fused}.{kind}"] = torch.cat([as_float(v) for v in values])
 
 
 def as_float(value: torch.Tensor | QuantRows) -> torch.Tensor:

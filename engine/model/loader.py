@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig
 
 from engine.model import quant_formats
-from engine.model.gguf_loader import WEIGHTS_NAME, as_float, fuse, gguf_model_dir, is_gguf_dir, read_tensors
+from engine.model.gguf_loader import WEIGHTS_NAME, as_float, gguf_model_dir, is_gguf_dir, read_tensors
 from engine.model.linear import Embedding, Linear, can_pack, pack_linears
 from engine.model.llama import LlamaForCausalLM
 from engine.model.quant_formats import QuantRows
@@ -91,7 +91,7 @@ def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, device:
 def _read_state(path: Path, config: PretrainedConfig, weights: str) -> dict[str, torch.Tensor | QuantRows]:
     if is_gguf_dir(path):
         state = read_tensors(path / WEIGHTS_NAME, config)
-        fuse(state, config.num_hidden_layers)
+        fuse_projections(state, config.num_hidden_layers)
         return state if weights == "gguf" else {name: as_float(value) for name, value in state.items()}
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -140,11 +140,15 @@ def _no_weight_init():
             setattr(torch.nn.init, name, fn)
 
 
-def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> None:
-    """Concatenates each layer's q/k/v and gate/up weights (and biases) into the fused ones, in place."""
+def fuse_projections(state: dict[str, torch.Tensor | QuantRows], num_layers: int) -> None:
+    """Concatenates each layer's q/k/v and gate/up weights (and biases) into the fused ones, in place:
+    quantized parts stacked as integers (quant_formats.concat), or all as floats when any part is float."""
     for i in range(num_layers):
         for fused, parts in FUSED_PROJECTIONS.items():
             for kind in ("weight", "bias"):
                 names = [f"model.layers.{i}.{part}.{kind}" for part in parts]
                 if all(name in state for name in names):
-                    state[f"model.layers.{i}.{fused}.{kind}"] = torch.cat([state.pop(name) for name in names])
+                    values = [state.pop(name) for name in names]
+                    state[f"model.layers.{i}.{fused}.{kind}"] = (
+                        quant_formats.concat(values) if all(isinstance(v, QuantRows) for v in values)
+                        else torch.cat([as_float(v) for v in values]))
