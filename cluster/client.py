@@ -24,7 +24,7 @@ from cluster.replica import Report
 from engine.client import StatsPublisher
 from engine.config import EngineConfig, HashAlgo
 from engine.kv.hashing import hash_full_blocks
-from engine.messages import CacheDirectives, CacheErased, PinInfo
+from engine.messages import CacheDirectives, CacheErased, PinList
 from engine.model.loader import resolve_model_path
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams, validate_prompt
@@ -192,9 +192,11 @@ class ClusterEngine(StatsPublisher):
                     outputs.cancel()
             await asyncio.sleep(RETRY_BACKOFF_S * attempt)
 
-    async def list_pins(self, tenant: str) -> list[PinInfo]:
-        """Every live replica's pins of the tenant (a prefix is pinned where its requests ran)."""
-        return [pin for pins in await self._broadcast("list", tenant) for pin in pins]
+    async def list_pins(self, tenant: str) -> PinList:
+        """Every live replica's pins of the tenant (a prefix is pinned where its requests ran); blocks add
+        over replicas, as the metric's levels do."""
+        lists = await self._broadcast("list", tenant)
+        return PinList([pin for listed in lists for pin in listed.pins], sum(listed.num_blocks for listed in lists))
 
     async def erase_cache(self, tenant: str) -> CacheErased:
         total = CacheErased()

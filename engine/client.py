@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 
 from engine.config import EngineConfig
 from engine.messages import (AbortRequest, AddRequest, CacheCommand, CacheDirectives, CacheErased, CommandReply,
-                             EngineError, PinInfo)
+                             EngineError, PinList)
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import SchedulerStats, StepStats
@@ -74,8 +74,8 @@ class EngineClient(Protocol):
         False when the caller uses the outputs only once the request finished (a non-streamed response),
         so that an engine of several replicas may restart it elsewhere if its replica dies."""
 
-    async def list_pins(self, tenant: str) -> list[PinInfo]:
-        """The tenant's pinned prefixes (GET /v1/cache)."""
+    async def list_pins(self, tenant: str) -> PinList:
+        """The tenant's pinned prefixes and the distinct blocks they hold (GET /v1/cache)."""
 
     async def erase_cache(self, tenant: str) -> CacheErased:
         """Forgets every cached block of the tenant, pinned or not, in RAM and on disk (DELETE /v1/cache)."""
@@ -229,7 +229,7 @@ class RelayedEngineClient(StatsPublisher, ABC):
             async for output in outputs:
                 yield output
 
-    async def list_pins(self, tenant: str) -> list[PinInfo]:
+    async def list_pins(self, tenant: str) -> PinList:
         return await self._command("list", tenant)
 
     async def erase_cache(self, tenant: str) -> CacheErased:

@@ -13,7 +13,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.disk_tier import DiskTier, model_fingerprint, open_disk_tier
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_io import KVBlockIO
-from engine.messages import CacheCommand, CacheErased, PinInfo
+from engine.messages import CacheCommand, CacheErased, PinList
 from engine.model import cpu_kernels
 from engine.model.llama import LlamaForCausalLM, head_dim
 from engine.model.loader import load_config, load_model, resolve_model_path, weights_format
@@ -148,9 +148,9 @@ class EngineCore:
                 self.kv.write_behind()
             self.kv.save_pins()
 
-    def cache_command(self, command: CacheCommand) -> list[PinInfo] | CacheErased:
+    def cache_command(self, command: CacheCommand) -> PinList | CacheErased:
         if command.op == "list":
-            return self.kv.pins.list(command.tenant)
+            return PinList(self.kv.pins.list(command.tenant), self.kv.pins.tenant_blocks(command.tenant))
         if command.op == "erase":
             erased = self.kv.erase(command.tenant)
             logger.info("erased the cache of tenant %s: %d blocks, %d block files, %d pins", command.tenant,

@@ -78,7 +78,7 @@ class CommandReply:
     """What a CacheCommand returned (`result`), or the error it raised."""
 
     command_id: int
-    result: list[PinInfo] | CacheErased | None = None
+    result: PinList | CacheErased | None = None
     error: EngineError | None = None
 
 
@@ -121,6 +121,15 @@ class PinInfo:
     created_at: float  # time.time()
     expires_at: float  # time.time(); renewed by every hit
     hits: int
+
+
+@dataclass(slots=True)
+class PinList:
+    """A tenant's pins and the distinct blocks they hold (pins on one prefix share its leading blocks, which
+    count once, as in `prefixgate_tenant_pinned_blocks`)."""
+
+    pins: list[PinInfo]
+    num_blocks: int
 
 
 @dataclass(slots=True)

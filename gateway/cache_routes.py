@@ -26,9 +26,9 @@ from gateway.tools import parse_tools
 async def list_pins(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tenant = state.auth.authenticate(request)
-    pins = await run_command(state.engine, state.engine.list_pins(tenant.name))
-    return web.json_response({"object": "list", "data": [_pin(p) for p in pins],
-                              "pinned_blocks": sum(p.num_blocks for p in pins),
+    listed = await run_command(state.engine, state.engine.list_pins(tenant.name))
+    return web.json_response({"object": "list", "data": [_pin(p) for p in listed.pins],
+                              "pinned_blocks": listed.num_blocks,
                               "max_pinned_blocks": tenant.max_pinned_blocks})
 
 

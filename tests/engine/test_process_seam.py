@@ -12,7 +12,7 @@ import zmq.asyncio
 
 from engine.client import EngineCommandError, EngineDeadError
 from engine.config import EngineConfig
-from engine.messages import EngineError, StepOutputs
+from engine.messages import EngineError, PinList, StepOutputs
 from engine.process_client import ProcessClient
 from engine.sampling_params import SamplingParams
 from engine.stats import SchedulerStats, StepStats
@@ -77,7 +77,7 @@ async def test_a_cache_command_error_crosses_as_its_type_and_message(client):
         await client._command("bogus", "alice")
     assert raised.value.error == EngineError("ValueError", "unknown cache command 'bogus'")
     assert client.is_alive()  # a failed command fails its caller alone
-    assert await client.list_pins("alice") == []
+    assert await client.list_pins("alice") == PinList([], 0)
 
 
 async def test_the_reader_takes_the_engines_outbound_messages_only(client):

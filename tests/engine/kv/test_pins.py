@@ -15,7 +15,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.pins import REFUSED_POOL_QUOTA, REFUSED_TENANT_QUOTA
-from engine.messages import CacheBreakpoint, CacheCommand, CacheDirectives
+from engine.messages import CacheBreakpoint, CacheCommand, CacheDirectives, PinList
 from engine.request import Request
 from engine.sampling_params import SampledToken
 from engine.scheduler import Scheduler
@@ -274,8 +274,8 @@ def test_erasing_a_tenant_clears_its_ram_and_disk_blocks_and_spares_the_others(t
     [alice] = llm.generate(HOT + [6], greedy(), tenant="alice", cache_salt="alice")
     [bob] = llm.generate(HOT + [6], greedy(), tenant="bob", cache_salt="bob")
     assert (alice.num_cached_tokens, bob.num_cached_tokens) == (0, len(HOT))
-    assert llm.core.cache_command(CacheCommand(2, "list", "alice")) == []
-    assert len(llm.core.cache_command(CacheCommand(3, "list", "bob"))) == 1
+    assert llm.core.cache_command(CacheCommand(2, "list", "alice")) == PinList([], 0)
+    assert len(llm.core.cache_command(CacheCommand(3, "list", "bob")).pins) == 1
 
 
 def test_pins_survive_a_restart_with_their_wall_clock_expiry(tiny_llama_dir, tmp_path):
