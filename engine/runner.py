@@ -1,6 +1,7 @@
 """Turns a step's chunks into one flat batch, runs the model, and returns the logits to sample."""
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 
@@ -8,7 +9,7 @@ import numpy as np
 import torch
 
 from engine.kv.kv_cache_manager import KVCacheManager
-from engine.model.attention import AttentionMetadata, DecodeBatch, PrefillSeq, SharedPrefix
+from engine.model.attention import AttentionMetadata, BlockTableBatch, DecodeBatch, PrefillSeq, SharedPrefix
 from engine.model.linear import uniform_linears
 from engine.model.llama import LlamaForCausalLM
 from engine.request import Request
@@ -35,6 +36,11 @@ class ModelRunner:
         self.dtype = model.model.norm.weight.dtype  # the model's; the K/V pool's may differ (kv_cache_dtype)
         self.paged_kernel = False  # decode attention by the compiled paged kernel
         self.max_compiled_rows = 0  # decode-only steps of up to this many rows take the compiled step
+        # steps with a prefill chunk attend through block tables in one Triton launch (paged_prefill_cuda.py)
+        self.prefill_kernel = False
+        if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+            from engine.model import paged_prefill_cuda
+            self.prefill_kernel = paged_prefill_cuda.supports(head_dim)
         # final hidden states of the sampled rows of the last step that had a pooling request (else stale)
         self.hidden: torch.Tensor | None = None
         if compiled_kernels and device.type == "cpu":
@@ -55,6 +61,7 @@ class ModelRunner:
         decodes: list[tuple[int, list[int], int]] = []  # (position in the batch, block ids, context length)
         logits_idx: list[int] = []
         sampled: list[ScheduledChunk] = []
+        rows: list[tuple[int, list[int], int]] = []  # (queries, block ids, context end) of every chunk
         for chunk in chunks:
             request = chunk.request
             start, end = request.num_computed_tokens, request.num_computed_tokens + chunk.num_tokens
@@ -64,26 +71,32 @@ class ModelRunner:
             positions += range(start, end)
             bs = self.block_size
             slot_mapping += [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+            rows.append((chunk.num_tokens, block_ids, end))
             if _is_decode(request, start, end):
                 decodes.append((q_start, block_ids, end))
-            else:
+            elif not self.prefill_kernel:  # (the kernel reads block tables: no slot lists or masks to build)
                 prefills.append(PrefillSeq(q_start, chunk.num_tokens, self._slots(block_ids, 0, end),
                                            _chunk_mask(start, end, self.device)))
             if end == request.num_tokens:
                 logits_idx.append(len(input_ids) - 1)
                 sampled.append(chunk)
-        if (self.compiled_decode is not None and not prefills
+        decode_only = len(decodes) == len(chunks)
+        if (self.compiled_decode is not None and decode_only
                 and len(decodes) <= self.max_compiled_rows):  # every row a decode, in order
             batch = self._decode_batch(decodes)
             logits = self.compiled_decode(self._tensor(input_ids), self._tensor(positions), self.kv_slots,
                                           self._tensor(slot_mapping), batch.slots, batch.lengths,
                                           self._tensor(logits_idx), batch.shared)
             return logits, sampled
-        if self.graph_decode is not None and not prefills and len(decodes) <= self.graph_decode.max_rows:
+        if self.graph_decode is not None and decode_only and len(decodes) <= self.graph_decode.max_rows:
             logits = self.graph_decode(input_ids, positions, slot_mapping, [ids for _, ids, _ in decodes],
                                        [end for _, _, end in decodes])
             return logits, sampled
-        meta = AttentionMetadata(self._tensor(slot_mapping), prefills, self._decode_batch(decodes))
+        if self.prefill_kernel and not decode_only:
+            meta = AttentionMetadata(self._tensor(slot_mapping), [], None,
+                                     BlockTableBatch.build(rows, self.block_size, self.device))
+        else:
+            meta = AttentionMetadata(self._tensor(slot_mapping), prefills, self._decode_batch(decodes))
         if any(c.request.params.pooling for c in sampled):  # an embedding request's prompt ends in this step
             logits, self.hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_slots, meta,
                                              self._tensor(logits_idx), return_hidden=True)
@@ -135,6 +148,10 @@ class ModelRunner:
         decode = DecodeBatch(self._tensor([p]), decode_slots[None, :], self._tensor([c]), None, [], self.paged_kernel)
         slot_mapping = torch.cat([torch.arange(p, device=self.device), decode_slots[-1:]])
         meta = AttentionMetadata(slot_mapping, prefills, decode)
+        if self.prefill_kernel and p:  # the path such a step takes: scratch slots from 0 are blocks from 0
+            scratch = [(p, list(range(-(-p // self.block_size))), p), (1, list(range(-(-c // self.block_size))), c)]
+            meta = AttentionMetadata(slot_mapping, [], None, BlockTableBatch.build(scratch, self.block_size,
+                                                                                   self.device))
         self.model(torch.zeros(p + 1, dtype=torch.long, device=self.device),
                    torch.cat([torch.arange(p, device=self.device), decode_slots[-1:]]), self.kv_slots, meta,
                    self._tensor([p]))

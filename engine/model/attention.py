@@ -55,12 +55,37 @@ class BlockTableDecode:
 
 
 @dataclass(slots=True)
+class BlockTableBatch:
+    """Every row of a step with a prefill chunk (its chunks and decodes alike), read through block tables by one
+    kernel launch (paged_prefill_cuda.py): no gather of the context, no score matrix. Rows are contiguous in the
+    flat batch and in its order; a row's chunk ends its context, so it starts at context_len - its queries."""
+
+    block_tables: torch.Tensor  # [R, max_blocks] int32 block ids, row by row (unused tail: 0)
+    query_starts: torch.Tensor  # [R + 1] int32: row r's queries are [query_starts[r], query_starts[r + 1])
+    context_lens: torch.Tensor  # [R] int32, each row's tokens up to its chunk's end
+    block_size: int
+
+    @classmethod
+    def build(cls, rows: list[tuple[int, list[int], int]], block_size: int,
+              device: torch.device) -> BlockTableBatch:
+        """rows: (queries, block ids, context end) of every chunk, in batch order."""
+        needed = [-(-end // block_size) for _, _, end in rows]
+        tables = torch.zeros(len(rows), max(needed), dtype=torch.int32)
+        for row, ((_, block_ids, _), n) in enumerate(zip(rows, needed)):
+            tables[row, :n] = torch.tensor(block_ids[:n], dtype=torch.int32)
+        starts = torch.tensor([0] + [queries for queries, _, _ in rows]).cumsum(0).to(torch.int32)
+        ends = torch.tensor([end for _, _, end in rows], dtype=torch.int32)
+        return cls(tables.to(device), starts.to(device), ends.to(device), block_size)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Built once per step by the runner, shared by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] slot of each new token
     prefills: list[PrefillSeq]
     decodes: DecodeBatch | BlockTableDecode | None
+    block_table_batch: BlockTableBatch | None = None  # set (prefills, decodes empty): the step in one kernel
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -70,6 +95,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     K/V (kv_cache_dtype): K/V are stored in theirs and read back in q's. Returns [T, H, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    if (batch := meta.block_table_batch) is not None:
+        from engine.model import paged_prefill_cuda  # (Triton: imported only where a CUDA step runs)
+        return paged_prefill_cuda.paged_prefill(q, k_cache, v_cache, batch.block_tables, batch.query_starts,
+                                                batch.context_lens, scale, batch.block_size)
     if not meta.prefills and meta.decodes is not None:  # a decode-only step: every row is a decode, in order
         return _decode_attention(q, k_cache, v_cache, meta.decodes, scale)
     out = torch.empty_like(q)

@@ -1,0 +1,131 @@
+"""Paged attention for CUDA steps with a prefill chunk, in Triton: every row of the step in one launch, K/V read
+where they sit in the block pool through each row's block table (no gather copy, no score matrix in memory).
+
+FlashAttention-2's tiling over a varlen batch (the design of vLLM's triton_unified_attention): a row is one
+request's queries in the step, a prefill chunk or a decode's one token, its queries contiguous in the flat
+batch; the chunk's first query sits at context position context_len - queries, mid-block after a cache hit.
+A program takes one tile of a row's queries for one kv head, every query head of that kv head's group stacked
+as the rows of its dots (GQA: each K/V tile is loaded once for the group), and walks the row's key tiles
+through the block table up to the tile's last query, causal within the chunk, with an online softmax in
+float32. The programs are numbered over all rows' tiles from the row offsets alone, so the launch needs no
+host sync: a program finds its row by binary search and exits if it falls past its row's queries.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # scores are scaled by log2(e) once so that the softmax runs on exp2
+
+
+def supports(head_dim: int) -> bool:
+    """Triton's block shapes are powers of two: the head size must be one (64 and 128 are)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def tile_shapes(device: torch.device, group: int) -> tuple[int, int]:
+    """(rows of a program's dots, keys scored at once). A GPU wants large tiles for its tensor cores; Triton's
+    interpreter (CPU tensors, the tests) gets small ones, so tiny test contexts cross several query and key tiles."""
+    rows, keys = (64, 64) if device.type == "cuda" else (16, 16)
+    return max(rows, triton.next_power_of_2(group)), keys
+
+
+@triton.jit
+def _find_row(query_starts_ptr, tile, num_rows, TILE_Q: tl.constexpr):
+    """The row whose tiles hold global tile `tile`: row r's tiles are numbered from query_starts[r] // TILE_Q + r,
+    enough for its cdiv(queries, TILE_Q) tiles whatever its start's alignment."""
+    low: tl.int32 = 0  # (typed: a loop-carried variable keeps one type, whatever num_rows specialises to)
+    high: tl.int32 = num_rows
+    while low < high:  # the last row whose first tile number is <= tile
+        mid = (low + high) // 2
+        if tl.load(query_starts_ptr + mid) // TILE_Q + mid <= tile:
+            low = mid + 1
+        else:
+            high = mid
+    return low - 1
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_starts_ptr, context_lens_ptr,
+                    qk_scale, num_rows, stride_q_token, stride_q_head, stride_out_token, stride_out_head,
+                    stride_kv_slot, stride_kv_head, stride_bt_row,
+                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    TILE_M: tl.constexpr, TILE_Q: tl.constexpr, TILE_N: tl.constexpr, HALF_DOTS: tl.constexpr):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    row = _find_row(query_starts_ptr, tile, num_rows, TILE_Q)
+    first_query = tl.load(query_starts_ptr + row)
+    num_queries = tl.load(query_starts_ptr + row + 1) - first_query
+    tile_start = (tile - (first_query // TILE_Q + row)) * TILE_Q  # within the row's queries
+    if tile_start < num_queries:
+        context = tl.load(context_lens_ptr + row)
+        m = tl.arange(0, TILE_M)
+        query = tile_start + m // GROUP  # the dot's row m: query m // GROUP of the tile, head m % GROUP of the group
+        head = kv_head * GROUP + m % GROUP
+        live = (m // GROUP < TILE_Q) & (query < num_queries)  # TILE_M may hold more rows than TILE_Q * GROUP
+        position = context - num_queries + query  # the query's place in its context: it sees keys <= position
+        dims = tl.arange(0, HEAD_DIM)
+        tokens = (first_query + query).to(tl.int64)
+        q = tl.load(q_ptr + tokens[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+                    mask=live[:, None], other=0.0)
+        if not HALF_DOTS:
+            q = q.to(tl.float32)
+        best = tl.full([TILE_M], float("-inf"), tl.float32)
+        total = tl.zeros([TILE_M], tl.float32)
+        acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
+        # keys up to the tile's last query; key 0 is seen by every row, so no row's maximum stays -inf
+        end = context - num_queries + tl.minimum(tile_start + TILE_Q, num_queries)
+        table = block_tables_ptr + row.to(tl.int64) * stride_bt_row
+        for key_start in range(0, end, TILE_N):
+            keys_at = key_start + tl.arange(0, TILE_N)
+            in_context = keys_at < end
+            blocks = tl.load(table + keys_at // BLOCK_SIZE, mask=in_context, other=0)
+            slots = blocks.to(tl.int64) * BLOCK_SIZE + keys_at % BLOCK_SIZE
+            kv_offsets = slots[:, None] * stride_kv_slot + kv_head * stride_kv_head + dims[None, :]
+            keys = tl.load(k_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
+            if HALF_DOTS:  # tensor cores on 16-bit operands, float32 sums (as FlashAttention)
+                scores = tl.dot(q, tl.trans(keys))
+            else:  # explicit IEEE: Triton's default float32 dot is TF32 (1e-3 off)
+                scores = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee")
+            seen = in_context[None, :] & (keys_at[None, :] <= position[:, None])
+            scores = tl.where(seen, scores * qk_scale, float("-inf"))
+            new_best = tl.maximum(best, tl.max(scores, axis=1))
+            weights = tl.exp2(scores - new_best[:, None])
+            rescale = tl.exp2(best - new_best)
+            values = tl.load(v_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
+            if HALF_DOTS:  # the weights rounded to the values' dtype for the dot, as FlashAttention does
+                acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
+            else:
+                acc = acc * rescale[:, None] + tl.dot(weights, values.to(tl.float32), input_precision="ieee")
+            total = total * rescale + tl.sum(weights, axis=1)
+            best = new_best
+        out = acc / total[:, None]
+        tl.store(out_ptr + tokens[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  query_starts: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                  block_size: int) -> torch.Tensor:
+    """q: [T, H, D], the flat batch; caches: [num_slots, KVH, D] (the slots of the block pool, any float dtype);
+    block_tables: [R, max_blocks] int32; query_starts: [R + 1] int32, row r's queries are
+    q[query_starts[r]:query_starts[r + 1]]; context_lens: [R] int32, row r's tokens up to its last query.
+    Returns [T, H, D] in q's dtype. No host sync."""
+    tokens, num_heads, dim = q.shape
+    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
+    kv_heads = k_cache.shape[1]
+    group = num_heads // kv_heads
+    tile_m, tile_n = tile_shapes(q.device, group)
+    tile_q = tile_m // group
+    rows = context_lens.shape[0]
+    out = torch.empty_like(q)
+    # (on CPU tensors the kernel runs in Triton's interpreter, the tests' way, whose 16-bit dots are wrong)
+    half_dots = q.is_cuda and q.dtype == k_cache.dtype and q.element_size() == 2
+    # every row's tiles fit in tokens // tile_q + rows numbers (see _find_row); the surplus programs exit at once
+    _prefill_kernel[(tokens // tile_q + rows, kv_heads)](
+        q, k_cache, v_cache, out, block_tables, query_starts, context_lens, scale * LOG2E, rows,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        block_tables.stride(0), BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=dim, TILE_M=tile_m, TILE_Q=tile_q,
+        TILE_N=tile_n, HALF_DOTS=half_dots)
+    return out

@@ -1,0 +1,173 @@
+"""The Triton paged prefill kernel (CUDA steps with a prefill chunk) against gathered K/V, an explicit causal mask
+and a softmax in float64, on CUDA where there is one and through Triton's interpreter on CPU (conftest sets
+TRITON_INTERPRET there): varlen rows (prefill chunks and decodes in one launch), chunks that start mid-block after
+a cache hit, GQA, planted score spikes; then the hook in paged_attention and whole engine steps through it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.model.attention import AttentionMetadata, BlockTableBatch, DecodeBatch, PrefillSeq, paged_attention
+from tests.support.machine import KERNEL_DEVICE as DEVICE, triton_module
+
+pytestmark = pytest.mark.slow  # off CUDA, Triton's interpreter runs each kernel in Python
+
+paged_prefill_cuda = triton_module("paged_prefill_cuda")
+
+
+def _reference(q, k_cache, v_cache, block_tables, query_starts, context_lens, scale, block_size):
+    """Each row's context gathered through its block table; query i of a row of n queries over c tokens sees
+    positions <= c - n + i; softmax in float64."""
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    group = q.shape[1] // k_cache.shape[1]
+    for row, length in enumerate(context_lens.tolist()):
+        first, last = query_starts[row].item(), query_starts[row + 1].item()
+        positions = torch.arange(length, device=q.device)
+        slots = block_tables[row, positions // block_size].long() * block_size + positions % block_size
+        keys = k_cache[slots].double().transpose(0, 1).repeat_interleave(group, 0)  # [H, c, D]
+        values = v_cache[slots].double().transpose(0, 1).repeat_interleave(group, 0)
+        query_positions = torch.arange(length - (last - first), length, device=q.device)
+        seen = positions[None, :] <= query_positions[:, None]  # [n, c]
+        scores = torch.einsum("nhd,hcd->hnc", q[first:last].double(), keys) * scale
+        weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        out[first:last] = torch.einsum("hnc,hcd->nhd", weights, values)
+    return out
+
+
+def _case(heads, kv_heads, dim, block_size, rows, cache_dtype=torch.float32, seed=0):
+    """rows: (queries, context length) per row. Scattered blocks, never shared, a table wider than any row needs
+    (unused tail columns point nowhere, as in a real table)."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-context // block_size) for _, context in rows]
+    num_blocks = sum(needed) + 4
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    order = torch.randperm(num_blocks, generator=gen)
+    width = max(needed) + 2
+    tables = [torch.cat([order[sum(needed[:r]):sum(needed[:r + 1])], torch.full((width - n,), 10**6)])
+              for r, n in enumerate(needed)]
+    block_tables = torch.stack(tables).int()
+    query_starts = torch.tensor([0] + [n for n, _ in rows]).cumsum(0).int()
+    q = torch.randn(int(query_starts[-1]), heads, dim, generator=gen)
+    context_lens = torch.tensor([c for _, c in rows], dtype=torch.int32)
+    return [t.to(DEVICE) for t in (q, k_cache, v_cache, block_tables, query_starts, context_lens)]
+
+
+def _run(case, scale, block_size):
+    out = paged_prefill_cuda.paged_prefill(*case, scale, block_size)
+    return out, _reference(*case, scale, block_size)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size,rows", [
+    # groups of 3 (SmolLM2's): a chunk of 11 after a 26-token cache hit (mid-block), decodes of 50 and 3 tokens,
+    # a whole 20-token prompt from position 0 (several query tiles)
+    (6, 2, 64, 8, [(11, 37), (1, 50), (20, 20), (1, 3)]),
+    (4, 4, 64, 16, [(40, 40), (1, 17), (7, 30)]),  # no GQA; blocks the size of the interpreter's key tile
+    (3, 1, 128, 4, [(1, 9), (5, 21), (1, 1)]),  # head size 128, blocks smaller than a key tile, a 1-token context
+    (2, 2, 64, 32, [(17, 70), (1, 33)]),  # blocks larger than a key tile
+])
+def test_kernel_matches_reference(heads, kv_heads, dim, block_size, rows):
+    case = _case(heads, kv_heads, dim, block_size, rows)
+    out, expected = _run(case, dim ** -0.5, block_size)
+    assert out.dtype == case[0].dtype and out.shape == case[0].shape
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_planted_score_spikes_rescale_the_running_softmax():
+    """Keys whose dot products with the row's queries dwarf the rest: a first spike early in the context, a far
+    larger one in a later key tile. Queries that see the second must drop what they summed under the first
+    maximum (weights e^-80 smaller); queries before it keep the first."""
+    heads, kv_heads, dim, block_size = 6, 2, 64, 8
+    rows = [(11, 37), (1, 50), (20, 20)]
+    q, k_cache, v_cache, block_tables, query_starts, context_lens = _case(heads, kv_heads, dim, block_size, rows,
+                                                                          seed=1)
+    direction = torch.randn(dim, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    direction *= dim ** 0.5 / direction.norm()  # |direction|^2 = dim
+    q += 2 * direction  # every query leans towards the spikes
+    for row, (early, late) in enumerate([(2, 20), (5, 44), (1, 17)]):  # in different key tiles of the interpreter's
+        for position, height in ((early, 5), (late, 10)):  # scores of about 80 and 160 at the scale below
+            slot = block_tables[row, position // block_size].long() * block_size + position % block_size
+            k_cache[slot] = height * direction
+    out, expected = _run((q, k_cache, v_cache, block_tables, query_starts, context_lens), dim ** -0.5, block_size)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    # the spikes decide: the chunk's queries (context positions 26-36) see both and read the later one's value;
+    # the whole prompt's queries at positions 1-16 see only the first spike, those from 17 the second
+    def value_at(row, position):
+        slot = block_tables[row, position // block_size].long() * block_size + position % block_size
+        return v_cache[slot].double().repeat_interleave(heads // kv_heads, 0)  # [heads, dim]
+
+    prompt = out[12:32].double()
+    torch.testing.assert_close(out[:11].double(), value_at(0, 20).expand(11, -1, -1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(prompt[1:17], value_at(2, 1).expand(16, -1, -1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(prompt[17:], value_at(2, 17).expand(3, -1, -1), rtol=1e-4, atol=1e-4)
+
+
+def test_a_bf16_cache_for_fp32_queries():
+    case = _case(6, 2, 64, 16, [(9, 40), (1, 33)], torch.bfloat16, seed=3)
+    out, expected = _run(case, 0.125, 16)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_queries_over_a_bf16_cache():
+    """A bf16 model: 16-bit dots with float32 sums on CUDA, within bf16's rounding of the exact result (in the
+    interpreter the kernel keeps float32 dots: its 16-bit dots are wrong)."""
+    q, *rest = _case(6, 2, 64, 16, [(9, 40), (1, 33)], torch.bfloat16, seed=4)
+    out, expected = _run((q.to(torch.bfloat16), *rest), 0.125, 16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, rtol=3e-2, atol=3e-2)
+
+
+def test_supports_power_of_two_head_sizes_only():
+    assert [d for d in (16, 64, 80, 96, 128, 256) if paged_prefill_cuda.supports(d)] == [16, 64, 128, 256]
+
+
+def test_paged_attention_through_block_tables_equals_the_gather_path():
+    """One mixed step through paged_attention's hook (BlockTableBatch.build from the runner's rows) and through the
+    gather path (slot lists, a causal mask, a decode batch): the same outputs, the same K/V written."""
+    heads, kv_heads, dim, block_size = 6, 2, 64, 4
+    gen = torch.Generator().manual_seed(5)
+    kv = torch.randn(2, 40 * block_size, kv_heads, dim, generator=gen).to(DEVICE)
+    # a chunk of 6 tokens after a 9-token cache hit, then a decode at context 14
+    tables, chunk = [[7, 3, 12, 30], [20, 1, 2, 9]], (9, 15)
+    slots = [[t[p // block_size] * block_size + p % block_size for p in range(n)] for t, n in zip(tables, (15, 14))]
+    new_slots = torch.tensor(slots[0][9:] + slots[1][-1:], device=DEVICE)
+    q, k, v = (torch.randn(7, h, dim, generator=gen).to(DEVICE) for h in (heads, kv_heads, kv_heads))
+    positions = torch.arange(*chunk, device=DEVICE)
+    mask = torch.arange(15, device=DEVICE)[None, :] <= positions[:, None]
+    gathered = AttentionMetadata(new_slots, [PrefillSeq(0, 6, torch.tensor(slots[0], device=DEVICE), mask)],
+                                 DecodeBatch(torch.tensor([6], device=DEVICE), torch.tensor([slots[1]], device=DEVICE),
+                                             torch.tensor([14], device=DEVICE), None, []))
+    batch = BlockTableBatch.build([(6, tables[0], 15), (1, tables[1], 14)], block_size, DEVICE)
+    by_tables = AttentionMetadata(new_slots, [], None, batch)
+    kv_gathered, kv_by_tables = kv.clone(), kv.clone()
+    expected = paged_attention(q, k, v, kv_gathered[0], kv_gathered[1], gathered, dim ** -0.5)
+    out = paged_attention(q, k, v, kv_by_tables[0], kv_by_tables[1], by_tables, dim ** -0.5)
+    assert batch.block_tables.tolist() == [[7, 3, 12, 30], [20, 1, 2, 9]]
+    assert batch.query_starts.tolist() == [0, 6, 7] and batch.context_lens.tolist() == [15, 14]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv_by_tables, kv_gathered)
+
+
+def test_engine_steps_through_the_kernel_give_the_gather_paths_answers(tiny_llama_dir, monkeypatch):
+    """The runner's mixed steps (chunks of 6 tokens, so chunks start mid-block, decodes beside them, a second
+    wave of prompts hitting the first's cached blocks) through the kernel: the same greedy tokens and logprobs as
+    the gather path (on CPU the kernel is switched on by hand; CUDA turns it on by itself)."""
+    calls = []
+    kernel = paged_prefill_cuda.paged_prefill
+    monkeypatch.setattr(paged_prefill_cuda, "paged_prefill", lambda *args: calls.append(1) or kernel(*args))
+    prompts = [list(range(3, 20)), list(range(60, 71))]
+    # hits of 16 and 8 tokens; the first one's rest, 10 tokens, comes in chunks from 16 and from 22 (mid-block)
+    second_wave = [prompts[0] + list(range(30, 39)), prompts[1][:9] + [50]]
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=0, ignore_eos=True)
+    results = []
+    for use_kernel in (False, True):
+        llm = LLM(str(tiny_llama_dir), device=DEVICE.type, dtype="float32", block_size=4, num_kv_blocks=64,
+                  cpu_kernels="eager", max_num_seqs=4, max_num_batched_tokens=6, enforce_eager=True)
+        llm.core.runner.prefill_kernel = use_kernel
+        results.append(llm.generate(prompts, params) + llm.generate(second_wave, params))
+    gather, kernel_path = results
+    assert calls and [r.num_cached_tokens for r in kernel_path] == [0, 0, 16, 8]
+    assert [r.token_ids for r in kernel_path] == [r.token_ids for r in gather]
+    for ours, theirs in zip(kernel_path, gather):
+        assert [t.logprob for t in ours.logprobs] == pytest.approx([t.logprob for t in theirs.logprobs], abs=1e-4)
