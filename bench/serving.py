@@ -76,16 +76,27 @@ def in_process(model: str, tokens: int, turns: int, think_s: float) -> dict:
             "multiturn_paused": multiturn.workload(core.tokenizer, turns, seed=PAUSED_SEED, think_s=think_s)}
     rows = {name: multiturn.summarize(run_engine(core, w, "engine")) for name, w in work.items()}
     return {"decode_step_p50_ms": statistics.median(steps[1:]) * 1e3, **rows, "workload": work,
-            "weight_mb": weight_bytes(core.model) / MB,
+            "weight_mb": weight_bytes(core.model) / MB, "file_mb": checkpoint_bytes(core.config.model) / MB,
             "kv_pool_mb": core.runner.kv_slots.numel() * core.runner.kv_slots.element_size() / MB,
             "threads": (core.thread_budget.threads, core.thread_budget.threads_batch) if core.thread_budget else None}
 
 
 def weight_bytes(model) -> int:
-    """The model's weights, each counted once: parameters, and the packed tiles that replaced row-major ones."""
+    """The model's weights, each counted once: parameters, the packed tiles that replaced row-major ones and the
+    quantized tiles."""
     tensors = {t.data_ptr(): t for t in model.parameters()}
-    tensors.update({m.packed.data_ptr(): m.packed for m in model.modules() if getattr(m, "packed", None) is not None})
+    for m in model.modules():
+        if getattr(m, "packed", None) is not None:
+            tensors[m.packed.data_ptr()] = m.packed
+        if getattr(m, "quant", None) is not None:
+            tensors.update({t.data_ptr(): t for t in (m.quant.data, m.quant.scales, m.quant.mins)})
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def checkpoint_bytes(model_path: str) -> int:
+    """Bytes of the weight files the model was loaded from (a GGUF file, or safetensors shards)."""
+    files = [p for pattern in ("*.gguf", "*.safetensors") for p in Path(model_path).glob(pattern)]
+    return sum(p.resolve().stat().st_size for p in files)
 
 
 # ---- through HTTP
@@ -187,17 +198,21 @@ def targets(result: dict) -> list[tuple[str, str, bool | None]]:
     ttft = m_http["ttft_p50_s"] / m_in["ttft_p50_s"]
     add("4 chats (paused): TTFT p50 <= 1.2x in process", ttft, 1.2,
         f"{m_http['ttft_p50_s']:.3f} / {m_in['ttft_p50_s']:.3f} s = {ttft:.2f}x")
-    budget = inproc["weight_mb"] + inproc["kv_pool_mb"] + 600
-    add("PSS at idle <= weights + KV pool + 600 MB", serve["pss_idle_total_mb"], budget,
+    budget = inproc["file_mb"] + inproc["kv_pool_mb"] + 500
+    add("PSS at idle <= weight file + KV pool + 500 MB", serve["pss_idle_total_mb"], budget,
         f"{serve['pss_idle_total_mb']:.0f} MB (budget {budget:.0f} MB)")
-    if peer:
+    if peer:  # issue 42's bar: the same file, served side by side
         r = serve["one_stream_itl_p50_ms"] / peer["one_stream_itl_p50_ms"]
-        add("one stream: ITL p50 <= 1.0x llama.cpp", r, 1.0,
+        add("one stream: ITL p50 <= 0.8x llama.cpp", r, 0.8,
             f"{serve['one_stream_itl_p50_ms']:.1f} / {peer['one_stream_itl_p50_ms']:.1f} ms = {r:.2f}x")
         closed = serve["multiturn"]
         tok = closed["output_tok_s"] / peer["multiturn"]["output_tok_s"]
-        add("4 chats (closed loop): output tok/s >= 1.2x llama.cpp", tok, 1.2,
+        add("4 chats (closed loop): output tok/s >= 2x llama.cpp", tok, 2.0,
             f"{closed['output_tok_s']:.1f} / {peer['multiturn']['output_tok_s']:.1f} = {tok:.2f}x", above=True)
+        paused = serve["multiturn_paused"]["ttft_p50_s"] / peer["multiturn_paused"]["ttft_p50_s"]
+        add("4 chats (paused): TTFT p50 <= 0.8x llama.cpp", paused, 0.8,
+            f"{serve['multiturn_paused']['ttft_p50_s']:.3f} / {peer['multiturn_paused']['ttft_p50_s']:.3f} s "
+            f"= {paused:.2f}x")
     return out
 
 
