@@ -5,12 +5,13 @@ prefixgate serves a tiny random-weight model (bench.tiny_models, with a tools ch
 recording proxy; each client flow runs against the proxy, which keeps every request (method, path, headers,
 JSON body) and the server's answer (a JSON body, or the SSE events of a stream). Each fixture names the client
 and its version, what the client parsed, and per exchange the answer fields that client reads (lists taken from
-its source) which our answer carried: the replay checks that they are still there, of the same JSON type. Open WebUI is not recorded here: its fixtures are built by hand from its source.
+its source) which our answer carried: the replay checks that they are still there, of the same JSON type.
+Open WebUI is not recorded here: its fixtures are built by hand from its source.
 
     .venv/bin/python scripts/record_client_traffic.py [--llm PATH_TO_LLM_CLI] [--only FLOW ...]
 
-The `llm` CLI pins its own openai version, so it lives in a venv of its own (python -m venv /tmp/llm-venv &&
-/tmp/llm-venv/bin/pip install llm==0.36); a flow whose client is missing stops the script.
+The `llm` CLI is no dependency of the project: it runs from a venv of its own (python -m venv /tmp/llm-venv &&
+/tmp/llm-venv/bin/pip install llm==0.36). A flow whose client is missing stops the script.
 """
 from __future__ import annotations
 

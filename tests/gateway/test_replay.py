@@ -52,6 +52,7 @@ def test_every_fixture_names_its_client_version_and_source():
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_replay(name, server, http):
     fixture = FIXTURES[name]
+    earlier: tuple[list, int] | None = None  # the last chat turn's messages and prompt tokens
     for exchange in fixture["exchanges"]:
         sent = exchange["request"]
         body = dict(sent["body"] or {})
@@ -68,13 +69,26 @@ def test_replay(name, server, http):
             if "events" in recorded:
                 assert stream_shape(events) == stream_shape(recorded["events"])
             check_stream(body, events)
+            usage = next((e["data"].get("usage") for e in reversed(events) if e["data"] != "[DONE]"), None)
         else:
             answer = resp.json()
             for path, kind in exchange["reads"].items():
                 found, value = lookup(answer, path)
                 assert found and json_type(value) == kind, (path, value)
             check_answer(sent["path"], body, answer, server.state.model_name)
+            usage = answer.get("usage")
+        if "messages" in body and usage and "prompt_tokens" in usage:
+            check_next_turn_hits_the_cache(earlier, body["messages"], usage)
+            earlier = body["messages"], usage["prompt_tokens"]
     server.wait_idle()
+
+
+def check_next_turn_hits_the_cache(earlier: tuple[list, int] | None, messages: list, usage: dict) -> None:
+    """A turn that resends the previous turn's messages (a conversation, a tool's round trip) finds that turn's
+    prompt in the prefix cache: all its full blocks but the last one, where the answer's first tokens may merge
+    differently."""
+    if earlier is not None and messages[:len(earlier[0])] == earlier[0]:
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= (earlier[1] - 1) // 16 * 16 - 16
 
 
 def assert_stream_reads(events: list[dict], reads: dict[str, dict[str, list[str]]]) -> None:
