@@ -1,4 +1,5 @@
-"""Mutation testing of the CPU kernels: each mutant is a one-place edit of a kernel source, a bug the kernel
+"""Mutation testing of the kernels (the CPU ones, and the Triton prefill kernel as its tests run it, through
+Triton's interpreter where there is no GPU): each mutant is a one-place edit of a kernel source, a bug the kernel
 tests must catch. Per mutant the edit is applied, the tests run in a subprocess (`pytest -x -q`) with numba's
 cache in a fresh temporary folder (the kernels compile from the mutated source, and the user's cache never holds
 a mutant), and the file is put back whatever happens, Ctrl-C included. Prints each mutant: caught (by which
@@ -25,6 +26,7 @@ KERNELS = REPO / "engine" / "model"
 ATTENTION_TESTS = ("tests/engine/model/test_attention.py", "tests/engine/model/test_decode_step_cpu.py")
 STEP_TESTS = ("tests/engine/model/test_decode_step_cpu.py",)
 QUANT_TESTS = ("tests/engine/model/test_quant_matmul.py",)
+PREFILL_TESTS = ("tests/engine/model/test_paged_prefill_cuda.py",)
 TIMEOUT_S = 1800
 
 
@@ -88,6 +90,13 @@ MUTANTS = [
     Mutant("quant-row-group-index-shifted", "quant_matmul_cpu.py",
            "value = q * scales[tile, k // group, j]", "value = q * scales[tile, (k + 1) // group % scales.shape[1], j]",
            QUANT_TESTS),
+    # the prefill kernel's running sum of weighted values is not rescaled when a later key tile raises the maximum
+    Mutant("prefill-values-not-rescaled", "paged_prefill_cuda.py",
+           "acc = acc * rescale[:, None] + tl.dot(weights, values.to(tl.float32), input_precision=\"ieee\")",
+           "acc = acc + tl.dot(weights, values.to(tl.float32), input_precision=\"ieee\")", PREFILL_TESTS),
+    # a chunk's queries placed one position late in their context: each sees the key after its own
+    Mutant("prefill-query-position-one-late", "paged_prefill_cuda.py",
+           "position = context - num_queries + query", "position = context - num_queries + query + 1", PREFILL_TESTS),
 ]
 
 

@@ -66,6 +66,7 @@ def _run(case, scale, block_size):
     (4, 4, 64, 16, [(40, 40), (1, 17), (7, 30)]),  # no GQA; blocks the size of the interpreter's key tile
     (3, 1, 128, 4, [(1, 9), (5, 21), (1, 1)]),  # head size 128, blocks smaller than a key tile, a 1-token context
     (2, 2, 64, 32, [(17, 70), (1, 33)]),  # blocks larger than a key tile
+    (2, 2, 128, 16, [(1, 30), (20, 45)]),  # head size 128 without GQA: a chunk after a 25-token hit, a decode first
 ])
 def test_kernel_matches_reference(heads, kv_heads, dim, block_size, rows):
     case = _case(heads, kv_heads, dim, block_size, rows)
