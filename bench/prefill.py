@@ -1,0 +1,106 @@
+"""Prefill throughput and cached TTFT of one long prompt: `python -m bench.prefill --device cuda`.
+
+Each prompt (random token ids, a different one per repeat) is sent alone with max_tokens=1 to a fresh engine
+whose token budget holds it in one step, so its TTFT is one prefill step: throughput is that step's FLOPs (two
+per weight of the linear layers per token, the logits of the last token only, and causal attention's
+2 * 2 * layers * heads * head_dim * tokens^2 / 2) over its time. Then the same prompt again: every full block is
+a cache hit, so its TTFT is the step of the last block's tokens. With --gather-too the uncached prompts run once
+more with the prefill kernel switched off (the gather path), in the same process. Times are medians; the first
+prompt of a kind is a warm-up (kernel compilation) and not counted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from engine import LLM, SamplingParams
+
+# dense bf16 tensor-core peaks from NVIDIA's datasheets, by the device name torch reports
+PEAK_BF16_TFLOPS = {"H100 80GB HBM3": 989.4, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H200": 989.4,
+                    "A100": 312.0}
+
+
+def step_flops(llm: LLM, tokens: int) -> int:
+    """FLOPs of a prefill step of `tokens` tokens from position 0 (multiply-adds count two)."""
+    config = llm.core.model.config
+    model = llm.core.model
+    linear = sum(m.in_features * m.out_features for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and name != "lm_head")
+    heads, layers = config.num_attention_heads, config.num_hidden_layers
+    head_dim = model.model.layers[0].self_attn.head_dim
+    attention = 2 * 2 * layers * heads * head_dim * tokens * tokens // 2  # QK^T and PV over the causal half
+    return 2 * linear * tokens + 2 * model.lm_head.in_features * model.lm_head.out_features + attention
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
+
+
+def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
+    """(seconds to the first token, cached tokens) of one prompt sent alone."""
+    started = time.perf_counter()
+    [out] = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    return time.perf_counter() - started, out.num_cached_tokens
+
+
+def run(model: str = "default", device: str = "cuda", dtype: str = "bfloat16", tokens: int = 4096,
+        repeats: int = 3, gather_too: bool = False, **overrides) -> dict:
+    llm = LLM(model, device=device, dtype=dtype, max_num_batched_tokens=tokens, max_num_seqs=1,
+              enforce_eager=True, **overrides)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, llm.core.vocab_size, (tokens,), generator=gen).tolist() for _ in range(repeats + 1)]
+    uncached, cached, hits = [], [], []
+    for i, prompt in enumerate(prompts):
+        first, _ = ttft(llm, prompt)
+        again, hit = ttft(llm, prompt)
+        if i > 0:  # prompt 0 warms up both shapes of step
+            uncached.append(first)
+            cached.append(again)
+            hits.append(hit)
+    flops = step_flops(llm, tokens)
+    result = {"model": model, "device": device, "dtype": dtype, "tokens": tokens,
+              "device_name": torch.cuda.get_device_name() if llm.core.device.type == "cuda" else "cpu",
+              "prefill_kernel": llm.core.runner.prefill_kernel, "step_tflop": round(flops / 1e12, 3),
+              "uncached_ttft_s": round(statistics.median(uncached), 4),
+              "cached_ttft_s": round(statistics.median(cached), 4), "cached_tokens": hits}
+    result["prefill_tflops"] = round(flops / statistics.median(uncached) / 1e12, 1)
+    result["cached_over_uncached"] = round(statistics.median(cached) / statistics.median(uncached), 4)
+    if (peak := peak_tflops(llm.core.device)) is not None:
+        result["peak_bf16_tflops"] = peak
+        result["fraction_of_peak"] = round(result["prefill_tflops"] / peak, 3)
+    if gather_too and llm.core.runner.prefill_kernel:
+        llm.core.runner.prefill_kernel = False
+        fresh = [torch.randint(0, llm.core.vocab_size, (tokens,), generator=gen).tolist() for _ in range(repeats + 1)]
+        gather = [ttft(llm, prompt)[0] for prompt in fresh][1:]
+        result["gather_uncached_ttft_s"] = round(statistics.median(gather), 4)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.prefill", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gather-too", action="store_true", help="also time the uncached prompts on the gather path")
+    parser.add_argument("--json", default=None, help="also write the result here")
+    args = parser.parse_args(argv)
+    result = run(args.model, args.device, args.dtype, args.tokens, args.repeats, args.gather_too)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,21 @@
+"""bench.prefill on the tiny model on CPU (behaviour, not times): the step's FLOPs, the cache hits of the repeat."""
+from __future__ import annotations
+
+from bench import prefill
+from engine import LLM
+
+
+def test_step_flops_count_the_linear_layers_the_last_logits_and_causal_attention(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), cpu_kernels="eager", num_kv_blocks=8)
+    # the tiny model: 2 layers of hidden 64, 4 heads (2 kv) of 16, MLP 128
+    linear = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 64 * 2 * 128 + 128 * 64)
+    attention = 2 * 2 * 2 * 4 * 16 * 100 * 100 // 2
+    assert prefill.step_flops(llm, 100) == 2 * linear * 100 + 2 * 64 * llm.core.vocab_size + attention
+
+
+def test_the_repeated_prompt_hits_every_full_block_but_the_last_tokens(tiny_llama_dir):
+    result = prefill.run(str(tiny_llama_dir), device="cpu", dtype="float32", tokens=64, repeats=2,
+                         cpu_kernels="eager", block_size=16, num_kv_blocks=32)
+    assert result["cached_tokens"] == [48, 48]  # a hit is capped at 63 of the 64 tokens: 3 blocks
+    assert result["prefill_kernel"] is False and "fraction_of_peak" not in result  # CPU: gather path, no peak
+    assert result["uncached_ttft_s"] > 0 and result["cached_ttft_s"] > 0
