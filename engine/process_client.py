@@ -2,12 +2,15 @@
 
 The API process (this side) spawns `python -m engine.engine_process`, sends it adds and aborts, and reads
 one message per engine step. When the engine process dies (kill -9, out of memory), every request waiting
-on it ends at once with EngineDeadError, is_alive() turns False, and a new engine process starts, up to
+on it ends at once with EngineDeadError, is_alive() turns False, the published stats drop to an idle pool's
+(no request running or waiting, no block used), and a new engine process starts, up to
 `max_restarts` within `restart_window_s`; past that `on_fatal` is called (the gateway exits non-zero, so a
 supervisor above it takes over). A message from the engine that cannot be read (it does not unpickle, or is
 none of engine/messages.py's outbound types) counts as a death: the engine process is killed and the same
 happens. Each engine incarnation gets fresh sockets, so no message meant for a dead engine reaches its
-successor. Importing this module loads no torch.
+successor. The death is seen through a pidfd, the kernel's own exit notification: is_alive() polls it, so
+/health is 503 from the moment the process is gone, before asyncio's child watcher (a thread's waitpid, then a
+callback on the loop) tells the supervisor. Importing this module loads no torch.
 """
 from __future__ import annotations
 
@@ -17,11 +20,13 @@ import contextlib
 import logging
 import os
 import pickle
+import select
 import sys
 import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import zmq
@@ -31,7 +36,7 @@ from engine.client import RelayedEngineClient
 from engine.config import EngineConfig
 from engine.messages import CommandReply, EngineInfo, Inbound, StartFailed, StepOutputs
 from engine.sampling_params import SamplingParams, validate_prompt
-from engine.stats import SchedulerStats
+from engine.stats import SchedulerStats, StepStats
 from engine.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("prefixgate.engine")
@@ -50,11 +55,39 @@ class _Incarnation:
         self.inbox = inbox  # we PUSH adds and aborts
         self.outbox = outbox  # we PULL step messages
         self._folder = folder
+        self.dead = False  # its death was handled: requests failed, stats zeroed
+        self._pidfd = _pidfd(process.pid)
+        self._exit_poll = select.poll()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if self._pidfd is not None:
+            self._exit_poll.register(self._pidfd, select.POLLIN)
+
+    def exited(self) -> bool:
+        """The kernel has ended the process (its pidfd is readable); False where there is no pidfd."""
+        return bool(self._exit_poll.poll(0))
+
+    def on_exit(self, callback: Callable[[], None]) -> None:
+        """`callback` runs on this loop once, as soon as the process has ended."""
+        if self._pidfd is None:
+            return
+        self._loop = asyncio.get_running_loop()
+
+        def fire() -> None:
+            self._loop.remove_reader(self._pidfd)
+            callback()
+
+        self._loop.add_reader(self._pidfd, fire)
 
     def close(self) -> None:
         self.inbox.close(linger=0)
         self.outbox.close(linger=0)
         self._folder.cleanup()
+        if self._pidfd is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(self._pidfd)
+            self._exit_poll.unregister(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
 
 
 class ProcessClient(RelayedEngineClient):
@@ -88,6 +121,7 @@ class ProcessClient(RelayedEngineClient):
     def start(self) -> None:
         self._alive = True
         self._tasks = [asyncio.create_task(self._read(self._engine)), asyncio.create_task(self._supervise())]
+        self._watch(self._engine)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         loop = asyncio.get_running_loop()
@@ -113,7 +147,7 @@ class ProcessClient(RelayedEngineClient):
         self._engine.close()
 
     def is_alive(self) -> bool:
-        return self._alive and not self._stopping
+        return self._alive and not self._stopping and not self._engine.exited()
 
     @property
     def model_path(self) -> Path:
@@ -142,13 +176,15 @@ class ProcessClient(RelayedEngineClient):
         """Hands on the engine's messages; one it cannot read ends the engine, whose supervisor restarts it."""
         try:
             while True:
-                self._on_message(pickle.loads(await engine.outbox.recv()))
+                data = await engine.outbox.recv()
+                if engine.dead:  # sent before it died, read after: its requests have failed, its stats are stale
+                    return
+                self._on_message(pickle.loads(data))
         except asyncio.CancelledError:
             raise
         except Exception:
             logger.exception("engine process %d sent a message that cannot be read; killing it", engine.process.pid)
-            self._alive = False
-            self._fail_all("the engine process sent a message that cannot be read")
+            self._on_death(engine, "the engine process sent a message that cannot be read")
             with contextlib.suppress(ProcessLookupError):
                 engine.process.kill()  # _supervise sees it exit, and restarts it
 
@@ -162,15 +198,28 @@ class ProcessClient(RelayedEngineClient):
             case _:
                 raise TypeError(f"not a message the engine sends after it started: {type(message).__name__}")
 
+    def _watch(self, engine: _Incarnation) -> None:
+        engine.on_exit(partial(self._on_death, engine, "the engine process died"))
+
+    def _on_death(self, engine: _Incarnation, reason: str) -> None:
+        """is_alive() turns False, the stats drop to an idle pool's, then every request and command waiting
+        on the engine fails: in one go, so no caller learns of the death before /health and /metrics do."""
+        if engine.dead or self._stopping:
+            return
+        engine.dead = True
+        self._alive = False
+        logger.error("engine process %d is gone (%s); failing its %d requests", engine.process.pid, reason,
+                     len(self._streams))
+        self._publish(idle_stats(self.info.num_blocks))
+        self._fail_all(reason)
+
     async def _supervise(self) -> None:
         while True:
             code = await self._engine.process.wait()
             if self._stopping:
                 return
-            self._alive = False
-            logger.error("engine process %d died (exit code %s); failing its %d requests",
-                         self.info.pid, code, len(self._streams))
-            self._fail_all(f"the engine process died (exit code {code})")
+            logger.error("engine process %d exited with code %s", self.info.pid, code)
+            self._on_death(self._engine, f"the engine process died (exit code {code})")  # without a pidfd
             for task in self._tasks[:1]:
                 task.cancel()
             self._engine.close()
@@ -204,8 +253,21 @@ class ProcessClient(RelayedEngineClient):
                     return
                 self.restarts.append(time.monotonic())
         self._tasks[0] = asyncio.create_task(self._read(self._engine))
+        self._watch(self._engine)
         self._alive = True
         logger.info("engine process %d is serving again", self.info.pid)
+
+
+def idle_stats(num_blocks: int) -> StepStats:
+    """What an engine that runs nothing reports: no request running or waiting, every block free."""
+    return StepStats(SchedulerStats(num_blocks=num_blocks, num_free_blocks=num_blocks))
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux 5.3+: the supervisor's wait() alone sees the exit
+        return None
 
 
 async def _spawn(config: EngineConfig) -> tuple[_Incarnation, EngineInfo]:
