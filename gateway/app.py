@@ -155,7 +155,7 @@ async def _engine_ctx(settings: Settings, engine: EngineClient | None, auth: Aut
                           settings.gateway.retry_after_s)
     metrics.admission.watch(lambda: admission.in_flight, admission.capacity)
     store = app[RESPONSE_STORE]
-    metrics.responses.watch(lambda: len(store), lambda: store.num_dropped)
+    metrics.responses.watch(lambda: store.num_stored, lambda: store.num_dropped)  # a scrape never reads the file
     names = frozenset({engine.model_name, settings.engine.model})
     gw = settings.gateway
     defaults = sampling_defaults(engine.model_path, gw.generation_config, parse_override(gw.override_generation_config),

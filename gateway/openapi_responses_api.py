@@ -124,7 +124,9 @@ def responses_paths(request: dict[str, Any], operation) -> dict[str, Any]:
     return {
         "/v1/responses": {"post": create},
         "/v1/responses/{response_id}": {"get": stored("A stored response of the caller's", ref("Response")),
-                                        "delete": stored("Delete a stored response", ref("ResponseDeleted"))},
+                                        "delete": stored("Delete a stored response (503: the database is "
+                                                         "locked by another writer)", ref("ResponseDeleted"),
+                                                         errors=(404, 503))},
         "/v1/responses/{response_id}/input_items": {"get": stored("The stored response's own input items",
                                                                   ref("ResponseInputItems"))},
         "/v1/responses/{response_id}/cancel": {"post": stored(

@@ -1,6 +1,9 @@
 """Stored responses of the Responses API in SQLite: a file that outlives the API process (a restart, a kill -9)
 and that several gateways on one host share. One connection per store, WAL mode so readers never wait for a
-writer, and `busy_timeout` so two gateways writing at once queue instead of failing.
+writer, and `busy_timeout` so two gateways writing at once queue instead of failing. The gateway calls the
+`a`-methods: each runs on the store's own thread, so the event loop never waits on SQLite (a write that waits
+out another gateway's lock holds up that one request, not every stream). A locked or broken file never turns
+into a 500: a put is dropped (its id then a 404), a read is a 404, each with a warning naming the file.
 
 NOTE: a row is one response with its whole conversation (JSON text); "used" is the last put or get, the order
 in which rows beyond `max_responses` are dropped; rows older than `ttl_days` (from their put) are dropped lazily:
@@ -8,11 +11,14 @@ on the next put, and a get of one is a 404.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sqlite3
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +29,8 @@ from gateway.errors import APIError
 log = logging.getLogger(__name__)
 
 IN_MEMORY = ":memory:"
-BUSY_TIMEOUT_MS = 2000  # the event loop waits at most this long for another gateway's write
+BUSY_TIMEOUT_MS = 2000  # a write waits at most this long for another gateway's (on the store's thread)
+RETRY_AFTER_S = 1  # a delete that found the file locked
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY,
@@ -63,55 +70,94 @@ class ResponseStore:
         self._clock = clock
         self.path = str(path)
         self._db = _open(self.path, busy_timeout_ms)
+        self._lock = threading.Lock()  # one connection: one call at a time, whichever thread makes it
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="prefixgate-responses")
+        self.num_stored = 0  # as of the last call that counted (a /metrics scrape reads it, never the file)
+        len(self)
+
+    # ---- for the event loop: the same calls, on the store's thread
+
+    async def aput(self, stored: Stored) -> None:
+        await self._off_loop(self.put, stored)
+
+    async def aget(self, tenant: str, response_id: str) -> Stored:
+        return await self._off_loop(self.get, tenant, response_id)
+
+    async def adelete(self, tenant: str, response_id: str) -> None:
+        await self._off_loop(self.delete, tenant, response_id)
+
+    async def _off_loop(self, call: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, call, *args)
+
+    # ---- the calls themselves (blocking)
 
     def put(self, stored: Stored) -> None:
         now = self._clock()
         row = (stored.response["id"], stored.tenant, json.dumps(stored.response), json.dumps(stored.input_items),
                json.dumps(stored.messages), now, now)
         try:
-            with self._db:  # one transaction: the row, the expired rows and the LRU overflow
+            with self._lock, self._db:  # one transaction: the row, the expired rows and the LRU overflow
                 self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)", row)
                 self._db.execute("DELETE FROM responses WHERE created_at < ?", (now - self.ttl_s,))
                 dropped = self._db.execute(
                     "DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY used_at DESC, "
                     "rowid DESC LIMIT -1 OFFSET ?)", (self.max_responses,)).rowcount
+                self.num_dropped += dropped
         except sqlite3.Error as exc:  # locked past the timeout, or broken: the answer is served unstored
             log.warning("stored responses: %s not stored in %s (%s); its id will be a 404", row[0], self.path, exc)
             return
-        self.num_dropped += dropped
+        len(self)
 
     def get(self, tenant: str, response_id: str) -> Stored:
         """The tenant's stored response; 404 for an unknown id, an expired one and another tenant's alike."""
         now = self._clock()
         try:
-            row = self._db.execute(
-                "SELECT response, input_items, messages FROM responses WHERE id = ? AND tenant = ? "
-                "AND created_at >= ?", (response_id, tenant, now - self.ttl_s)).fetchone()
+            with self._lock:
+                row = self._db.execute(
+                    "SELECT response, input_items, messages FROM responses WHERE id = ? AND tenant = ? "
+                    "AND created_at >= ?", (response_id, tenant, now - self.ttl_s)).fetchone()
         except sqlite3.Error as exc:
-            log.warning("stored responses: cannot read %s (%s)", self.path, exc)
+            log.warning("stored responses: cannot read %s (%s); %s is a 404", self.path, exc, response_id)
             row = None
         if row is None:
             raise _not_found(response_id)
         try:
-            with self._db:
+            with self._lock, self._db:
                 self._db.execute("UPDATE responses SET used_at = ? WHERE id = ?", (now, response_id))
         except sqlite3.Error as exc:  # (it is served all the same; only its place in the LRU order is stale)
             log.warning("stored responses: cannot mark %s used in %s (%s)", response_id, self.path, exc)
         return Stored(tenant, *map(json.loads, row))
 
     def delete(self, tenant: str, response_id: str) -> None:
-        with self._db:
-            deleted = self._db.execute("DELETE FROM responses WHERE id = ? AND tenant = ? AND created_at >= ?",
-                                       (response_id, tenant, self._clock() - self.ttl_s)).rowcount
+        """404 for an id it does not hold (or cannot read: a broken file); 503 while another writer holds the
+        file past the busy timeout (the response is still there: the client may try again)."""
+        try:
+            with self._lock, self._db:
+                deleted = self._db.execute("DELETE FROM responses WHERE id = ? AND tenant = ? AND created_at >= ?",
+                                           (response_id, tenant, self._clock() - self.ttl_s)).rowcount
+        except sqlite3.Error as exc:
+            if not _is_busy(exc):
+                raise _lost(self.path, response_id, exc) from None
+            log.warning("stored responses: cannot delete %s: %s is locked (%s)", response_id, self.path, exc)
+            raise APIError(503, "stored responses are locked by another writer; try again", param="response_id",
+                           code="responses_store_busy", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         if not deleted:
             raise _not_found(response_id)
+        len(self)
 
     def __len__(self) -> int:
-        (count,) = self._db.execute("SELECT COUNT(*) FROM responses WHERE created_at >= ?",
-                                    (self._clock() - self.ttl_s,)).fetchone()
-        return count
+        """Stored responses not expired (the last count, with a warning, when the file cannot be read)."""
+        try:
+            with self._lock:
+                (self.num_stored,) = self._db.execute("SELECT COUNT(*) FROM responses WHERE created_at >= ?",
+                                                      (self._clock() - self.ttl_s,)).fetchone()
+        except sqlite3.Error as exc:
+            log.warning("stored responses: cannot count %s (%s); %d as last counted", self.path, exc,
+                        self.num_stored)
+        return self.num_stored
 
     def close(self) -> None:
+        self._thread.shutdown(wait=True)
         self._db.close()
 
 
@@ -124,6 +170,16 @@ def open_store(max_responses: int, path: str | None, ttl_days: float) -> Respons
     except (sqlite3.Error, OSError) as exc:
         log.warning("stored responses: cannot open %s (%s); keeping them in memory, lost at exit", path, exc)
         return ResponseStore(max_responses, IN_MEMORY, ttl_days)
+
+
+def _is_busy(exc: sqlite3.Error) -> bool:
+    """Another connection holds the file (past the busy timeout), as against a file that cannot be read."""
+    return getattr(exc, "sqlite_errorcode", 0) & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+
+
+def _lost(path: str, response_id: str, exc: sqlite3.Error) -> APIError:
+    log.warning("stored responses: cannot read %s (%s); %s is a 404", path, exc, response_id)
+    return _not_found(response_id)
 
 
 def _not_found(response_id: str) -> APIError:

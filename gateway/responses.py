@@ -57,7 +57,7 @@ class ResponsesRequest:
     tools: list[dict[str, Any]] = field(default_factory=list)
 
 
-def parse_responses(body: Any, state, tenant: str, store: ResponseStore) -> ResponsesRequest:
+async def parse_responses(body: Any, state, tenant: str, store: ResponseStore) -> ResponsesRequest:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object", None)
     if body.get("background"):
@@ -65,7 +65,7 @@ def parse_responses(body: Any, state, tenant: str, store: ResponseStore) -> Resp
     previous_id = body.get("previous_response_id")
     if previous_id is not None and not isinstance(previous_id, str):
         raise invalid("previous_response_id must be a string", "previous_response_id")
-    history = list(store.get(tenant, previous_id).messages) if previous_id else []
+    history = list((await store.aget(tenant, previous_id)).messages) if previous_id else []
     items = _input_items(body.get("input"))
     messages = history + [m for i, item in enumerate(items) for m in _messages(item, f"input[{i}]")]
     instructions = body.get("instructions")
@@ -264,7 +264,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     tenant = state.auth.authenticate(request)
     store = request.app[RESPONSE_STORE]
-    req = parse_responses(parse_body(await request.read()), state, tenant.name, store)
+    req = await parse_responses(parse_body(await request.read()), state, tenant.name, store)
     chat = req.chat
     state.check_model(chat.model)
     tool_template = request.app[TOOL_TEMPLATE]
@@ -287,16 +287,16 @@ async def create(request: web.Request) -> web.StreamResponse:
     body = fmt.choice_body(choice)
     response = _response(response_id, req, state.model_name, created, _output_items(body["message"], body["finish_reason"]),
                          body["finish_reason"], usage([choice]))
-    _remember(store, tenant.name, req, response, body["message"])
+    await _remember(store, tenant.name, req, response, body["message"])
     return web.json_response(response)
 
 
-def _remember(store: ResponseStore, tenant: str, req: ResponsesRequest, response: dict[str, Any],
+async def _remember(store: ResponseStore, tenant: str, req: ResponsesRequest, response: dict[str, Any],
               message: dict[str, Any]) -> None:
     if req.store:
         answer = {k: v for k, v in message.items() if k in ("role", "content", "tool_calls")}
         answer["content"] = answer.get("content") or ""
-        store.put(Stored(tenant, response, req.input_items, req.messages + [answer]))
+        await store.aput(Stored(tenant, response, req.input_items, req.messages + [answer]))
 
 
 async def _stream(request: web.Request, req: ResponsesRequest, fmt: ChatFormat, choice: Choice, outputs,
@@ -322,7 +322,7 @@ async def _stream(request: web.Request, req: ResponsesRequest, fmt: ChatFormat, 
         body = fmt.choice_body(choice)
         for event in events.finish(body["finish_reason"], usage([choice])):
             await resp.write(event)
-        _remember(store, tenant, req, events.final, body["message"])
+        await _remember(store, tenant, req, events.final, body["message"])
     except ConnectionResetError:
         return resp
     except APIError as err:
@@ -422,21 +422,22 @@ class _Events:
 async def retrieve(request: web.Request) -> web.Response:
     """GET /v1/responses/{response_id}."""
     tenant = request.app[STATE].auth.authenticate(request)
-    return web.json_response(request.app[RESPONSE_STORE].get(tenant.name, request.match_info["response_id"]).response)
+    stored = await request.app[RESPONSE_STORE].aget(tenant.name, request.match_info["response_id"])
+    return web.json_response(stored.response)
 
 
 async def delete(request: web.Request) -> web.Response:
     """DELETE /v1/responses/{response_id}."""
     tenant = request.app[STATE].auth.authenticate(request)
     response_id = request.match_info["response_id"]
-    request.app[RESPONSE_STORE].delete(tenant.name, response_id)
+    await request.app[RESPONSE_STORE].adelete(tenant.name, response_id)
     return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
 async def input_items(request: web.Request) -> web.Response:
     """GET /v1/responses/{response_id}/input_items: this request's own input items (not earlier turns')."""
     tenant = request.app[STATE].auth.authenticate(request)
-    stored = request.app[RESPONSE_STORE].get(tenant.name, request.match_info["response_id"])
+    stored = await request.app[RESPONSE_STORE].aget(tenant.name, request.match_info["response_id"])
     items = [{"id": item.get("id") or _new_id("msg"), **item} for item in stored.input_items]
     return web.json_response({"object": "list", "data": items, "has_more": False,
                               "first_id": items[0]["id"] if items else None,
@@ -447,6 +448,6 @@ async def cancel(request: web.Request) -> web.Response:
     """POST /v1/responses/{response_id}/cancel: only background responses can be cancelled, and this server
     runs none."""
     tenant = request.app[STATE].auth.authenticate(request)
-    request.app[RESPONSE_STORE].get(tenant.name, request.match_info["response_id"])  # 404 first if not ours
+    await request.app[RESPONSE_STORE].aget(tenant.name, request.match_info["response_id"])  # 404 first if not ours
     raise invalid("only background responses can be cancelled; this server does not offer background mode",
                   "response_id")
