@@ -14,7 +14,7 @@ COPY gateway ./gateway
 COPY metrics ./metrics
 COPY configs ./configs
 # editable: the code (and its configs/) stay in /app, where the gateway finds configs/default.yaml
-RUN pip install -e .
+RUN pip install -e '.[postgres]'
 
 EXPOSE 8000
 # The default model is converted on first start into /root/.cache/prefixgate (a volume in compose.yaml).

@@ -122,7 +122,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
 
 
 async def _close_response_store(app: web.Application) -> None:
-    app[RESPONSE_STORE].close()
+    await app[RESPONSE_STORE].aclose()
 
 
 async def _launch_engine(settings: Settings, gave_up: EngineGaveUp) -> EngineClient:

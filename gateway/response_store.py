@@ -120,7 +120,7 @@ class ResponseStore:
             log.warning("stored responses: cannot read %s (%s); %s is a 404", self.path, exc, response_id)
             row = None
         if row is None:
-            raise _not_found(response_id)
+            raise not_found(response_id)
         try:
             with self._lock, self._db:
                 self._db.execute("UPDATE responses SET used_at = ? WHERE id = ?", (now, response_id))
@@ -142,7 +142,7 @@ class ResponseStore:
             raise APIError(503, "stored responses are locked by another writer; try again", param="response_id",
                            code="responses_store_busy", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         if not deleted:
-            raise _not_found(response_id)
+            raise not_found(response_id)
         len(self)
 
     def __len__(self) -> int:
@@ -160,10 +160,18 @@ class ResponseStore:
         self._thread.shutdown(wait=True)
         self._db.close()
 
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
 
-def open_store(max_responses: int, path: str | None, ttl_days: float) -> ResponseStore:
-    """The store on `path` (None: the default file); one that cannot be opened (corrupt, not a database,
-    a folder that cannot be created) costs a warning and a store in memory, not a failed start."""
+
+def open_store(max_responses: int, path: str | None, ttl_days: float):
+    """The store on `path` (None: the default file; a postgresql:// URL: a shared server,
+    gateway/response_store_postgres.py); a file that cannot be opened (corrupt, not a database, a folder that
+    cannot be created) costs a warning and a store in memory, not a failed start."""
+    from gateway.response_store_postgres import PostgresResponseStore, is_postgres_url
+
+    if is_postgres_url(path):
+        return PostgresResponseStore(path, max_responses, ttl_days)
     path = str(default_db_path()) if path is None else path
     try:
         return ResponseStore(max_responses, path, ttl_days)
@@ -179,10 +187,10 @@ def _is_busy(exc: sqlite3.Error) -> bool:
 
 def _lost(path: str, response_id: str, exc: sqlite3.Error) -> APIError:
     log.warning("stored responses: cannot read %s (%s); %s is a 404", path, exc, response_id)
-    return _not_found(response_id)
+    return not_found(response_id)
 
 
-def _not_found(response_id: str) -> APIError:
+def not_found(response_id: str) -> APIError:
     return APIError(404, f"no response {response_id!r} is stored for this key", param="response_id",
                     code="response_not_found")
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the real server parts the end-to-end tests use (Prometheus, promtool, and
+# Installs the real server parts the end-to-end tests use (Prometheus, promtool, PostgreSQL, and
 # Chromium for the chat page's browser tests) when they are missing and we may install
 # them (root). Tests fail when CI is set and a part is still missing.
 set -u
@@ -23,3 +23,6 @@ ensure() {
 
 ensure chromium "the chat page's browser tests" chromium
 ensure prometheus "the metrics end-to-end tests" prometheus promtool
+# the server binaries live in /usr/lib/postgresql/*/bin (tests/support/postgres.py finds them); pg_ctlcluster is
+# postgresql-common's, installed with them
+ensure postgresql "the stored-responses tests on a shared PostgreSQL" pg_ctlcluster

@@ -103,7 +103,10 @@ def test_dashboard_has_the_panels_and_variables():
 
 def test_compose_services_images_and_healthchecks():
     services = compose()["services"]
-    assert set(services) == {"prefixgate", "prometheus", "grafana"}
+    assert set(services) == {"prefixgate", "postgres", "prometheus", "grafana"}
+    command = services["prefixgate"]["command"]  # stored responses in the compose file's Postgres
+    assert command[command.index("--responses-db") + 1].startswith("postgresql://prefixgate:prefixgate@postgres:5432/")
+    assert services["prefixgate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert services["prometheus"]["image"].startswith("prom/prometheus:")
     assert services["grafana"]["image"].startswith("grafana/grafana:")
     for name, service in services.items():

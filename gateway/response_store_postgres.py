@@ -1,0 +1,143 @@
+"""Stored responses on a PostgreSQL server that several gateways share (`--responses-db postgresql://...`), for
+deployments of more than one host: any gateway continues any `previous_response_id` of the tenant. Postgres and
+not Redis because a multi-gateway deployment of an OpenAI-compatible proxy already runs one (LiteLLM keeps its
+keys, spend and logs there), and a stored conversation is a row to keep for 30 days, not a cache entry: durable
+commits, one transaction for a put with its expiry and LRU drop, an index on the order of use.
+
+The same semantics as the SQLite store (gateway/response_store.py): a row per response with its conversation,
+none older than `ttl_days`, the least recently used dropped beyond `max_responses`, another tenant's id a 404.
+The pool connects on first use, so a server that is down costs warnings and 404s, never a failed start; a call
+that cannot reach it is a warning and a 404 (a delete: a 503 with Retry-After, the response may still be there).
+Needs the `postgres` extra (asyncpg).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from gateway.errors import APIError
+from gateway.response_store import RETRY_AFTER_S, Stored, not_found
+
+log = logging.getLogger(__name__)
+
+SCHEMES = ("postgresql://", "postgres://")
+CONNECT_TIMEOUT_S = 5
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS prefixgate_responses (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    response TEXT NOT NULL,
+    input_items TEXT NOT NULL,
+    messages TEXT NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL,
+    used_at DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX IF NOT EXISTS prefixgate_responses_used_at ON prefixgate_responses (used_at);
+CREATE INDEX IF NOT EXISTS prefixgate_responses_created_at ON prefixgate_responses (created_at);
+"""
+
+
+def is_postgres_url(path: str | None) -> bool:
+    return path is not None and path.startswith(SCHEMES)
+
+
+class PostgresResponseStore:
+    """The gateway's side of the SQLite store (aput / aget / adelete / num_stored / num_dropped / aclose) on a
+    shared server."""
+
+    def __init__(self, url: str, max_responses: int, ttl_days: float = 30,
+                 clock: Callable[[], float] = time.time) -> None:
+        try:
+            import asyncpg  # the postgres extra; checked here, at start, not at the first request
+        except ImportError:
+            raise ValueError("--responses-db postgresql://... needs asyncpg: pip install 'prefixgate[postgres]'") \
+                from None
+        self._asyncpg = asyncpg
+        self.url = url
+        self.path = _without_password(url)  # what warnings name
+        self.max_responses = max_responses
+        self.ttl_s = ttl_days * 86400
+        self.num_stored = 0  # as of the last call that counted
+        self.num_dropped = 0  # dropped by this gateway to stay within max_responses
+        self._clock = clock
+        self._pool = None
+        self._opening: asyncio.Lock | None = None
+
+    async def aput(self, stored: Stored) -> None:
+        now = self._clock()
+        row = (stored.response["id"], stored.tenant, json.dumps(stored.response), json.dumps(stored.input_items),
+               json.dumps(stored.messages), now, now)
+        try:
+            async with (await self._connect()).acquire() as db, db.transaction():
+                await db.execute("INSERT INTO prefixgate_responses VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT "
+                                 "(id) DO UPDATE SET tenant = $2, response = $3, input_items = $4, messages = $5, "
+                                 "created_at = $6, used_at = $7", *row)
+                await db.execute("DELETE FROM prefixgate_responses WHERE created_at < $1", now - self.ttl_s)
+                dropped = await db.execute(
+                    "DELETE FROM prefixgate_responses WHERE id IN (SELECT id FROM prefixgate_responses "
+                    "ORDER BY used_at DESC, id DESC OFFSET $1)", self.max_responses)
+                self.num_stored = await db.fetchval("SELECT COUNT(*) FROM prefixgate_responses")
+        except (OSError, asyncio.TimeoutError, self._asyncpg.PostgresError) as exc:
+            log.warning("stored responses: %s not stored in %s (%s); its id will be a 404", row[0], self.path, exc)
+            return
+        self.num_dropped += int(dropped.split()[-1])  # "DELETE <rows>"
+
+    async def aget(self, tenant: str, response_id: str) -> Stored:
+        now = self._clock()
+        try:
+            async with (await self._connect()).acquire() as db:
+                row = await db.fetchrow("UPDATE prefixgate_responses SET used_at = $1 WHERE id = $2 AND tenant = $3 "
+                                        "AND created_at >= $4 RETURNING response, input_items, messages",
+                                        now, response_id, tenant, now - self.ttl_s)
+        except (OSError, asyncio.TimeoutError, self._asyncpg.PostgresError) as exc:
+            log.warning("stored responses: cannot read %s (%s); %s is a 404", self.path, exc, response_id)
+            row = None
+        if row is None:
+            raise not_found(response_id)
+        return Stored(tenant, *map(json.loads, row))
+
+    async def adelete(self, tenant: str, response_id: str) -> None:
+        try:
+            async with (await self._connect()).acquire() as db:
+                status = await db.execute("DELETE FROM prefixgate_responses WHERE id = $1 AND tenant = $2 AND "
+                                          "created_at >= $3", response_id, tenant, self._clock() - self.ttl_s)
+        except (OSError, asyncio.TimeoutError, self._asyncpg.PostgresError) as exc:
+            log.warning("stored responses: cannot delete %s in %s (%s)", response_id, self.path, exc)
+            raise APIError(503, "the stored responses' database cannot be reached; try again", param="response_id",
+                           code="responses_store_busy", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        if status == "DELETE 0":
+            raise not_found(response_id)
+        self.num_stored = max(0, self.num_stored - 1)
+
+    async def aclose(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+
+    async def _connect(self):
+        """The pool, made (with the table) on first use; one that fails is tried again by the next call."""
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            if self._pool is None:
+                pool = await self._asyncpg.create_pool(self.url, min_size=1, max_size=4, timeout=CONNECT_TIMEOUT_S)
+                try:
+                    async with pool.acquire() as db:
+                        await db.execute(SCHEMA)
+                        self.num_stored = await db.fetchval("SELECT COUNT(*) FROM prefixgate_responses")
+                except BaseException:
+                    await pool.close()
+                    raise
+                self._pool = pool
+        return self._pool
+
+
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return url.replace(f":{parts.password}@", ":***@", 1)

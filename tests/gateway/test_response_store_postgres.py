@@ -1,0 +1,133 @@
+"""Stored responses on a real PostgreSQL server (tests/support/postgres.py): the SQLite store's semantics
+(tenant isolation, LRU drop, TTL), a server that cannot be reached (warnings, 404s, a 503 delete, never an
+error), and two gateways sharing it: `previous_response_id` created on one, continued on the other."""
+from __future__ import annotations
+
+import logging
+import sys
+
+import aiohttp
+import asyncpg
+import pytest
+
+from gateway.errors import APIError
+from gateway.response_store import Stored, open_store
+from gateway.response_store_postgres import PostgresResponseStore
+from tests.support.gateway_helpers import served
+from tests.support.postgres import postgres_server
+
+DAY_S = 86400
+
+
+@pytest.fixture(scope="module")
+def pg_url():
+    with postgres_server() as url:
+        yield url
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+async def clock():
+    return Clock()
+
+
+@pytest.fixture
+async def store(pg_url, clock):
+    store = PostgresResponseStore(pg_url, 2, ttl_days=1, clock=clock)
+    async with (await store._connect()).acquire() as db:
+        await db.execute("TRUNCATE prefixgate_responses")
+    yield store
+    await store.aclose()
+
+
+def test_a_missing_postgres_fails_under_ci_and_skips_elsewhere(monkeypatch):
+    monkeypatch.setattr("tests.support.postgres._bindir", lambda: None)
+    monkeypatch.setenv("CI", "1")
+    with pytest.raises(pytest.fail.Exception, match="PostgreSQL is not installed"), postgres_server():
+        pass
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception), postgres_server():
+        pass
+
+
+def test_a_postgres_url_without_asyncpg_is_a_configuration_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "asyncpg", None)  # the postgres extra not installed
+    with pytest.raises(ValueError, match=r"pip install 'prefixgate\[postgres\]'"):
+        open_store(10, "postgresql://localhost/prefixgate", ttl_days=30)
+
+
+def stored(response_id: str, tenant: str = "alice") -> Stored:
+    return Stored(tenant, {"id": response_id, "object": "response"}, [{"type": "message", "role": "user",
+                  "content": "hi"}], [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])
+
+
+async def status_of(call) -> tuple[int, str]:
+    with pytest.raises(APIError) as err:
+        await call
+    return err.value.status, err.value.code
+
+
+@pytest.mark.server  # a real database server
+async def test_the_sqlite_stores_semantics_on_postgres(store, clock):
+    await store.aput(stored("resp_a"))
+    assert await store.aget("alice", "resp_a") == stored("resp_a")
+    assert await status_of(store.aget("bob", "resp_a")) == (404, "response_not_found")  # another tenant's
+    assert await status_of(store.adelete("bob", "resp_a")) == (404, "response_not_found")
+    clock.now += 1
+    await store.aput(stored("resp_b"))
+    clock.now += 1
+    await store.aget("alice", "resp_a")  # a is now more recent than b
+    clock.now += 1
+    await store.aput(stored("resp_c"))
+    assert await status_of(store.aget("alice", "resp_b")) == (404, "response_not_found")  # dropped beyond 2
+    assert (store.num_stored, store.num_dropped) == (2, 1)
+    await store.adelete("alice", "resp_c")
+    assert await status_of(store.adelete("alice", "resp_c")) == (404, "response_not_found")
+    clock.now += DAY_S  # resp_a was put more than a day ago
+    assert await status_of(store.aget("alice", "resp_a")) == (404, "response_not_found")
+
+
+async def test_a_server_that_cannot_be_reached_costs_warnings_and_404s(tmp_path, caplog):
+    store = open_store(10, f"postgresql://postgres@/postgres?host={tmp_path}", ttl_days=30)  # no server there
+    with caplog.at_level(logging.WARNING, logger="gateway.response_store_postgres"):
+        await store.aput(stored("resp_1"))
+        assert await status_of(store.aget("alice", "resp_1")) == (404, "response_not_found")
+        assert await status_of(store.adelete("alice", "resp_1")) == (503, "responses_store_busy")
+    assert "resp_1 not stored in postgresql://" in caplog.text and "cannot read postgresql://" in caplog.text
+    await store.aclose()
+
+
+@pytest.mark.server  # a real database server
+async def test_two_gateways_share_their_stored_responses(tiny_llama_dir, pg_url):
+    args = ("--model", str(tiny_llama_dir), "--num-kv-blocks", "128", "--responses-db", pg_url)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        with served(*args) as one, served(*args) as two:
+            model = (await (await session.get(f"{one.base_url}/models")).json())["data"][0]["id"]
+            resp = await session.post(f"{one.base_url}/responses", json={
+                "model": model, "input": "Remember the word tangerine.", "max_output_tokens": 4, "temperature": 0})
+            assert resp.status == 200, await resp.text()
+            first = await resp.json()
+            again = await (await session.get(f"{two.base_url}/responses/{first['id']}")).json()
+            assert again == first
+            resp = await session.post(f"{two.base_url}/responses", json={
+                "model": model, "input": "Which word?", "previous_response_id": first["id"], "max_output_tokens": 4,
+                "temperature": 0})
+            assert resp.status == 200, await resp.text()
+            second = await resp.json()
+            gone = await session.delete(f"{one.base_url}/responses/{second['id']}")  # made on two, erased on one
+            assert gone.status == 200
+            assert (await session.get(f"{two.base_url}/responses/{second['id']}")).status == 404
+    assert second["previous_response_id"] == first["id"]
+    assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"]  # the first turn is in its prompt
+    db = await asyncpg.connect(pg_url)  # the rows are the server's, not some file's
+    try:
+        assert await db.fetchval("SELECT tenant FROM prefixgate_responses WHERE id = $1", first["id"]) == "anonymous"
+    finally:
+        await db.close()
