@@ -93,6 +93,8 @@ async def parse_responses(body: Any, state, tenant: str, store: ResponseStore) -
         chat_body["response_format"] = fmt
     if body.get("metadata") is not None and not isinstance(body.get("metadata"), dict):
         raise invalid("metadata must be an object", "metadata")
+    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
+        raise invalid("parallel_tool_calls must be a boolean", "parallel_tool_calls")  # echoed even without tools
     try:
         chat = parse_chat({k: v for k, v in chat_body.items() if v is not None}, state.settings.gateway,
                           state.sampling_defaults)
