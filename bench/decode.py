@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto: a GGUF model's own formats (the default model: Q4_1), else float32")
     parser.add_argument("--quantization", default="auto", choices=("auto", "none", "q8_0", "q4_0"),
                         help="q8_0 / q4_0: quantize an HF checkpoint at load")
+    parser.add_argument("--quantized-activations", default="float32", choices=("float32", "int8"),
+                        help="quantized weights' matmuls: int8 activations and integer dot products, or exact floats")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="K/V storage (auto: the model's dtype)")
     parser.add_argument("--batches", default="1,4,8,16")
@@ -264,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         engine.core.load_model = functools.partial(loader.load_model, pack=False)
     result = run(args.model, tuple(int(b) for b in args.batches.split(",")), args.context, args.steps, args.dtype,
                  shared_prefix=args.shared_prefix, transformers=args.transformers, kv_cache_dtype=args.kv_cache_dtype,
-                 device=args.device, enforce_eager=args.enforce_eager, quantization=args.quantization)
+                 device=args.device, enforce_eager=args.enforce_eager, quantization=args.quantization,
+                 quantized_activations=args.quantized_activations)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot:

@@ -31,10 +31,12 @@ from bench.workloads import BenchRequest, Workload
 _models: dict = {}
 
 
-def _load_model_once(path, config, dtype, device, pack: bool = True, weights: str = "none"):
-    key = (str(path), dtype, str(device), pack, weights)
+def _load_model_once(path, config, dtype, device, pack: bool = True, weights: str = "none",
+                     integer_activations: bool = False):
+    key = (str(path), dtype, str(device), pack, weights, integer_activations)
     if key not in _models:
-        _models[key] = load_model(path, config, dtype, device, pack=pack, weights=weights)
+        _models[key] = load_model(path, config, dtype, device, pack=pack, weights=weights,
+                                  integer_activations=integer_activations)
     return _models[key]
 
 

@@ -5,7 +5,8 @@ projections, then the lm_head): 121 matmuls for SmolLM2-135M. This times them al
 of the model's shapes, for each kernel the engine has had: the packed-weight microkernel
 (engine/model/packed_matmul_cpu.py, what the engine uses), oneDNN over its own packed layout (what it used
 before), `F.linear` over the row-major weight (what prefill uses) and, with --quantized, the quantized
-kernel (engine/model/quant_matmul_cpu.py) over the same weights in ggml formats. The kernels take turns within each
+kernels (engine/model/quant_matmul_cpu.py: float arithmetic; quant_dot_cpu.py: int8 activations and integer
+dot products, x86) over the same weights in ggml formats. The kernels take turns within each
 repeat, so that load from other processes shows in all alike; times are medians.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from gguf import GGMLQuantizationType as QType
 
-from engine.model import packed_matmul_cpu, quant_formats, quant_matmul_cpu
+from engine.model import packed_matmul_cpu, quant_dot_cpu, quant_formats, quant_matmul_cpu
 from engine.model.bfloat16_bits import numpy_view
 from engine.model.cpu_threads import use_threads
 from engine.model.llama import head_dim
@@ -53,8 +54,12 @@ def run(model: str = "default", rows=(1, 8, 16, 32), repeats: int = 15, dtype: s
     no_bias = np.zeros(0, np.float32)
     threads = use_threads()
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-    tiles = {name: [quant_matmul_cpu.pack(quant_formats.quantize(w.float().numpy(), QType[name.upper()]))
-                    for w in weights] for name in quantized}
+    tiles = {}
+    for name in quantized:  # each format on both kernels: float arithmetic and integer dot products (x86)
+        rows_of = [quant_formats.quantize(w.float().numpy(), QType[name.upper()]) for w in weights]
+        tiles[f"{name} float"] = [quant_matmul_cpu.pack(r) for r in rows_of]
+        if quant_dot_cpu.X86:
+            tiles[f"{name} int8"] = [quant_matmul_cpu.pack(r, integer=True) for r in rows_of]
     bytes_read = {f"{name} (engine)": sum(t.nbytes() for t in ts) for name, ts in tiles.items()}
     results = []
     for m in rows:

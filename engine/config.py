@@ -45,6 +45,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA; a GGUF's weights in their formats) | float32 | bfloat16 | float16
     # auto (a GGUF file's own formats, CPU) | none (weights as dtype) | q8_0 | q4_0 (quantized at load, CPU)
     quantization: str = "auto"
+    # CPU quantized matmuls: float32 (exact: the dequantized model to fp32 summation order) | int8 (llama.cpp's
+    # way where the CPU has AVX2: activations rounded to int8 per group of 32, integer dot products; faster)
+    quantized_activations: str = "float32"
     kv_cache_dtype: str = "auto"  # K/V storage: auto (the model's dtype) | float32 | bfloat16 | float16
     enforce_eager: bool = False  # CUDA: launch every decode step's kernels one by one (no CUDA graphs)
     cpu_kernels: str = "compiled"  # CPU: compiled (numba kernels, packed weights) | eager (plain PyTorch, no numba)
@@ -77,6 +80,8 @@ class EngineConfig:
         _check(self.threads_batch is None or self.threads_batch >= 1, "threads_batch must be >= 1")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype!r}")
         _check(self.quantization in ("auto", "none", "q8_0", "q4_0"), f"unknown quantization {self.quantization!r}")
+        _check(self.quantized_activations in ("float32", "int8"),
+               f"unknown quantized_activations {self.quantized_activations!r}")
         _check(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"),
                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}")
 

@@ -52,8 +52,10 @@ class EngineCore:
         hf_config = load_config(path)
         self.model_path = path
         self.weights_format = weights_format(path, config.quantization, config.dtype, compiled)
+        self.integer_activations = config.quantized_activations == "int8" and self.weights_format != "none"
         self.model = model if model is not None else load_model(path, hf_config, dtype, self.device, pack=compiled,
-                                                                weights=self.weights_format)
+                                                                weights=self.weights_format,
+                                                                integer_activations=self.integer_activations)
         self.tokenizer = load_tokenizer(path, _eos_token_ids(path, hf_config))
         self.vocab_size = hf_config.vocab_size
         kv_cache = _allocate_kv_cache(config, hf_config, kv_dtype, self.device)
@@ -65,7 +67,9 @@ class EngineCore:
                                  max_pinned_blocks=int(config.max_pinned_fraction * self.num_blocks))
         if config.kv_disk_dir and config.enable_prefix_caching:
             kv_io = KVBlockIO(kv_cache)
-            if (disk := _disk_tier(config, path, dtype, kv_dtype, kv_io, self.weights_format)) is not None:
+            # K/V written by int8-activation decode steps are not the float kernel's: neither may serve the other
+            weights = self.weights_format + ("/int8" if self.integer_activations else "")
+            if (disk := _disk_tier(config, path, dtype, kv_dtype, kv_io, weights)) is not None:
                 self.kv.use_disk_tier(disk, kv_io)
                 if restored := self.kv.restore_pins():
                     logger.info("disk tier: %d pinned prefixes restored (%d blocks)", restored,

@@ -26,6 +26,7 @@ KERNELS = REPO / "engine" / "model"
 ATTENTION_TESTS = ("tests/engine/model/test_attention.py", "tests/engine/model/test_decode_step_cpu.py")
 STEP_TESTS = ("tests/engine/model/test_decode_step_cpu.py",)
 QUANT_TESTS = ("tests/engine/model/test_quant_matmul.py",)
+DOT_TESTS = ("tests/engine/model/test_quant_dot.py",)
 PREFILL_TESTS = ("tests/engine/model/test_paged_prefill_cuda.py",)
 TIMEOUT_S = 1800
 
@@ -90,6 +91,20 @@ MUTANTS = [
     Mutant("quant-row-group-index-shifted", "quant_matmul_cpu.py",
            "value = q * scales[tile, k // group, j]", "value = q * scales[tile, (k + 1) // group % scales.shape[1], j]",
            QUANT_TESTS),
+    # integer dot products: 8-bit weights' signs never reach the activations (every weight read as |w|)
+    Mutant("dot-int8-sign-dropped", "quant_dot_cpu.py",
+           'signed_x = x_bytes if four_bit else _x86(builder, "psign.b", _BYTES, x_bytes, w[v])',
+           "signed_x = x_bytes", DOT_TESTS),
+    # the high nibbles (columns 8-15 and 24-31 of a tile) read as the low ones
+    Mutant("dot-high-nibble-as-low", "quant_dot_cpu.py",
+           "out += [builder.and_(raw, nibble), builder.and_(high, nibble)]",
+           "out += [builder.and_(raw, nibble), builder.and_(raw, nibble)]", DOT_TESTS),
+    # the activations rounded toward zero: errors up to a whole step, not half
+    Mutant("dot-activations-truncated", "quant_dot_cpu.py",
+           "xq[r, k] = np.int8(np.rint(x[r, k] * inverse))", "xq[r, k] = np.int8(x[r, k] * inverse)", DOT_TESTS),
+    # the group's last quad left out of its integer sums
+    Mutant("dot-group-one-quad-short", "quant_dot_cpu.py",
+           "for step in range(GROUP // QUAD):", "for step in range(GROUP // QUAD - 1):", DOT_TESTS),
     # the prefill kernel's running sum of weighted values is not rescaled when a later key tile raises the maximum
     Mutant("prefill-values-not-rescaled", "paged_prefill_cuda.py",
            "acc = acc * rescale[:, None] + tl.dot(weights, values.to(tl.float32), input_precision=\"ieee\")",

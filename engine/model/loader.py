@@ -60,9 +60,10 @@ def load_config(path: Path) -> PretrainedConfig:
 
 
 def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-               pack: bool = True, weights: str = "none") -> LlamaForCausalLM:
+               pack: bool = True, weights: str = "none", integer_activations: bool = False) -> LlamaForCausalLM:
     """`pack`: add packed copies of the float linear weights for small batches where supported (CPU); see
-    linear.py. `weights`: weights_format()'s answer; quantized weights are CPU-only."""
+    linear.py. `weights`: weights_format()'s answer; quantized weights are CPU-only. `integer_activations`:
+    quantized weights run on integer dot products where the CPU and format allow (quant_dot_cpu.py)."""
     state = _read_state(path, config, weights)
     quantized = {name: value for name, value in state.items() if isinstance(value, QuantRows)}
     floats = {name: value for name, value in state.items() if not isinstance(value, QuantRows)}
@@ -72,7 +73,7 @@ def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, device:
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
         missing = [name for name in missing if name != "lm_head.weight"]
-    _set_quantized(model, quantized, config.tie_word_embeddings)
+    _set_quantized(model, quantized, config.tie_word_embeddings, integer_activations)
     missing = [name for name in missing if name not in quantized]
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {missing[:5]}")
@@ -110,7 +111,7 @@ def _read_state(path: Path, config: PretrainedConfig, weights: str) -> dict[str,
     return state
 
 
-def _set_quantized(model: LlamaForCausalLM, quantized: dict[str, QuantRows], tied: bool) -> None:
+def _set_quantized(model: LlamaForCausalLM, quantized: dict[str, QuantRows], tied: bool, integer: bool) -> None:
     """Each quantized weight as its module's tiles (its float parameter gone); a tied embedding and lm_head
     share theirs."""
     if not quantized:
@@ -120,7 +121,7 @@ def _set_quantized(model: LlamaForCausalLM, quantized: dict[str, QuantRows], tie
         module = model.get_submodule(name.removesuffix(".weight"))
         if not isinstance(module, (Embedding, Linear)):
             raise ValueError(f"{name}: a quantized weight where a float one belongs")
-        module.quant, module.weight = quant_matmul_cpu.pack(rows), None
+        module.quant, module.weight = quant_matmul_cpu.pack(rows, integer), None
         if isinstance(module, Embedding) and tied:
             model.lm_head.quant, model.lm_head.weight = module.quant, None
 

@@ -23,7 +23,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from engine.model import kernel_cache  # numba's cache folder, set before any @njit below
-from engine.model import simd
+from engine.model import quant_dot_cpu, simd
 from engine.model.bfloat16_bits import as_float32
 from engine.model.cpu_threads import launch_lock, use_threads
 from engine.model.packed_matmul_cpu import REGISTERS, TILE, matmul
@@ -56,11 +56,16 @@ class QuantTiles:
 
     @property
     def bits(self) -> int:
-        return 4 if self.data.shape[2] == HALF else 8
+        return 4 if self.data.shape[2] in (HALF, quant_dot_cpu.BYTES_4BIT) else 8
+
+    @property
+    def integer(self) -> bool:
+        """Whether the matmuls run on integer dot products (quant_dot_cpu's layout), not float arithmetic."""
+        return self.data.shape[2] in (quant_dot_cpu.BYTES_4BIT, quant_dot_cpu.BYTES_8BIT)
 
     @property
     def in_features(self) -> int:
-        return self.data.shape[1]
+        return self.scales.shape[1] * self.group
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.mins))
@@ -70,7 +75,12 @@ class QuantTiles:
         return self.data.numpy(), self.scales.numpy(), self.mins.numpy(), self.group
 
 
-def pack(rows: QuantRows) -> QuantTiles:
+def pack(rows: QuantRows, integer: bool = False) -> QuantTiles:
+    """The weight's tiles: for integer dot products (quant_dot_cpu, x86 only) where `integer` and the format
+    allows, else for the float kernel here."""
+    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    if integer and quant_dot_cpu.X86 and quant_dot_cpu.fits(rows):
+        return QuantTiles(*map(as_tensor, quant_dot_cpu.pack(rows)), rows.group, rows.shape[0])
     n, k = rows.shape
     tiles = -(-n // TILE)
     q = np.zeros((tiles * TILE, k), rows.q.dtype)
@@ -88,7 +98,6 @@ def pack(rows: QuantRows) -> QuantTiles:
         padded[:n] = values
         return padded.reshape(tiles, TILE, -1).transpose(0, 2, 1)
 
-    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
     return QuantTiles(as_tensor(data), as_tensor(per_group(rows.scales)), as_tensor(per_group(rows.mins)),
                       rows.group, n)
 
@@ -101,6 +110,16 @@ def linear(x: torch.Tensor, weight: QuantTiles, bias: torch.Tensor | None) -> to
         threads = use_threads()
         quant_matmul(x.float().contiguous().numpy(), *weight.arrays(), b, out.numpy(), False, threads)
     return out.to(x.dtype)
+
+
+def activations_of(x: torch.Tensor, weight: QuantTiles) -> torch.Tensor:
+    """x as the weight's kernel multiplies it (float32 [rows, K]): rounded to int8 steps for integer dot products
+    (each value d * round(x / d) of its group), else as it is."""
+    if not weight.integer:
+        return x
+    out = torch.empty(x.shape)
+    quant_dot_cpu.round_activations(x.contiguous().numpy(), out.numpy())
+    return out
 
 
 def dequantize(weight: QuantTiles) -> torch.Tensor:
@@ -121,6 +140,9 @@ def embedding_rows(weight: QuantTiles, ids: torch.Tensor) -> torch.Tensor:
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
 def _row(data, scales, mins, group, row, out):
     """out[k] = W[row, k] for one row of the packed weight."""
+    if quant_dot_cpu.is_quads(data):
+        quant_dot_cpu.row(data, scales, mins, row, out)
+        return
     tile, j = row // TILE, row % TILE
     four_bit = data.shape[2] == HALF
     for k in range(data.shape[1]):
@@ -164,6 +186,9 @@ def _group_sums(x, group, has_min):
 def quant_matmul(x, data, scales, mins, group, bias, out, accumulate, threads):
     """out (+)= x @ W.T + bias (none if empty) for x [rows, K] float32 and W packed by pack(). Each of the
     `threads` takes an equal run of tiles: one sequential stream of the weight."""
+    if quant_dot_cpu.is_quads(data):
+        _integer_matmul(x, data, scales, mins, bias, out, accumulate, threads)
+        return
     tiles = data.shape[0]
     parts = min(threads, tiles)
     sums = _group_sums(x, group, mins.shape[1] > 0)
@@ -174,6 +199,25 @@ def quant_matmul(x, data, scales, mins, group, bias, out, accumulate, threads):
                 _tile_rows(x[first:first + ROW_GROUP], data, scales, mins, sums[first:first + ROW_GROUP], tile,
                            group, scratch)
                 _add_out(scratch, min(ROW_GROUP, x.shape[0] - first), bias, out, first, tile * TILE, accumulate)
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, parallel=True)
+def _integer_matmul(x, data, scales, mins, bias, out, accumulate, threads):
+    """quant_matmul on integer dot products: x quantized to int8 per group of 32 once, then the tiles as there."""
+    rows, groups = x.shape[0], x.shape[1] // quant_dot_cpu.GROUP
+    xq = np.empty(x.shape, np.int8)
+    d, sums = np.empty((rows, groups), np.float32), np.empty((rows, groups), np.float32)
+    quant_dot_cpu.quantize_activations(x, xq, d, sums)
+    tiles = data.shape[0]
+    parts = min(threads, tiles)
+    step = quant_dot_cpu.ROW_GROUP
+    for part in prange(parts):
+        scratch = np.empty((step, TILE), np.float32)
+        for tile in range(part * tiles // parts, (part + 1) * tiles // parts):
+            for first in range(0, rows, step):
+                quant_dot_cpu.tile_rows(xq[first:first + step], d[first:first + step], sums[first:first + step],
+                                        data, scales, mins, tile, scratch)
+                _add_out(scratch, min(step, rows - first), bias, out, first, tile * TILE, accumulate)
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.model import quant_formats
+from engine.model import quant_dot_cpu, quant_formats
 from engine.model.loader import weights_format
 from tests.support.tiny_gguf import write_gguf_model
 
@@ -129,3 +129,31 @@ def test_weights_format_follows_dtype_and_kernels(tiny_llama_dir, tmp_path):
         weights_format(gguf_dir, "q8_0", "auto", True)
     with pytest.raises(ValueError, match="compiled CPU kernels only"):
         weights_format(tiny_llama_dir, "q4_0", "auto", False)
+
+
+@pytest.mark.skipif(not quant_dot_cpu.X86, reason="integer dot products are x86 (AVX2) code")
+@pytest.mark.parametrize("files", ["Q8_0", "Q4_1"])
+def test_int8_activations_run_integer_dot_products_and_the_cache_never_changes_their_tokens(files, tiny_llama_dir,
+                                                                                           tmp_path):
+    """--quantized-activations int8: every matmul weight packed for integer dot products; greedy tokens with cache hits
+    equal those without (prefill's large batches multiply the same rounded activations), and the first token's
+    logprobs stay within the activations' rounding of the exact kernel's."""
+    gguf_dir = write_gguf_model(tiny_llama_dir, tmp_path / "gguf", lambda name: QType[files])
+    llm = LLM(str(gguf_dir), quantized_activations="int8", **SMALL)
+    assert llm.core.integer_activations and llm.core.runner.compiled_decode is not None
+    assert all(m.quant.integer for m in llm.core.model.modules() if getattr(m, "quant", None) is not None)
+    prompts = _prompts(llm.core.vocab_size)
+    _, cached = _greedy_twice(llm, prompts)
+    assert cached == [32, 32, 48]
+    exact = LLM(str(gguf_dir), **SMALL)
+    assert not exact.core.integer_activations and not exact.core.model.lm_head.quant.integer
+    # the first token's distribution (prefill): the five likeliest tokens of each model, with their logprobs,
+    # within the activations' rounding of the other's (measured here: a few percent of a logprob after 2 layers
+    # of random weights, whose near-ties may swap neighbours; a wrong kernel moves them by whole units)
+    first = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    for ours, theirs in zip(llm.generate(prompts, first), exact.generate(prompts, first)):
+        ours_top, theirs_top = dict(ours.logprobs[0].top_logprobs), dict(theirs.logprobs[0].top_logprobs)
+        shared = ours_top.keys() & theirs_top.keys()
+        assert len(shared) >= 4
+        for token in shared:
+            assert abs(ours_top[token] - theirs_top[token]) <= 0.05 * abs(theirs_top[token]) + 0.02

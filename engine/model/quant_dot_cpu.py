@@ -1,0 +1,266 @@
+"""Quantized matmuls by integer dot products on x86 (ggml's way): the activations are quantized to int8 per
+group of 32, and AVX2's `vpmaddubsw` / `vpmaddwd` multiply 32 weight bytes by 32 activation bytes and sum them in
+pairs and quads, 4 products in the time the float kernel (quant_matmul_cpu) spends widening one weight.
+
+Layout ("quads"): a weight [N, K] in QuantRows form with group 32 becomes
+- data [ceil(N / TILE), K / 4, 128] uint8 for 8 bits: for each run of 4 k, 4 vectors of 32 bytes, vector v
+  holding columns 8v..8v+7 of the tile, each as its 4 consecutive k (the operand order of vpmaddubsw then
+  vpmaddwd); for 4 bits [.., K / 4, 64]: vectors 0 and 1 share bytes 0-31 (0 low, 1 high nibble), 2 and 3
+  bytes 32-63;
+- scales, mins [tiles, K / 32, TILE] float32, as quant_matmul_cpu's.
+
+The product: x[r, k] ~ d[r, g] * xq[r, k] with xq = round(x / d) in -127..127 and d = max |x| over the group
+/ 127; each output is sum over groups of scale * d * (integer sum of q * xq) + min * d * (sum of xq), as in
+llama.cpp's Q8_1 activations. The integer sums are exact, so the product is the dequantized weight's times the
+rounded activations (each within d / 2 of x) to float32 summation order; a large batch, whose matmuls run on
+the dequantized weight, multiplies the same rounded activations (round_activations), so a row's answer does
+not depend on the size of its batch.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from engine.model import kernel_cache  # numba's cache folder, set before any @njit below
+from engine.model import simd
+from engine.model.packed_matmul_cpu import TILE
+from engine.model.quant_formats import QuantRows
+from engine.model.simd import const
+
+GROUP = 32  # k per activation scale; the weight's group must be the same
+QUAD = 4  # k a vpmaddwd lane sums
+COLUMNS = 8  # columns of one 32-byte vector (8 columns x 4 k)
+BYTES_4BIT, BYTES_8BIT = TILE * QUAD // 2, TILE * QUAD  # bytes of one quad of a tile
+X86 = kernel_cache.TARGET_ISA in ("avx2", "avx512")
+# rows one pass over a tile serves: each keeps 4 integer accumulators beside the 4 weight vectors (AVX2: 16
+# registers; AVX-512's 32 ymm registers hold 4 rows)
+ROW_GROUP = 4 if kernel_cache.TARGET_ISA == "avx512" else 2
+
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_BYTES = ir.VectorType(_I8, 32)
+_PAIRS = ir.VectorType(_I16, 16)
+_SUMS = ir.VectorType(_I32, COLUMNS)
+_FLOATS = ir.VectorType(ir.FloatType(), COLUMNS)
+
+
+def fits(rows: QuantRows) -> bool:
+    """Whether the weight can run on integer dot products: groups of 32 (Q8_0, Q4_0, Q4_1, Q4_K; not Q6_K's 16)."""
+    return rows.group == GROUP and rows.shape[1] % GROUP == 0
+
+
+def pack(rows: QuantRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(data, scales, mins) in the quad layout."""
+    n, k = rows.shape
+    tiles = -(-n // TILE)
+    q = np.zeros((tiles * TILE, k), np.int16)
+    q[:n] = rows.q
+    # [tiles, TILE, K / 4, 4] -> [tiles, K / 4, 4 vectors, 8 columns x 4 k]
+    q = q.reshape(tiles, TILE, k // QUAD, QUAD).transpose(0, 2, 1, 3).reshape(tiles, k // QUAD, 4, COLUMNS * QUAD)
+    if rows.bits == 4:
+        data = np.concatenate([q[:, :, 0] | (q[:, :, 1] << 4), q[:, :, 2] | (q[:, :, 3] << 4)], axis=2)
+        data = data.astype(np.uint8)
+    else:
+        data = q.reshape(tiles, k // QUAD, BYTES_8BIT).astype(np.int8).view(np.uint8)
+
+    def per_group(values: np.ndarray | None) -> np.ndarray:
+        if values is None:
+            return np.zeros((tiles, 0, TILE), np.float32)
+        padded = np.zeros((tiles * TILE, values.shape[1]), np.float32)
+        padded[:n] = values
+        return np.ascontiguousarray(padded.reshape(tiles, TILE, -1).transpose(0, 2, 1))
+
+    return np.ascontiguousarray(data), per_group(rows.scales), per_group(rows.mins)
+
+
+@njit(nogil=True, cache=kernel_cache.CACHE)
+def is_quads(data) -> bool:
+    """Whether packed data (numpy, or its numba view) is in the quad layout (quant_matmul_cpu's own tiles are
+    16 or 32 bytes a k)."""
+    return data.shape[2] == BYTES_4BIT or data.shape[2] == BYTES_8BIT
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+def row(data, scales, mins, row, out):
+    """out[k] = W[row, k] for one row of a weight in the quad layout."""
+    tile, column = row // TILE, row % TILE
+    vector, within = column // COLUMNS, column % COLUMNS
+    four_bit = data.shape[2] == BYTES_4BIT
+    for k in range(data.shape[1] * QUAD):
+        j, i = k // QUAD, k % QUAD
+        if four_bit:
+            byte = data[tile, j, (vector // 2) * 32 + within * QUAD + i]
+            q = np.float32(byte & 0x0F if vector % 2 == 0 else byte >> 4)
+        else:
+            q = np.float32(np.int8(data[tile, j, vector * 32 + within * QUAD + i]))
+        value = q * scales[tile, k // GROUP, column]
+        out[k] = value + mins[tile, k // GROUP, column] if mins.shape[1] else value
+
+
+@njit(fastmath=False, nogil=True, cache=kernel_cache.CACHE)
+def quantize_activations(x, xq, d, sums):
+    """xq[r, k] = round(x[r, k] / d[r, g]) with d[r, g] = max |x| over group g / 127 (0 for a zero group), and
+    sums[r, g] = d[r, g] * the group's sum of xq (what the mins multiply: the rounded activations' sum, so that
+    the product is exactly the dequantized weight's times the rounded activations). Not fastmath: the rounding
+    must be the same wherever it runs."""
+    for r in range(x.shape[0]):
+        for g in range(x.shape[1] // GROUP):
+            largest = np.float32(0.0)
+            for k in range(g * GROUP, (g + 1) * GROUP):
+                largest = max(largest, abs(x[r, k]))
+            scale = largest / np.float32(127.0)
+            inverse = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+            total = 0
+            for k in range(g * GROUP, (g + 1) * GROUP):
+                xq[r, k] = np.int8(np.rint(x[r, k] * inverse))
+                total += xq[r, k]
+            d[r, g] = scale
+            sums[r, g] = scale * np.float32(total)
+
+
+@njit(fastmath=False, nogil=True, cache=kernel_cache.CACHE)
+def round_activations(x, out):
+    """out = the activations integer dot products multiply: d * xq, as float32 (for large batches, whose
+    matmuls run on the dequantized weight)."""
+    xq = np.empty(x.shape, np.int8)
+    d = np.empty((x.shape[0], x.shape[1] // GROUP), np.float32)
+    sums = np.empty_like(d)
+    quantize_activations(x, xq, d, sums)
+    for r in range(x.shape[0]):
+        for k in range(x.shape[1]):
+            out[r, k] = d[r, k // GROUP] * np.float32(xq[r, k])
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+def tile_rows(xq, d, sums, data, scales, mins, tile, out):
+    """out[r, :TILE] = the tile's product for each of xq's 1 to ROW_GROUP rows (_tile with the literal bits and
+    has_min of this weight: each pair its own compiled loop)."""
+    if data.shape[2] == BYTES_4BIT:
+        if mins.shape[1]:
+            _tile(xq, d, sums, data, scales, mins, tile, out, 4, True)
+        else:
+            _tile(xq, d, sums, data, scales, mins, tile, out, 4, False)
+    elif mins.shape[1]:
+        _tile(xq, d, sums, data, scales, mins, tile, out, 8, True)
+    else:
+        _tile(xq, d, sums, data, scales, mins, tile, out, 8, False)
+
+
+def _x86(builder: ir.IRBuilder, name: str, result: ir.Type, *args: ir.Value) -> ir.Value:
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, [a.type for a in args]),
+                                        f"llvm.x86.avx2.{name}")
+    return builder.call(fn, list(args))
+
+
+def _splat(builder: ir.IRBuilder, scalar: ir.Value, vector_type: ir.VectorType) -> ir.Value:
+    lane0 = builder.insert_element(ir.Constant(vector_type, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(lane0, ir.Constant(vector_type, ir.Undefined),
+                                  ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count))
+
+
+@intrinsic
+def _tile(typingctx, xq, d, sums, data, scales, mins, tile, out, bits, has_min):
+    """out[r, :TILE] = xq[r] (as d * xq, sums) @ W[tile].T for each of xq's 1 to ROW_GROUP rows: xq [rows, K] int8
+    with unit stride along K, d / sums [rows, K / 32] float32, data / scales / mins contiguous as pack() makes
+    them, out [>= rows, >= TILE] float32 with unit stride along its rows. x86 only (AVX2's integer ops)."""
+    if not all(isinstance(a, (types.IntegerLiteral, types.BooleanLiteral)) for a in (bits, has_min)):
+        return None  # numba then retries with the literal values of the constants the caller passes
+
+    def codegen(context, builder, signature, args):
+        if not X86:  # pack() never makes quads off x86; this keeps the function compilable there
+            builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                        "llvm.trap"), [])
+            return context.get_dummy_value()
+        xq_ary, d_ary, sums_ary, data_ary, scales_ary, mins_ary, out_ary = (
+            context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 5, 7))
+        tile_arg = args[6]
+        four_bit, with_min = bits.literal_value == 4, has_min.literal_value
+        rows_arg, k_len = cgutils.unpack_tuple(builder, xq_ary.shape, 2)
+        xq_row = cgutils.unpack_tuple(builder, xq_ary.strides, 2)[0]  # in bytes, as xq's elements
+        d_row = builder.udiv(cgutils.unpack_tuple(builder, d_ary.strides, 2)[0], const(4))
+        sums_row = builder.udiv(cgutils.unpack_tuple(builder, sums_ary.strides, 2)[0], const(4))
+        out_row = builder.udiv(cgutils.unpack_tuple(builder, out_ary.strides, 2)[0], const(4))
+        width = BYTES_4BIT if four_bit else BYTES_8BIT
+        groups = builder.udiv(k_len, const(GROUP))
+        tile_data = builder.gep(data_ary.data, [builder.mul(tile_arg, builder.mul(builder.udiv(k_len, const(QUAD)),
+                                                                                  const(width)))])
+        tile_scales = builder.gep(scales_ary.data, [builder.mul(tile_arg, builder.mul(groups, const(TILE)))])
+        tile_mins = builder.gep(mins_ary.data, [builder.mul(tile_arg, builder.mul(groups, const(TILE)))])
+        xq_bytes = builder.bitcast(xq_ary.data, _I8.as_pointer())
+        ones = ir.Constant(_PAIRS, [1] * 16)
+        nibble = ir.Constant(_BYTES, [0x0F] * 32)
+
+        def vectors_at(quad):  # the tile's 4 weight vectors of a quad (unsigned bytes; 8 bits: as signed)
+            here = builder.gep(tile_data, [builder.mul(quad, const(width))])
+            loaded = [builder.load(builder.bitcast(builder.gep(here, [const(32 * v)]), _BYTES.as_pointer()), align=1)
+                      for v in range(width // 32)]
+            if not four_bit:
+                return loaded
+            out = []
+            for raw in loaded:
+                high = builder.bitcast(builder.lshr(builder.bitcast(raw, _PAIRS), ir.Constant(_PAIRS, [4] * 16)), _BYTES)
+                out += [builder.and_(raw, nibble), builder.and_(high, nibble)]
+            return out
+
+        def out_at(r, v):
+            return builder.bitcast(builder.gep(out_ary.data, [builder.add(builder.mul(const(r), out_row),
+                                                                          const(v * COLUMNS))]), _FLOATS.as_pointer())
+
+        def x_at(r, quad):  # xq[r, 4 quad .. 4 quad + 3] in every 32-bit lane
+            at = builder.gep(xq_bytes, [builder.add(builder.mul(const(r), xq_row), builder.mul(quad, const(QUAD)))])
+            return builder.bitcast(_splat(builder, builder.load(builder.bitcast(at, _I32.as_pointer()), align=1),
+                                          _SUMS), _BYTES)
+
+        def per_row(array, row_stride, r, g):  # array[r, g] of a [rows, K / 32] float32 array, in 8 lanes
+            return _splat(builder, builder.load(builder.gep(array.data, [builder.add(builder.mul(const(r), row_stride),
+                                                                                     g)])), _FLOATS)
+
+        def eight_columns(base, columns):
+            return builder.load(builder.bitcast(builder.gep(base, [columns]), _FLOATS.as_pointer()), align=4)
+
+        def group_step(num_rows, g):
+            sums_of = [[ir.Constant(_SUMS, None)] * 4 for _ in range(num_rows)]
+            for step in range(GROUP // QUAD):
+                quad = builder.add(builder.mul(g, const(GROUP // QUAD)), const(step))
+                w = vectors_at(quad)
+                # vpmaddubsw takes unsigned weights: 8-bit ones give their magnitude, their sign moves to x
+                magnitude = w if four_bit else [_x86(builder, "psign.b", _BYTES, wv, wv) for wv in w]
+                for r in range(num_rows):
+                    x_bytes = x_at(r, quad)
+                    for v in range(4):
+                        signed_x = x_bytes if four_bit else _x86(builder, "psign.b", _BYTES, x_bytes, w[v])
+                        pairs = _x86(builder, "pmadd.ub.sw", _PAIRS, magnitude[v], signed_x)
+                        sums_of[r][v] = builder.add(sums_of[r][v], _x86(builder, "pmadd.wd", _SUMS, pairs, ones))
+            first_column = builder.mul(g, const(TILE))
+            for r in range(num_rows):
+                d_rg = per_row(d_ary, d_row, r, g)
+                x_sum = per_row(sums_ary, sums_row, r, g) if with_min else None
+                for v in range(4):
+                    columns = builder.add(first_column, const(v * COLUMNS))
+                    to = out_at(r, v)
+                    total = _fma(builder, builder.fmul(eight_columns(tile_scales, columns), d_rg),
+                                 builder.sitofp(sums_of[r][v], _FLOATS), builder.load(to, align=4))
+                    if with_min:
+                        total = _fma(builder, eight_columns(tile_mins, columns), x_sum, total)
+                    builder.store(total, to, align=4)
+
+        def product(num_rows):
+            for r in range(num_rows):
+                for v in range(4):
+                    builder.store(ir.Constant(_FLOATS, None), out_at(r, v), align=4)
+            with cgutils.for_range(builder, groups) as loop:
+                group_step(num_rows, loop.index)
+
+        simd.cases(builder, rows_arg, range(1, ROW_GROUP + 1), product)
+        return context.get_dummy_value()
+
+    return types.void(xq, d, sums, data, scales, mins, tile, out, bits, has_min), codegen
+
+
+def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+    """a * b + c over 8 float lanes, in one instruction."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_FLOATS, [_FLOATS] * 3), "llvm.fma.v8f32")
+    return builder.call(fn, [a, b, c])
+

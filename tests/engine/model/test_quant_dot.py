@@ -1,0 +1,125 @@
+"""Integer dot products (quant_dot_cpu): the activations' int8 rounding against its bound, and the kernel
+against a float64 reference computed on the rounded activations, for every layout with groups of 32, row
+groups of 1, 2 and more, widths that are not whole tiles and planted outliers in scales and mins."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.model import quant_dot_cpu, quant_matmul_cpu
+from engine.model.quant_formats import QuantRows
+from engine.model.quant_matmul_cpu import TILE
+
+pytestmark = pytest.mark.skipif(not quant_dot_cpu.X86, reason="integer dot products are x86 (AVX2) code")
+
+# (bits, with mins): Q4_1 / Q4_K / Q4_0 (min = -8 scale), Q8_0, an 8-bit stack with mins (Q4_1 beside Q8_0)
+LAYOUTS = [(4, True), (8, False), (8, True)]
+ROW_COUNTS = sorted({1, 2, 3, quant_dot_cpu.ROW_GROUP, quant_dot_cpu.ROW_GROUP + 1, 9})
+
+
+def _rows(n: int, k: int, bits: int, with_mins: bool, seed: int = 0) -> QuantRows:
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 16, (n, k), dtype=np.uint8) if bits == 4 else rng.integers(-128, 128, (n, k), dtype=np.int8)
+    q[1, :32] = 15 if bits == 4 else -128  # the largest products the 16-bit pair sums must hold
+    scales = rng.uniform(0.001, 0.02, (n, k // 32)).astype(np.float32)
+    scales[n // 2, 0] = 3.0  # planted outliers: one group's scale, one group's min
+    mins = rng.uniform(-0.1, 0.1, (n, k // 32)).astype(np.float32) if with_mins else None
+    if mins is not None:
+        mins[0, -1] = -40.0
+    return QuantRows(q, scales, mins, 32, bits)
+
+
+def _quantized(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    xq = np.empty(x.shape, np.int8)
+    d = np.empty((x.shape[0], x.shape[1] // 32), np.float32)
+    sums = np.empty_like(d)
+    quant_dot_cpu.quantize_activations(x, xq, d, sums)
+    return xq, d, sums
+
+
+def _reference(x: np.ndarray, rows: QuantRows) -> np.ndarray:
+    """The product the kernel computes: the dequantized weight times the rounded activations, in float64."""
+    xq, d, _ = _quantized(x)
+    rounded = xq.astype(np.float64) * np.repeat(d.astype(np.float64), 32, axis=1)
+    return rounded @ rows.dequantize().astype(np.float64).T
+
+
+def test_activations_round_to_int8_within_half_a_step():
+    x = np.random.default_rng(0).standard_normal((3, 96)).astype(np.float32)
+    x[1, 32:64] = 0.0  # a zero group: scale 0, every byte 0
+    x[2, 70] = 1e4  # an outlier takes its group's scale
+    xq, d, sums = _quantized(x)
+    assert np.abs(xq.astype(np.int32)).max() == 127 and d[1, 1] == 0 and not xq[1, 32:64].any()
+    step = np.repeat(d, 32, axis=1)
+    assert np.all(np.abs(xq * step - x) <= step / 2 * (1 + 1e-6))
+    # the mins multiply the rounded activations' sum
+    np.testing.assert_array_equal(sums, d * xq.astype(np.int32).reshape(3, 3, 32).sum(axis=2).astype(np.float32))
+    rounded = torch.empty(3, 96)
+    quant_dot_cpu.round_activations(x, rounded.numpy())
+    np.testing.assert_array_equal(rounded.numpy(), xq * step)
+
+
+@pytest.mark.parametrize("bits,with_mins", LAYOUTS)
+@pytest.mark.parametrize("n", [TILE, 3 * TILE + 5])
+def test_product_matches_float64_on_the_rounded_activations(bits, with_mins, n):
+    rows = _rows(n, 96, bits, with_mins)
+    tiles = quant_matmul_cpu.pack(rows, integer=True)
+    assert tiles.integer and tiles.bits == bits and tiles.in_features == 96
+    for m in ROW_COUNTS:
+        x = np.random.default_rng(m).standard_normal((m, 96)).astype(np.float32)
+        got = quant_matmul_cpu.linear(torch.from_numpy(x), tiles, None).numpy()
+        expected = _reference(x, rows)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_the_rounding_error_stays_within_its_bound_of_the_exact_product():
+    """|sum_k w_k (x_k - d xq_k)| <= sum_k |w_k| d / 2: what int8 activations may cost against the float
+    kernel."""
+    rows = _rows(2 * TILE, 128, 4, True)
+    x = np.random.default_rng(5).standard_normal((2, 128)).astype(np.float32)
+    got = quant_matmul_cpu.linear(torch.from_numpy(x), quant_matmul_cpu.pack(rows, integer=True), None).numpy()
+    exact = x.astype(np.float64) @ rows.dequantize().astype(np.float64).T
+    _, d, _ = _quantized(x)
+    bound = (np.repeat(d, 32, axis=1) / 2) @ np.abs(rows.dequantize().astype(np.float64)).T
+    assert np.all(np.abs(got - exact) <= bound + 1e-4)
+
+
+def test_a_large_batch_multiplies_the_same_rounded_activations():
+    """Steps of more than 32 rows run on the dequantized weight: over the rounded activations, so that a row's
+    product is the small-batch kernel's whatever its batch."""
+    from engine.model.linear import Linear
+    rows = _rows(2 * TILE, 64, 4, True)
+    layer = Linear(64, 2 * TILE, bias=False)
+    layer.quant, layer.weight = quant_matmul_cpu.pack(rows, integer=True), None
+    x = torch.from_numpy(np.random.default_rng(2).standard_normal((40, 64)).astype(np.float32))
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(40)])
+    np.testing.assert_allclose(layer(x).numpy(), alone.numpy(), rtol=1e-5, atol=1e-5 * alone.abs().max().item())
+
+
+def test_bias_and_accumulate_add_onto_the_output():
+    rows = _rows(TILE + 7, 64, 4, True)
+    tiles = quant_matmul_cpu.pack(rows, integer=True)
+    x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+    bias = np.arange(TILE + 7, dtype=np.float32)
+    out = np.full((3, TILE + 7), 2.0, np.float32)
+    quant_matmul_cpu.quant_matmul(x, *tiles.arrays(), bias, out, True, 2)
+    np.testing.assert_allclose(out, 2.0 + bias + _reference(x, rows), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits,with_mins", LAYOUTS)
+def test_rows_and_dequantize_read_the_quad_layout_exactly(bits, with_mins):
+    rows = _rows(2 * TILE + 3, 64, bits, with_mins)
+    tiles = quant_matmul_cpu.pack(rows, integer=True)
+    exact = rows.dequantize()
+    np.testing.assert_array_equal(quant_matmul_cpu.dequantize(tiles).numpy(), exact)
+    ids = torch.tensor([0, 1, 37, 2 * TILE + 2])
+    np.testing.assert_array_equal(quant_matmul_cpu.embedding_rows(tiles, ids).numpy(), exact[ids.numpy()])
+
+
+def test_groups_of_16_keep_the_float_kernel():
+    """Q6_K's 16-weight groups have no int8 layout here: the weight packs for the float kernel."""
+    rng = np.random.default_rng(0)
+    rows = QuantRows(rng.integers(-32, 32, (TILE, 64), dtype=np.int8),
+                     rng.uniform(0.01, 0.02, (TILE, 4)).astype(np.float32), None, 16, 8)
+    assert not quant_matmul_cpu.pack(rows, integer=True).integer
