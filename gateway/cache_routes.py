@@ -1,7 +1,7 @@
 """A tenant's cache under its own control: `GET /v1/cache` lists the caller's pinned prefixes,
 `POST /v1/cache/warm` computes and pins a prompt without generating anything, `DELETE /v1/cache` erases the
-caller's cached blocks, in memory and on disk, pinned or not. Each acts on the caller's tenant only (the
-anonymous one without API keys)."""
+caller's cached blocks, in memory and on disk, pinned or not, and its stored responses. Each acts on the
+caller's tenant only (the anonymous one without API keys)."""
 from __future__ import annotations
 
 import uuid
@@ -17,6 +17,7 @@ from gateway.generate import Choice, prompt_tokens_details
 from gateway.jsonbody import parse_body
 from gateway.protocol import _Fields, parse_prompts
 from gateway.render import encode_prompts, normalize_messages, render_chat
+from gateway.responses import RESPONSE_STORE
 from gateway.runner import RequestRun, run_command
 from gateway.state import STATE, GatewayState
 from gateway.tool_prompt import TOOL_TEMPLATE
@@ -36,8 +37,9 @@ async def erase(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tenant = state.auth.authenticate(request)
     erased: CacheErased = await run_command(state.engine, state.engine.erase_cache(tenant.name))
+    responses = await request.app[RESPONSE_STORE].aerase(tenant.name)  # its conversations are its cache too
     return web.json_response({"object": "cache.deleted", "deleted": True, "blocks": erased.blocks,
-                              "disk_blocks": erased.disk_blocks, "pins": erased.pins})
+                              "disk_blocks": erased.disk_blocks, "pins": erased.pins, "responses": responses})
 
 
 async def warm(request: web.Request) -> web.Response:

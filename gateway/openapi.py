@@ -34,7 +34,8 @@ def build_openapi(model_name: str, vocab_size: int, limits: GatewaySettings) -> 
             "/v1/cache": {"get": _operation("The caller's pinned prefixes", ref("CachePins"), secured=True,
                                             errors=(503,)),
                           "delete": _operation("Erase the caller's cached blocks, in memory and on disk, pinned "
-                                               "or not", ref("CacheDeleted"), secured=True, errors=(503,))},
+                                               "or not, and its stored responses", ref("CacheDeleted"), secured=True,
+                                               errors=(503,))},
             "/v1/cache/warm": {"post": _warm_operation(model_name, vocab_size, limits)},
             "/v1/cache/stats": {"get": _operation("The caller's hit rate and the pool's occupancy", ref("CacheStats"),
                                                   secured=True)},

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 IN_MEMORY = ":memory:"
 BUSY_TIMEOUT_MS = 2000  # a write waits at most this long for another gateway's (on the store's thread)
-RETRY_AFTER_S = 1  # a delete that found the file locked
+RETRY_AFTER_S = 1  # a delete or erase that found the file locked
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY,
@@ -86,6 +86,9 @@ class ResponseStore:
     async def adelete(self, tenant: str, response_id: str) -> None:
         await self._off_loop(self.delete, tenant, response_id)
 
+    async def aerase(self, tenant: str) -> int:
+        return await self._off_loop(self.erase, tenant)
+
     async def _off_loop(self, call: Callable, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._thread, call, *args)
 
@@ -139,11 +142,22 @@ class ResponseStore:
             if not _is_busy(exc):
                 raise _lost(self.path, response_id, exc) from None
             log.warning("stored responses: cannot delete %s: %s is locked (%s)", response_id, self.path, exc)
-            raise APIError(503, "stored responses are locked by another writer; try again", param="response_id",
-                           code="responses_store_busy", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            raise unavailable("response_id") from None
         if not deleted:
             raise not_found(response_id)
         len(self)
+
+    def erase(self, tenant: str) -> int:
+        """Deletes every stored response of `tenant` (DELETE /v1/cache); returns how many. 503 when the file
+        cannot be written (the client asked for an erasure: it must learn that none happened)."""
+        try:
+            with self._lock, self._db:
+                erased = self._db.execute("DELETE FROM responses WHERE tenant = ?", (tenant,)).rowcount
+        except sqlite3.Error as exc:
+            log.warning("stored responses: cannot erase tenant %s's in %s (%s)", tenant, self.path, exc)
+            raise unavailable() from None
+        len(self)
+        return erased
 
     def __len__(self) -> int:
         """Stored responses not expired (the last count, with a warning, when the file cannot be read)."""
@@ -188,6 +202,13 @@ def _is_busy(exc: sqlite3.Error) -> bool:
 def _lost(path: str, response_id: str, exc: sqlite3.Error) -> APIError:
     log.warning("stored responses: cannot read %s (%s); %s is a 404", path, exc, response_id)
     return not_found(response_id)
+
+
+def unavailable(param: str | None = None) -> APIError:
+    """A write the client may try again: the database is locked by another writer, or cannot be reached (the
+    reason goes to the log, not to the client)."""
+    return APIError(503, "the stored responses' database cannot be written now; try again", param=param,
+                    code="responses_store_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def not_found(response_id: str) -> APIError:

@@ -20,8 +20,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from gateway.errors import APIError
-from gateway.response_store import RETRY_AFTER_S, Stored, not_found
+from gateway.response_store import Stored, not_found, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +107,22 @@ class PostgresResponseStore:
                                           "created_at >= $3", response_id, tenant, self._clock() - self.ttl_s)
         except (OSError, asyncio.TimeoutError, self._asyncpg.PostgresError) as exc:
             log.warning("stored responses: cannot delete %s in %s (%s)", response_id, self.path, exc)
-            raise APIError(503, "the stored responses' database cannot be reached; try again", param="response_id",
-                           code="responses_store_busy", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            raise unavailable("response_id") from None
         if status == "DELETE 0":
             raise not_found(response_id)
         self.num_stored = max(0, self.num_stored - 1)
+
+    async def aerase(self, tenant: str) -> int:
+        """Deletes every stored response of `tenant` (DELETE /v1/cache); 503 when the server cannot be reached."""
+        try:
+            async with (await self._connect()).acquire() as db:
+                status = await db.execute("DELETE FROM prefixgate_responses WHERE tenant = $1", tenant)
+        except (OSError, asyncio.TimeoutError, self._asyncpg.PostgresError) as exc:
+            log.warning("stored responses: cannot erase tenant %s's in %s (%s)", tenant, self.path, exc)
+            raise unavailable() from None
+        erased = int(status.split()[-1])
+        self.num_stored = max(0, self.num_stored - erased)
+        return erased
 
     async def aclose(self) -> None:
         if self._pool is not None:

@@ -90,8 +90,12 @@ async def test_the_sqlite_stores_semantics_on_postgres(store, clock):
     assert (store.num_stored, store.num_dropped) == (2, 1)
     await store.adelete("alice", "resp_c")
     assert await status_of(store.adelete("alice", "resp_c")) == (404, "response_not_found")
-    clock.now += DAY_S  # resp_a was put more than a day ago
+    await store.aput(stored("resp_bob", tenant="bob"))
+    assert (await store.aerase("alice"), store.num_stored) == (1, 1)  # DELETE /v1/cache: alice's resp_a
     assert await status_of(store.aget("alice", "resp_a")) == (404, "response_not_found")
+    assert (await store.aget("bob", "resp_bob")).tenant == "bob"
+    clock.now += DAY_S + 1  # resp_bob was put more than a day ago
+    assert await status_of(store.aget("bob", "resp_bob")) == (404, "response_not_found")
 
 
 async def test_a_server_that_cannot_be_reached_costs_warnings_and_404s(tmp_path, caplog):
@@ -100,6 +104,7 @@ async def test_a_server_that_cannot_be_reached_costs_warnings_and_404s(tmp_path,
         await store.aput(stored("resp_1"))
         assert await status_of(store.aget("alice", "resp_1")) == (404, "response_not_found")
         assert await status_of(store.adelete("alice", "resp_1")) == (503, "responses_store_busy")
+        assert await status_of(store.aerase("alice")) == (503, "responses_store_busy")
     assert "resp_1 not stored in postgresql://" in caplog.text and "cannot read postgresql://" in caplog.text
     await store.aclose()
 
