@@ -148,14 +148,17 @@ class ResponseStore:
         len(self)
 
     def erase(self, tenant: str) -> int:
-        """Deletes every stored response of `tenant` (DELETE /v1/cache); returns how many. 503 when the file
-        cannot be written (the client asked for an erasure: it must learn that none happened)."""
+        """Deletes every stored response of `tenant` (DELETE /v1/cache); returns how many. 503 while another
+        writer holds the file (the client asked for an erasure: it must learn that none happened); 0 with a
+        warning when the file cannot be read (nothing in it can be served any more)."""
         try:
             with self._lock, self._db:
                 erased = self._db.execute("DELETE FROM responses WHERE tenant = ?", (tenant,)).rowcount
         except sqlite3.Error as exc:
             log.warning("stored responses: cannot erase tenant %s's in %s (%s)", tenant, self.path, exc)
-            raise unavailable() from None
+            if _is_busy(exc):
+                raise unavailable() from None
+            return 0
         len(self)
         return erased
 

@@ -57,6 +57,7 @@ def test_a_delete_and_a_count_on_a_locked_file(locked, caplog):
     store, other = locked
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         err = api_error(lambda: store.delete("alice", "resp_1"))
+        assert api_error(lambda: store.erase("alice")).status == 503
         assert len(store) == 1  # readers never wait in WAL mode
     assert (err.status, err.code, err.headers) == (503, "responses_store_busy", {"Retry-After": "1"})
     assert f"cannot delete resp_1: {store.path} is locked" in caplog.text
@@ -73,11 +74,13 @@ def test_every_call_on_a_file_broken_while_serving(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         assert (api_error(lambda: store.get("alice", "resp_1")).status,
                 api_error(lambda: store.delete("alice", "resp_1")).status) == (404, 404)
+        assert store.erase("alice") == 0  # nothing in it can be served any more
         store.put(stored("resp_2"))
         assert len(store) == 1  # the last count
         assert api_error(lambda: store.get("alice", "resp_2")).code == "response_not_found"
     assert caplog.text.count(f"cannot read {path}") == 3
     assert "resp_2 not stored" in caplog.text and f"cannot count {path}" in caplog.text
+    assert f"cannot erase tenant alice's in {path}" in caplog.text
     store.close()
 
 
