@@ -11,8 +11,9 @@ REPLICAS ?= 4
 # the unit tier: every test without a marker of what makes a test heavy (pyproject.toml lists them)
 HEAVY := server or default_model or ray or compat or browser or prometheus or fuzz or slow
 # two workers: much of the suite waits on processes, sockets and Ray rather than on the CPU; a file stays on
-# one worker, so its module-scoped servers and engines start once
-XDIST := -n 2 --dist loadfile
+# one worker, so its module-scoped servers and engines start once; files go out in tests/conftest.py's order
+# (heaviest first), not xdist's (most tests first), so that no long file starts last
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 COVERAGE := --cov=engine --cov=gateway --cov-report=term:skip-covered
 
 .PHONY: serve serve-cluster test test-fast bench bench-quick bench-peers model clean

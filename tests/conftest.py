@@ -13,6 +13,26 @@ if not torch.cuda.is_available():  # Triton kernels (the CUDA decode path) run o
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# what holds a worker longest first (Ray's start, the default model, real processes, fuzzing, compiles)
+HEAVIEST_FIRST = ("ray", "default_model", "server", "fuzz", "slow", "browser", "compat", "prometheus")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files in the order pytest-xdist should hand them out (the Makefile turns its own reordering, by number of
+    tests, off): files with the heaviest marker first, then files with more tests. A file of a few long tests
+    handed out last would be the whole run's tail, one worker idle beside it. A file's tests keep their order."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+
+    def weight(tests: list[pytest.Item]) -> tuple[int, int]:
+        marks = {mark.name for item in tests for mark in item.iter_markers()}
+        return (min((HEAVIEST_FIRST.index(m) for m in marks & set(HEAVIEST_FIRST)), default=len(HEAVIEST_FIRST)),
+                -len(tests))
+
+    items[:] = [item for tests in sorted(files.values(), key=weight) for item in tests]
+
+
 @pytest.fixture(autouse=True)
 def _drop_dead_log_handlers():
     """`gateway` main() (config-error tests) installs a root handler on the stderr pytest captured for that test;
