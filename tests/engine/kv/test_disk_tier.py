@@ -236,7 +236,6 @@ async def test_concurrent_eviction_and_reload_leak_no_block(tiny_llama_dir, tmp_
     assert engine.core.kv.disk.closed
 
 
-@pytest.mark.server
 @pytest.mark.parametrize("salt_secrets, expected", [(["fixed-secret"] * 2, [0, 64]),
                                                      ([None, None], [0, 64]),  # the kept secret
                                                      (["one", "another"], [0, 0])])
@@ -250,9 +249,11 @@ async def test_a_gateway_restart_hits_the_disk_tier_while_the_salt_secret_stays(
     monkeypatch.setenv("PREFIXGATE_CACHE", str(tmp_path / "home"))  # where an unset secret is kept
     cached = []
     for salt_secret in salt_secrets:  # the second server starts after the first shut down gracefully
+        # the engine in process: the salt secret is the API side's; the engine process's shutdown writing its
+        # blocks to disk is the next test's
         settings = load_settings(None, engine_overrides=dict(model=str(tiny_llama_dir), num_kv_blocks=12,
                                                              kv_disk_dir=str(tmp_path / "kv")),
-                                 gateway_overrides=dict(salt_secret=salt_secret))
+                                 gateway_overrides=dict(salt_secret=salt_secret, engine_process=False))
         async with TestClient(TestServer(create_app(settings))) as client:
             model = (await (await client.get("/v1/models")).json())["data"][0]["id"]
             resp = await client.post("/v1/completions", json={"model": model, "prompt": HOT, "max_tokens": 1,
@@ -264,6 +265,8 @@ async def test_a_gateway_restart_hits_the_disk_tier_while_the_salt_secret_stays(
 
 @pytest.mark.server
 async def test_usage_says_what_came_from_disk_and_what_was_written(tiny_llama_dir, tmp_path):
+    """With the engine in a process of its own (create_app's default): its SIGTERM at shutdown writes the
+    cached blocks to disk for the next server."""
     from aiohttp.test_utils import TestClient, TestServer
 
     from gateway.app import create_app
