@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from engine import LLM, SamplingParams
 from engine.model.linear import Linear
 from tests.support.gateway_helpers import REPO
@@ -26,6 +28,7 @@ def test_eager_steps_run_without_any_compiled_kernel_and_answer_the_same(tiny_ll
     assert [o.token_ids for o in eager.generate(PROMPTS, GREEDY)] == expected
 
 
+@pytest.mark.slow  # a fresh process: torch, the model and its kernels loaded anew
 def test_with_numba_hidden_eager_serves_and_compiled_says_what_to_do(tiny_llama_dir, tiny_qwen2_dir):
     code = textwrap.dedent(f"""
         import json, sys
@@ -49,6 +52,7 @@ def test_with_numba_hidden_eager_serves_and_compiled_says_what_to_do(tiny_llama_
     assert "numba" in result["message"] and "--cpu-kernels eager" in result["message"]
 
 
+@pytest.mark.slow  # a fresh process: torch, the model and its kernels loaded anew
 def test_start_up_loads_every_kernel_overload_the_first_requests_use(tiny_llama_dir):
     """The first request costs what the second does: after LLM(...) returns, serving (prefill chunks, shared
     prefixes, a batch of decodes, sampling) compiles or loads no further numba overload. In a fresh process,
