@@ -1,12 +1,10 @@
-"""bench serving's report: which run each target reads, and the table (no servers started here)."""
+"""bench serving's report (which run each target reads, and the table) and its lean HTTP client."""
 import asyncio
-
-import pytest
 
 from bench import multiturn, serving
 from bench.http import drive_lean
 from engine.tokenizer import load_tokenizer
-from tests.support.gateway_helpers import served
+from tests.support.gateway_helpers import LiveServer, tiny_settings
 
 BLOCK = 16
 
@@ -60,17 +58,20 @@ def test_paused_chats_wait_before_every_later_turn(tiny_llama_dir):
     assert {r.think_s for r in closed.requests} == {0.0}
 
 
-@pytest.mark.server
 def test_the_lean_client_reads_timings_and_usage_from_a_real_server(tiny_llama_dir):
-    """bench serving's aiohttp client against `serve` on a tiny model: every turn streams its tokens,
-    later turns report the earlier turns' prompt as cached, and one stream yields a gap."""
+    """bench serving's aiohttp client against the gateway on a real port (tiny model, the engine in process:
+    the client sees HTTP alone): every turn streams its tokens, later turns report the earlier turns' prompt as
+    cached, and one stream yields a gap."""
     tokenizer = load_tokenizer(tiny_llama_dir, set())
     work = multiturn.workload(tokenizer, turns=2)
     for r in work.requests:
         r.max_tokens = 4
-    with served("--model", str(tiny_llama_dir), "--kv-cache-memory-mb", "64", "--block-size", str(BLOCK)) as server:
-        timings, duration = asyncio.run(drive_lean(server.base_url, tiny_llama_dir.name, work, {"ignore_eos": True}))
-        gap_ms = asyncio.run(serving.one_stream(server.base_url, tiny_llama_dir.name, 5))
+    settings = tiny_settings(tiny_llama_dir, engine={"num_kv_blocks": None, "kv_cache_memory_mb": 64,
+                                                     "block_size": BLOCK})
+    with LiveServer(settings) as server:
+        base_url, model = server.url + "/v1", server.state.model_name
+        timings, duration = asyncio.run(drive_lean(base_url, model, work, {"ignore_eos": True}))
+        gap_ms = asyncio.run(serving.one_stream(base_url, model, 5))
     by_id = {t.request_id: t for t in timings}
     assert len(by_id) == len(work.requests) and duration > 0
     for r in work.requests:
