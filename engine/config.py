@@ -48,7 +48,8 @@ class EngineConfig:
     # CPU quantized matmuls: float32 (exact: the dequantized model to fp32 summation order) | int8 (llama.cpp's
     # way where the CPU has AVX2: activations rounded to int8 per group of 32, integer dot products; faster)
     quantized_activations: str = "float32"
-    kv_cache_dtype: str = "auto"  # K/V storage: auto (the model's dtype) | float32 | bfloat16 | float16
+    # K/V storage: auto (the model's dtype; bfloat16 beside quantized weights) | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"
     enforce_eager: bool = False  # CUDA: launch every decode step's kernels one by one (no CUDA graphs)
     cpu_kernels: str = "compiled"  # CPU: compiled (numba kernels, packed weights) | eager (plain PyTorch, no numba)
     seed: int = 0

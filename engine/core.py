@@ -44,7 +44,6 @@ class EngineCore:
         self.config = config
         self.device = _resolve_device(config.device)
         dtype = _resolve_dtype(config.dtype, self.device)
-        kv_dtype = dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
         compiled = config.cpu_kernels == "compiled" and self.device.type == "cpu"
         if compiled:
             cpu_kernels.check_available()
@@ -52,6 +51,7 @@ class EngineCore:
         hf_config = load_config(path)
         self.model_path = path
         self.weights_format = weights_format(path, config.quantization, config.dtype, compiled)
+        kv_dtype = _kv_dtype(config.kv_cache_dtype, dtype, self.weights_format)
         self.integer_activations = config.quantized_activations == "int8" and self.weights_format != "none"
         self.model = model if model is not None else load_model(path, hf_config, dtype, self.device, pack=compiled,
                                                                 weights=self.weights_format,
@@ -396,6 +396,15 @@ def _resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def _kv_dtype(name: str, dtype: torch.dtype, weights: str) -> torch.dtype:
+    """K/V storage: `auto` is the model's dtype, and bfloat16 beside quantized weights (as llama.cpp keeps K/V in
+    16 bits): the pool holds twice the blocks, and the CPU decode step reads half the bytes (measured faster on
+    AVX2 and AVX-512, docs/speed.md#k-v-and-weight-dtypes)."""
+    if name != "auto":
+        return _DTYPES[name]
+    return torch.bfloat16 if weights != "none" else dtype
 
 
 def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -68,6 +68,7 @@ def test_its_q4_1_file_gives_the_dequantized_fp32_models_tokens(llm):
     """Served as its file's Q4_1 / Q8_0 blocks by default; --dtype float32 dequantizes the same file exactly,
     so the two differ only in fp32 summation order (the default float32 activations multiply exactly)."""
     assert llm.core.weights_format == "gguf" and not llm.core.integer_activations
+    llm = LLM("default", kv_cache_memory_mb=128, kv_cache_dtype="float32")  # the reference's K/V (default: bf16)
     reference = LLM("default", kv_cache_memory_mb=128, dtype="float32")
     assert reference.core.weights_format == "none" and reference.core.model.lm_head.quant is None
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]

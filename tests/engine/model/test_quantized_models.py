@@ -22,7 +22,8 @@ from tests.support.tiny_gguf import write_gguf_model
 NEW_TOKENS = 24
 # min_tokens masks EOS as transformers' min_new_tokens does, so both pick the same token where EOS leads
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
-SMALL = dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=64)
+# fp32 K/V: the dequantized model's own (quantized weights default to bf16 K/V: test_quantized_weights_keep_...)
+SMALL = dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=64, kv_cache_dtype="float32")
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
@@ -117,6 +118,19 @@ def test_quantized_at_load_gives_transformers_tokens_on_the_dequantized_weights(
     tokens, cached = _greedy_twice(llm, prompts)
     assert cached == [32, 32, 48]  # every whole block of each prompt but its last token
     assert tokens == _transformers_greedy(twin, prompts)
+
+
+def test_quantized_weights_keep_kv_in_bfloat16_by_default(tiny_llama_dir, tmp_path):
+    """As llama.cpp's 16-bit K/V: twice the blocks in the same memory; the dequantized model keeps its fp32."""
+    gguf_dir = write_gguf_model(tiny_llama_dir, tmp_path / "gguf", lambda name: QType.Q8_0)
+    quantized = LLM(str(gguf_dir), kv_cache_memory_mb=1)
+    dequantized = LLM(str(gguf_dir), kv_cache_memory_mb=1, quantization="none")
+    assert quantized.core.runner.kv_slots.dtype == torch.bfloat16
+    assert dequantized.core.runner.kv_slots.dtype == torch.float32
+    assert quantized.core.num_blocks == 2 * dequantized.core.num_blocks
+    assert LLM(str(gguf_dir), kv_cache_memory_mb=1, kv_cache_dtype="float32").core.runner.kv_slots.dtype == torch.float32
+    prompts = _prompts(quantized.core.vocab_size)
+    assert _greedy_twice(quantized, prompts)[1] == [32, 32, 48]  # cached == uncached on bf16 K/V too
 
 
 def test_weights_format_follows_dtype_and_kernels(tiny_llama_dir, tmp_path):
