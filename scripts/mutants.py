@@ -97,7 +97,7 @@ MUTANTS = [
            "signed_x = x_bytes", DOT_TESTS),
     # the high nibbles (columns 8-15 and 24-31 of a tile) read as the low ones
     Mutant("dot-high-nibble-as-low", "quant_dot_cpu.py",
-           "out += [builder.and_(raw, nibble), builder.and_(high, nibble)]",
+           "out += [builder.and_(raw, nibble), builder.and_(builder.bitcast(high, _BYTES), nibble)]",
            "out += [builder.and_(raw, nibble), builder.and_(raw, nibble)]", DOT_TESTS),
     # the activations rounded toward zero: errors up to a whole step, not half
     Mutant("dot-activations-truncated", "quant_dot_cpu.py",
@@ -105,8 +105,9 @@ MUTANTS = [
     # the group's last quad left out of its integer sums
     Mutant("dot-group-one-quad-short", "quant_dot_cpu.py",
            "for step in range(GROUP // QUAD):", "for step in range(GROUP // QUAD - 1):", DOT_TESTS),
-    # the prefill kernel's running sum of weighted values is not rescaled when a later key tile raises the maximum
-    Mutant("prefill-values-not-rescaled", "paged_prefill_cuda.py",
+    # the online softmax (prefill and decode kernels) does not rescale its running sum of weighted values when a
+    # later key tile raises the maximum
+    Mutant("prefill-values-not-rescaled", "paged_decode_cuda.py",
            "acc = acc * rescale[:, None] + tl.dot(weights, values.to(tl.float32), input_precision=\"ieee\")",
            "acc = acc + tl.dot(weights, values.to(tl.float32), input_precision=\"ieee\")", PREFILL_TESTS),
     # a chunk's queries placed one position late in their context: each sees the key after its own

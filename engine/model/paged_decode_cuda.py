@@ -30,6 +30,33 @@ def supports(head_dim: int) -> bool:
 
 
 @triton.jit
+def tile_scores(q, keys, HALF_DOTS: tl.constexpr):
+    """q @ keys.T for a tile of keys, float32 sums."""
+    if HALF_DOTS:  # tensor cores on 16-bit operands, float32 sums (as FlashAttention)
+        return tl.dot(q, tl.trans(keys))
+    return tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee")  # Triton's float32 default is TF32
+
+
+@triton.jit
+def online_softmax(scores, values, acc, total, best, HALF_DOTS: tl.constexpr, BASE2: tl.constexpr):
+    """One key tile of FlashAttention's online softmax: the running maximum `best` rises to the tile's, the sums
+    so far (`acc` of weighted values, `total` of weights) are rescaled to it, and the tile's are added. BASE2:
+    the scores are in log2 units (exp2, as a scale folded with log2(e) gives). Returns (acc, total, best)."""
+    new_best = tl.maximum(best, tl.max(scores, axis=1))
+    if BASE2:
+        weights = tl.exp2(scores - new_best[:, None])
+        rescale = tl.exp2(best - new_best)
+    else:
+        weights = tl.exp(scores - new_best[:, None])
+        rescale = tl.exp(best - new_best)
+    if HALF_DOTS:  # the weights rounded to the values' dtype for the dot, as FlashAttention does
+        acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
+    else:
+        acc = acc * rescale[:, None] + tl.dot(weights, values.to(tl.float32), input_precision="ieee")
+    return acc, total * rescale + tl.sum(weights, axis=1), new_best
+
+
+@triton.jit
 def _partition_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr, part_lse_ptr,
                       scale, stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_bt_row,
                       max_parts, num_heads,
@@ -61,21 +88,9 @@ def _partition_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, p
             slots = blocks.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
             kv_offsets = slots[:, None] * stride_kv_slot + kv_head * stride_kv_head + dims[None, :]
             keys = tl.load(k_ptr + kv_offsets, mask=valid[:, None], other=0.0)
-            if HALF_DOTS:  # tensor cores on 16-bit operands, float32 sums (as FlashAttention)
-                scores = tl.dot(q, tl.trans(keys)) * scale  # [GROUP_PAD, TILE]
-            else:  # explicit IEEE: Triton's default float32 dot is TF32 (1e-3 off)
-                scores = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee") * scale
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            new_best = tl.maximum(best, tl.max(scores, axis=1))
-            weights = tl.exp(scores - new_best[:, None])
-            rescale = tl.exp(best - new_best)
+            scores = tl.where(valid[None, :], tile_scores(q, keys, HALF_DOTS) * scale, float("-inf"))
             values = tl.load(v_ptr + kv_offsets, mask=valid[:, None], other=0.0)
-            if HALF_DOTS:  # the weights rounded to the values' dtype for the dot, as FlashAttention does
-                acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
-            else:
-                acc = acc * rescale[:, None] + tl.dot(weights, values.to(tl.float32), input_precision="ieee")
-            total = total * rescale + tl.sum(weights, axis=1)
-            best = new_best
+            acc, total, best = online_softmax(scores, values, acc, total, best, HALF_DOTS, False)
         # partials: [rows, heads, max_parts, HEAD_DIM] and [rows, heads, max_parts]
         part_index = (row * num_heads + heads) * max_parts + part
         tl.store(part_out_ptr + part_index[:, None] * HEAD_DIM + dims[None, :], acc / total[:, None],

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.model.paged_decode_cuda import online_softmax, tile_scores
+
 LOG2E = 1.4426950408889634  # scores are scaled by log2(e) once so that the softmax runs on exp2
 
 
@@ -84,22 +86,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_starts
             slots = blocks.to(tl.int64) * BLOCK_SIZE + keys_at % BLOCK_SIZE
             kv_offsets = slots[:, None] * stride_kv_slot + kv_head * stride_kv_head + dims[None, :]
             keys = tl.load(k_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
-            if HALF_DOTS:  # tensor cores on 16-bit operands, float32 sums (as FlashAttention)
-                scores = tl.dot(q, tl.trans(keys))
-            else:  # explicit IEEE: Triton's default float32 dot is TF32 (1e-3 off)
-                scores = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee")
             seen = in_context[None, :] & (keys_at[None, :] <= position[:, None])
-            scores = tl.where(seen, scores * qk_scale, float("-inf"))
-            new_best = tl.maximum(best, tl.max(scores, axis=1))
-            weights = tl.exp2(scores - new_best[:, None])
-            rescale = tl.exp2(best - new_best)
+            scores = tl.where(seen, tile_scores(q, keys, HALF_DOTS) * qk_scale, float("-inf"))
             values = tl.load(v_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
-            if HALF_DOTS:  # the weights rounded to the values' dtype for the dot, as FlashAttention does
-                acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
-            else:
-                acc = acc * rescale[:, None] + tl.dot(weights, values.to(tl.float32), input_precision="ieee")
-            total = total * rescale + tl.sum(weights, axis=1)
-            best = new_best
+            acc, total, best = online_softmax(scores, values, acc, total, best, HALF_DOTS, True)
         out = acc / total[:, None]
         tl.store(out_ptr + tokens[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=live[:, None])

@@ -133,21 +133,6 @@ def round_activations(x, out):
             out[r, k] = d[r, k // GROUP] * np.float32(xq[r, k])
 
 
-@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
-def tile_rows(xq, d, sums, data, scales, mins, tile, out):
-    """out[r, :TILE] = the tile's product for each of xq's 1 to ROW_GROUP rows (_tile with the literal bits and
-    has_min of this weight: each pair its own compiled loop)."""
-    if data.shape[2] == BYTES_4BIT:
-        if mins.shape[1]:
-            _tile(xq, d, sums, data, scales, mins, tile, out, 4, True)
-        else:
-            _tile(xq, d, sums, data, scales, mins, tile, out, 4, False)
-    elif mins.shape[1]:
-        _tile(xq, d, sums, data, scales, mins, tile, out, 8, True)
-    else:
-        _tile(xq, d, sums, data, scales, mins, tile, out, 8, False)
-
-
 def _x86(builder: ir.IRBuilder, name: str, result: ir.Type, *args: ir.Value) -> ir.Value:
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, [a.type for a in args]),
                                         f"llvm.x86.avx2.{name}")
@@ -161,12 +146,12 @@ def _splat(builder: ir.IRBuilder, scalar: ir.Value, vector_type: ir.VectorType) 
 
 
 @intrinsic
-def _tile(typingctx, xq, d, sums, data, scales, mins, tile, out, bits, has_min):
-    """out[r, :TILE] = xq[r] (as d * xq, sums) @ W[tile].T for each of xq's 1 to ROW_GROUP rows: xq [rows, K] int8
-    with unit stride along K, d / sums [rows, K / 32] float32, data / scales / mins contiguous as pack() makes
-    them, out [>= rows, >= TILE] float32 with unit stride along its rows. x86 only (AVX2's integer ops)."""
-    if not all(isinstance(a, (types.IntegerLiteral, types.BooleanLiteral)) for a in (bits, has_min)):
-        return None  # numba then retries with the literal values of the constants the caller passes
+def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
+    """out[r, :TILE] = xq[r] (as d * xq, sums) @ W[tile `index`].T for each of xq's 1 to ROW_GROUP rows: xq
+    [rows, K] int8 with unit stride along K, d / sums [rows, K / 32] float32, data / scales / mins contiguous as
+    pack() makes them, out [>= rows, >= TILE] float32 with unit stride along its rows. One unrolled loop per kind
+    of weight (4 or 8 bits, with or without mins) and row count, picked at run time. x86 only (AVX2's integer
+    ops)."""
 
     def codegen(context, builder, signature, args):
         if not X86:  # pack() never makes quads off x86; this keeps the function compilable there
@@ -175,92 +160,98 @@ def _tile(typingctx, xq, d, sums, data, scales, mins, tile, out, bits, has_min):
             return context.get_dummy_value()
         xq_ary, d_ary, sums_ary, data_ary, scales_ary, mins_ary, out_ary = (
             context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 5, 7))
-        tile_arg = args[6]
-        four_bit, with_min = bits.literal_value == 4, has_min.literal_value
-        rows_arg, k_len = cgutils.unpack_tuple(builder, xq_ary.shape, 2)
+        rows, k_len = cgutils.unpack_tuple(builder, xq_ary.shape, 2)
         xq_row = cgutils.unpack_tuple(builder, xq_ary.strides, 2)[0]  # in bytes, as xq's elements
         d_row = builder.udiv(cgutils.unpack_tuple(builder, d_ary.strides, 2)[0], const(4))
         sums_row = builder.udiv(cgutils.unpack_tuple(builder, sums_ary.strides, 2)[0], const(4))
         out_row = builder.udiv(cgutils.unpack_tuple(builder, out_ary.strides, 2)[0], const(4))
-        width = BYTES_4BIT if four_bit else BYTES_8BIT
         groups = builder.udiv(k_len, const(GROUP))
-        tile_data = builder.gep(data_ary.data, [builder.mul(tile_arg, builder.mul(builder.udiv(k_len, const(QUAD)),
-                                                                                  const(width)))])
-        tile_scales = builder.gep(scales_ary.data, [builder.mul(tile_arg, builder.mul(groups, const(TILE)))])
-        tile_mins = builder.gep(mins_ary.data, [builder.mul(tile_arg, builder.mul(groups, const(TILE)))])
+        tile_groups = builder.mul(args[6], builder.mul(groups, const(TILE)))  # where the tile's scales start
+        tile_scales = builder.gep(scales_ary.data, [tile_groups])
+        tile_mins = builder.gep(mins_ary.data, [tile_groups])
         xq_bytes = builder.bitcast(xq_ary.data, _I8.as_pointer())
         ones = ir.Constant(_PAIRS, [1] * 16)
         nibble = ir.Constant(_BYTES, [0x0F] * 32)
 
-        def vectors_at(quad):  # the tile's 4 weight vectors of a quad (unsigned bytes; 8 bits: as signed)
-            here = builder.gep(tile_data, [builder.mul(quad, const(width))])
-            loaded = [builder.load(builder.bitcast(builder.gep(here, [const(32 * v)]), _BYTES.as_pointer()), align=1)
-                      for v in range(width // 32)]
-            if not four_bit:
-                return loaded
-            out = []
-            for raw in loaded:
-                high = builder.bitcast(builder.lshr(builder.bitcast(raw, _PAIRS), ir.Constant(_PAIRS, [4] * 16)), _BYTES)
-                out += [builder.and_(raw, nibble), builder.and_(high, nibble)]
-            return out
-
         def out_at(r, v):
-            return builder.bitcast(builder.gep(out_ary.data, [builder.add(builder.mul(const(r), out_row),
-                                                                          const(v * COLUMNS))]), _FLOATS.as_pointer())
+            at = builder.gep(out_ary.data, [builder.add(builder.mul(const(r), out_row), const(v * COLUMNS))])
+            return builder.bitcast(at, _FLOATS.as_pointer())
 
         def x_at(r, quad):  # xq[r, 4 quad .. 4 quad + 3] in every 32-bit lane
             at = builder.gep(xq_bytes, [builder.add(builder.mul(const(r), xq_row), builder.mul(quad, const(QUAD)))])
-            return builder.bitcast(_splat(builder, builder.load(builder.bitcast(at, _I32.as_pointer()), align=1),
-                                          _SUMS), _BYTES)
+            x4 = builder.load(builder.bitcast(at, _I32.as_pointer()), align=1)
+            return builder.bitcast(_splat(builder, x4, _SUMS), _BYTES)
 
         def per_row(array, row_stride, r, g):  # array[r, g] of a [rows, K / 32] float32 array, in 8 lanes
-            return _splat(builder, builder.load(builder.gep(array.data, [builder.add(builder.mul(const(r), row_stride),
-                                                                                     g)])), _FLOATS)
+            at = builder.gep(array.data, [builder.add(builder.mul(const(r), row_stride), g)])
+            return _splat(builder, builder.load(at), _FLOATS)
 
         def eight_columns(base, columns):
             return builder.load(builder.bitcast(builder.gep(base, [columns]), _FLOATS.as_pointer()), align=4)
 
-        def group_step(num_rows, g):
-            sums_of = [[ir.Constant(_SUMS, None)] * 4 for _ in range(num_rows)]
-            for step in range(GROUP // QUAD):
-                quad = builder.add(builder.mul(g, const(GROUP // QUAD)), const(step))
-                w = vectors_at(quad)
-                # vpmaddubsw takes unsigned weights: 8-bit ones give their magnitude, their sign moves to x
-                magnitude = w if four_bit else [_x86(builder, "psign.b", _BYTES, wv, wv) for wv in w]
+        def kind(four_bit, with_min):
+            width = BYTES_4BIT if four_bit else BYTES_8BIT
+            tile_data = builder.gep(data_ary.data, [builder.mul(args[6], builder.mul(builder.udiv(k_len, const(QUAD)),
+                                                                                    const(width)))])
+
+            def vectors_at(quad):  # the tile's 4 weight vectors of a quad (unsigned bytes; 8 bits: as signed)
+                here = builder.gep(tile_data, [builder.mul(quad, const(width))])
+                loaded = [builder.load(builder.bitcast(builder.gep(here, [const(32 * v)]), _BYTES.as_pointer()),
+                                       align=1) for v in range(width // 32)]
+                if not four_bit:
+                    return loaded
+                out = []
+                for raw in loaded:
+                    high = builder.lshr(builder.bitcast(raw, _PAIRS), ir.Constant(_PAIRS, [4] * 16))
+                    out += [builder.and_(raw, nibble), builder.and_(builder.bitcast(high, _BYTES), nibble)]
+                return out
+
+            def group_step(num_rows, g):
+                sums_of = [[ir.Constant(_SUMS, None)] * 4 for _ in range(num_rows)]
+                for step in range(GROUP // QUAD):
+                    quad = builder.add(builder.mul(g, const(GROUP // QUAD)), const(step))
+                    w = vectors_at(quad)
+                    # vpmaddubsw takes unsigned weights: 8-bit ones give their magnitude, their sign moves to x
+                    magnitude = w if four_bit else [_x86(builder, "psign.b", _BYTES, wv, wv) for wv in w]
+                    for r in range(num_rows):
+                        x_bytes = x_at(r, quad)
+                        for v in range(4):
+                            signed_x = x_bytes if four_bit else _x86(builder, "psign.b", _BYTES, x_bytes, w[v])
+                            pairs = _x86(builder, "pmadd.ub.sw", _PAIRS, magnitude[v], signed_x)
+                            sums_of[r][v] = builder.add(sums_of[r][v], _x86(builder, "pmadd.wd", _SUMS, pairs, ones))
+                first_column = builder.mul(g, const(TILE))
                 for r in range(num_rows):
-                    x_bytes = x_at(r, quad)
+                    d_rg = per_row(d_ary, d_row, r, g)
+                    x_sum = per_row(sums_ary, sums_row, r, g) if with_min else None
                     for v in range(4):
-                        signed_x = x_bytes if four_bit else _x86(builder, "psign.b", _BYTES, x_bytes, w[v])
-                        pairs = _x86(builder, "pmadd.ub.sw", _PAIRS, magnitude[v], signed_x)
-                        sums_of[r][v] = builder.add(sums_of[r][v], _x86(builder, "pmadd.wd", _SUMS, pairs, ones))
-            first_column = builder.mul(g, const(TILE))
-            for r in range(num_rows):
-                d_rg = per_row(d_ary, d_row, r, g)
-                x_sum = per_row(sums_ary, sums_row, r, g) if with_min else None
-                for v in range(4):
-                    columns = builder.add(first_column, const(v * COLUMNS))
-                    to = out_at(r, v)
-                    total = _fma(builder, builder.fmul(eight_columns(tile_scales, columns), d_rg),
-                                 builder.sitofp(sums_of[r][v], _FLOATS), builder.load(to, align=4))
-                    if with_min:
-                        total = _fma(builder, eight_columns(tile_mins, columns), x_sum, total)
-                    builder.store(total, to, align=4)
+                        columns = builder.add(first_column, const(v * COLUMNS))
+                        to = out_at(r, v)
+                        total = _fma(builder, builder.fmul(eight_columns(tile_scales, columns), d_rg),
+                                     builder.sitofp(sums_of[r][v], _FLOATS), builder.load(to, align=4))
+                        if with_min:
+                            total = _fma(builder, eight_columns(tile_mins, columns), x_sum, total)
+                        builder.store(total, to, align=4)
 
-        def product(num_rows):
-            for r in range(num_rows):
-                for v in range(4):
-                    builder.store(ir.Constant(_FLOATS, None), out_at(r, v), align=4)
-            with cgutils.for_range(builder, groups) as loop:
-                group_step(num_rows, loop.index)
+            def product(num_rows):
+                for r in range(num_rows):
+                    for v in range(4):
+                        builder.store(ir.Constant(_FLOATS, None), out_at(r, v), align=4)
+                with cgutils.for_range(builder, groups) as loop:
+                    group_step(num_rows, loop.index)
 
-        simd.cases(builder, rows_arg, range(1, ROW_GROUP + 1), product)
+            simd.cases(builder, rows, range(1, ROW_GROUP + 1), product)
+
+        kinds = [(four_bit, with_min) for four_bit in (False, True) for with_min in (False, True)]
+        four_bit = builder.icmp_unsigned("==", cgutils.unpack_tuple(builder, data_ary.shape, 3)[2], const(BYTES_4BIT))
+        with_min = builder.icmp_unsigned("!=", cgutils.unpack_tuple(builder, mins_ary.shape, 3)[1], const(0))
+        which = builder.add(builder.mul(builder.zext(four_bit, simd.I64), const(2)), builder.zext(with_min, simd.I64))
+        simd.cases(builder, which, range(len(kinds)), lambda k: kind(*kinds[k]))
         return context.get_dummy_value()
 
-    return types.void(xq, d, sums, data, scales, mins, tile, out, bits, has_min), codegen
+    return types.void(xq, d, sums, data, scales, mins, index, out), codegen
 
 
 def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
     """a * b + c over 8 float lanes, in one instruction."""
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_FLOATS, [_FLOATS] * 3), "llvm.fma.v8f32")
     return builder.call(fn, [a, b, c])
-

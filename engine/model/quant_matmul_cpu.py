@@ -215,8 +215,8 @@ def _integer_matmul(x, data, scales, mins, bias, out, accumulate, threads):
         scratch = np.empty((step, TILE), np.float32)
         for tile in range(part * tiles // parts, (part + 1) * tiles // parts):
             for first in range(0, rows, step):
-                quant_dot_cpu.tile_rows(xq[first:first + step], d[first:first + step], sums[first:first + step],
-                                        data, scales, mins, tile, scratch)
+                quant_dot_cpu.tile(xq[first:first + step], d[first:first + step], sums[first:first + step],
+                                   data, scales, mins, tile, scratch)
                 _add_out(scratch, min(step, rows - first), bias, out, first, tile * TILE, accumulate)
 
 
