@@ -38,6 +38,13 @@ def tile_scores(q, keys, HALF_DOTS: tl.constexpr):
 
 
 @triton.jit
+def online_softmax_start(ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """(acc, total, best) before the first key tile: nothing summed, the running maximum -inf."""
+    return (tl.zeros([ROWS, HEAD_DIM], tl.float32), tl.zeros([ROWS], tl.float32),
+            tl.full([ROWS], float("-inf"), tl.float32))
+
+
+@triton.jit
 def online_softmax(scores, values, acc, total, best, HALF_DOTS: tl.constexpr, BASE2: tl.constexpr):
     """One key tile of FlashAttention's online softmax: the running maximum `best` rises to the tile's, the sums
     so far (`acc` of weighted values, `total` of weights) are rescaled to it, and the tile's are added. BASE2:
@@ -77,9 +84,7 @@ def _partition_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, p
                     mask=in_group[:, None], other=0.0)
         if not HALF_DOTS:
             q = q.to(tl.float32)
-        best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        total = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        acc, total, best = online_softmax_start(GROUP_PAD, HEAD_DIM)
         end = tl.minimum(start + PARTITION, context)
         for first in range(start, end, TILE):
             positions = first + tl.arange(0, TILE)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.paged_decode_cuda import online_softmax, tile_scores
+from engine.model.paged_decode_cuda import online_softmax, online_softmax_start, tile_scores
 
 LOG2E = 1.4426950408889634  # scores are scaled by log2(e) once so that the softmax runs on exp2
 
@@ -73,9 +73,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_starts
                     mask=live[:, None], other=0.0)
         if not HALF_DOTS:
             q = q.to(tl.float32)
-        best = tl.full([TILE_M], float("-inf"), tl.float32)
-        total = tl.zeros([TILE_M], tl.float32)
-        acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
+        acc, total, best = online_softmax_start(TILE_M, HEAD_DIM)
         # keys up to the tile's last query; key 0 is seen by every row, so no row's maximum stays -inf
         end = context - num_queries + tl.minimum(tile_start + TILE_Q, num_queries)
         table = block_tables_ptr + row.to(tl.int64) * stride_bt_row
