@@ -50,6 +50,9 @@ model: $(STAMP)
 # the whole suite, and what .ci/run calls
 test: $(STAMP) $(CLUSTER_STAMP) $(COMPAT_STAMP)
 	bash scripts/ensure_test_deps.sh
+	# the CPU kernels compiled once up front (seconds when numba's cache has them): on a cold cache the first
+	# server a test starts would spend its start-up timeout compiling
+	$(PY) -m engine.model.compile
 	$(PY) -m pytest $(XDIST) $(COVERAGE) $(ARGS)
 
 # the unit tier, for the edit-test loop: no Ray, client frameworks, browser or Prometheus to install
