@@ -13,7 +13,7 @@ import sys
 import time
 
 
-def compile_kernels(model: str = "default", dtype: str = "float32") -> float:
+def compile_kernels(model: str = "default", dtype: str = "auto") -> float:
     """Seconds it took (compiling, or loading what an earlier run compiled)."""
     from engine.llm import LLM
     from engine.model.kernel_cache import folder
@@ -32,7 +32,8 @@ def compile_kernels(model: str = "default", dtype: str = "float32") -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.model.compile", description=__doc__)
     parser.add_argument("--model", default="default", help="model path, or 'default' (SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto: as `serve` runs the model (a GGUF file's own formats, bf16 K/V beside them)")
     args = parser.parse_args(argv)
     print(f"compiled in {compile_kernels(args.model, args.dtype):.1f} s", file=sys.stderr)
     return 0

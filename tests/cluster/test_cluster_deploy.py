@@ -274,7 +274,7 @@ def test_the_kernel_compiler_parses_its_arguments(monkeypatch):
     monkeypatch.setattr(compile_module, "compile_kernels", compile_kernels)
     assert compile_module.main([]) == 0
     assert compile_module.main(["--model", "/models/m", "--dtype", "bfloat16"]) == 0
-    assert calls == [("default", "float32"), ("/models/m", "bfloat16")]
+    assert calls == [("default", "auto"), ("/models/m", "bfloat16")]  # auto: as `serve` runs it
     with pytest.raises(SystemExit) as caught:
         compile_module.main(["--dtype", "float16"])
     assert caught.value.code == 2
