@@ -61,7 +61,7 @@ class QuantTiles:
     @property
     def integer(self) -> bool:
         """Whether the matmuls run on integer dot products (quant_dot_cpu's layout), not float arithmetic."""
-        return self.data.shape[2] in (quant_dot_cpu.BYTES_4BIT, quant_dot_cpu.BYTES_8BIT)
+        return quant_dot_cpu.is_quads(self.data.numpy())
 
     @property
     def in_features(self) -> int:
