@@ -130,6 +130,8 @@ class PostgresResponseStore:
 
     async def _connect(self):
         """The pool, made (with the table) on first use; one that fails is tried again by the next call."""
+        if self._pool is not None:  # every call after the first: no lock to take
+            return self._pool
         if self._opening is None:
             self._opening = asyncio.Lock()
         async with self._opening:
