@@ -3,7 +3,9 @@ and that several gateways on one host share. One connection per store, WAL mode 
 writer, and `busy_timeout` so two gateways writing at once queue instead of failing. The gateway calls the
 `a`-methods: each runs on the store's own thread, so the event loop never waits on SQLite (a write that waits
 out another gateway's lock holds up that one request, not every stream). A locked or broken file never turns
-into a 500: a put is dropped (its id then a 404), a read is a 404, each with a warning naming the file.
+into a 500: a put is dropped (its id then a 404), a read is a 404, each with a warning naming the file. A file
+found corrupt at start (not a database, or failing `PRAGMA quick_check`) is moved aside and a new store begins
+in its place, as browsers do with a corrupt profile database.
 
 NOTE: a row is one response with its whole conversation (JSON text); "used" is the last put or get, the order
 in which rows beyond `max_responses` are dropped; rows older than `ttl_days` (from their put) are dropped lazily:
@@ -20,6 +22,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,10 @@ CREATE TABLE IF NOT EXISTS responses (
 CREATE INDEX IF NOT EXISTS responses_used_at ON responses (used_at);
 CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at);
 """
+
+
+class CorruptFile(sqlite3.DatabaseError):
+    """The file is not an SQLite database, or a damaged one: SQLITE_NOTADB, SQLITE_CORRUPT, a failed quick_check."""
 
 
 @dataclass(slots=True)
@@ -183,23 +190,48 @@ class ResponseStore:
 
 def open_store(max_responses: int, path: str | None, ttl_days: float):
     """The store on `path` (None: the default file; a postgresql:// URL: a shared server,
-    gateway/response_store_postgres.py); a file that cannot be opened (corrupt, not a database, a folder that
-    cannot be created) costs a warning and a store in memory, not a failed start."""
+    gateway/response_store_postgres.py). A corrupt file is renamed to `<name>.corrupt-<UTC time>` (kept for
+    whoever wants to recover from it) and a new store starts on `path`; a file that cannot be opened all the same
+    (locked, a folder that cannot be created, a rename refused) costs a warning and a store in memory. Never a
+    failed start."""
     from gateway.response_store_postgres import PostgresResponseStore, is_postgres_url
 
     if is_postgres_url(path):
         return PostgresResponseStore(path, max_responses, ttl_days)
     path = str(default_db_path()) if path is None else path
     try:
-        return ResponseStore(max_responses, path, ttl_days)
+        try:
+            return ResponseStore(max_responses, path, ttl_days)
+        except CorruptFile as exc:
+            log.warning("stored responses: %s is corrupt (%s); moved it to %s and started a new, empty store at %s",
+                        path, exc, _move_aside(path), path)
+            return ResponseStore(max_responses, path, ttl_days)
     except (sqlite3.Error, OSError) as exc:
         log.warning("stored responses: cannot open %s (%s); keeping them in memory, lost at exit", path, exc)
         return ResponseStore(max_responses, IN_MEMORY, ttl_days)
 
 
+def _move_aside(path: str) -> Path:
+    """Renames the file, with its WAL and shared-memory files (a WAL left behind would be replayed into the new
+    file), to `<name>.corrupt-<UTC time>` (`-wal`, `-shm`): a set the sqlite3 shell opens as it was."""
+    aside = Path(f"{path}.corrupt-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}")
+    if aside.exists():  # another gateway moved one aside this second: keep its copy, open this one in memory
+        raise FileExistsError(f"{aside} exists")
+    Path(path).rename(aside)
+    for suffix in ("-wal", "-shm"):
+        part = Path(path + suffix)
+        if part.exists():
+            part.rename(f"{aside}{suffix}")
+    return aside
+
+
 def _is_busy(exc: sqlite3.Error) -> bool:
     """Another connection holds the file (past the busy timeout), as against a file that cannot be read."""
     return getattr(exc, "sqlite_errorcode", 0) & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+
+
+def _is_corrupt(exc: sqlite3.Error) -> bool:
+    return getattr(exc, "sqlite_errorcode", 0) & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
 
 
 def _lost(path: str, response_id: str, exc: sqlite3.Error) -> APIError:
@@ -222,6 +254,7 @@ def not_found(response_id: str) -> APIError:
 def _open(path: str, busy_timeout_ms: int) -> sqlite3.Connection:
     if path != IN_MEMORY:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+        _check_intact(path, busy_timeout_ms)
     # the event loop's thread uses it, which need not be the thread that built the app
     # (the default isolation level: a write opens a transaction, `with db:` commits it)
     # (timeout: SQLite's busy_timeout, how long a write waits for another connection's)
@@ -235,3 +268,22 @@ def _open(path: str, busy_timeout_ms: int) -> sqlite3.Connection:
         db.close()
         raise
     return db
+
+
+def _check_intact(path: str, busy_timeout_ms: int) -> None:
+    """Raises CorruptFile for a file that is not a database or a damaged one. Its own connection, read-only: a
+    writable one would set WAL mode in the header and, closing, delete a corrupt file's WAL. Reads every page
+    once (the store is capped: a start-up cost)."""
+    if not Path(path).exists():
+        return
+    db = sqlite3.connect(f"{Path(path).absolute().as_uri()}?mode=ro", uri=True, timeout=busy_timeout_ms / 1000)
+    try:
+        problems = [line for (rows,) in db.execute("PRAGMA quick_check") for line in rows.splitlines()]
+    except sqlite3.Error as exc:
+        if _is_corrupt(exc):
+            raise CorruptFile(str(exc)) from exc
+        raise
+    finally:
+        db.close()
+    if problems != ["ok"]:  # (one line per damaged page: the first few say enough)
+        raise CorruptFile(f"quick_check: {'; '.join(problems[:3])}")

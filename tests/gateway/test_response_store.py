@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
+import re
 import signal
 import sqlite3
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -134,13 +137,77 @@ def test_two_stores_on_one_file_share_their_rows_in_wal_mode(tmp_path):
     two.close()
 
 
-def test_a_file_that_is_not_a_database_costs_a_warning_and_a_store_in_memory(tmp_path, caplog):
+def a_real_store_file(path) -> bytes:
+    """The bytes of a closed store holding 40 responses (its WAL checkpointed into it): 61 pages."""
+    store = ResponseStore(100, path)
+    for i in range(40):
+        store.put(stored(f"resp_{i}", text="a long turn " * 100))
+    store.close()
+    return path.read_bytes()
+
+
+def damaged(kind: str, path) -> bytes:
+    """`path` made corrupt three ways: random bytes, a real store cut in half, a real store with one b-tree page
+    zeroed (it opens; only `PRAGMA quick_check` finds the damage)."""
+    if kind == "random bytes":
+        return random.Random(44).randbytes(8192)
+    whole = a_real_store_file(path)
+    page = 4096
+    if kind == "truncated":
+        return whole[:len(whole) // 2]
+    return whole[:3 * page] + bytes(page) + whole[4 * page:]
+
+
+@pytest.mark.parametrize("kind, reason", [("random bytes", "file is not a database"),
+                                          ("truncated", "database disk image is malformed"),
+                                          ("one page zeroed", "quick_check: *** in database main ***")])
+def test_a_corrupt_file_at_start_is_moved_aside_and_a_new_store_begins(tmp_path, caplog, kind, reason):
+    path = tmp_path / "responses.sqlite3"
+    corrupt = damaged(kind, path)
+    path.write_bytes(corrupt)
+    with caplog.at_level(logging.WARNING, logger="gateway.response_store"):
+        store = open_store(10, str(path), ttl_days=30)
+    (aside,) = tmp_path.glob("responses.sqlite3.corrupt-*[0-9]Z")  # (its -shm may be beside it)
+    assert re.fullmatch(r"responses\.sqlite3\.corrupt-\d{8}T\d{6}Z", aside.name)
+    assert aside.read_bytes() == corrupt  # kept as it was, for whoever wants to recover from it
+    assert (store.path, len(store)) == (str(path), 0)
+    assert f"{path} is corrupt ({reason}" in caplog.text
+    assert f"moved it to {aside} and started a new, empty store at {path}" in caplog.text
+    store.put(stored("resp_new"))
+    assert store.get("alice", "resp_new") == stored("resp_new")
+    store.close()
+    with sqlite3.connect(path) as db:  # the new file is a sound database, in WAL mode
+        assert db.execute("PRAGMA quick_check").fetchall() == [("ok",)]
+        assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    db.close()
+
+
+def test_a_corrupt_files_wal_goes_aside_with_it(tmp_path):
+    """A WAL left at the path would be replayed into the new file: it moves with the file it belongs to."""
     path = tmp_path / "responses.sqlite3"
     path.write_bytes(b"this is not an SQLite database, " * 64)
+    wal = tmp_path / "responses.sqlite3-wal"
+    wal.write_bytes(b"the corrupt file's WAL")
+    store = open_store(10, str(path), ttl_days=30)
+    (aside,) = tmp_path.glob("responses.sqlite3.corrupt-*[0-9]Z")
+    assert (tmp_path / f"{aside.name}-wal").read_bytes() == b"the corrupt file's WAL"
+    assert len(store) == 0
+    store.close()
+
+
+def refuse(*_) -> None:
+    raise PermissionError("read-only folder")
+
+
+def test_a_corrupt_file_that_cannot_be_moved_costs_a_store_in_memory(tmp_path, caplog, monkeypatch):
+    path = tmp_path / "responses.sqlite3"
+    path.write_bytes(b"this is not an SQLite database, " * 64)
+    monkeypatch.setattr(Path, "rename", refuse)  # (a read-only folder would do, but not for root, as in CI)
     with caplog.at_level(logging.WARNING, logger="gateway.response_store"):
         store = open_store(10, str(path), ttl_days=30)
     assert store.path == IN_MEMORY
-    assert f"cannot open {path}" in caplog.text
+    assert f"cannot open {path} (read-only folder); keeping them in memory" in caplog.text
+    assert path.read_bytes() == b"this is not an SQLite database, " * 64
     store.put(stored("resp_1"))
     assert store.get("alice", "resp_1").response["id"] == "resp_1"
     store.close()

@@ -1,7 +1,8 @@
 """Stored responses when their SQLite file fails: locked by another writer past the busy timeout, broken while
-serving (garbage over the file), or garbage at start. Every call ends in a warning naming the file and a 404 for
-the ids it lost (a 503 for a delete that may be retried), never a 500 or a failed start; and the event loop
-never waits on SQLite: a write held by another gateway's lock leaves every other request served."""
+serving (garbage over the file), or garbage at start (moved aside for a new file). Every call ends in a warning
+naming the file and a 404 for the ids it lost (a 503 for a delete that may be retried), never a 500 or a failed
+start; and the event loop never waits on SQLite: a write held by another gateway's lock leaves every other
+request served."""
 from __future__ import annotations
 
 import asyncio
@@ -138,14 +139,17 @@ async def test_a_broken_file_costs_404s_and_never_a_500(client, caplog):
     assert f"cannot read {client.db}" in caplog.text and "not stored" in caplog.text
 
 
-async def test_a_garbage_file_at_start_is_a_warning_and_a_store_in_memory(aiohttp_client, tiny_llama_dir, tmp_path,
-                                                                           caplog):
+async def test_a_garbage_file_at_start_is_moved_aside_and_a_new_file_serves(aiohttp_client, tiny_llama_dir, tmp_path,
+                                                                              caplog):
     db = tmp_path / "responses.sqlite3"
     db.write_bytes(b"not a database " * 1000)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         client = await aiohttp_client(create_app(tiny_settings(tiny_llama_dir, responses_db=str(db))))
-    assert f"cannot open {db}" in caplog.text
+    (aside,) = tmp_path.glob("responses.sqlite3.corrupt-*[0-9]Z")
+    assert f"{db} is corrupt (file is not a database); moved it to {aside}" in caplog.text
+    assert aside.read_bytes() == b"not a database " * 1000
     lost = await respond(client, previous_response_id="resp_from_before")
     assert lost.status == 404
     first = await (await respond(client)).json()
     assert (await respond(client, previous_response_id=first["id"])).status == 200
+    assert client.app[RESPONSE_STORE].path == str(db)  # on the new file, so it outlives this process
