@@ -120,6 +120,7 @@ class PrefixCacheStats(Mergeable):
     evictions_capacity: int = count()  # cached blocks dropped to make room
     evictions_preemption: int = count()  # computed blocks (no hash, no other holder) dropped by preemption
     cached_blocks: int = level()  # blocks currently holding a registered hash
+    free_cached_blocks: int = level()  # of those, the ones no request holds (in the free queue, hittable)
     usage: float = mean()  # fraction of blocks referenced by running requests
     evictions_spill: int = count()  # cached blocks dropped from RAM with their KV written to the disk tier
     evictions_reset: int = count()  # cached blocks forgotten by a cache reset

@@ -67,7 +67,10 @@ def response_schemas(model_name: str) -> dict[str, Any]:
         "CacheStats": closed({
             "object": const("cache.stats"), "tenant": _TEXT, "prompt_tokens": _COUNT, "cached_tokens": _COUNT,
             "hit_rate": {"type": "number", "minimum": 0, "maximum": 1}, "evicted_blocks": _COUNT,
-            "kv_blocks": closed({"total": _COUNT, "used": _COUNT, "cached": _COUNT, "free": _COUNT}),
+            "kv_blocks": closed({
+                "total": _COUNT, "used": _COUNT, "cached": _COUNT, "free": _COUNT,
+                "free_cached": {**_COUNT, "description": "free blocks still cached: hittable until handed out"},
+                "free_empty": {**_COUNT, "description": "free blocks holding nothing to hit: handed out first"}}),
             "disk": nullable(closed({"blocks": _COUNT, "bytes": _COUNT}), "null without a disk tier")}),
         "EmbeddingList": closed({
             "object": const("list"), "model": {"type": "string", "enum": [model_name]},

@@ -55,6 +55,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = make_eviction(eviction_policy, self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
+        # NOTE: free blocks that are the cached holder of their hash: hittable, yet handed out when blocks run out
+        self.num_free_cached = 0
         self.duplicates: dict[BlockHash, dict[int, KVCacheBlock]] = {}  # hash -> block id -> live copy
         self.enable_caching = enable_caching
         self.evictions = dict.fromkeys(EVICTION_REASONS, 0)
@@ -92,6 +94,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                self.num_free_cached -= self._is_holder(block)
             block.ref_cnt += 1
             block.reused = True
 
@@ -109,11 +112,16 @@ class BlockPool:
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.push(block, self._is_worthless(block))
+                worthless = self._is_worthless(block)
+                self.num_free_cached += not worthless
+                self.free_queue.push(block, worthless)
+
+    def _is_holder(self, block: KVCacheBlock) -> bool:
+        return block.block_hash is not None and self.cached.get(block.block_hash) is block
 
     def _is_worthless(self, block: KVCacheBlock) -> bool:
         """No hash, or a copy of a cached hash: nothing is lost when it is reused."""
-        return block.block_hash is None or self.cached[block.block_hash] is not block
+        return not self._is_holder(block)
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...],
                     tenant: str | None = None, *, reused: bool = False) -> None:
@@ -134,6 +142,8 @@ class BlockPool:
         block_hash = block.block_hash
         if block_hash is None:
             return
+        if block.ref_cnt == 0:  # (handed out, or forgotten while free: erase, reset)
+            self.num_free_cached -= self._is_holder(block)
         if self.cached[block_hash] is not block:
             self._drop_duplicate(block_hash, block)
         elif block_hash in self.duplicates:
@@ -157,6 +167,7 @@ class BlockPool:
         if not copies:
             del self.duplicates[block_hash]
         self.cached[block_hash] = copy
+        self.num_free_cached += copy.ref_cnt == 0
         self.generation += 1
 
     def _drop_hash(self, block: KVCacheBlock, reason: str) -> None:

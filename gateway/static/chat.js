@@ -394,7 +394,8 @@ async function refreshCache() {
     $("cache-tokens").textContent = `${s.cached_tokens} / ${s.prompt_tokens}`;
     $("cache-used").textContent = `${s.kv_blocks.used} / ${s.kv_blocks.total}`;
     $("cache-cached").textContent = String(s.kv_blocks.cached);
-    $("cache-free").textContent = String(s.kv_blocks.free);
+    $("cache-free-empty").textContent = String(s.kv_blocks.free_empty);
+    $("cache-free-cached").textContent = String(s.kv_blocks.free_cached);
     $("cache-evicted").textContent = String(s.evicted_blocks);
     $("cache-disk").textContent = s.disk ? `${s.disk.blocks} blocks, ${formatBytes(s.disk.bytes)}` : "off";
   } catch {

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -141,7 +142,7 @@ async def _get(url: str) -> str:
         return await resp.text()
 
 
-def test_the_cache_panel_moves_while_you_chat(opened):
+def test_the_cache_panel_moves_while_you_chat(opened, server):
     page = opened().page
     expect(page.locator("#cache-used")).to_contain_text("/")
     before = page.locator("#cache-tokens").inner_text()
@@ -150,6 +151,12 @@ def test_the_cache_panel_moves_while_you_chat(opened):
     answer_stats(page, 0)
     expect(page.locator("#cache-tokens")).not_to_have_text(before)
     expect(page.locator("#cache-hit-rate")).to_contain_text("%")
+    # the free blocks split in two: empty, and cached ones a later prompt still hits (the answer's, at least)
+    blocks = json.loads(urllib.request.urlopen(server.url + "/v1/cache/stats").read())["kv_blocks"]
+    assert blocks["used"] == 0 and blocks["free_cached"] == blocks["cached"] > 0
+    assert blocks["free_empty"] + blocks["free_cached"] == blocks["free"] == blocks["total"]
+    expect(page.locator("#cache-free-empty")).to_have_text(str(blocks["free_empty"]))
+    expect(page.locator("#cache-free-cached")).to_have_text(str(blocks["free_cached"]))
 
 
 def test_enter_sends_shift_enter_breaks_the_line_and_chats_are_kept(opened, server):

@@ -368,6 +368,39 @@ def test_slru_at_bound_zero_evicts_as_lru_does():
     assert not slru.free_queue.protected.num_free
     assert ids(slru.free_queue) == ids(lru.free_queue) == [1, 0]
 
+def test_free_cached_counts_the_free_holders_of_a_hash_through_each_change():
+    pool = BlockPool(5)
+    a, b, c, d = pool.allocate(4)
+    pool.cache_block(a, h(1), (1,), "alice")
+    pool.cache_block(b, h(1), (1,), "alice")  # a live copy of a's hash: not counted, as `cached` does not
+    pool.cache_block(c, h(2), (2,), "alice")
+    pool.free([d, c, b, a])
+    assert (len(pool.cached), pool.num_free_blocks, pool.num_free_cached) == (2, 5, 2)  # a, c; b, d, e empty
+    pool.touch([c])  # a hit takes it out of the free queue
+    assert pool.num_free_cached == 1
+    assert ids(pool.allocate(3)) == [1, 3, 4]  # the copy and the empty go first: nothing cached lost
+    assert pool.num_free_cached == 1
+    assert ids(pool.allocate(1)) == [0]  # then the free holder: evicted
+    assert (pool.num_free_cached, pool.evictions["capacity"]) == (0, 1)
+    pool.free([c])
+    assert pool.num_free_cached == 1
+    pool.reset_cache()
+    assert (pool.num_free_cached, len(pool.cached)) == (0, 0)
+
+
+def test_free_cached_follows_a_promoted_copy_and_an_erase():
+    pool = BlockPool(3)
+    a, b = pool.allocate(2)
+    pool.cache_block(a, h(1), (1,), "alice")
+    pool.cache_block(b, h(1), (1,), "alice")
+    pool.free([b])  # the free copy, worthless
+    assert pool.num_free_cached == 0
+    pool.erase("alice")  # a (in use) forgets its hash, b is promoted, then forgotten too
+    assert (pool.num_free_cached, pool.cached, pool.duplicates) == (0, {}, {})
+    pool.free([a])
+    assert (pool.num_free_blocks, pool.num_free_cached) == (3, 0)
+
+
 
 # ---- stateful model check
 
@@ -579,6 +612,11 @@ class BlockPoolMachine(RuleBasedStateMachine):
             assert 0 <= queue.max_protected <= self.NUM_BLOCKS
             if queue.max_protected in (0, self.NUM_BLOCKS):
                 event(f"slru bound reached {'0' if queue.max_protected == 0 else 'the pool size'}")
+
+    @invariant()
+    def free_cached_counts_the_free_holders(self):
+        holders = [block_id for block_id, _ in self.cached.values()]
+        assert self.pool.num_free_cached == sum(1 for i in holders if self.refs[i] == 0)
 
     @invariant()
     def hash_map_matches_blocks(self):
