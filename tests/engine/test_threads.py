@@ -2,6 +2,8 @@
 smaller count when it is within 5 %; given counts are used as they are; each step gets its kind's count."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -39,6 +41,13 @@ def test_unset_counts_are_timed_and_a_near_tie_goes_to_fewer_threads(clock):
     budget = threads.choose(None, None, clock.step(DECODE_MS), clock.step(PREFILL_MS))
     assert (budget.threads, budget.threads_batch) == (1, 2)
     assert budget.decode_ms == pytest.approx(DECODE_MS) and budget.prefill_ms == pytest.approx(PREFILL_MS)
+
+
+def test_the_start_up_log_says_1_thread_not_1_threads(clock, caplog):
+    with caplog.at_level(logging.INFO, logger=threads.logger.name):
+        threads.choose(None, 3, clock.step(DECODE_MS), clock.step(PREFILL_MS))
+    assert ("threads: 1 for decode steps (timed: 1 thread 10.00 ms, 2 threads 10.30 ms, 3 threads 14.00 ms), "
+            "3 for steps with a prefill (as set)") in caplog.text
 
 
 def test_given_counts_are_kept_and_not_timed(clock):

@@ -367,7 +367,10 @@ def test_the_default_model_in_the_page_and_the_readme_screenshot(browser):
     """The page as a newcomer sees it after `make serve`: the real default model, its sampling defaults, two
     turns of one chat (the second hits the cache). Saves docs/images/chat-page.png, which the README shows."""
     with served("--model", "default", "--kv-cache-memory-mb", "256") as server:
-        opened = Opened(browser, server.base_url.removesuffix("/v1") + "/", viewport={"width": 1200, "height": 720})
+        # the start-up log names the page beside the API, and that address serves it
+        page_url = re.search(r"the chat page is at (http://\S+/)$", "".join(server.log_lines), re.M).group(1)
+        assert page_url == server.base_url.removesuffix("v1")
+        opened = Opened(browser, page_url, viewport={"width": 1200, "height": 720})
         page = opened.page
         expect(page.locator("#model-name")).to_have_text("SmolLM2-135M-Instruct", timeout=30_000)
         settings(page, seed="1")  # the model's own sampling defaults, reproducibly
