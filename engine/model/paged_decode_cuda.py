@@ -31,10 +31,13 @@ def supports(head_dim: int) -> bool:
 
 @triton.jit
 def tile_scores(q, keys, HALF_DOTS: tl.constexpr):
-    """q @ keys.T for a tile of keys, float32 sums."""
+    """q @ keys.T for a tile of keys, float32 sums. (One return after the branch: Triton's compiler, unlike its
+    interpreter, goes on past a `return` inside a constexpr `if` and compiles the other branch too.)"""
     if HALF_DOTS:  # tensor cores on 16-bit operands, float32 sums (as FlashAttention)
-        return tl.dot(q, tl.trans(keys))
-    return tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee")  # Triton's float32 default is TF32
+        scores = tl.dot(q, tl.trans(keys))
+    else:  # Triton's float32 default is TF32
+        scores = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee")
+    return scores
 
 
 @triton.jit
