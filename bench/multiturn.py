@@ -29,12 +29,13 @@ from engine.model.loader import resolve_model_path
 CHATS, PREFIX_TOKENS, TURN_TOKENS, OUTPUT_TOKENS = 4, 512, 128, 32
 
 
-def workload(tokenizer, turns: int = 4, seed: int = 12, think_s: float = 0.0) -> Workload:
+def workload(tokenizer, turns: int = 4, seed: int = 12, think_s: float = 0.0, chats: int = CHATS,
+             prefix_tokens: int = PREFIX_TOKENS) -> Workload:
     """`think_s`: the pause before each later turn (0: sent as soon as the previous answer ends)."""
     tm = TextMaker(tokenizer, seed)
-    system = "You are a helpful assistant for a software company. " + tm.text(PREFIX_TOKENS - 12)
+    system = "You are a helpful assistant for a software company. " + tm.text(prefix_tokens - 12)
     reqs = []
-    for c in range(CHATS):
+    for c in range(chats):
         history = [{"role": "system", "content": system}]
         previous = None
         for turn in range(turns):
@@ -44,7 +45,7 @@ def workload(tokenizer, turns: int = 4, seed: int = 12, think_s: float = 0.0) ->
                               think_s=think_s if previous else 0.0))
             history = history + [{"role": "assistant", "content": tm.text(OUTPUT_TOKENS)}]
             previous = rid
-    return Workload("multiturn4", f"{CHATS} concurrent chats, shared {PREFIX_TOKENS}-token prefix, "
+    return Workload(f"multiturn{chats}", f"{chats} concurrent chats, shared {prefix_tokens}-token prefix, "
                                   f"{TURN_TOKENS}-token turns, {OUTPUT_TOKENS} output tokens", reqs)
 
 

@@ -47,6 +47,8 @@ def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
     """(seconds to the first token, cached tokens) of one prompt sent alone."""
     started = time.perf_counter()
     [out] = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    if out.finish_reason == "error":  # a failed step is no TTFT
+        raise RuntimeError("the prefill step failed (the engine's log says why)")
     return time.perf_counter() - started, out.num_cached_tokens
 
 

@@ -13,6 +13,9 @@ paused (`--think-s` before each later turn, as a user reads and types: TTFT and 
 text so the first run's cache does not serve it). Closed loop, the in-process driver adds a turn at the very step
 boundary its answer ended, which no HTTP client can; a few milliseconds there move whole prefill steps between
 TTFT and the other chats' gaps, so its TTFT measures arrival phase, not the serving path (docs/serving.md).
+`--many-chats N` adds N closed-loop chats on one shared `--many-prefix-tokens` system prompt (TTFT and ITL p50/p99,
+output tok/s); `--device cuda` runs the engine on the GPU in process and served (scripts/cuda_check.sh);
+`--transformers` adds plain transformers' decode step on the same device.
 Writes serving.json and serving.png under --out.
 """
 from __future__ import annotations
@@ -38,6 +41,7 @@ from bench.workloads import Workload
 
 REPO = Path(__file__).resolve().parent.parent
 PAUSED_SEED = 13  # the paused chats' text differs from the closed-loop ones'
+MANY_SEED = 14
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
 MB = 2**20
 
@@ -56,14 +60,16 @@ def pss_mb(pid: int) -> dict[str, float]:
 
 # ---- in process
 
-def in_process(model: str, tokens: int, turns: int, think_s: float) -> dict:
+def in_process(model: str, tokens: int, turns: int, think_s: float, engine: dict, many: dict) -> dict:
+    """`engine`: EngineConfig fields the servers get as flags too; `many`: bench.multiturn.workload's arguments
+    of the many-chats workload (empty: none)."""
     from engine.config import EngineConfig
     from engine.core import EngineCore
     from engine.model.loader import resolve_model_path
     from engine.request import Request
     from engine.sampling_params import SamplingParams
 
-    core = EngineCore(EngineConfig(model=str(resolve_model_path(model))))
+    core = EngineCore(EngineConfig(model=str(resolve_model_path(model)), **engine))
     warm_up(core)
     prompt = core.tokenizer.encode(core.tokenizer.apply_chat_template(PROMPT))
     core.add_request(Request("one", prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)))
@@ -74,11 +80,41 @@ def in_process(model: str, tokens: int, turns: int, think_s: float) -> dict:
         steps.append(time.perf_counter() - start)
     work = {"multiturn": multiturn.workload(core.tokenizer, turns),
             "multiturn_paused": multiturn.workload(core.tokenizer, turns, seed=PAUSED_SEED, think_s=think_s)}
+    if many:
+        work["many_chats"] = multiturn.workload(core.tokenizer, seed=MANY_SEED, **many)
     rows = {name: multiturn.summarize(run_engine(core, w, "engine")) for name, w in work.items()}
     return {"decode_step_p50_ms": statistics.median(steps[1:]) * 1e3, **rows, "workload": work,
             "weight_mb": weight_bytes(core.model) / MB, "file_mb": checkpoint_bytes(core.config.model) / MB,
             "kv_pool_mb": core.runner.kv_slots.numel() * core.runner.kv_slots.element_size() / MB,
-            "threads": (core.thread_budget.threads, core.thread_budget.threads_batch) if core.thread_budget else None}
+            "threads": (core.thread_budget.threads, core.thread_budget.threads_batch) if core.thread_budget else None,
+            "device": str(core.device), "device_name": _device_name(core.device)}
+
+
+def _device_name(device) -> str:
+    import torch
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def plain_transformers(model_path: str, device: str, work: dict[str, Workload]) -> dict:
+    """Plain `transformers` on the same device: its decode step (a forward of each row's newest token over its own
+    KV cache) at batch 1 with the one stream's context, and at the many chats' batch with their first turn's
+    context; output tok/s counts decode steps alone (no prefill, no queueing), which flatters it."""
+    import torch
+
+    from bench.decode import transformers_step_ms
+
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto"
+                       else device)
+    dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    one = transformers_step_ms(model_path, 1, 128, 32, dtype, dev)  # about the one stream's mean context
+    row = {"one_stream_itl_p50_ms": one}
+    if "many_chats" in work:
+        first_turns = [r for r in work["many_chats"].requests if r.after is None]
+        context = len(first_turns[0].prompt_token_ids)
+        step = transformers_step_ms(model_path, len(first_turns), context, 16, dtype, dev)
+        row["many_chats"] = {"batch": len(first_turns), "context": context, "decode_step_ms": step,
+                             "itl_p50_s": step / 1e3, "output_tok_s": len(first_turns) / step * 1e3}
+    return row
 
 
 def weight_bytes(model) -> int:
@@ -198,9 +234,15 @@ def targets(result: dict) -> list[tuple[str, str, bool | None]]:
     ttft = m_http["ttft_p50_s"] / m_in["ttft_p50_s"]
     add("4 chats (paused): TTFT p50 <= 1.2x in process", ttft, 1.2,
         f"{m_http['ttft_p50_s']:.3f} / {m_in['ttft_p50_s']:.3f} s = {ttft:.2f}x")
-    budget = inproc["file_mb"] + inproc["kv_pool_mb"] + 500
-    add("PSS at idle <= weight file + KV pool + 500 MB", serve["pss_idle_total_mb"], budget,
-        f"{serve['pss_idle_total_mb']:.0f} MB (budget {budget:.0f} MB)")
+    if "many_chats" in inproc:
+        m_in, m_http = inproc["many_chats"], serve["many_chats"]
+        itl = m_http["itl_p50_s"] / m_in["itl_p50_s"]
+        add("many chats: ITL p50 <= 1.1x in process", itl, 1.1,
+            f"{m_http['itl_p50_s'] * 1e3:.1f} / {m_in['itl_p50_s'] * 1e3:.1f} ms = {itl:.2f}x")
+    if inproc.get("device", "cpu") == "cpu":  # on a GPU the weights and the pool live in device memory
+        budget = inproc["file_mb"] + inproc["kv_pool_mb"] + 500
+        add("PSS at idle <= weight file + KV pool + 500 MB", serve["pss_idle_total_mb"], budget,
+            f"{serve['pss_idle_total_mb']:.0f} MB (budget {budget:.0f} MB)")
     if peer:  # issue 42's bar: the same file, served side by side
         r = serve["one_stream_itl_p50_ms"] / peer["one_stream_itl_p50_ms"]
         add("one stream: ITL p50 <= 0.8x llama.cpp", r, 0.8,
@@ -236,6 +278,22 @@ def render(result: dict) -> str:
             lines.append(f"  {name} PSS per process at idle: " +
                          ", ".join(f"{k.split()[0]} ({' '.join(k.split()[1:])}) {v:.0f} MB"
                                    for k, v in row["pss_idle_mb"].items()))
+    if "transformers" in result:
+        lines.append(f"{'transformers':28}{result['transformers']['one_stream_itl_p50_ms']:>9.1f} ms"
+                     "  (plain transformers' decode step at batch 1, context 128)")
+    many = [(name, result[name]["many_chats"]) for name in ("in_process", "serve", "serve --no-engine-process",
+                                                              "transformers") if "many_chats" in result.get(name, {})]
+    if many:
+        lines.append(f"many chats ({result['many_chats_workload']}):")
+        lines.append(f"{'':28}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}{'tok/s':>9}")
+        for name, row in many:
+            if name == "transformers":  # decode steps alone
+                lines.append(f"{name:28}{'-':>10}{'-':>10}{row['itl_p50_s'] * 1e3:>7.1f} ms{'-':>10}"
+                             f"{row['output_tok_s']:>9.0f}  (decode step at batch {row['batch']}, "
+                             f"context {row['context']})")
+                continue
+            lines.append(f"{name:28}{row['ttft_p50_s']:>8.3f} s{row['ttft_p99_s']:>8.3f} s"
+                         f"{row['itl_p50_s'] * 1e3:>7.1f} ms{row['itl_p99_s'] * 1e3:>7.1f} ms{row['output_tok_s']:>9.0f}")
     lines.append("targets:")
     for name, figure, met in result["targets"]:
         lines.append(f"  {'met   ' if met else 'missed' if met is not None else 'n/a   '} {name}: {figure}")
@@ -279,6 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-server", default=None, help="llama-server binary (../shared/peers/)")
     parser.add_argument("--llama-gguf", default=None,
                         help="the same weights for llama-server (the default model: its own Q4_1 file)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="the engine's device, in process and served")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="the engine's batch, in process and served")
+    parser.add_argument("--many-chats", type=int, default=0,
+                        help="also this many concurrent chats on one shared system prompt, closed loop (0: none)")
+    parser.add_argument("--many-prefix-tokens", type=int, default=2000, help="the many chats' system prompt")
+    parser.add_argument("--many-turns", type=int, default=2, help="turns of each of the many chats")
+    parser.add_argument("--transformers", action="store_true",
+                        help="also plain transformers' decode step on the same device, for the one stream and the "
+                             "many chats' batch")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     from engine.model.loader import resolve_model_path
@@ -287,10 +355,17 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     print("in process ...", flush=True)
-    inproc = in_process(args.model, args.tokens, args.turns, args.think_s)
+    engine = {"device": args.device}
+    if args.max_num_seqs:
+        engine["max_num_seqs"] = args.max_num_seqs
+    many = {"chats": args.many_chats, "prefix_tokens": args.many_prefix_tokens,
+            "turns": args.many_turns} if args.many_chats else {}
+    inproc = in_process(args.model, args.tokens, args.turns, args.think_s, engine, many)
     work = inproc.pop("workload")
     result: dict = {"in_process": inproc}
-    extra = args.serve_args.split()
+    if many:
+        result["many_chats_workload"] = work["many_chats"].description
+    extra = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()] + args.serve_args.split()
     runs = [("serve", lambda: ours(model_path, True, args.port, extra))]
     if not args.no_thread_mode:
         runs.append(("serve --no-engine-process", lambda: ours(model_path, False, args.port, extra)))
@@ -304,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
             result[name] = measure(server, served_model, args.tokens, work)
         finally:
             server.stop()
+    if args.transformers:
+        print("transformers ...", flush=True)
+        result["transformers"] = plain_transformers(model_path, args.device, work)
     result["targets"] = targets(result)
     print(render(result))
     (out / "serving.json").write_text(json.dumps(result, indent=2, default=str))

@@ -1,27 +1,60 @@
 #!/usr/bin/env bash
-# On a machine with a CUDA GPU (CI has none): the CUDA tests, then decode speed against the roofline with
-# CUDA graphs, without them (--enforce-eager) and plain transformers, then the prefill kernel's throughput and a
-# cached prompt's TTFT at Llama-3.2-1B's layer shapes (random weights beside MODEL_DIR's tokenizer), in one run.
-# usage: scripts/cuda_check.sh [MODEL_DIR] [OUT_DIR]   (MODEL_DIR: default, or a stand-in from
-#        `python -m bench.tiny_models like SOURCE OUT` where the weights cannot be fetched)
+# On a machine with a CUDA GPU (CI has none), in about five minutes: the CUDA kernels' tests compiled for the
+# device, then random weights of SmolLM2-135M's and Llama-3.2-1B's shapes in bf16 (the GPU machine reaches no model
+# hub) measured four ways: a 4,096-token prompt's prefill against the bf16 peak and its cached TTFT (1B shapes),
+# decode steps against the roofline with plain transformers beside them, and the server on the GPU through HTTP
+# (`bench serving`: one stream, 4 chats, 64 chats on a shared 2,000-token system prompt) against the same engine in
+# process. Each stage has its own time limit (seconds, from the environment) and its own log, so one that fails or
+# runs long leaves the others' figures.
+# usage: scripts/cuda_check.sh [SOURCE_DIR] [OUT_DIR]
+#   SOURCE_DIR: a model directory whose config.json and tokenizer the random models take (default: the default
+#   model's, downloaded here); OUT_DIR: where the logs, JSON and plots go (default bench/results/cuda).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-model=${1:-default}
-out=${2:-bench/results}
+source_dir=${1:-}
+out=${2:-bench/results/cuda}
 mkdir -p "$out"
-python -m pytest -q -o filterwarnings=ignore::DeprecationWarning tests/engine/model/test_fused_cuda.py tests/engine/model/test_paged_decode_cuda.py \
-  tests/engine/model/test_paged_prefill_cuda.py tests/engine/model/test_decode_graph_cuda.py "tests/engine/test_engine_hardening.py::test_seeded_sampling_on_cuda"
-decode() { python -m bench.decode --device cuda --model "$model" --steps 32 "$@"; }
-decode --dtype bfloat16 --batches 1,4,8,16,32 --transformers --json "$out/decode_cuda_bf16.json"
-decode --dtype bfloat16 --batches 1,4,8,16,32 --enforce-eager --json "$out/decode_cuda_bf16_eager.json"
-decode --dtype float32 --batches 1,8,32 --transformers --json "$out/decode_cuda_fp32.json"
-decode --dtype bfloat16 --batches 1,8 --shared-prefix 960 --json "$out/decode_cuda_bf16_shared.json"
-python -m bench.decode --replot "$out/decode_cuda_bf16.json" "$out/decode_cuda_bf16_eager.json" \
-  --plot "$out/decode_cuda_bf16.png"
-# prefill of a 4,096-token prompt in one step (FLOPs / time against the bf16 peak), then the same prompt fully
-# cached, with the gather path's uncached TTFT beside it
-source=$(python -c "import sys; from engine.model.loader import resolve_model_path; print(resolve_model_path(sys.argv[1]))" "$model")
-shapes_1b="$out/llama-1b-shapes"
-[ -f "$shapes_1b/config.json" ] || python -m bench.tiny_models like "$source" "$shapes_1b" hidden_size=2048 \
-  intermediate_size=8192 num_hidden_layers=16 num_attention_heads=32 num_key_value_heads=8 --bf16
-python -m bench.prefill --model "$shapes_1b" --tokens 4096 --gather-too --json "$out/prefill_cuda_1b_shapes.json"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+[ -n "$source_dir" ] || source_dir=$($py -c "from engine.model.loader import resolve_model_path; print(resolve_model_path('default'))")
+
+stage() {  # stage NAME SECONDS COMMAND...: runs it under its limit, its output to NAME.log and the screen
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s)"
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$out/summary.txt"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$out/summary.txt"
+$py -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__)" | tee -a "$out/summary.txt"
+
+# the random models, built on the CPU while the tests use the GPU
+small=$out/smollm2-shapes
+large=$out/llama-1b-shapes
+(
+  $py -m bench.tiny_models like "$source_dir" "$small" --bf16
+  $py -m bench.tiny_models like "$source_dir" "$large" hidden_size=2048 intermediate_size=8192 \
+    num_hidden_layers=16 num_attention_heads=32 num_key_value_heads=8 head_dim=64 --bf16
+) >"$out/models.log" 2>&1 &
+models=$!
+
+stage tests "${TESTS_S:-150}" $py -m pytest -q -p no:cacheprovider -o filterwarnings=ignore --junitxml="$out/tests.xml" \
+  tests/engine/model/test_paged_prefill_cuda.py tests/engine/model/test_paged_decode_cuda.py \
+  tests/engine/model/test_fused_cuda.py tests/engine/model/test_decode_graph_cuda.py \
+  "tests/engine/test_engine_hardening.py::test_seeded_sampling_on_cuda"
+wait $models || { echo "building the random models failed:"; tail -20 "$out/models.log"; }
+
+stage prefill "${PREFILL_S:-80}" $py -m bench.prefill --model "$large" --tokens 4096 --repeats 2 --gather-too \
+  --json "$out/prefill_1b.json"
+stage decode_1b "${DECODE_S:-60}" $py -m bench.decode --device cuda --dtype bfloat16 --model "$large" --steps 32 \
+  --batches 1,8,32 --json "$out/decode_1b.json" --plot "$out/decode_1b.png"
+stage decode_small "${DECODE_S:-60}" $py -m bench.decode --device cuda --dtype bfloat16 --model "$small" --steps 32 \
+  --batches 1,8,32 --transformers --json "$out/decode_small.json"
+stage serving "${SERVING_S:-170}" $py -m bench serving --model "$small" --device cuda --max-num-seqs 64 \
+  --tokens 200 --turns 2 --think-s 0.5 --no-thread-mode --many-chats 64 --many-prefix-tokens 2000 --many-turns 2 \
+  --transformers --out "$out"
+cat "$out/summary.txt"

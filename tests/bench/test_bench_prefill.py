@@ -1,6 +1,8 @@
 """bench.prefill on the tiny model on CPU (behaviour, not times): the step's FLOPs, the cache hits of the repeat."""
 from __future__ import annotations
 
+import pytest
+
 from bench import prefill
 from engine import LLM
 
@@ -19,3 +21,14 @@ def test_the_repeated_prompt_hits_every_full_block_but_the_last_tokens(tiny_llam
     assert result["cached_tokens"] == [48, 48]  # a hit is capped at 63 of the 64 tokens: 3 blocks
     assert result["prefill_kernel"] is False and "fraction_of_peak" not in result  # CPU: gather path, no peak
     assert result["uncached_ttft_s"] > 0 and result["cached_ttft_s"] > 0
+
+
+def test_a_failed_step_is_an_error_not_a_time(tiny_llama_dir, monkeypatch):
+    llm = LLM(str(tiny_llama_dir), cpu_kernels="eager", num_kv_blocks=8)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(llm.core.runner, "execute", fail)
+    with pytest.raises(RuntimeError, match="the prefill step failed"):
+        prefill.ttft(llm, list(range(1, 40)))

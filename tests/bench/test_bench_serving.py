@@ -49,6 +49,35 @@ def test_render_shows_both_chat_runs_and_every_target():
     assert "missed PSS at idle" in text
 
 
+def test_on_a_gpu_the_many_chats_are_held_to_in_process_and_memory_is_not_judged():
+    result = _result()
+    del result["llama.cpp"]
+    result["in_process"]["device"] = "cuda:0"
+    many = {"ttft_p50_s": 0.2, "ttft_p99_s": 0.9, "itl_p99_s": 0.5, "output_tok_s": 2100.0}
+    result["in_process"]["many_chats"] = {**many, "itl_p50_s": 0.0065}
+    result["serve"]["many_chats"] = {**many, "itl_p50_s": 0.0054}
+    result["many_chats_workload"] = "64 concurrent chats"
+    result["transformers"] = {"one_stream_itl_p50_ms": 91.0,
+                              "many_chats": {"batch": 64, "context": 2140, "itl_p50_s": 0.075, "output_tok_s": 853.3}}
+    result["targets"] = serving.targets(result)
+    targets = {name: (figure, met) for name, figure, met in result["targets"]}
+    assert targets["many chats: ITL p50 <= 1.1x in process"] == ("5.4 / 6.5 ms = 0.83x", True)
+    assert not any(name.startswith("PSS") for name in targets)
+    text = serving.render(result)
+    assert "many chats (64 concurrent chats):" in text
+    assert "transformers" + " " * 21 + "91.0 ms  (plain transformers" in text
+    assert "853  (decode step at batch 64, context 2140)" in text
+
+
+def test_many_chats_share_one_system_prompt_of_the_asked_length(tiny_llama_dir):
+    tokenizer = load_tokenizer(tiny_llama_dir, set())
+    work = multiturn.workload(tokenizer, turns=2, chats=6, prefix_tokens=300)
+    assert work.name == "multiturn6" and len(work.requests) == 12
+    systems = {r.messages[0]["content"] for r in work.requests}
+    assert len(systems) == 1
+    assert abs(len(tokenizer.encode(systems.pop())) - 300) <= 30
+
+
 def test_paused_chats_wait_before_every_later_turn(tiny_llama_dir):
     tokenizer = load_tokenizer(tiny_llama_dir, set())
     work = multiturn.workload(tokenizer, turns=3, think_s=0.75)
