@@ -7,10 +7,16 @@ per weight of the linear layers per token, the logits of the last token only, an
 a cache hit, so its TTFT is the step of the last block's tokens. With --gather-too the uncached prompts run once
 more with the prefill kernel switched off (the gather path), in the same process. Times are medians; the first
 prompt of a kind is a warm-up (kernel compilation) and not counted.
+
+--kernel-sweep (CUDA) times the paged prefill kernel alone on the model's attention shapes (one row of `--tokens`
+queries from position 0, K/V scattered over the block pool in bf16) for several tile shapes, warps and pipeline
+stages, beside PyTorch's scaled_dot_product_attention (FlashAttention) on the same K/V laid out contiguously, and
+checks each output against it.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -85,6 +91,62 @@ def run(model: str = "default", device: str = "cuda", dtype: str = "bfloat16", t
     return result
 
 
+SWEEP = ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3), (256, 64, 8, 3),
+         (128, 32, 4, 4))
+
+
+def kernel_sweep(model: str = "default", tokens: int = 4096, block_size: int = 16, configs=SWEEP,
+                 device: str = "cuda", timer=None) -> dict:
+    """The kernel's time and attention TFLOP/s per (query rows, keys, warps, stages), SDPA's on the same K/V.
+    timer(fn) -> ms: triton.testing.do_bench's median by default (the tests pass another for CPU tensors)."""
+    import torch.nn.functional as F
+    from transformers import AutoConfig
+
+    from engine.model import paged_prefill_cuda
+    from engine.model.loader import resolve_model_path
+
+    config = AutoConfig.from_pretrained(resolve_model_path(model))
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if timer is None:
+        import triton.testing
+        timer = functools.partial(triton.testing.do_bench, return_mode="median")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # (the interpreter's 16-bit dots are wrong)
+    gen = torch.Generator(device=device).manual_seed(0)
+    num_blocks = tokens // block_size
+    q = torch.randn(tokens, heads, dim, device=device, generator=gen, dtype=dtype)
+    k = torch.randn(tokens, kv_heads, dim, device=device, generator=gen, dtype=dtype)
+    v = torch.randn(tokens, kv_heads, dim, device=device, generator=gen, dtype=dtype)
+    table = torch.randperm(num_blocks, device=device, generator=gen).int()
+    slots = (table.long()[:, None] * block_size + torch.arange(block_size, device=device)).flatten()
+    k_cache, v_cache = torch.empty_like(k), torch.empty_like(v)
+    k_cache[slots], v_cache[slots] = k, v  # token t sits in slot slots[t]
+    starts = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+    lens = torch.tensor([tokens], dtype=torch.int32, device=device)
+    scale = dim ** -0.5
+    flops = 2 * 2 * heads * dim * tokens * tokens // 2
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                              v.transpose(0, 1)[None], is_causal=True, scale=scale,
+                                              enable_gqa=True)[0].transpose(0, 1)
+
+    expected = sdpa().float()
+    rows = [{"kernel": "sdpa", "ms": timer(sdpa)}]
+    for tiles in configs:
+        def kernel(tiles=tiles):
+            return paged_prefill_cuda.paged_prefill(q, k_cache, v_cache, table[None], starts, lens, scale,
+                                                    block_size, tiles=tiles)
+        error = ((kernel().float() - expected).norm() / expected.norm()).item()
+        rows.append({"kernel": "paged_prefill", "tiles": tiles, "rel_error": round(error, 5),
+                     "ms": timer(kernel)})
+    for row in rows:
+        row["tflops"] = round(flops / row["ms"] / 1e9, 1)
+    return {"model": model, "tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
+            "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "attention_tflop": round(flops / 1e12, 4), "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.prefill", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,9 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gather-too", action="store_true", help="also time the uncached prompts on the gather path")
+    parser.add_argument("--kernel-sweep", action="store_true",
+                        help="CUDA: time the prefill kernel alone per tile shape, beside SDPA (one layer's attention)")
     parser.add_argument("--json", default=None, help="also write the result here")
     args = parser.parse_args(argv)
-    result = run(args.model, args.device, args.dtype, args.tokens, args.repeats, args.gather_too)
+    if args.kernel_sweep:
+        result = kernel_sweep(args.model, args.tokens)
+        for row in result["rows"]:
+            print(f"{row['kernel']:14}{str(row.get('tiles', '')):20}{row['ms']:8.3f} ms{row['tflops']:8.1f} TFLOP/s"
+                  f"  rel error {row.get('rel_error', '-')}")
+    else:
+        result = run(args.model, args.device, args.dtype, args.tokens, args.repeats, args.gather_too)
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:

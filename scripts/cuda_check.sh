@@ -5,7 +5,7 @@
 # decode steps against the roofline with plain transformers beside them, and the server on the GPU through HTTP
 # (`bench serving`: one stream, 4 chats, 64 chats on a shared 2,000-token system prompt) against the same engine in
 # process. Each stage has its own time limit (seconds, from the environment) and its own log, so one that fails or
-# runs long leaves the others' figures.
+# runs long leaves the others' figures; STAGES (names, space-separated) runs some of them only.
 # usage: scripts/cuda_check.sh [SOURCE_DIR] [OUT_DIR]
 #   SOURCE_DIR: a model directory whose config.json and tokenizer the random models take (default: the default
 #   model's, downloaded here); OUT_DIR: where the logs, JSON and plots go (default bench/results/cuda).
@@ -18,9 +18,11 @@ export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 [ -n "$source_dir" ] || source_dir=$($py -c "from engine.model.loader import resolve_model_path; print(resolve_model_path('default'))")
 
+stages=" ${STAGES:-tests prefill sweep profile decode_1b decode_small serving} "
 stage() {  # stage NAME SECONDS COMMAND...: runs it under its limit, its output to NAME.log and the screen
   local name=$1 limit=$2
   shift 2
+  [[ $stages == *" $name "* ]] || return 0
   echo "== $name (limit ${limit}s)"
   local start=$SECONDS
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$out/$name.log"
@@ -50,6 +52,11 @@ wait $models || { echo "building the random models failed:"; tail -20 "$out/mode
 
 stage prefill "${PREFILL_S:-80}" $py -m bench.prefill --model "$large" --tokens 4096 --repeats 2 --gather-too \
   --json "$out/prefill_1b.json"
+stage sweep "${SWEEP_S:-60}" $py -m bench.prefill --model "$large" --tokens 4096 --kernel-sweep \
+  --json "$out/prefill_kernel_sweep.json"
+stage profile "${PROFILE_S:-60}" bash -c "$py -m bench.step_profile --device cuda --dtype bfloat16 --model $large \
+  --prefill 4096 --top 30 --json $out/profile_prefill_4096.json && $py -m bench.step_profile --device cuda \
+  --dtype bfloat16 --model $large --prefill 16 --top 12 --json $out/profile_prefill_16.json"
 stage decode_1b "${DECODE_S:-60}" $py -m bench.decode --device cuda --dtype bfloat16 --model "$large" --steps 32 \
   --batches 1,8,32 --json "$out/decode_1b.json" --plot "$out/decode_1b.png"
 stage decode_small "${DECODE_S:-60}" $py -m bench.decode --device cuda --dtype bfloat16 --model "$small" --steps 32 \

@@ -95,16 +95,18 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_starts
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   query_starts: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                  block_size: int) -> torch.Tensor:
+                  block_size: int, tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """q: [T, H, D], the flat batch; caches: [num_slots, KVH, D] (the slots of the block pool, any float dtype);
     block_tables: [R, max_blocks] int32; query_starts: [R + 1] int32, row r's queries are
     q[query_starts[r]:query_starts[r + 1]]; context_lens: [R] int32, row r's tokens up to its last query.
-    Returns [T, H, D] in q's dtype. No host sync."""
+    Returns [T, H, D] in q's dtype. No host sync. tiles: (query rows of a program's dots, keys at once, warps,
+    pipeline stages) instead of tile_shapes' and Triton's defaults (bench.prefill --kernel-sweep tries several)."""
     tokens, num_heads, dim = q.shape
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
     kv_heads = k_cache.shape[1]
     group = num_heads // kv_heads
-    tile_m, tile_n = tile_shapes(q.device, group)
+    tile_m, tile_n = tile_shapes(q.device, group) if tiles is None else tiles[:2]
+    launch = {} if tiles is None else {"num_warps": tiles[2], "num_stages": tiles[3]}
     tile_q = tile_m // group
     rows = context_lens.shape[0]
     out = torch.empty_like(q)
@@ -115,5 +117,5 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, out, block_tables, query_starts, context_lens, scale * LOG2E, rows,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0), BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=dim, TILE_M=tile_m, TILE_Q=tile_q,
-        TILE_N=tile_n, HALF_DOTS=half_dots)
+        TILE_N=tile_n, HALF_DOTS=half_dots, **launch)
     return out

@@ -127,6 +127,15 @@ def test_step_profile_lists_a_steps_ops(tiny_llama_dir):
     assert result["total_us_per_step"] == pytest.approx(sum(r["us_per_step"] for r in result["rows"]))
 
 
+def test_step_profile_of_prefill_steps_times_one_whole_prompt_each(tiny_llama_dir):
+    from bench import step_profile
+    result = step_profile.run_prefill(str(tiny_llama_dir), tokens=64, steps=2, cpu_kernels="eager")
+    assert result["tokens"] == 64 and result["prefill_kernel"] is False  # CPU: the gather path
+    names = {r["name"] for r in result["rows"]}
+    assert "aten::mm" in names or "aten::addmm" in names or "aten::linear" in names
+    assert result["step_wall_us"] > 0 and result["kernels_per_step"] is None
+
+
 def test_decode_rows_have_no_graph_replay_on_cpu(tiny_llama_dir):
     row = decode.run(str(tiny_llama_dir), batches=(1,), context=40, steps=2, log=lambda _: None,
                      num_kv_blocks=64)["rows"][0]

@@ -5,6 +5,7 @@ import pytest
 
 from bench import prefill
 from engine import LLM
+from tests.support.machine import triton_module
 
 
 def test_step_flops_count_the_linear_layers_the_last_logits_and_causal_attention(tiny_llama_dir):
@@ -32,3 +33,16 @@ def test_a_failed_step_is_an_error_not_a_time(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(llm.core.runner, "execute", fail)
     with pytest.raises(RuntimeError, match="the prefill step failed"):
         prefill.ttft(llm, list(range(1, 40)))
+
+
+def test_the_kernel_sweep_checks_every_tile_shape_against_sdpa(tiny_llama_dir):
+    """On CPU tensors through Triton's interpreter (conftest), with a stand-in timer: every tiling is the same
+    attention as SDPA's, and the FLOPs are causal attention's."""
+    triton_module("paged_prefill_cuda")
+    result = prefill.kernel_sweep(str(tiny_llama_dir), tokens=48, block_size=8, device="cpu",
+                                  configs=((16, 16, 1, 1), (32, 8, 2, 2)), timer=lambda fn: 2.0)
+    assert (result["heads"], result["kv_heads"], result["head_dim"]) == (4, 2, 16)
+    assert result["attention_tflop"] == round(2 * 2 * 4 * 16 * 48 * 48 // 2 / 1e12, 4)
+    assert [r["kernel"] for r in result["rows"]] == ["sdpa", "paged_prefill", "paged_prefill"]
+    assert all(r["rel_error"] < 1e-5 for r in result["rows"][1:])
+    assert all(r["ms"] == 2.0 for r in result["rows"])

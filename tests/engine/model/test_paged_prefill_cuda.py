@@ -75,6 +75,15 @@ def test_kernel_matches_reference(heads, kv_heads, dim, block_size, rows):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tiles", [(32, 16, 4, 2), (16, 32, 2, 1)])
+def test_tiles_given_by_the_caller_compute_the_same_attention(tiles):
+    """bench.prefill --kernel-sweep times other tile shapes, warps and stages: each must still be the function."""
+    block_size = 8
+    case = _case(8, 2, 64, block_size, [(11, 37), (1, 50), (20, 20)])
+    out = paged_prefill_cuda.paged_prefill(*case, 0.125, block_size, tiles=tiles)
+    torch.testing.assert_close(out.double(), _reference(*case, 0.125, block_size), rtol=1e-5, atol=1e-5)
+
+
 def test_planted_score_spikes_rescale_the_running_softmax():
     """Keys whose dot products with the row's queries dwarf the rest: a first spike early in the context, a far
     larger one in a later key tile. Queries that see the second must drop what they summed under the first
