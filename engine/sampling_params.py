@@ -89,7 +89,7 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_s
     """Raises ValueError for a request no engine of this model could serve."""
     if not prompt_token_ids:
         raise ValueError("the prompt is empty")
-    if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:  # (loops in C: every request, both processes)
         raise ValueError(f"token ids must be in [0, {vocab_size})")
     generated = 0 if params.pooling else params.max_tokens  # a pooling request (embedding, warm) generates none
     if len(prompt_token_ids) + generated > max_model_len:

@@ -8,6 +8,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.logits_processors import process_logits
+from engine.request import Request
 from engine.sampling import Sampler, _filtered_probs
 
 EOS = 3
@@ -135,3 +136,11 @@ def test_engine_penalties_break_greedy_repetition(llm):
 def test_engine_logit_bias_token_id_beyond_the_vocab_is_refused(llm):
     with pytest.raises(ValueError, match="logit_bias token ids must be in"):
         _gen(llm, max_tokens=4, logit_bias={llm.core.vocab_size: 1})
+
+
+@pytest.mark.parametrize("bad", [-1, "vocab"])
+def test_prompt_token_ids_outside_the_vocab_are_refused(llm, bad):
+    bad = llm.core.vocab_size if bad == "vocab" else bad
+    with pytest.raises(ValueError, match=r"^token ids must be in \[0, "):
+        llm.core.add_request(Request("bad", [1, 2, bad, 3], SamplingParams(max_tokens=2)))
+    assert not llm.core.has_unfinished()
