@@ -1,7 +1,8 @@
 """Engine replicas on a local Ray Serve, behind the prefix-affinity router (tiny models, 2 replicas).
 
-One Ray instance and one Serve app for the whole module (starting Ray is the slow part); the
-replica-killing test runs last.
+One Ray instance for the whole run's Ray tests, all in this module (starting Ray is the slow part), and
+two Serve apps on it: the one most tests share, and one with a disk tier and a small pool for the stats
+test. The replica-killing test runs last.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import urllib.request
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray", reason="the cluster extra is not installed (make test installs it)")
 from ray import serve  # noqa: E402
@@ -21,6 +23,7 @@ from cluster.client import ClusterEngine  # noqa: E402
 from cluster.replica import deployment  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.stats import SchedulerStats  # noqa: E402
 from gateway.app import create_app  # noqa: E402
 from gateway.auth import Tenant  # noqa: E402
 from gateway.settings import ApiKey, GatewaySettings, Settings  # noqa: E402
@@ -49,19 +52,24 @@ PROXY_PORT = _free_port()
 
 
 @pytest.fixture(scope="module")
-def cluster(engine_config):
+def serve_instance():
     ray.init(num_cpus=2, include_dashboard=False, namespace="prefixgate-tests", log_to_driver=False)
-    # Serve's proxy on, as on KubeRay (whose readiness probes ask it): the gateway is still the HTTP face
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": PROXY_PORT})
     try:
-        handle = serve.run(deployment(engine_config, 2, "cluster.router:PrefixAffinityRouter", index=APP,
-                                      mean_load_factor=1.25, max_ongoing_requests=16), name=APP, route_prefix="/engine")
-        client = asyncio.run(ClusterEngine.connect(handle, engine_config, index=APP, num_replicas=2))
-        client.start()
-        yield client
+        # Serve's proxy on, as on KubeRay (whose readiness probes ask it): the gateway is still the HTTP face
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": PROXY_PORT})
+        yield
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(serve_instance, engine_config):
+    handle = serve.run(deployment(engine_config, 2, "cluster.router:PrefixAffinityRouter", index=APP,
+                                  mean_load_factor=1.25, max_ongoing_requests=16), name=APP, route_prefix="/engine")
+    client = asyncio.run(ClusterEngine.connect(handle, engine_config, index=APP, num_replicas=2))
+    client.start()
+    return client
 
 
 @pytest.fixture(autouse=True)
@@ -250,6 +258,83 @@ async def test_two_gateways_attached_to_one_app_share_its_cache(cluster, engine_
         decisions = re.findall(r'prefixgate_router_decisions_total\{model_name="[^"]*",reason="(\w+)"\} (\S+)',
                                await asyncio.to_thread(second_metrics))
         assert dict(decisions)["prefix_match"] == "1.0"
+
+
+# ---- the replicas' stats reach the gateway whole: each replica sends its engine's StepStats as they are, and the
+# cluster client publishes them, with the replicas' scheduler stats merged, through the path every engine client
+# uses (the merge itself: test_cluster_stats.py)
+STATS_APP = "test-cluster-stats"
+STATS_BLOCKS = 9  # per replica: the third prompt of a family evicts the first one's own blocks
+ALICE = {"Authorization": "Bearer key-a"}
+
+
+@pytest.fixture(scope="module")
+def stats_config(tiny_llama_dir, tmp_path_factory) -> EngineConfig:
+    # one disk folder for both replicas: the first to lock it has a disk tier, the other has none
+    return EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=STATS_BLOCKS, max_model_len=32,
+                        max_num_seqs=1, threads=1, threads_batch=1,
+                        kv_disk_dir=str(tmp_path_factory.mktemp("kv-disk")))
+
+
+@pytest.fixture
+def stats_cluster(serve_instance, stats_config):
+    handle = serve.run(deployment(stats_config, 2, "cluster.router:PrefixAffinityRouter", index=STATS_APP,
+                                  mean_load_factor=1.25, max_ongoing_requests=16), name=STATS_APP, route_prefix=None)
+    yield asyncio.run(ClusterEngine.connect(handle, stats_config, index=STATS_APP, num_replicas=2))
+    serve.delete(STATS_APP)  # its replicas stop before the next test, which kills one of the other app's
+
+
+def _family(head: int, seed: int) -> list[int]:
+    """Prompts of one family share their first 4 of 6 blocks, so the router keeps the family on one replica."""
+    return list(range(head, head + 16)) + [(seed * 37 + i * 11) % 400 + 20 for i in range(8)]
+
+
+def _samples(metrics_text: str) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for family in text_string_to_metric_families(metrics_text) for s in family.samples}
+
+
+async def test_metrics_and_cache_stats_show_every_replicas_free_blocks_regrets_and_disk_hits(stats_cluster,
+                                                                                            stats_config,
+                                                                                            aiohttp_client):
+    cluster = stats_cluster
+    settings = Settings(stats_config, GatewaySettings(api_keys=(ApiKey("key-a", "alice"),), salt_secret="test"))
+    client = await aiohttp_client(create_app(settings, engine=cluster))
+
+    async def complete(prompt: list[int]) -> None:
+        body = {"model": cluster.model_name, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        resp = await client.post("/v1/completions", json=body, headers=ALICE)
+        assert resp.status == 200, await resp.text()
+
+    # one family per replica (two misses at once go to both); then two more prompts of each family evict its
+    # first prompt's tail, which comes back from the disk tier on one replica and is a regret on the other
+    for seed in (0, 1, 2, 0):
+        await asyncio.gather(complete(_family(470, seed)), complete(_family(490, seed)))
+    truth: dict[str, SchedulerStats] = {}
+
+    async def idle_reports() -> bool:  # an idle replica's latest report: every block free again
+        await cluster.replica_caches()
+        truth.update(cluster.replica_snapshots())
+        return len(truth) == 2 and all(s.num_free_blocks == STATS_BLOCKS and s.num_running == 0
+                                       for s in truth.values())
+
+    async with asyncio.timeout(60):
+        while not await idle_reports():
+            await asyncio.sleep(0.2)
+
+    caches = [s.prefix_cache for s in truth.values()]
+    regrets, disk_hits = sum(c.regrets for c in caches), sum(c.disk_hits for c in caches)
+    # the first prompt's 5th block, evicted: a regret where there is no disk tier, 4 tokens read back where there is
+    assert (regrets, disk_hits) == (1, 4)
+    disk = next(c.disk for c in caches if c.disk is not None)
+    stats = await (await client.get("/v1/cache/stats", headers=ALICE)).json()
+    assert stats["kv_blocks"]["total"] == stats["kv_blocks"]["free"] == 2 * STATS_BLOCKS
+    assert stats["disk"] == {"blocks": disk.files, "bytes": disk.bytes}
+    got = _samples(await (await client.get("/metrics")).text())
+    assert got["prefixgate_kv_cache_free_blocks", ()] == 2 * STATS_BLOCKS
+    assert got["prefixgate_prefix_cache_regrets_blocks_total", ()] == regrets
+    assert got["prefixgate_tenant_prefix_cache_regrets_blocks_total", (("tenant", "alice"),)] == regrets
+    assert got["prefixgate_prefix_cache_disk_hits_tokens_total", ()] == disk_hits
 
 
 async def test_killing_a_replica_loses_no_request_that_had_not_streamed(cluster):
