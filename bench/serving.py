@@ -162,6 +162,8 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self._reader.join(5)  # it reads to the end of the log, then the pipe can close
+        self.proc.stdout.close()
 
 
 def ours(model_path: str, engine_process: bool, port: int, extra: list[str]) -> Server:
@@ -211,6 +213,25 @@ def measure(server: Server, model: str, tokens: int, work: dict[str, Workload]) 
     after = pss_mb(server.proc.pid)
     return {"one_stream_itl_p50_ms": itl, **rows, "pss_idle_mb": idle, "pss_after_mb": after,
             "pss_idle_total_mb": sum(idle.values()), "pss_after_total_mb": sum(after.values())}
+
+
+def idle_pss(model_path: str, port: int, extra: list[str]) -> int:
+    """`serve`'s PSS at idle, per process, against the budget (the weight file + the KV pool's configured size +
+    500 MB)."""
+    from engine.config import EngineConfig
+
+    server = ours(model_path, True, port, extra)
+    try:
+        time.sleep(3)  # as measure(): start-up work done
+        idle = pss_mb(server.proc.pid)
+    finally:
+        server.stop()
+    budget = checkpoint_bytes(model_path) / MB + EngineConfig(model=model_path).kv_cache_memory_mb + 500
+    for name, mb in idle.items():
+        print(f"{mb:8.0f} MB  {name}")
+    total = sum(idle.values())
+    print(f"{total:8.0f} MB  in all; budget {budget:.0f} MB: {'met' if total <= budget else 'missed'}")
+    return 0 if total <= budget else 1
 
 
 # ---- report
@@ -347,10 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transformers", action="store_true",
                         help="also plain transformers' decode step on the same device, for the one stream and the "
                              "many chats' batch")
+    parser.add_argument("--idle-pss-only", action="store_true",
+                        help="only start `serve`, and print its processes' PSS at idle against the memory budget")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     from engine.model.loader import resolve_model_path
     model_path = str(resolve_model_path(args.model))
+    if args.idle_pss_only:
+        return idle_pss(model_path, args.port, [f"--device={args.device}", *args.serve_args.split()])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 

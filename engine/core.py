@@ -8,6 +8,7 @@ from functools import partial
 import torch
 from transformers import GenerationConfig
 
+from engine import heap
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.disk_tier import DiskTier, model_fingerprint, open_disk_tier
@@ -99,6 +100,7 @@ class EngineCore:
         self._ttfts: list[float] = []
         self._prefill_times: list[float] = []
         self._inter_token_latencies: list[float] = []
+        heap.trim()  # loading's freed temporaries back to the OS
 
     # ---- requests in and out
 

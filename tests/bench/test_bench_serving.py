@@ -1,6 +1,8 @@
 """bench serving's report (which run each target reads, and the table) and its lean HTTP client."""
 import asyncio
 
+import pytest
+
 from bench import multiturn, serving
 from bench.http import drive_lean
 from engine.tokenizer import load_tokenizer
@@ -123,3 +125,11 @@ def test_checkpoint_bytes_counts_the_gguf_file_behind_its_link_and_safetensors_s
     assert serving.checkpoint_bytes(str(model)) == 300
     (model / "model-00001.safetensors").write_bytes(b"s" * 50)
     assert serving.checkpoint_bytes(str(model)) == 350
+
+
+@pytest.mark.server
+def test_idle_pss_only_prints_each_process_against_the_budget(tiny_llama_dir, capsys):
+    assert serving.idle_pss(str(tiny_llama_dir), 0, ["--device=cpu", "--responses-db", ":memory:"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any("-m gateway serve" in line for line in lines) and any("engine.engine_process" in line for line in lines)
+    assert lines[-1].endswith(": met") and "in all; budget" in lines[-1]
