@@ -107,8 +107,16 @@ def _read_state(path: Path, config: PretrainedConfig, weights: str) -> dict[str,
         # the matmuls' weights; a tied embedding is the lm_head's, an untied one stays float
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         for name in [n for n in state if n.endswith("proj.weight") or n == head]:
-            state[name] = quant_formats.quantize(state[name].float().numpy(), AT_LOAD[weights])
+            state[name] = quant_formats.quantize(state[name].float().numpy(), at_load_format(name, weights))
     return state
+
+
+def at_load_format(name: str, weights: str) -> quant_formats.QType:
+    """The format `--quantization` gives a weight. The lm_head (or the tied embedding) stays 8-bit beside 4-bit
+    layers, as llama-quantize keeps it: a 4-bit head loses the most accuracy for the bytes it saves
+    (docs/quantization.md#perplexity-against-llamacpp)."""
+    is_head = name in ("lm_head.weight", "model.embed_tokens.weight")
+    return quant_formats.QType.Q8_0 if is_head else AT_LOAD[weights]
 
 
 def _set_quantized(model: LlamaForCausalLM, quantized: dict[str, QuantRows], tied: bool, integer: bool) -> None:

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.model import quant_dot_cpu, quant_formats
-from engine.model.loader import weights_format
+from engine.model.loader import at_load_format, weights_format
 from tests.support.tiny_gguf import write_gguf_model
 
 NEW_TOKENS = 24
@@ -90,7 +90,7 @@ def test_native_formats_give_the_dequantized_models_tokens(files, tiny_llama_dir
     assert _greedy_twice(LLM(str(gguf_dir), cpu_kernels="eager", **SMALL), prompts)[0] == tokens
 
 
-def _dequantized_twin(model_dir, out_dir, qtype: QType):
+def _dequantized_twin(model_dir, out_dir, quantization: str):
     """model_dir with every weight quantize-at-load touches replaced by its quantized-then-dequantized value."""
     shutil.copytree(model_dir, out_dir)
     state = load_file(out_dir / "model.safetensors")
@@ -98,7 +98,7 @@ def _dequantized_twin(model_dir, out_dir, qtype: QType):
     head = "model.embed_tokens.weight" if tied else "lm_head.weight"  # an untied embedding stays float
     for name, value in state.items():
         if name.endswith("proj.weight") or name == head:
-            rows = quant_formats.quantize(value.float().numpy(), qtype)
+            rows = quant_formats.quantize(value.float().numpy(), at_load_format(name, quantization))
             state[name] = torch.from_numpy(np.ascontiguousarray(rows.dequantize()))
     if tied:
         state.pop("lm_head.weight", None)
@@ -111,7 +111,7 @@ def _dequantized_twin(model_dir, out_dir, qtype: QType):
 def test_quantized_at_load_gives_transformers_tokens_on_the_dequantized_weights(arch, quantization, request,
                                                                                  tmp_path):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
-    twin = _dequantized_twin(model_dir, tmp_path / "twin", QType[quantization.upper()])
+    twin = _dequantized_twin(model_dir, tmp_path / "twin", quantization)
     llm = LLM(str(model_dir), quantization=quantization, **SMALL)
     assert llm.core.weights_format == quantization and llm.core.runner.compiled_decode is not None
     prompts = _prompts(llm.core.vocab_size)
@@ -171,3 +171,11 @@ def test_int8_activations_run_integer_dot_products_and_the_cache_never_changes_t
         assert len(shared) >= 4
         for token in shared:
             assert abs(ours_top[token] - theirs_top[token]) <= 0.05 * abs(theirs_top[token]) + 0.02
+
+
+def test_quantized_at_load_the_head_stays_8_bit_beside_4_bit_layers():
+    """llama-quantize's rule: the lm_head (the tied embedding) of a Q4_0 file is Q8_0."""
+    assert at_load_format("model.layers.0.mlp.down_proj.weight", "q4_0") == QType.Q4_0
+    assert at_load_format("model.embed_tokens.weight", "q4_0") == QType.Q8_0
+    assert at_load_format("lm_head.weight", "q4_0") == QType.Q8_0
+    assert at_load_format("model.layers.0.self_attn.qkv_proj.weight", "q8_0") == QType.Q8_0
