@@ -54,8 +54,10 @@ model: $(STAMP)
 test: $(STAMP) $(CLUSTER_STAMP) $(COMPAT_STAMP)
 	bash scripts/ensure_test_deps.sh
 	# the CPU kernels compiled once up front (seconds when numba's cache has them): on a cold cache the first
-	# server a test starts would spend its start-up timeout compiling
+	# server a test starts would spend its start-up timeout compiling. Both signatures: what serve runs (Q4_1,
+	# bf16 K/V) and the fp32 kernels of the tests' tiny models
 	$(PY) -m engine.model.compile
+	$(PY) -m engine.model.compile --dtype float32
 	$(PY) -m pytest $(XDIST) $(COVERAGE) $(ARGS)
 
 # the unit tier, for the edit-test loop: no Ray, client frameworks, browser or Prometheus to install
