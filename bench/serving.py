@@ -41,7 +41,7 @@ from bench.workloads import Workload
 
 REPO = Path(__file__).resolve().parent.parent
 PAUSED_SEED = 13  # the paused chats' text differs from the closed-loop ones'
-MANY_SEED = 14
+MANY_SEED = 14  # and the many chats' text differs from both
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
 MB = 2**20
 
@@ -103,8 +103,7 @@ def plain_transformers(model_path: str, device: str, work: dict[str, Workload]) 
 
     from bench.decode import transformers_step_ms
 
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto"
-                       else device)
+    dev = torch.device(device if device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = "bfloat16" if dev.type == "cuda" else "float32"
     one = transformers_step_ms(model_path, 1, 128, 32, dtype, dev)  # about the one stream's mean context
     row = {"one_stream_itl_p50_ms": one}
