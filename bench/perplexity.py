@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from bench.decode import blocks_per_sequence
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.model.attention import AttentionMetadata, PrefillSeq
@@ -41,7 +42,7 @@ def chunk_nll(core: EngineCore, ids: list[int]) -> tuple[float, int]:
 
 def ours(model: str, quantization: str, text: str, ctx: int) -> dict:
     core = EngineCore(EngineConfig(model=model, quantization=quantization, max_num_batched_tokens=ctx,
-                                   num_kv_blocks=ctx // 16 + 2, enable_prefix_caching=False))
+                                   num_kv_blocks=blocks_per_sequence(ctx, 0, {}) + 2, enable_prefix_caching=False))
     tokens = core.tokenizer.encode(text)
     total, count = 0.0, 0
     for start in range(0, len(tokens) - ctx + 1, ctx):
