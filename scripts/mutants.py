@@ -28,6 +28,7 @@ STEP_TESTS = ("tests/engine/model/test_decode_step_cpu.py",)
 QUANT_TESTS = ("tests/engine/model/test_quant_matmul.py",)
 DOT_TESTS = ("tests/engine/model/test_quant_dot.py",)
 PREFILL_TESTS = ("tests/engine/model/test_paged_prefill_cuda.py",)
+FUSED_TESTS = ("tests/engine/model/test_fused_cuda.py",)
 TIMEOUT_S = 1800
 
 
@@ -113,6 +114,14 @@ MUTANTS = [
     # a chunk's queries placed one position late in their context: each sees the key after its own
     Mutant("prefill-query-position-one-late", "paged_prefill_cuda.py",
            "position = context - num_queries + query", "position = context - num_queries + query + 1", PREFILL_TESTS),
+    # the unmasked key tiles run one tile too far: a query sees keys past its own position
+    Mutant("prefill-unmasked-tiles-one-too-many", "paged_prefill_cuda.py",
+           "full_end = (first_position + 1) // TILE_N * TILE_N",
+           "full_end = (first_position + 1 + TILE_N) // TILE_N * TILE_N", PREFILL_TESTS),
+    # the rotation's first half turned the wrong way (CUDA's fused rotary and K/V store)
+    Mutant("rotary-first-half-sign", "fused_cuda.py",
+           "return (first * cos_first[None, :] - second * sin_first[None, :],",
+           "return (first * cos_first[None, :] + second * sin_first[None, :],", FUSED_TESTS),
 ]
 
 

@@ -88,13 +88,18 @@ class AttentionMetadata:
     block_table_batch: BlockTableBatch | None = None  # set (prefills, decodes empty): the step in one kernel
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, KVH, D] of the step's tokens to their slots; caches: [num_slots, KVH, D], in the model's dtype
+    or the one chosen for K/V (kv_cache_dtype)."""
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D], in the model's dtype or the one chosen for
-    K/V (kv_cache_dtype): K/V are stored in theirs and read back in q's. Returns [T, H, D]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    """q: [T, H, D]; caches: [num_slots, KVH, D] holding the step's own K/V already (store_kv), read back in q's
+    dtype. Returns [T, H, D]."""
     if (batch := meta.block_table_batch) is not None:
         from engine.model import paged_prefill_cuda  # (Triton: imported only where a CUDA step runs)
         return paged_prefill_cuda.paged_prefill(q, k_cache, v_cache, batch.block_tables, batch.query_starts,

@@ -1,10 +1,10 @@
 """The decoder's elementwise chains as one Triton kernel each, for CUDA.
 
 Eager PyTorch runs RMSNorm as 7 kernels in bfloat16 (cast, square, mean, add, rsqrt, multiply, scale),
-rotary as 5 per tensor and SiLU-and-multiply as 2. On a GPU each launch costs more than its
-arithmetic, even replayed from a CUDA graph, so a small model's decode step is bound by its kernel
-count, far above its memory roofline (docs/speed.md#on-a-gpu-cuda). Each function
-here is one kernel that computes in float32 and rounds once. The CPU keeps the eager ops (and its
+rotary as 5 per tensor, the K/V store as 2 more and SiLU-and-multiply as 2. On a GPU each launch costs more
+than its arithmetic, even replayed from a CUDA graph, so a small model's decode step is bound by its kernel
+count, far above its memory roofline (docs/speed.md#on-a-gpu-cuda). Each function here is one kernel that
+computes in float32 and rounds once. The CPU keeps the eager ops (and its
 compiled decode step).
 """
 from __future__ import annotations
@@ -40,31 +40,71 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_x0, stride_x1, stride_cos, half, BLOCK: tl.constexpr):
-    token, head = tl.program_id(0), tl.program_id(1)
+def _rotate_heads(src, stride_head, heads, cos_first, cos_second, sin_first, sin_second, half,
+                  HEADS: tl.constexpr, BLOCK: tl.constexpr):
+    """(first half, second half) of every head of one token rotated, float32: [HEADS, BLOCK] each."""
+    rows, cols = tl.arange(0, HEADS)[:, None], tl.arange(0, BLOCK)[None, :]
+    inside = (rows < heads) & (cols < half)
+    at = src + rows * stride_head + cols
+    first = tl.load(at, mask=inside, other=0.0).to(tl.float32)
+    second = tl.load(at + half, mask=inside, other=0.0).to(tl.float32)
+    return (first * cos_first[None, :] - second * sin_first[None, :],
+            second * cos_second[None, :] + first * sin_second[None, :])
+
+
+@triton.jit
+def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                         stride_q0, stride_q1, stride_k0, stride_k1, stride_v0, stride_v1, stride_cos,
+                         stride_slot, stride_cache_head, heads, kv_heads, half,
+                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
+    angles = cos_ptr + token * stride_cos + cols
     inside = cols < half
-    src = x_ptr + token * stride_x0 + head * stride_x1
-    first = tl.load(src + cols, mask=inside).to(tl.float32)
-    second = tl.load(src + half + cols, mask=inside).to(tl.float32)
-    angles = token * stride_cos + cols
-    cos_first = tl.load(cos_ptr + angles, mask=inside).to(tl.float32)
-    cos_second = tl.load(cos_ptr + angles + half, mask=inside).to(tl.float32)
-    sin_first = tl.load(sin_ptr + angles, mask=inside).to(tl.float32)
-    sin_second = tl.load(sin_ptr + angles + half, mask=inside).to(tl.float32)
-    dst = out_ptr + (token * tl.num_programs(1) + head) * 2 * half
-    kind = out_ptr.dtype.element_ty
-    tl.store(dst + cols, (first * cos_first - second * sin_first).to(kind), mask=inside)
-    tl.store(dst + half + cols, (second * cos_second + first * sin_second).to(kind), mask=inside)
+    cos_first = tl.load(angles, mask=inside, other=0.0).to(tl.float32)
+    cos_second = tl.load(angles + half, mask=inside, other=0.0).to(tl.float32)
+    sines = sin_ptr + token * stride_cos + cols
+    sin_first = tl.load(sines, mask=inside, other=0.0).to(tl.float32)
+    sin_second = tl.load(sines + half, mask=inside, other=0.0).to(tl.float32)
+    # the queries, to a contiguous [T, heads, D] output
+    first, second = _rotate_heads(q_ptr + token * stride_q0, stride_q1, heads, cos_first, cos_second,
+                                  sin_first, sin_second, half, HEADS, BLOCK)
+    rows = tl.arange(0, HEADS)[:, None]
+    mask = (rows < heads) & inside[None, :]
+    dst = q_out_ptr + token * heads * 2 * half + rows * 2 * half + cols[None, :]
+    kind = q_out_ptr.dtype.element_ty
+    tl.store(dst, first.to(kind), mask=mask)
+    tl.store(dst + half, second.to(kind), mask=mask)
+    # the keys rotated and the values as they are, to the token's slot of the K/V pool, in the pool's dtype
+    first, second = _rotate_heads(k_ptr + token * stride_k0, stride_k1, kv_heads, cos_first, cos_second,
+                                  sin_first, sin_second, half, KV_HEADS, BLOCK)
+    rows = tl.arange(0, KV_HEADS)[:, None]
+    mask = (rows < kv_heads) & inside[None, :]
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    at = slot * stride_slot + rows * stride_cache_head + cols[None, :]
+    kind, rounded = k_cache_ptr.dtype.element_ty, k_ptr.dtype.element_ty  # (as the eager path: k's dtype first)
+    tl.store(k_cache_ptr + at, first.to(rounded).to(kind), mask=mask)
+    tl.store(k_cache_ptr + at + half, second.to(rounded).to(kind), mask=mask)
+    values = v_ptr + token * stride_v0 + rows * stride_v1 + cols[None, :]
+    tl.store(v_cache_ptr + at, tl.load(values, mask=mask).to(kind), mask=mask)
+    tl.store(v_cache_ptr + at + half, tl.load(values + half, mask=mask).to(kind), mask=mask)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """llama.apply_rotary in one kernel. x: [T, heads, D] (strided rows are fine); cos, sin: [T, D]."""
-    assert x.stride(-1) == 1 and cos.stride() == sin.stride() and cos.stride(-1) == 1
-    half = x.shape[-1] // 2
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _rotary_kernel[(x.shape[0], x.shape[1])](x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), half,
-                                             BLOCK=triton.next_power_of_2(half))
+def rotary_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """llama.apply_rotary on q and k and attention.store_kv of the rotated k and v, in one launch (one program
+    a token, all its heads). q: [T, H, D], k, v: [T, KVH, D] (strided rows are fine); cos, sin: [T, D];
+    slot_mapping: [T]; caches: [num_slots, KVH, D]. Returns the rotated q, contiguous."""
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and cos.stride() == sin.stride()
+    assert cos.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    tokens, heads, dim = q.shape
+    kv_heads, half = k.shape[1], dim // 2
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _rotary_store_kernel[(tokens,)](q, k, v, cos, sin, slot_mapping, out, k_cache, v_cache,
+                                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                    cos.stride(0), k_cache.stride(0), k_cache.stride(1), heads, kv_heads, half,
+                                    HEADS=triton.next_power_of_2(heads), KV_HEADS=triton.next_power_of_2(kv_heads),
+                                    BLOCK=triton.next_power_of_2(half))
     return out
 
 

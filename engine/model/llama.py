@@ -10,7 +10,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.attention import AttentionMetadata, paged_attention, store_kv
 from engine.model.linear import Embedding, Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -59,9 +59,6 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, D]; cos, sin: [T, D]."""
-    if x.is_cuda:
-        from engine.model import fused_cuda
-        return fused_cuda.apply_rotary(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -94,8 +91,13 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        if x.is_cuda:  # rotary on q and k and the K/V store in one kernel
+            from engine.model import fused_cuda
+            q = fused_cuda.rotary_and_store(q, k, v, cos, sin, meta.slot_mapping, k_cache, v_cache)
+        else:
+            q = apply_rotary(q, cos, sin)
+            store_kv(apply_rotary(k, cos, sin), v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, -1))
 
 

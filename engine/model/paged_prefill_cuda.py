@@ -8,7 +8,9 @@ A program takes one tile of a row's queries for one kv head, every query head of
 as the rows of its dots (GQA: each K/V tile is loaded once for the group), and walks the row's key tiles
 through the block table up to the tile's last query, causal within the chunk, with an online softmax in
 float32. The programs are numbered over all rows' tiles from the row offsets alone, so the launch needs no
-host sync: a program finds its row by binary search and exits if it falls past its row's queries.
+host sync: a program finds its row by binary search and exits if it falls past its row's queries. The key tiles
+that every query of a program sees whole are walked without a mask, then the diagonal ones with the causal mask
+(FlashAttention-2's split); the programs run last tile first, so the longest walks do not start last.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_starts
                     stride_kv_slot, stride_kv_head, stride_bt_row,
                     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     TILE_M: tl.constexpr, TILE_Q: tl.constexpr, TILE_N: tl.constexpr, HALF_DOTS: tl.constexpr):
-    tile = tl.program_id(0)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the last tiles, the longest walks, start first
     kv_head = tl.program_id(1)
     row = _find_row(query_starts_ptr, tile, num_rows, TILE_Q)
     first_query = tl.load(query_starts_ptr + row)
@@ -74,10 +76,22 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_starts
         if not HALF_DOTS:
             q = q.to(tl.float32)
         acc, total, best = online_softmax_start(TILE_M, HEAD_DIM)
-        # keys up to the tile's last query; key 0 is seen by every row, so no row's maximum stays -inf
-        end = context - num_queries + tl.minimum(tile_start + TILE_Q, num_queries)
         table = block_tables_ptr + row.to(tl.int64) * stride_bt_row
-        for key_start in range(0, end, TILE_N):
+        # key tiles every query of the tile sees whole (up to its first query's position): no mask to apply
+        first_position = context - num_queries + tile_start
+        full_end = (first_position + 1) // TILE_N * TILE_N
+        for key_start in range(0, full_end, TILE_N):
+            keys_at = key_start + tl.arange(0, TILE_N)
+            blocks = tl.load(table + keys_at // BLOCK_SIZE)
+            slots = blocks.to(tl.int64) * BLOCK_SIZE + keys_at % BLOCK_SIZE
+            kv_offsets = slots[:, None] * stride_kv_slot + kv_head * stride_kv_head + dims[None, :]
+            scores = tile_scores(q, tl.load(k_ptr + kv_offsets), HALF_DOTS) * qk_scale
+            acc, total, best = online_softmax(scores, tl.load(v_ptr + kv_offsets), acc, total, best, HALF_DOTS,
+                                              True)
+        # then the diagonal: keys up to the tile's last query, causal; key 0 is seen by every row, so no row's
+        # maximum stays -inf
+        end = context - num_queries + tl.minimum(tile_start + TILE_Q, num_queries)
+        for key_start in range(full_end, end, TILE_N):
             keys_at = key_start + tl.arange(0, TILE_N)
             in_context = keys_at < end
             blocks = tl.load(table + keys_at // BLOCK_SIZE, mask=in_context, other=0)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.model.attention import store_kv
 from engine.model.llama import RMSNorm, apply_rotary
 from tests.support.machine import KERNEL_DEVICE as DEVICE, triton_module
 
@@ -41,17 +42,32 @@ def test_rms_norm_of_strided_heads():
     torch.testing.assert_close(out, norm(q).detach(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("heads,dim", [(9, 64), (2, 16), (4, 80)])  # 80: halves of 40, masked blocks
-def test_rotary_matches_the_eager_ops(heads, dim):
-    tokens = 6
-    qkv = _randn(tokens, heads * dim + 7)  # a strided view, as the split of the fused projection gives
-    x = qkv[:, :heads * dim].view(tokens, heads, dim)
+@pytest.mark.parametrize("heads,kv_heads,dim,cache_dtype", [(9, 3, 64, torch.float32), (2, 1, 16, torch.float32),
+                                                             (4, 2, 80, torch.float32), (6, 2, 64, torch.bfloat16)])
+def test_rotary_and_store_match_the_eager_ops(heads, kv_heads, dim, cache_dtype):
+    """q and k rotated, k and v written to their slots (in the pool's dtype), every other slot untouched: as
+    apply_rotary and store_kv do it. 80: halves of 40, masked columns; 9 and 3 heads: masked head rows."""
+    tokens, num_slots = 6, 20
+    # strided views into one fused projection's output, as its split gives
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * dim + 7)
+    q, k, v = (part.view(tokens, -1, dim) for part in
+               qkv[:, :(heads + 2 * kv_heads) * dim].split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
     angles = torch.arange(tokens)[:, None] * _randn(dim // 2, seed=3)[None, :].abs()
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos(), emb.sin()
-    expected = apply_rotary(x, cos, sin)  # eager ops on CPU
-    out = fused_cuda.apply_rotary(x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE)).cpu()
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    slots = torch.tensor([13, 2, 7, 19, 0, 8])
+    cache = _randn(2, num_slots, kv_heads, dim, seed=4).to(cache_dtype)
+    expected_cache = cache.clone()
+    store_kv(apply_rotary(k, cos, sin), v, expected_cache[0], expected_cache[1], slots)
+    out_cache = cache.to(DEVICE)
+    out = fused_cuda.rotary_and_store(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE),
+                                      slots.to(DEVICE), out_cache[0], out_cache[1]).cpu()
+    torch.testing.assert_close(out, apply_rotary(q, cos, sin), rtol=1e-5, atol=1e-5)
+    assert out.is_contiguous()
+    tolerance = 1e-5 if cache_dtype == torch.float32 else 1e-2  # (the interpreter rounds bf16 by truncation)
+    torch.testing.assert_close(out_cache.cpu().float(), expected_cache.float(), rtol=tolerance, atol=tolerance)
+    untouched = [s for s in range(num_slots) if s not in slots.tolist()]
+    assert torch.equal(out_cache.cpu()[:, untouched], cache[:, untouched])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
