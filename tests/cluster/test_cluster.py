@@ -201,11 +201,15 @@ def _index_sizes(metrics_text: str) -> dict[str, int]:
 
 
 @pytest.mark.server
-async def test_two_gateways_attached_to_one_app_share_its_cache(cluster, engine_config, aiohttp_client, tmp_path):
+async def test_two_gateways_attached_to_one_app_share_its_cache_and_stored_responses(cluster, engine_config,
+                                                                                    aiohttp_client, tmp_path):
     """A second gateway process (`python -m cluster serve --attach`, started after the first one cached a
     prompt) sees every replica's cache through the KV event log: a prompt cached through either gateway
-    is a hit through the other, for a tenant whose salt both derive from one salt secret."""
-    settings = Settings(engine_config, GatewaySettings(api_keys=(ApiKey("key-c", "carol"),), salt_secret="shared"))
+    is a hit through the other, for a tenant whose salt both derive from one salt secret. Given one
+    `--responses-db` file (one host), each continues and reads the other's stored responses."""
+    db = str(tmp_path / "responses.sqlite3")
+    settings = Settings(engine_config, GatewaySettings(api_keys=(ApiKey("key-c", "carol"),), salt_secret="shared",
+                                                       responses_db=db))
     first = await aiohttp_client(create_app(settings, engine=cluster))
     keys = tmp_path / "keys.yaml"
     keys.write_text(yaml.safe_dump({"key-c": {"tenant": "carol"}}))
@@ -224,7 +228,8 @@ async def test_two_gateways_attached_to_one_app_share_its_cache(cluster, engine_
     one, two = _prompt(900, 40), _prompt(901, 40)
     assert await cached_tokens(via_first, one) == 0
     with served("--attach", "--address", gcs, "--app-name", APP, "--model", engine_config.model,
-                "--api-keys-file", str(keys), "--salt-secret", "shared", module="cluster") as second:
+                "--api-keys-file", str(keys), "--salt-secret", "shared", "--responses-db", db,
+                module="cluster") as second:
         def via_second(body):
             request = urllib.request.Request(f"{second.base_url}/completions", data=json.dumps(body).encode(),
                                              headers={"Authorization": "Bearer key-c",
@@ -258,6 +263,31 @@ async def test_two_gateways_attached_to_one_app_share_its_cache(cluster, engine_
         decisions = re.findall(r'prefixgate_router_decisions_total\{model_name="[^"]*",reason="(\w+)"\} (\S+)',
                                await asyncio.to_thread(second_metrics))
         assert dict(decisions)["prefix_match"] == "1.0"
+
+        # a conversation begun through the first gateway, continued and read back through the second
+        def second_json(method: str, path: str, body: dict | None = None) -> dict:
+            request = urllib.request.Request(f"{second.base_url}{path}", method=method,
+                                             data=None if body is None else json.dumps(body).encode(),
+                                             headers={"Authorization": "Bearer key-c",
+                                                      "Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                return json.load(resp)
+
+        turn = {"model": cluster.model_name, "max_output_tokens": 4, "temperature": 0}
+        resp = await first.post("/v1/responses", json={**turn, "input": "Remember the word tangerine."},
+                                headers={"Authorization": "Bearer key-c"})
+        assert resp.status == 200, await resp.text()
+        opening = await resp.json()
+        await views_agree()  # the second gateway routes the next turn to the replica that holds the first
+        follow = await asyncio.to_thread(second_json, "POST", "/responses", {
+            **turn, "input": "Which word?", "previous_response_id": opening["id"]})
+        assert await asyncio.to_thread(second_json, "GET", f"/responses/{opening['id']}") == opening
+        resp = await first.get(f"/v1/responses/{follow['id']}", headers={"Authorization": "Bearer key-c"})
+        assert resp.status == 200 and await resp.json() == follow
+    assert follow["previous_response_id"] == opening["id"]
+    # the first turn's prompt leads the second's, and its full blocks are read from the replica's cache
+    opened, usage = opening["usage"]["input_tokens"], follow["usage"]
+    assert opened // BLOCK * BLOCK <= usage["input_tokens_details"]["cached_tokens"] < usage["input_tokens"]
 
 
 # ---- the replicas' stats reach the gateway whole: each replica sends its engine's StepStats as they are, and the
