@@ -4,8 +4,10 @@ Each prompt (random token ids, a different one per repeat) is sent alone with ma
 whose token budget holds it in one step, so its TTFT is one prefill step: throughput is that step's FLOPs (two
 per weight of the linear layers per token, the logits of the last token only, and causal attention's
 2 * 2 * layers * heads * head_dim * tokens^2 / 2) over its time. Then the same prompt again: every full block is
-a cache hit, so its TTFT is the step of the last block's tokens. With --gather-too the uncached prompts run once
-more with the prefill kernel switched off (the gather path), in the same process. Times are medians; the first
+a cache hit, so its TTFT is the step of the last block's tokens, replayed from a CUDA graph as serving does
+(prefill_graph_cuda.py; the 4,096-token step is past the graphs' buckets and runs eagerly). With --eager-too the
+cached prompts run once more with those graphs switched off, and with --gather-too the uncached ones with the
+prefill kernel switched off (the gather path), in the same process. Times are medians; the first
 prompt of a kind is a warm-up (kernel compilation) and not counted.
 
 --kernel-sweep (CUDA) times the paged prefill kernel alone on the model's attention shapes (one row of `--tokens`
@@ -58,24 +60,34 @@ def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
     return time.perf_counter() - started, out.num_cached_tokens
 
 
-def run(model: str = "default", device: str = "cuda", dtype: str = "bfloat16", tokens: int = 4096,
-        repeats: int = 3, gather_too: bool = False, **overrides) -> dict:
-    llm = LLM(model, device=device, dtype=dtype, max_num_batched_tokens=tokens, max_num_seqs=1,
-              enforce_eager=True, **overrides)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, llm.core.vocab_size, (tokens,), generator=gen).tolist() for _ in range(repeats + 1)]
+def _uncached_and_cached(llm: LLM, prompts: list[list[int]]) -> tuple[list[float], list[float], list[int]]:
+    """Each prompt sent twice: (uncached TTFTs, cached TTFTs, cached tokens), the first prompt a warm-up of both
+    shapes of step and not counted."""
     uncached, cached, hits = [], [], []
     for i, prompt in enumerate(prompts):
         first, _ = ttft(llm, prompt)
         again, hit = ttft(llm, prompt)
-        if i > 0:  # prompt 0 warms up both shapes of step
+        if i > 0:
             uncached.append(first)
             cached.append(again)
             hits.append(hit)
+    return uncached, cached, hits
+
+
+def run(model: str = "default", device: str = "cuda", dtype: str = "bfloat16", tokens: int = 4096,
+        repeats: int = 3, gather_too: bool = False, eager_too: bool = False, **overrides) -> dict:
+    llm = LLM(model, device=device, dtype=dtype, max_num_batched_tokens=tokens, max_num_seqs=1, **overrides)
+    gen = torch.Generator().manual_seed(0)
+
+    def fresh() -> list[list[int]]:
+        return [torch.randint(0, llm.core.vocab_size, (tokens,), generator=gen).tolist() for _ in range(repeats + 1)]
+
+    uncached, cached, hits = _uncached_and_cached(llm, fresh())
     flops = step_flops(llm, tokens)
     result = {"model": model, "device": device, "dtype": dtype, "tokens": tokens,
               "device_name": torch.cuda.get_device_name() if llm.core.device.type == "cuda" else "cpu",
-              "prefill_kernel": llm.core.runner.prefill_kernel, "step_tflop": round(flops / 1e12, 3),
+              "prefill_kernel": llm.core.runner.prefill_kernel,
+              "prefill_graphs": llm.core.runner.graph_prefill is not None, "step_tflop": round(flops / 1e12, 3),
               "uncached_ttft_s": round(statistics.median(uncached), 4),
               "cached_ttft_s": round(statistics.median(cached), 4), "cached_tokens": hits}
     result["prefill_tflops"] = round(flops / statistics.median(uncached) / 1e12, 1)
@@ -83,10 +95,13 @@ def run(model: str = "default", device: str = "cuda", dtype: str = "bfloat16", t
     if (peak := peak_tflops(llm.core.device)) is not None:
         result["peak_bf16_tflops"] = peak
         result["fraction_of_peak"] = round(result["prefill_tflops"] / peak, 3)
+    if eager_too and llm.core.runner.graph_prefill is not None:
+        llm.core.runner.graph_prefill = None
+        eager_cached = _uncached_and_cached(llm, fresh())[1]
+        result["eager_cached_ttft_s"] = round(statistics.median(eager_cached), 4)
     if gather_too and llm.core.runner.prefill_kernel:
-        llm.core.runner.prefill_kernel = False
-        fresh = [torch.randint(0, llm.core.vocab_size, (tokens,), generator=gen).tolist() for _ in range(repeats + 1)]
-        gather = [ttft(llm, prompt)[0] for prompt in fresh][1:]
+        llm.core.runner.prefill_kernel, llm.core.runner.graph_prefill = False, None
+        gather = [ttft(llm, prompt)[0] for prompt in fresh()][1:]
         result["gather_uncached_ttft_s"] = round(statistics.median(gather), 4)
     return result
 
@@ -156,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gather-too", action="store_true", help="also time the uncached prompts on the gather path")
+    parser.add_argument("--eager-too", action="store_true",
+                        help="CUDA: also time the cached prompts with the prefill steps' CUDA graphs off")
     parser.add_argument("--kernel-sweep", action="store_true",
                         help="CUDA: time the prefill kernel alone per tile shape, beside SDPA (one layer's attention)")
     parser.add_argument("--json", default=None, help="also write the result here")
@@ -166,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['kernel']:14}{str(row.get('tiles', '')):20}{row['ms']:8.3f} ms{row['tflops']:8.1f} TFLOP/s"
                   f"  rel error {row.get('rel_error', '-')}")
     else:
-        result = run(args.model, args.device, args.dtype, args.tokens, args.repeats, args.gather_too)
+        result = run(args.model, args.device, args.dtype, args.tokens, args.repeats, args.gather_too, args.eager_too)
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:

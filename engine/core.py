@@ -77,9 +77,11 @@ class EngineCore:
                                 self.kv.pins.num_blocks)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, kv_cache, self.kv, self.device, compiled_kernels=compiled)
-        if not config.enforce_eager and self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len):
-            logger.info("captured CUDA graphs of decode steps for batch sizes %s",
-                        self.runner.graph_decode.batch_sizes)
+        if not config.enforce_eager and self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len,
+                                                                         config.max_num_batched_tokens):
+            logger.info("captured CUDA graphs of decode steps for batch sizes %s", self.runner.graph_decode.batch_sizes)
+            if (prefill := self.runner.graph_prefill) is not None:
+                logger.info("captured CUDA graphs of steps with a prefill chunk for token buckets %s", prefill.buckets)
         self.thread_budget: ThreadBudget | None = None
         if self.device.type == "cpu":  # before any request holds blocks: the prefill probe writes scratch K/V
             probe_tokens = max(1, min(128, config.max_num_batched_tokens, self.num_blocks * config.block_size - 2))

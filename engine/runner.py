@@ -33,6 +33,7 @@ class ModelRunner:
         self._offsets = np.arange(block_size)
         self.compiled_decode = None
         self.graph_decode = None  # decode steps as CUDA graphs (capture_cuda_graphs)
+        self.graph_prefill = None  # steps with a prefill chunk, up to a token bucket, as CUDA graphs
         self.dtype = model.model.norm.weight.dtype  # the model's; the K/V pool's may differ (kv_cache_dtype)
         self.paged_kernel = False  # decode attention by the compiled paged kernel
         self.max_compiled_rows = 0  # decode-only steps of up to this many rows take the compiled step
@@ -61,6 +62,7 @@ class ModelRunner:
         decodes: list[tuple[int, list[int], int]] = []  # (position in the batch, block ids, context length)
         logits_idx: list[int] = []
         sampled: list[ScheduledChunk] = []
+        sampled_rows: list[int] = []  # their rows' places among the step's rows
         rows: list[tuple[int, list[int], int]] = []  # (queries, block ids, context end) of every chunk
         for chunk in chunks:
             request = chunk.request
@@ -80,6 +82,7 @@ class ModelRunner:
             if end == request.num_tokens:
                 logits_idx.append(len(input_ids) - 1)
                 sampled.append(chunk)
+                sampled_rows.append(len(rows) - 1)
         decode_only = len(decodes) == len(chunks)
         if (self.compiled_decode is not None and decode_only
                 and len(decodes) <= self.max_compiled_rows):  # every row a decode, in order
@@ -92,12 +95,17 @@ class ModelRunner:
             logits = self.graph_decode(input_ids, positions, slot_mapping, [ids for _, ids, _ in decodes],
                                        [end for _, _, end in decodes])
             return logits, sampled
+        pooling = any(c.request.params.pooling for c in sampled)
+        if (self.graph_prefill is not None and not decode_only and not pooling
+                and self.graph_prefill.holds(len(input_ids), len(rows))):
+            logits = self.graph_prefill(input_ids, positions, slot_mapping, rows)
+            return (logits if len(sampled) == len(rows) else logits[self._tensor(sampled_rows)]), sampled
         if self.prefill_kernel and not decode_only:
             meta = AttentionMetadata(self._tensor(slot_mapping), [], None,
                                      BlockTableBatch.build(rows, self.block_size, self.device))
         else:
             meta = AttentionMetadata(self._tensor(slot_mapping), prefills, self._decode_batch(decodes))
-        if any(c.request.params.pooling for c in sampled):  # an embedding request's prompt ends in this step
+        if pooling:  # an embedding request's prompt ends in this step
             logits, self.hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_slots, meta,
                                              self._tensor(logits_idx), return_hidden=True)
             return logits, sampled
@@ -105,9 +113,10 @@ class ModelRunner:
                             self._tensor(logits_idx))
         return logits, sampled
 
-    def capture_cuda_graphs(self, max_rows: int, max_model_len: int) -> bool:
-        """Records decode-only steps of up to max_rows rows as CUDA graphs (decode_graph_cuda.py); False where
-        they do not apply (not CUDA, or a head size the Triton kernel has no block shape for)."""
+    def capture_cuda_graphs(self, max_rows: int, max_model_len: int, max_tokens: int) -> bool:
+        """Records decode-only steps of up to max_rows rows (decode_graph_cuda.py), and steps with a prefill chunk
+        of up to max_tokens tokens in token buckets (prefill_graph_cuda.py), as CUDA graphs; False where they do
+        not apply (not CUDA, or a head size the Triton kernels have no block shape for)."""
         if self.device.type != "cuda":
             return False
         from engine.model import paged_decode_cuda  # (Triton comes with CUDA builds of torch)
@@ -115,6 +124,10 @@ class ModelRunner:
             return False
         from engine.model.decode_graph_cuda import GraphDecode
         self.graph_decode = GraphDecode(self.model, self.kv_slots, self.block_size, max_rows, max_model_len)
+        if self.prefill_kernel:
+            from engine.model.prefill_graph_cuda import GraphPrefill
+            self.graph_prefill = GraphPrefill(self.model, self.kv_slots, self.block_size, max_rows, max_tokens,
+                                              max_model_len)
         return True
 
     def _load_kernels(self) -> None:

@@ -46,11 +46,11 @@ models=$!
 
 stage tests "${TESTS_S:-150}" $py -m pytest -q -p no:cacheprovider -o filterwarnings=ignore --junitxml="$out/tests.xml" \
   tests/engine/model/test_paged_prefill_cuda.py tests/engine/model/test_paged_decode_cuda.py \
-  tests/engine/model/test_fused_cuda.py tests/engine/model/test_decode_graph_cuda.py \
+  tests/engine/model/test_fused_cuda.py tests/engine/model/test_decode_graph_cuda.py tests/engine/model/test_prefill_graph_cuda.py \
   "tests/engine/test_engine_hardening.py::test_seeded_sampling_on_cuda"
 wait $models || { echo "building the random models failed:"; tail -20 "$out/models.log"; }
 
-stage prefill "${PREFILL_S:-80}" $py -m bench.prefill --model "$large" --tokens 4096 --repeats 2 --gather-too \
+stage prefill "${PREFILL_S:-80}" $py -m bench.prefill --model "$large" --tokens 4096 --repeats 2 --gather-too --eager-too \
   --json "$out/prefill_1b.json"
 stage sweep "${SWEEP_S:-60}" $py -m bench.prefill --model "$large" --tokens 4096 --kernel-sweep \
   --json "$out/prefill_kernel_sweep.json"

@@ -78,23 +78,25 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, q_out
     # the keys rotated and the values as they are, to the token's slot of the K/V pool, in the pool's dtype
     first, second = _rotate_heads(k_ptr + token * stride_k0, stride_k1, kv_heads, cos_first, cos_second,
                                   sin_first, sin_second, half, KV_HEADS, BLOCK)
-    rows = tl.arange(0, KV_HEADS)[:, None]
-    mask = (rows < kv_heads) & inside[None, :]
     slot = tl.load(slots_ptr + token).to(tl.int64)
-    at = slot * stride_slot + rows * stride_cache_head + cols[None, :]
+    stored_heads = tl.where(slot >= 0, kv_heads, 0)  # slot -1: a padding token, nothing to store
+    kv_rows = tl.arange(0, KV_HEADS)[:, None]
+    kv_mask = (kv_rows < stored_heads) & inside[None, :]
+    at = slot * stride_slot + kv_rows * stride_cache_head + cols[None, :]
     kind, rounded = k_cache_ptr.dtype.element_ty, k_ptr.dtype.element_ty  # (as the eager path: k's dtype first)
-    tl.store(k_cache_ptr + at, first.to(rounded).to(kind), mask=mask)
-    tl.store(k_cache_ptr + at + half, second.to(rounded).to(kind), mask=mask)
-    values = v_ptr + token * stride_v0 + rows * stride_v1 + cols[None, :]
-    tl.store(v_cache_ptr + at, tl.load(values, mask=mask).to(kind), mask=mask)
-    tl.store(v_cache_ptr + at + half, tl.load(values + half, mask=mask).to(kind), mask=mask)
+    tl.store(k_cache_ptr + at, first.to(rounded).to(kind), mask=kv_mask)
+    tl.store(k_cache_ptr + at + half, second.to(rounded).to(kind), mask=kv_mask)
+    values = v_ptr + token * stride_v0 + kv_rows * stride_v1 + cols[None, :]
+    tl.store(v_cache_ptr + at, tl.load(values, mask=kv_mask).to(kind), mask=kv_mask)
+    tl.store(v_cache_ptr + at + half, tl.load(values + half, mask=kv_mask).to(kind), mask=kv_mask)
 
 
 def rotary_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """llama.apply_rotary on q and k and attention.store_kv of the rotated k and v, in one launch (one program
     a token, all its heads). q: [T, H, D], k, v: [T, KVH, D] (strided rows are fine); cos, sin: [T, D];
-    slot_mapping: [T]; caches: [num_slots, KVH, D]. Returns the rotated q, contiguous."""
+    slot_mapping: [T], -1 for a token whose K/V are not kept; caches: [num_slots, KVH, D]. Returns the rotated
+    q, contiguous."""
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and cos.stride() == sin.stride()
     assert cos.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     tokens, heads, dim = q.shape

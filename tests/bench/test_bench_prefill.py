@@ -21,6 +21,7 @@ def test_the_repeated_prompt_hits_every_full_block_but_the_last_tokens(tiny_llam
                          cpu_kernels="eager", block_size=16, num_kv_blocks=32)
     assert result["cached_tokens"] == [48, 48]  # a hit is capped at 63 of the 64 tokens: 3 blocks
     assert result["prefill_kernel"] is False and "fraction_of_peak" not in result  # CPU: gather path, no peak
+    assert result["prefill_graphs"] is False
     assert result["uncached_ttft_s"] > 0 and result["cached_ttft_s"] > 0
 
 

@@ -46,7 +46,8 @@ def test_rms_norm_of_strided_heads():
                                                              (4, 2, 80, torch.float32), (6, 2, 64, torch.bfloat16)])
 def test_rotary_and_store_match_the_eager_ops(heads, kv_heads, dim, cache_dtype):
     """q and k rotated, k and v written to their slots (in the pool's dtype), every other slot untouched: as
-    apply_rotary and store_kv do it. 80: halves of 40, masked columns; 9 and 3 heads: masked head rows."""
+    apply_rotary and store_kv do it; a token of slot -1 (a CUDA graph's padding) stores nothing. 80: halves of
+    40, masked columns; 9 and 3 heads: masked head rows."""
     tokens, num_slots = 6, 20
     # strided views into one fused projection's output, as its split gives
     qkv = _randn(tokens, (heads + 2 * kv_heads) * dim + 7)
@@ -55,10 +56,11 @@ def test_rotary_and_store_match_the_eager_ops(heads, kv_heads, dim, cache_dtype)
     angles = torch.arange(tokens)[:, None] * _randn(dim // 2, seed=3)[None, :].abs()
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos(), emb.sin()
-    slots = torch.tensor([13, 2, 7, 19, 0, 8])
+    slots = torch.tensor([13, 2, 7, -1, 0, 8])
     cache = _randn(2, num_slots, kv_heads, dim, seed=4).to(cache_dtype)
     expected_cache = cache.clone()
-    store_kv(apply_rotary(k, cos, sin), v, expected_cache[0], expected_cache[1], slots)
+    kept = slots >= 0
+    store_kv(apply_rotary(k, cos, sin)[kept], v[kept], expected_cache[0], expected_cache[1], slots[kept])
     out_cache = cache.to(DEVICE)
     out = fused_cuda.rotary_and_store(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE),
                                       slots.to(DEVICE), out_cache[0], out_cache[1]).cpu()
