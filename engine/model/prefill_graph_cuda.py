@@ -108,8 +108,9 @@ class GraphPrefill:
         self.buckets = prefill_token_buckets(max_tokens)
         self.max_rows = max_rows
         device = kv_slots.device
-        self.inputs = PrefillGraphInputs(self.buckets[-1], max_rows, -(-max_model_len // block_size), block_size,
-                                         device)
+        # (wide enough for the padding row too, whose keys may outnumber a context's under a short max_model_len)
+        max_blocks = -(-max(max_model_len, self.buckets[-1]) // block_size)
+        self.inputs = PrefillGraphInputs(self.buckets[-1], max_rows, max_blocks, block_size, device)
         # every graph writes its logits here (one buffer, not one left in the pool per graph)
         self.logits = torch.empty(max_rows + 1, model.lm_head.out_features, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
