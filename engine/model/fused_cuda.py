@@ -83,7 +83,8 @@ def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, q_out
     kv_rows = tl.arange(0, KV_HEADS)[:, None]
     kv_mask = (kv_rows < stored_heads) & inside[None, :]
     at = slot * stride_slot + kv_rows * stride_cache_head + cols[None, :]
-    kind, rounded = k_cache_ptr.dtype.element_ty, k_ptr.dtype.element_ty  # (as the eager path: k's dtype first)
+    kind = k_cache_ptr.dtype.element_ty
+    rounded = k_ptr.dtype.element_ty  # (as the eager path: rounded to k's dtype first)
     tl.store(k_cache_ptr + at, first.to(rounded).to(kind), mask=kv_mask)
     tl.store(k_cache_ptr + at + half, second.to(rounded).to(kind), mask=kv_mask)
     values = v_ptr + token * stride_v0 + kv_rows * stride_v1 + cols[None, :]
