@@ -32,3 +32,11 @@ def test_shared_prefix_stops_before_each_sequences_newest_token(tiny_llama_dir):
     shared, rest_starts = runner._shared_prefixes([([1, 2, 3], 12), ([1, 2, 3], 9)])
     assert [g.slots.tolist() for g in shared] == [list(range(4, 12))]
     assert rest_starts == [8, 8]
+
+
+def test_slots_of_a_chunk_that_starts_mid_block(tiny_llama_dir):
+    """Positions 6..10 over blocks [5, 2, 8] of 4 slots: the rest of block 2, then block 8's first three."""
+    runner = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=16, cpu_kernels="eager").core.runner
+    assert runner._slot_array([5, 2, 8], 6, 11).tolist() == [10, 11, 32, 33, 34]
+    assert runner._slot_array([5, 2, 8], 0, 5).tolist() == [20, 21, 22, 23, 8]
+    assert runner._tensor([3, 1]).tolist() == [3, 1] and runner._tensor([]).tolist() == []
