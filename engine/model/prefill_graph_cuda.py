@@ -37,7 +37,7 @@ class PrefillGraphInputs:
     def __init__(self, tokens: int, rows: int, max_blocks: int, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
         self.tokens = torch.zeros(3, tokens, dtype=torch.long, device=device)  # ids, positions, slots
-        # the rows' int32 metadata: query starts [rows + 2], context lengths [rows + 1], then the block tables
+        # one row more than a step may have: the padding row (and query starts end one further)
         self.block_tables = torch.zeros(rows + 1, max_blocks, dtype=torch.int32, device=device)
         self.query_starts = torch.zeros(rows + 2, dtype=torch.int32, device=device)
         self.context_lens = torch.ones(rows + 1, dtype=torch.int32, device=device)
