@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -32,6 +33,7 @@ from gateway.errors import APIError
 log = logging.getLogger(__name__)
 
 IN_MEMORY = ":memory:"
+RESPONSES_DB_ENV = "PREFIXGATE_RESPONSES_DB"  # e.g. a postgresql:// URL from a Kubernetes Secret, off the command line
 BUSY_TIMEOUT_MS = 2000  # a write waits at most this long for another gateway's (on the store's thread)
 RETRY_AFTER_S = 1  # a delete or erase that found the file locked
 SCHEMA = """
@@ -189,13 +191,14 @@ class ResponseStore:
 
 
 def open_store(max_responses: int, path: str | None, ttl_days: float):
-    """The store on `path` (None: the default file; a postgresql:// URL: a shared server,
-    gateway/response_store_postgres.py). A corrupt file is renamed to `<name>.corrupt-<UTC time>` (kept for
+    """The store on `path` (None: $PREFIXGATE_RESPONSES_DB, else the default file; a postgresql:// URL: a shared
+    server, gateway/response_store_postgres.py). A corrupt file is renamed to `<name>.corrupt-<UTC time>` (kept for
     whoever wants to recover from it) and a new store starts on `path`; a file that cannot be opened all the same
     (locked, a folder that cannot be created, a rename refused) costs a warning and a store in memory. Never a
     failed start."""
     from gateway.response_store_postgres import PostgresResponseStore, is_postgres_url
 
+    path = path or os.environ.get(RESPONSES_DB_ENV) or None
     if is_postgres_url(path):
         return PostgresResponseStore(path, max_responses, ttl_days)
     path = str(default_db_path()) if path is None else path

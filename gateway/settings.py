@@ -76,9 +76,9 @@ class GatewaySettings:
         1000, "responses kept for previous_response_id and GET /v1/responses/{id}, least recently used dropped")
     responses_ttl_days: float = _knob(30.0, "stored responses older than this many days are dropped (OpenAI: 30)")
     responses_db: str | None = _knob(
-        None, "SQLite file of stored responses, shared by gateways on one host (None: responses.sqlite3 in the "
-        "cache folder; ':memory:': in the API process, lost at exit), or a postgresql:// URL: a server gateways "
-        "on several hosts share")
+        None, "SQLite file of stored responses, shared by gateways on one host (None: $PREFIXGATE_RESPONSES_DB, "
+        "else responses.sqlite3 in the cache folder; ':memory:': in the API process, lost at exit), or a "
+        "postgresql:// URL: a server gateways on several hosts share")
     engine_process: bool = _knob(True, "run the engine in its own process (off: on a thread of the API process)")
     engine_restarts: int = _knob(
         3, "new engine processes started after the engine dies, within 10 minutes; then the server exits 1")

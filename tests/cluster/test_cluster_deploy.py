@@ -15,6 +15,7 @@ import yaml
 
 from cluster.__main__ import cluster_parser
 from gateway.__main__ import build_parser
+from gateway.response_store import RESPONSES_DB_ENV
 from gateway.salt_secret import SALT_SECRET_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -231,13 +232,19 @@ def test_the_service_selects_the_gateway_pods_and_no_other():
     assert port["targetPort"] == "http"
 
 
-def test_the_gateways_salt_secret_comes_from_a_secret_the_user_creates():
+def test_the_gateways_secrets_come_from_secrets_the_user_creates():
+    """The salt secret (required) and the stored responses' database URL (optional: without it each gateway pod
+    keeps its own SQLite file), with the driver that URL needs in the image."""
     (gateway,) = [c for c in _groups()["gateway"]["template"]["spec"]["containers"] if c["name"] == "gateway"]
-    (env,) = gateway["env"]
-    assert env == {"name": SALT_SECRET_ENV, "valueFrom": {"secretKeyRef": {"name": "prefixgate-salt", "key": "secret"}}}
+    salt, responses_db = gateway["env"]
+    assert salt == {"name": SALT_SECRET_ENV, "valueFrom": {"secretKeyRef": {"name": "prefixgate-salt", "key": "secret"}}}
+    assert responses_db == {"name": RESPONSES_DB_ENV, "valueFrom": {
+        "secretKeyRef": {"name": "prefixgate-responses-db", "key": "url", "optional": True}}}
     assert "Secret" not in _documents()  # no secret value in the repository
     docs = (ROOT / "docs" / "scale-out.md").read_text()
     assert "kubectl create secret generic prefixgate-salt --from-literal=secret=" in docs
+    assert "kubectl create secret generic prefixgate-responses-db --from-literal=url=postgresql://" in docs
+    assert "pip install -e '.[cluster,postgres]'" in (ROOT / "deploy" / "Dockerfile").read_text()
 
 
 def test_every_container_runs_the_image_of_this_version_built_as_documented():

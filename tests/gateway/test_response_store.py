@@ -279,3 +279,17 @@ async def test_previous_response_id_continues_after_kill_9_of_the_api_process(ti
     # the first turn is in the prompt (more tokens than it alone), and read back warm from the disk tier
     assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"]
     assert second["usage"]["input_tokens_details"]["cached_tokens"] > 0
+
+
+def test_the_store_path_may_come_from_the_environment(tmp_path, monkeypatch):
+    """$PREFIXGATE_RESPONSES_DB (a Kubernetes Secret's URL, kept off the command line) when no --responses-db is
+    given; a flag wins over it."""
+    from gateway.response_store import RESPONSES_DB_ENV
+
+    monkeypatch.setenv(RESPONSES_DB_ENV, str(tmp_path / "from-env.sqlite3"))
+    store = open_store(10, None, ttl_days=30)
+    assert store.path == str(tmp_path / "from-env.sqlite3")
+    store.close()
+    store = open_store(10, str(tmp_path / "from-flag.sqlite3"), ttl_days=30)
+    assert store.path == str(tmp_path / "from-flag.sqlite3")
+    store.close()
