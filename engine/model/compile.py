@@ -13,14 +13,15 @@ import sys
 import time
 
 
-def compile_kernels(model: str = "default", dtype: str = "auto") -> float:
+def compile_kernels(model: str = "default", dtype: str = "auto", kv_cache_dtype: str = "auto") -> float:
     """Seconds it took (compiling, or loading what an earlier run compiled)."""
     from engine.llm import LLM
     from engine.model.kernel_cache import folder
     from engine.sampling_params import SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model, dtype=dtype, block_size=16, num_kv_blocks=64, max_model_len=512, threads=1, threads_batch=1)
+    llm = LLM(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=16, num_kv_blocks=64, max_model_len=512,
+              threads=1, threads_batch=1)
     shared = list(range(100, 140))
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm.generate([shared + [7, 8], shared + [9, 10, 11], [5, 6, 7]], greedy)  # a batch: cascade attention
@@ -34,8 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="default", help="model path, or 'default' (SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="auto: as `serve` runs the model (a GGUF file's own formats, bf16 K/V beside them)")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
+                        help="the K/V cache's dtypes to compile for, one engine each (auto: as `serve` runs it)")
     args = parser.parse_args(argv)
-    print(f"compiled in {compile_kernels(args.model, args.dtype):.1f} s", file=sys.stderr)
+    for kv_cache_dtype in args.kv_cache_dtype:
+        seconds = compile_kernels(args.model, args.dtype, kv_cache_dtype)
+        print(f"compiled in {seconds:.1f} s (--dtype {args.dtype} --kv-cache-dtype {kv_cache_dtype})", file=sys.stderr)
     return 0
 
 
