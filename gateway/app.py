@@ -80,6 +80,21 @@ class EngineGaveUp:
 
 ENGINE_GAVE_UP = web.AppKey("engine_gave_up", EngineGaveUp)
 
+# every route but the chat page's static files: (method, path, handler)
+_ROUTES = (
+    ("POST", "/v1/chat/completions", routes.chat_completions), ("POST", "/v1/completions", routes.completions),
+    ("GET", "/v1/models", routes.models), ("GET", "/v1/models/{model_id:.+}", routes.model),
+    ("GET", "/health", routes.health), ("GET", "/metrics", routes.metrics), ("GET", "/openapi.json", routes.openapi),
+    ("GET", "/v1/cache/stats", routes.cache_stats), ("GET", "/v1/cache", cache_routes.list_pins),
+    ("DELETE", "/v1/cache", cache_routes.erase), ("POST", "/v1/cache/warm", cache_routes.warm),
+    ("POST", "/v1/embeddings", embeddings),
+    ("POST", "/v1/responses", responses.create), ("GET", "/v1/responses/{response_id}", responses.retrieve),
+    ("DELETE", "/v1/responses/{response_id}", responses.delete),
+    ("GET", "/v1/responses/{response_id}/input_items", responses.input_items),
+    ("POST", "/v1/responses/{response_id}/cancel", responses.cancel),
+    ("GET", "/", routes.chat_page),
+)
+
 
 def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Application:
     """`engine`: an engine client not yet started (tests); None launches one from settings: the engine
@@ -96,27 +111,10 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     if settings.gateway.allowed_origins:
         Cors(settings.gateway.allowed_origins).install(app)
     app.cleanup_ctx.append(partial(_engine_ctx, settings, engine, auth, secret))
-    app.router.add_post("/v1/chat/completions", routes.chat_completions)
-    app.router.add_post("/v1/completions", routes.completions)
-    app.router.add_get("/v1/models", routes.models)
-    app.router.add_get("/v1/models/{model_id:.+}", routes.model)
-    app.router.add_get("/health", routes.health)
-    app.router.add_get("/metrics", routes.metrics)
-    app.router.add_get("/openapi.json", routes.openapi)
-    app.router.add_get("/v1/cache/stats", routes.cache_stats)
-    app.router.add_get("/v1/cache", cache_routes.list_pins)
-    app.router.add_delete("/v1/cache", cache_routes.erase)
-    app.router.add_post("/v1/cache/warm", cache_routes.warm)
-    app.router.add_post("/v1/embeddings", embeddings)
     gw = settings.gateway
     app[RESPONSE_STORE] = open_store(gw.responses_store_max, gw.responses_db, gw.responses_ttl_days)
     app.on_cleanup.append(_close_response_store)
-    app.router.add_post("/v1/responses", responses.create)
-    app.router.add_get("/v1/responses/{response_id}", responses.retrieve)
-    app.router.add_delete("/v1/responses/{response_id}", responses.delete)
-    app.router.add_get("/v1/responses/{response_id}/input_items", responses.input_items)
-    app.router.add_post("/v1/responses/{response_id}/cancel", responses.cancel)
-    app.router.add_get("/", routes.chat_page)
+    app.router.add_routes([web.route(method, path, handler) for method, path, handler in _ROUTES])
     app.router.add_static("/static/", routes.STATIC_DIR)
     return app
 

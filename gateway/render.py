@@ -37,7 +37,7 @@ def _normalize_message(message: Any, param: str) -> dict[str, Any]:
         tool_calls = [_legacy_call(message["function_call"], f"{param}.function_call")]
     if content is None and role == "assistant":
         content = ""
-    out: dict[str, Any] = {"role": _ROLES[role], "content": _content_text(content, f"{param}.content")}
+    out: dict[str, Any] = {"role": _ROLES[role], "content": content_text(content, f"{param}.content")}
     if role == "function":
         if not isinstance(message.get("name"), str):
             raise invalid("a function message needs the string name of the function it answers", f"{param}.name")
@@ -86,19 +86,23 @@ def _tool_calls(raw: Any, param: str) -> list[dict[str, Any]]:
     return calls
 
 
-def _content_text(content: Any, param: str) -> str:
+def content_text(content: Any, at: str, part_types: tuple[str, ...] = ("text",), joiner: str = "\n") -> str:
+    """A message's content as text: a string, or an array of text parts (of `part_types`) joined by `joiner`;
+    anything else a 400 naming the field."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid("content must be a string or an array of text parts", param)
+        raise invalid("message content must be a string or an array of content parts", at)
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            raise invalid("only {\"type\": \"text\"} content parts are supported", f"{param}[{j}]")
+        if not isinstance(part, dict):
+            raise invalid("each content part must be an object", f"{at}[{j}]")
+        if part.get("type") not in part_types:
+            raise invalid(f"only text content parts ({', '.join(part_types)}) are supported", f"{at}[{j}].type")
         if not isinstance(part.get("text"), str):
-            raise invalid("a text part needs a string 'text'", f"{param}[{j}].text")
+            raise invalid("text must be a string" if "text" in part else "text is required", f"{at}[{j}].text")
         texts.append(part["text"])
-    return "\n".join(texts)
+    return joiner.join(texts)
 
 
 async def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,

@@ -25,7 +25,7 @@ from gateway.formats import ChatFormat
 from gateway.generate import Choice, check_output, usage
 from gateway.jsonbody import parse_body
 from gateway.protocol import ChatRequest, parse_chat
-from gateway.render import render_chat
+from gateway.render import content_text, render_chat
 from gateway.response_store import ResponseStore, Stored
 from gateway.runner import RequestRun, sampling_params
 from gateway.state import STATE
@@ -149,22 +149,7 @@ def _messages(item: dict[str, Any], at: str) -> list[dict[str, Any]]:
     role = item.get("role")
     if not isinstance(role, str) or role not in ROLES:
         raise invalid(f"unknown role {role!r}; expected one of {sorted(ROLES)}", f"{at}.role")
-    return [{"role": ROLES[role], "content": _text(item.get("content"), f"{at}.content")}]
-
-
-def _text(content: Any, at: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid("message content must be a string or an array of content parts", at)
-    parts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict):
-            raise invalid("each content part must be an object", f"{at}[{j}]")
-        if part.get("type") not in TEXT_PARTS:
-            raise invalid(f"only text content parts ({', '.join(TEXT_PARTS)}) are supported", f"{at}[{j}].type")
-        parts.append(_string(part, "text", f"{at}[{j}]"))
-    return "".join(parts)
+    return [{"role": ROLES[role], "content": content_text(item.get("content"), f"{at}.content", TEXT_PARTS, "")}]
 
 
 def _string(obj: dict[str, Any], key: str, at: str) -> str:

@@ -298,7 +298,7 @@ def test_chat_content_parts_and_roles():
     ({"messages": [{"role": "user", "content": "a"}] * 4}, "messages"),
     ({"messages": [{"role": "function", "content": "a"}]}, "messages[0].name"),  # a legacy answer names its function
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages[0].content[0].text"),
     ({"temperature": "hot"}, "temperature"), ({"temperature": True}, "temperature"), ({"temperature": 2.5}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"),
