@@ -73,7 +73,7 @@ class ModelRunner:
             positions += range(start, end)
             if chunk.num_tokens == 1:
                 slot_mapping.append(block_ids[start // self.block_size] * self.block_size + start % self.block_size)
-            else:  # (numpy: a Python loop over a 4,096-token chunk's slots took milliseconds)
+            else:  # (numpy: a Python loop over a long chunk's slots costs more than the step's launches)
                 slot_mapping += self._slot_array(block_ids, start, end).tolist()
             rows.append((chunk.num_tokens, block_ids, end))
             if _is_decode(request, start, end):
@@ -172,7 +172,7 @@ class ModelRunner:
                    self._tensor([p]))
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        # (np.fromiter: torch.tensor of a list of ints is several times slower, milliseconds for a long chunk)
+        # (np.fromiter: torch.tensor of a long list of ints is several times slower)
         return torch.from_numpy(np.fromiter(values, np.int64, len(values))).to(self.device)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:

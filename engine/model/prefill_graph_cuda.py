@@ -1,7 +1,7 @@
 """Steps with a prefill chunk on CUDA, replayed from captured CUDA graphs.
 
-A step of a few hundred tokens (a cached prompt's last block, a chunk beside decodes) computes for about a
-millisecond on a large GPU, but launches some 260 kernels from Python, which takes several times as long
+A step of a few hundred tokens (a cached prompt's last block, a chunk beside decodes) computes little on a large
+GPU but launches over ten kernels a layer from Python, which takes longer than the work
 (docs/speed.md#on-a-gpu-cuda). The paged prefill kernel (paged_prefill_cuda.py) reads every row through block
 tables and numbers its programs from the row offsets alone, so once its tokens and rows are padded such a step
 has fixed shapes and no host sync: at start-up the runner records one step per token bucket under
