@@ -204,13 +204,28 @@ async def chats(url: str, model: str, work: Workload) -> dict:
     return multiturn.summarize(RunResult(work.name, "http", timings, duration, 0, 0))
 
 
+def served_threads(url: str) -> tuple[int, int] | None:
+    """The engine's thread budget (decode, prefill) as the server's /metrics states it; None where it states none
+    (llama-server, a GPU engine)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    found = dict(re.findall(r'^prefixgate_engine_threads\{[^}]*kind="(\w+)"[^}]*\} (\S+)$', text, re.MULTILINE))
+    return (int(float(found["decode"])), int(float(found["prefill"]))) if len(found) == 2 else None
+
+
 def measure(server: Server, model: str, tokens: int, work: dict[str, Workload]) -> dict:
     time.sleep(3)  # idle: start-up work (thread timing, warm-up) done
+    threads = served_threads(server.url)  # chosen at its start-up, as in process: the two may differ
     idle = pss_mb(server.proc.pid)
     itl = asyncio.run(one_stream(server.url, model, tokens))
     rows = {name: asyncio.run(chats(server.url, model, w)) for name, w in work.items()}
     after = pss_mb(server.proc.pid)
-    return {"one_stream_itl_p50_ms": itl, **rows, "pss_idle_mb": idle, "pss_after_mb": after,
+    return {"one_stream_itl_p50_ms": itl, **rows, "threads": threads, "pss_idle_mb": idle, "pss_after_mb": after,
             "pss_idle_total_mb": sum(idle.values()), "pss_after_total_mb": sum(after.values())}
 
 
@@ -298,6 +313,10 @@ def render(result: dict) -> str:
             lines.append(f"  {name} PSS per process at idle: " +
                          ", ".join(f"{k.split()[0]} ({' '.join(k.split()[1:])}) {v:.0f} MB"
                                    for k, v in row["pss_idle_mb"].items()))
+    budgets = [f"{name} {row['threads'][0]} / {row['threads'][1]}" for name, row in result.items()
+               if isinstance(row, dict) and row.get("threads")]
+    if budgets:
+        lines.append("  threads (decode / prefill steps): " + ", ".join(budgets))
     if "transformers" in result:
         lines.append(f"{'transformers':28}{result['transformers']['one_stream_itl_p50_ms']:>9.1f} ms"
                      "  (plain transformers' decode step at batch 1, context 128)")

@@ -4,8 +4,8 @@ with a prefill chunk (llama.cpp's --threads and --threads-batch).
 A batch-1 decode step streams the weights once and is bound by memory: on a 2-core machine one thread
 decoded faster than two (docs/speed.md#threads), while a prefill chunk is bound by arithmetic and
 wants every core. Either number left unset is chosen at start-up by timing both kinds of step at each
-thread count the process may use; the fastest count wins, a smaller one when it is within 5 %, which
-leaves a core to the API process.
+thread count the process may use, the counts taking turns; the fastest count wins, a smaller one when it
+is within 5 %, which leaves a core to the API process.
 """
 from __future__ import annotations
 
@@ -64,17 +64,19 @@ def choose(threads: int | None, threads_batch: int | None, decode_step: Callable
 
 
 def _time_each(candidates: range, step: Callable[[], None], probes: int) -> dict[int, float]:
-    timings = {}
+    """Median time at each count; the counts take turns probe by probe, so a burst of other work on a shared
+    machine slows every count alike instead of deciding the choice against the count it hit."""
+    samples: dict[int, list[float]] = {n: [] for n in candidates}
     for n in candidates:
         torch.set_num_threads(n)
         step()  # warm: the first call at a new thread count starts its workers
-        samples = []
-        for _ in range(probes):
+    for _ in range(probes):
+        for n in candidates:
+            torch.set_num_threads(n)
             start = time.perf_counter()
             step()
-            samples.append((time.perf_counter() - start) * 1e3)
-        timings[n] = statistics.median(samples)
-    return timings
+            samples[n].append((time.perf_counter() - start) * 1e3)
+    return {n: statistics.median(ms) for n, ms in samples.items()}
 
 
 def _fastest(timings: dict[int, float]) -> int:

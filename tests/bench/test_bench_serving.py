@@ -1,5 +1,8 @@
 """bench serving's report (which run each target reads, and the table) and its lean HTTP client."""
 import asyncio
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -41,10 +44,12 @@ def test_targets_read_the_paused_chats_against_in_process_and_the_closed_loop_ag
     assert targets["one stream: ITL p50 <= 0.8x llama.cpp"] == ("20.5 / 26.0 ms = 0.79x", True)
 
 
-def test_render_shows_both_chat_runs_and_every_target():
+def test_render_shows_both_chat_runs_every_target_and_each_engine_s_threads():
     result = _result()
+    result["in_process"]["threads"], result["serve"]["threads"] = [2, 2], [1, 2]  # (JSON keeps lists)
     result["targets"] = serving.targets(result)
     text = serving.render(result)
+    assert "  threads (decode / prefill steps): in_process 2 / 2, serve 1 / 2" in text.splitlines()
     serve_row = next(line for line in text.splitlines() if line.startswith("serve "))
     assert "1.000 s" in serve_row and "1.100 s" in serve_row  # closed-loop and paused TTFT
     assert text.count("met    ") == len(result["targets"]) - 1 == 6
@@ -92,17 +97,18 @@ def test_paused_chats_wait_before_every_later_turn(tiny_llama_dir):
 def test_the_lean_client_reads_timings_and_usage_from_a_real_server(tiny_llama_dir):
     """bench serving's aiohttp client against the gateway on a real port (tiny model, the engine in process:
     the client sees HTTP alone): every turn streams its tokens, later turns report the earlier turns' prompt as
-    cached, and one stream yields a gap."""
+    cached, one stream yields a gap, and /metrics gives the engine's thread budget."""
     tokenizer = load_tokenizer(tiny_llama_dir, set())
     work = multiturn.workload(tokenizer, turns=2)
     for r in work.requests:
         r.max_tokens = 4
     settings = tiny_settings(tiny_llama_dir, engine={"num_kv_blocks": None, "kv_cache_memory_mb": 64,
-                                                     "block_size": BLOCK})
+                                                     "block_size": BLOCK, "threads": 1, "threads_batch": 2})
     with LiveServer(settings) as server:
         base_url, model = server.url + "/v1", server.state.model_name
         timings, duration = asyncio.run(drive_lean(base_url, model, work, {"ignore_eos": True}))
         gap_ms = asyncio.run(serving.one_stream(base_url, model, 5))
+        threads = serving.served_threads(base_url)
     by_id = {t.request_id: t for t in timings}
     assert len(by_id) == len(work.requests) and duration > 0
     for r in work.requests:
@@ -114,6 +120,7 @@ def test_the_lean_client_reads_timings_and_usage_from_a_real_server(tiny_llama_d
             shared = next((i for i, (a, b) in enumerate(zip(previous, r.prompt_token_ids)) if a != b), len(previous))
             assert t.num_cached_tokens == shared // BLOCK * BLOCK
     assert gap_ms > 0
+    assert threads == (1, 2)
 
 
 def test_checkpoint_bytes_counts_the_gguf_file_behind_its_link_and_safetensors_shards(tmp_path):
@@ -133,3 +140,13 @@ def test_idle_pss_only_prints_each_process_against_the_budget(tiny_llama_dir, ca
     lines = capsys.readouterr().out.splitlines()
     assert any("-m gateway serve" in line for line in lines) and any("engine.engine_process" in line for line in lines)
     assert lines[-1].endswith(": met") and "in all; budget" in lines[-1]
+
+
+def test_a_bench_process_spins_its_openmp_threads_as_the_engine_process_does():
+    """Benchmarks import torch at their top; the engine's spin default must be in the environment before, or the
+    in-process engine's OpenMP pool spins as libgomp's default while `serve`'s engine process spins briefly."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", "import sys, os, bench; "
+                          "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["10000", "False"]

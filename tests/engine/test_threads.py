@@ -63,3 +63,18 @@ def test_each_step_runs_with_its_kind_of_count(clock):
     assert torch.get_num_threads() == 1
     budget.apply(has_prefill=True)
     assert torch.get_num_threads() == 3
+
+
+def test_the_counts_take_turns_so_a_burst_of_other_work_slows_them_alike(clock):
+    """A burst of other work on a shared machine as long as one count's probes: timed count by count, it fell
+    on all of 2 threads' and the choice went to 3; taking turns, it slows two probes of each and 2 still win."""
+    order = []
+    burst = iter([0.0] * 6 + [40.0] * 6 + [0.0] * 100)  # the 7th to 12th step calls run 40 ms longer
+
+    def step() -> None:
+        order.append(torch.get_num_threads())
+        clock.now += ({1: 20.0, 2: 12.0, 3: 13.0}[torch.get_num_threads()] + next(burst)) / 1e3
+    timings = threads._time_each(range(1, 4), step, probes=5)
+    assert order == [1, 2, 3] + [1, 2, 3] * 5  # warm-ups, then the counts take turns probe by probe
+    assert timings == pytest.approx({1: 20.0, 2: 12.0, 3: 13.0})
+    assert threads._fastest(timings) == 2
