@@ -1,7 +1,11 @@
 """bench pins on a tiny model and tiny sizes: the workloads do what they claim (behaviour, not times)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+
+import pytest
 
 from bench import pins
 from bench.__main__ import main
@@ -9,8 +13,18 @@ from bench.__main__ import main
 TINY = pins.Scale(hot_tokens=96, doc_tokens=96, question_tokens=8, rounds=2, burst=3, pool_blocks=20, cost_repeats=1)
 
 
-def test_pins_workloads_on_a_tiny_model(tiny_llama_dir):
-    r = pins.run(str(tiny_llama_dir), TINY, quick=True, log=lambda _: None)
+@pytest.fixture(scope="module")
+def command_run(tiny_llama_dir, tmp_path_factory):
+    """`python -m bench pins --quick` at the tiny scale, run once: the results it wrote and what it printed."""
+    out, printed = tmp_path_factory.mktemp("pins"), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setattr(pins, "QUICK", TINY)
+        assert main(["pins", "--quick", "--model", str(tiny_llama_dir), "--out", str(out)]) == 0
+    return json.loads((out / "pins.json").read_text()), printed.getvalue()
+
+
+def test_pins_workloads_on_a_tiny_model(command_run):
+    r, _ = command_run
     survive = r["survive"]
     assert set(survive) == {"slru, not pinned", "slru, pinned", "lru, not pinned", "lru, pinned"}
     for policy in ("slru", "lru"):
@@ -24,8 +38,7 @@ def test_pins_workloads_on_a_tiny_model(tiny_llama_dir):
     assert "pin bookkeeping per step" in pins.render(r)
 
 
-def test_bench_pins_command_writes_results(tiny_llama_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(pins, "QUICK", TINY)
-    assert main(["pins", "--quick", "--model", str(tiny_llama_dir), "--out", str(tmp_path)]) == 0
-    assert set(json.loads((tmp_path / "pins.json").read_text())) == {"survive", "cost", "targets"}
-    assert "hot hit rate" in capsys.readouterr().out
+def test_bench_pins_command_writes_results(command_run):
+    results, printed = command_run
+    assert set(results) == {"survive", "cost", "targets"}
+    assert "hot hit rate" in printed

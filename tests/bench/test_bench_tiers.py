@@ -1,7 +1,11 @@
 """bench tiers on a tiny model and tiny sizes: the workloads do what they claim (behaviour, not times)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+
+import pytest
 
 from bench import tiers
 from bench.__main__ import main
@@ -11,8 +15,18 @@ TINY = tiers.Scale(hot_tokens=96, long_tokens=96, question_tokens=8, scan_rounds
                    policy_workloads=("bursty",), policy_pools=(16, 64))
 
 
-def test_tiers_workloads_on_a_tiny_model(tiny_llama_dir):
-    r = tiers.run(str(tiny_llama_dir), TINY, log=lambda _: None)
+@pytest.fixture(scope="module")
+def command_run(tiny_llama_dir, tmp_path_factory):
+    """`python -m bench tiers --quick` at the tiny scale, run once: the results it wrote and what it printed."""
+    out, printed = tmp_path_factory.mktemp("tiers"), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setattr(tiers, "QUICK", TINY)
+        assert main(["tiers", "--quick", "--model", str(tiny_llama_dir), "--out", str(out)]) == 0
+    return json.loads((out / "tiers.json").read_text()), printed.getvalue()
+
+
+def test_tiers_workloads_on_a_tiny_model(command_run):
+    r, _ = command_run
     scan = r["scan"]
     assert scan["slru"]["hot_requests"] == scan["lru"]["hot_requests"] == 2  # one per round, then a burst
     assert scan["slru"]["hot_hit_rate"] == 1.0  # the hot prefix is never flushed by the bursts
@@ -30,8 +44,7 @@ def test_tiers_workloads_on_a_tiny_model(tiny_llama_dir):
     assert "slru" in tiers.render(r)
 
 
-def test_bench_tiers_command_writes_results(tiny_llama_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(tiers, "QUICK", TINY)
-    assert main(["tiers", "--quick", "--model", str(tiny_llama_dir), "--out", str(tmp_path)]) == 0
-    assert set(json.loads((tmp_path / "tiers.json").read_text())) == {"policies", "scan", "disk", "restart", "targets"}
-    assert "first after restart" in capsys.readouterr().out
+def test_bench_tiers_command_writes_results(command_run):
+    results, printed = command_run
+    assert set(results) == {"policies", "scan", "disk", "restart", "targets"}
+    assert "first after restart" in printed
