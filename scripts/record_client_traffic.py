@@ -6,7 +6,7 @@ recording proxy; each client flow runs against the proxy, which keeps every requ
 JSON body) and the server's answer (a JSON body, or the SSE events of a stream). Each fixture names the client
 and its version, what the client parsed, and per exchange the answer fields that client reads (lists taken from
 its source) which our answer carried: the replay checks that they are still there, of the same JSON type.
-Open WebUI is not recorded here: its fixtures are built by hand from its source.
+Open WebUI is recorded by scripts/record_openwebui.py, with this recording proxy, from a running Open WebUI.
 
     .venv/bin/python scripts/record_client_traffic.py [--llm PATH_TO_LLM_CLI] [--only FLOW ...]
 
