@@ -173,9 +173,9 @@ def ours(model_path: str, engine_process: bool, port: int, extra: list[str]) -> 
     return Server(cmd, r"listening on (http://\S+/v1)")
 
 
-def llama_server(binary: str, gguf: str, port: int) -> Server:
-    cmd = [binary, "-m", gguf, "-np", "4", "-c", "8192", "-t", str(os.cpu_count() or 1), "--host", "127.0.0.1",
-           "--port", str(port)]
+def llama_server(binary: str, gguf: str, port: int, threads: int | None = None) -> Server:
+    cmd = [binary, "-m", gguf, "-np", "4", "-c", "8192", "-t", str(threads or os.cpu_count() or 1),
+           "--host", "127.0.0.1", "--port", str(port)]
     server = Server(cmd, r"(listening on http://\S+)")
     server.url = f"http://127.0.0.1:{port}/v1"
     return server
@@ -376,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-server", default=None, help="llama-server binary (../shared/peers/)")
     parser.add_argument("--llama-gguf", default=None,
                         help="the same weights for llama-server (the default model: its own Q4_1 file)")
+    parser.add_argument("--llama-threads", type=int, default=None,
+                        help="llama-server's -t (default: every core; on a loaded machine our engines may time 1 "
+                             "thread faster at start-up, which this lets llama.cpp match)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="the engine's device, in process and served")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="the engine's batch, in process and served")
@@ -413,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_thread_mode:
         runs.append(("serve --no-engine-process", lambda: ours(model_path, False, args.port, extra)))
     if args.llama_server and args.llama_gguf:
-        runs.append(("llama.cpp", lambda: llama_server(args.llama_server, args.llama_gguf, args.port)))
+        runs.append(("llama.cpp", lambda: llama_server(args.llama_server, args.llama_gguf, args.port,
+                                                             args.llama_threads)))
     for name, start in runs:  # one server at a time: they take turns on the cores
         print(f"{name} ...", flush=True)
         server = start()
