@@ -130,6 +130,7 @@ class ModelRunner:
             from engine.model.prefill_graph_cuda import GraphPrefill
             self.graph_prefill = GraphPrefill(self.model, self.kv_slots, self.block_size, max_rows, max_tokens,
                                               max_model_len)
+            self.graph_prefill.capture()
         return True
 
     def _load_kernels(self) -> None:

@@ -99,7 +99,7 @@ class PrefillGraphInputs:
 
 
 class GraphPrefill:
-    """One captured step per token bucket, over the engine's KV pool and one set of input buffers."""
+    """One captured step per token bucket (capture()), over the engine's KV pool and one set of input buffers."""
 
     def __init__(self, model: LlamaForCausalLM, kv_slots: torch.Tensor, block_size: int, max_rows: int,
                  max_tokens: int, max_model_len: int) -> None:
@@ -114,7 +114,6 @@ class GraphPrefill:
         # every graph writes its logits here (one buffer, not one left in the pool per graph)
         self.logits = torch.empty(max_rows + 1, model.lm_head.out_features, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._capture()
 
     @property
     def max_tokens(self) -> int:
@@ -132,7 +131,7 @@ class GraphPrefill:
         ids, positions, meta, logits_rows = self.inputs.step(tokens, self._rows(tokens))
         return self.model(ids, positions, self.kv_slots, meta, logits_rows)
 
-    def _capture(self) -> None:
+    def capture(self) -> None:
         """Largest first, all in one memory pool (the smaller graphs reuse the largest one's buffers). The
         recorded steps are padding only: they write no K/V."""
         pool = None

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model.prefill_graph_cuda import TOKEN_BUCKETS, PrefillGraphInputs, prefill_token_buckets
+from engine.model import attention, llama
+from engine.model.prefill_graph_cuda import TOKEN_BUCKETS, GraphPrefill, PrefillGraphInputs, prefill_token_buckets
+from tests.support.machine import triton_module
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -43,6 +45,59 @@ def test_a_step_is_padded_with_one_row_of_unstored_tokens_and_empty_rows():
     assert meta.slot_mapping.tolist() == list(range(16))
     assert meta.block_table_batch.query_starts.tolist() == [0, 16, 16, 16, 16, 16]
     assert logits_rows.tolist() == [15, 15, 15, 15, 15]
+
+
+@pytest.mark.slow  # off CUDA, Triton's interpreter runs the prefill kernel in Python
+def test_a_padded_step_gives_the_eager_steps_logits_and_kv(tiny_llama_dir, monkeypatch):
+    """What a recorded step computes, run eagerly on CPU through the interpreter's kernel: every step of chunked
+    prompts beside decodes, then cache hits, padded to its bucket (GraphPrefill.forward over the filled buffers)
+    against the runner's own step from the same K/V. The same logits and K/V afterwards, and no slot but the
+    step's written: the padding row stores nothing (CUDA's fused store skips slot -1; on CPU the eager store is told to) and changes no real
+    row."""
+    triton_module("paged_prefill_cuda")
+    store = attention.store_kv
+    monkeypatch.setattr(llama, "store_kv", lambda k, v, k_cache, v_cache, slots: store(
+        k[slots >= 0], v[slots >= 0], k_cache, v_cache, slots[slots >= 0]))
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
+              cpu_kernels="eager", max_num_seqs=4, max_num_batched_tokens=6, enforce_eager=True)
+    runner = llm.core.runner
+    runner.prefill_kernel = True
+    graphs = GraphPrefill(runner.model, runner.kv_slots, 4, max_rows=4, max_tokens=6, max_model_len=64)
+    assert graphs.buckets == [16] and graphs.holds(6, 4) and not graphs.holds(17, 1) and not graphs.holds(6, 5)
+    execute, compared = runner.execute, []
+
+    def both(chunks):
+        ids, positions, slots, rows, sampled_rows = [], [], [], [], []
+        for i, chunk in enumerate(chunks):
+            request = chunk.request
+            start, end = request.num_computed_tokens, request.num_computed_tokens + chunk.num_tokens
+            block_ids = runner.kv.block_ids(request.request_id)
+            ids += request.all_token_ids[start:end]
+            positions += range(start, end)
+            slots += runner._slot_array(block_ids, start, end).tolist()
+            rows.append((chunk.num_tokens, block_ids, end))
+            if end == request.num_tokens:
+                sampled_rows.append(i)
+        before = runner.kv_slots.clone()
+        graphs.inputs.fill(16, 4, ids, positions, slots, rows)
+        padded = graphs.forward(16)[:len(rows)][sampled_rows]
+        padded_kv = runner.kv_slots.clone()
+        runner.kv_slots.copy_(before)
+        logits, sampled = execute(chunks)
+        torch.testing.assert_close(padded, logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(padded_kv, runner.kv_slots, rtol=1e-5, atol=1e-5)  # (other matmul shapes)
+        untouched = torch.ones(runner.kv_slots.shape[2], dtype=torch.bool)
+        untouched[slots] = False
+        assert torch.equal(padded_kv[:, :, untouched], before[:, :, untouched])  # the padding stored nothing
+        compared.append(len(rows))
+        return logits, sampled
+
+    runner.execute = both
+    prompts = [list(range(3, 20)), list(range(60, 71))]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    out = llm.generate(prompts, params) + llm.generate([prompts[0] + list(range(30, 39)), prompts[1][:9] + [50]],
+                                                      params)
+    assert [o.num_cached_tokens for o in out] == [0, 0, 16, 8] and len(compared) > 10 and max(compared) == 2
 
 
 def _prompts(vocab_size: int, lengths=(40, 9, 70, 33)) -> list[list[int]]:
