@@ -126,6 +126,7 @@ class ModelRunner:
             return False
         from engine.model.decode_graph_cuda import GraphDecode
         self.graph_decode = GraphDecode(self.model, self.kv_slots, self.block_size, max_rows, max_model_len)
+        self.graph_decode.capture()
         if self.prefill_kernel:
             from engine.model.prefill_graph_cuda import GraphPrefill
             self.graph_prefill = GraphPrefill(self.model, self.kv_slots, self.block_size, max_rows, max_tokens,

@@ -71,7 +71,8 @@ class GraphInputs:
 
 
 class GraphDecode:
-    """One captured decode step per batch size, over the engine's KV pool and one set of input buffers."""
+    """One captured decode step per batch size (capture()), over the engine's KV pool and one set of input
+    buffers."""
 
     def __init__(self, model: LlamaForCausalLM, kv_slots: torch.Tensor, block_size: int, max_rows: int,
                  max_model_len: int) -> None:
@@ -84,7 +85,6 @@ class GraphDecode:
         # (256 graph rows x a 128k vocabulary: 2 GB over the ladder)
         self.logits = torch.empty(rows, model.lm_head.out_features, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._capture()
 
     @property
     def max_rows(self) -> int:
@@ -99,7 +99,7 @@ class GraphDecode:
         ids, positions, meta, logits_rows = self.inputs.step(rows)
         return self.model(ids, positions, self.kv_slots, meta, logits_rows)
 
-    def _capture(self) -> None:
+    def capture(self) -> None:
         """Largest first, all in one memory pool (the smaller graphs reuse the largest one's buffers). The
         recorded steps write slot 0's K/V, which is put back afterwards."""
         saved = self.kv_slots[:, :, 0].clone()

@@ -86,3 +86,12 @@ def test_saving_to_the_cache_waits_for_another_process_holding_the_folder_lock(t
         fcntl.flock(held, fcntl.LOCK_UN)
     writer.join(30)
     assert saved.is_set() and cache_file.load(("signature", "target")) == b"machine code"
+
+
+def test_compiling_ahead_runs_the_model_and_names_the_kernels_folder(tiny_llama_dir, capsys):
+    """`python -m engine.model.compile`'s work: the engine on a few prompts (the kernels compile or load), then
+    where they are kept."""
+    from engine.model.compile import compile_kernels
+
+    assert compile_kernels(str(tiny_llama_dir), "float32", "float32") > 0
+    assert f"kernels ready in {kernel_cache.folder()}" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.model.attention import AttentionMetadata, DecodeBatch
-from engine.model.decode_graph_cuda import GraphInputs
+from engine.model.decode_graph_cuda import GraphDecode
 from engine.model.llama import head_dim
 from engine.model.loader import load_config, load_model
 from tests.support.machine import KERNEL_DEVICE as DEVICE, triton_module
@@ -98,8 +98,8 @@ def test_supports_power_of_two_head_sizes_only():
 
 
 def test_graph_inputs_step_equals_the_slot_path(tiny_llama_dir):
-    """A decode step of the whole model as a graph records it (GraphInputs: 3 rows padded to 4, attention through
-    block tables) against the per-row slot lists of DecodeBatch: the same logits and the same K/V written; the
+    """A decode step of the whole model as a graph records it (GraphDecode, run eagerly: 3 rows padded to 4,
+    attention through block tables) against the per-row slot lists of DecodeBatch: the same logits and the same K/V written; the
     padding row repeats the last one."""
     config = load_config(tiny_llama_dir)
     model = load_model(tiny_llama_dir, config, torch.float32, DEVICE, pack=False)
@@ -124,12 +124,13 @@ def test_graph_inputs_step_equals_the_slot_path(tiny_llama_dir):
     kv_by_slots, kv_by_tables = kv.clone(), kv.clone()
     expected = model(torch.tensor(ids, device=DEVICE), torch.tensor(positions, device=DEVICE), kv_by_slots,
                      AttentionMetadata(torch.tensor(new_slots, device=DEVICE), [], by_slots), rows)
-    inputs = GraphInputs(rows=8, max_blocks=10, block_size=block_size, device=DEVICE)
+    graphs = GraphDecode(model, kv_by_tables, block_size, max_rows=8, max_model_len=40)  # (not captured: eager)
+    assert graphs.batch_sizes == [1, 2, 4, 8] and graphs.graph_rows(3) == 4 and graphs.max_rows == 8
+    inputs = graphs.inputs
     inputs.fill(4, ids, positions, new_slots, tables, lengths)
     assert inputs.tokens[:, 3].tolist() == inputs.tokens[:, 2].tolist() == [33, 0, 9 * block_size]
     assert inputs.context_lens[:4].tolist() == [9, 30, 1, 1] and inputs.block_tables[3, 0] == 9
-    graph_ids, graph_positions, meta, logits_rows = inputs.step(4)
-    logits = model(graph_ids, graph_positions, kv_by_tables, meta, logits_rows)
+    logits = graphs.forward(4)  # the step a replay of the 4-row graph runs
     torch.testing.assert_close(logits[:3], expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits[3], logits[2])
     torch.testing.assert_close(kv_by_tables, kv_by_slots, rtol=1e-5, atol=1e-5)
