@@ -151,6 +151,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class PrometheusNotReady(Exception):
+    pass
+
+
 class Prometheus:
     """A prometheus process on loopback scraping one target every second."""
 
@@ -184,6 +188,8 @@ class Prometheus:
 
     async def query(self, session, expr: str) -> list[dict]:
         async with session.get(f"{self.url}/api/v1/query", params={"query": expr}) as resp:
+            if resp.status == 503:  # listening, but its storage not ready yet (as /-/ready would say)
+                raise PrometheusNotReady(await resp.text())
             body = await resp.json()
         assert resp.status == 200 and body["status"] == "success", (expr, body)
         return body["data"]["result"]
@@ -196,7 +202,7 @@ class Prometheus:
                 result = await self.query(session, expr)
                 if predicate(result):
                     return result
-            except aiohttp.ClientConnectionError:  # not listening yet
+            except (aiohttp.ClientConnectionError, PrometheusNotReady):  # not listening or not ready yet
                 pass
             assert time.monotonic() < deadline, f"timed out waiting for {expr}\n{self.log()}"
             await asyncio.sleep(0.2)
