@@ -1,14 +1,10 @@
 """bench pins on a tiny model and tiny sizes: the workloads do what they claim (behaviour, not times)."""
 from __future__ import annotations
 
-import contextlib
-import io
-import json
-
 import pytest
 
 from bench import pins
-from bench.__main__ import main
+from tests.support.bench_command import run_quick
 
 TINY = pins.Scale(hot_tokens=96, doc_tokens=96, question_tokens=8, rounds=2, burst=3, pool_blocks=20, cost_repeats=1)
 
@@ -16,11 +12,7 @@ TINY = pins.Scale(hot_tokens=96, doc_tokens=96, question_tokens=8, rounds=2, bur
 @pytest.fixture(scope="module")
 def command_run(tiny_llama_dir, tmp_path_factory):
     """`python -m bench pins --quick` at the tiny scale, run once: the results it wrote and what it printed."""
-    out, printed = tmp_path_factory.mktemp("pins"), io.StringIO()
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
-        patch.setattr(pins, "QUICK", TINY)
-        assert main(["pins", "--quick", "--model", str(tiny_llama_dir), "--out", str(out)]) == 0
-    return json.loads((out / "pins.json").read_text()), printed.getvalue()
+    return run_quick(pins, "pins", TINY, tiny_llama_dir, tmp_path_factory.mktemp("pins"))
 
 
 def test_pins_workloads_on_a_tiny_model(command_run):

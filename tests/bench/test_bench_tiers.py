@@ -1,14 +1,10 @@
 """bench tiers on a tiny model and tiny sizes: the workloads do what they claim (behaviour, not times)."""
 from __future__ import annotations
 
-import contextlib
-import io
-import json
-
 import pytest
 
 from bench import tiers
-from bench.__main__ import main
+from tests.support.bench_command import run_quick
 
 TINY = tiers.Scale(hot_tokens=96, long_tokens=96, question_tokens=8, scan_rounds=2, burst=3, scan_pool_blocks=20,
                    disk_prefixes=4, disk_rounds=2, disk_pool_blocks=14, restart_trials=1,
@@ -18,11 +14,7 @@ TINY = tiers.Scale(hot_tokens=96, long_tokens=96, question_tokens=8, scan_rounds
 @pytest.fixture(scope="module")
 def command_run(tiny_llama_dir, tmp_path_factory):
     """`python -m bench tiers --quick` at the tiny scale, run once: the results it wrote and what it printed."""
-    out, printed = tmp_path_factory.mktemp("tiers"), io.StringIO()
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
-        patch.setattr(tiers, "QUICK", TINY)
-        assert main(["tiers", "--quick", "--model", str(tiny_llama_dir), "--out", str(out)]) == 0
-    return json.loads((out / "tiers.json").read_text()), printed.getvalue()
+    return run_quick(tiers, "tiers", TINY, tiny_llama_dir, tmp_path_factory.mktemp("tiers"))
 
 
 def test_tiers_workloads_on_a_tiny_model(command_run):
