@@ -42,17 +42,16 @@ class PrefillGraphInputs:
         self.query_starts = torch.zeros(rows + 2, dtype=torch.int32, device=device)
         self.context_lens = torch.ones(rows + 1, dtype=torch.int32, device=device)
         self.logits_rows = torch.zeros(rows + 1, dtype=torch.long, device=device)
+        self._device = {"tokens": self.tokens, "block_tables": self.block_tables, "query_starts": self.query_starts,
+                        "context_lens": self.context_lens, "logits_rows": self.logits_rows}
         pinned = device.type == "cuda"  # (page-locked host memory: copies that do not wait for the GPU)
         self._host = {name: torch.zeros_like(buffer, device="cpu").pin_memory() if pinned
                       else torch.zeros_like(buffer, device="cpu")
-                      for name, buffer in self._buffers().items()}
+                      for name, buffer in self._device.items()}
+        self._arrays = {name: buffer.numpy() for name, buffer in self._host.items()}  # what fill() writes
         # the last step's copies out of those buffers: a step that samples nothing (a chunk mid-prompt) has no
         # sync after it, so the next fill waits for them before it rewrites the buffers
         self._copied = torch.cuda.Event() if pinned else None
-
-    def _buffers(self) -> dict[str, torch.Tensor]:
-        return {"tokens": self.tokens, "block_tables": self.block_tables, "query_starts": self.query_starts,
-                "context_lens": self.context_lens, "logits_rows": self.logits_rows}
 
     def fill(self, tokens: int, rows: int, input_ids: list[int], positions: list[int], slot_mapping: list[int],
              step_rows: list[tuple[int, list[int], int]]) -> None:
@@ -61,7 +60,7 @@ class PrefillGraphInputs:
         n, r = len(input_ids), len(step_rows)
         if self._copied is not None:
             self._copied.synchronize()
-        host = {name: buffer.numpy() for name, buffer in self._host.items()}
+        host = self._arrays
         ids_positions_slots = host["tokens"]
         ids_positions_slots[:, n:tokens] = 0
         ids_positions_slots[0, :n], ids_positions_slots[1, :n] = input_ids, positions
@@ -85,7 +84,7 @@ class PrefillGraphInputs:
         self.tokens[:, :tokens].copy_(self._host["tokens"][:, :tokens], non_blocking=True)
         for name, used in (("block_tables", rows + 1), ("query_starts", rows + 2), ("context_lens", rows + 1),
                            ("logits_rows", rows + 1)):
-            self._buffers()[name][:used].copy_(self._host[name][:used], non_blocking=True)
+            self._device[name][:used].copy_(self._host[name][:used], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 
