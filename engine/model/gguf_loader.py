@@ -1,7 +1,8 @@
 """Loads a GGUF file (llama.cpp's format) into our decoder, each weight in its file's format.
 
-The gguf library parses the file; transformers' GGUF support builds the config and the tokenizer (with its
-chat template) from the file's metadata, once, into a small directory beside the cache (gguf_model_dir).
+The gguf library parses the file once into a tensor index (gguf_index.py) that later loads memory-map the
+weights from; transformers' GGUF support builds the config and the tokenizer (with its chat template) from the
+file's metadata, once, into a small directory beside the cache (gguf_model_dir).
 Weights: a format quant_formats decodes stays quantized (quant_matmul_cpu's tiles) when `native`, else it is
 dequantized exactly into `dtype`; a format with no kernel here is dequantized once, with a warning naming it.
 """
@@ -15,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf import GGUFReader
 from gguf.quants import dequantize
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from engine.model import quant_formats
+from engine.model.gguf_index import read_indexed, write_index
 from engine.model.quant_formats import QuantRows
 
 logger = logging.getLogger("prefixgate.engine")
@@ -54,8 +55,8 @@ def hf_name(name: str) -> str | None:
 
 
 def gguf_model_dir(gguf_file: Path, cache_dir: Path) -> Path:
-    """A model directory for a GGUF file: config.json and the tokenizer built from its metadata, and the file
-    linked as model.gguf. Built once per file (keyed by its path, size and mtime)."""
+    """A model directory for a GGUF file: config.json, the tokenizer and the tensor index built from its
+    metadata, and the file linked as model.gguf. Built once per file (keyed by its path, size and mtime)."""
     gguf_file = gguf_file.resolve()
     stat = gguf_file.stat()
     key = hashlib.sha256(f"{gguf_file} {stat.st_size} {stat.st_mtime_ns}".encode()).hexdigest()[:12]
@@ -75,12 +76,14 @@ def gguf_model_dir(gguf_file: Path, cache_dir: Path) -> Path:
 
 
 def write_metadata(gguf_file: Path, out_dir: Path) -> None:
-    """config.json and the tokenizer (chat template inside tokenizer_config.json) from the file's metadata."""
+    """config.json and the tokenizer (chat template inside tokenizer_config.json) from the file's metadata, and
+    the file's tensor index."""
     logger.info("reading the config and tokenizer of %s", gguf_file.name)
     config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     config.save_pretrained(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
+    write_index(gguf_file, out_dir)
 
 
 def is_gguf_dir(path: Path) -> bool:
@@ -96,17 +99,15 @@ def _head_order(rows: int, heads: int) -> np.ndarray:
 
 def read_tensors(gguf_file: Path, config: PretrainedConfig) -> dict[str, torch.Tensor | QuantRows]:
     """Every weight by our name: float tensors, QuantRows where a kernel runs the format (the rest
-    dequantized to float32, with a warning)."""
-    reader = GGUFReader(gguf_file)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    dequantized to float32, with a warning). The tensors come through the index beside the file."""
+    arch, tensors = read_indexed(gguf_file)
     state: dict[str, torch.Tensor | QuantRows] = {}
     fallback: dict[str, list[str]] = {}
-    for tensor in reader.tensors:
+    for tensor in tensors:
         name = hf_name(tensor.name)
         if name is None:
             continue
-        qtype = QType(tensor.tensor_type)
-        k = int(tensor.shape[0])
+        qtype, k = tensor.qtype, tensor.dims[0]
         if qtype in _FLOAT_TYPES:
             value: torch.Tensor | QuantRows = torch.from_numpy(np.array(tensor.data, dtype=np.float32))
         elif quant_formats.supported(qtype):

@@ -9,12 +9,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from gguf import GGUFReader
 from transformers import AutoTokenizer
 
 from engine.model import default_model
 from engine.model.default_model import (COMPLETE_MARKER, DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME, RECOMMENDED_SAMPLING,
                                         default_cache_dir, ensure_default_model, extract_gguf)
+from engine.model.gguf_index import INDEX_NAME, read_indexed
 from engine.model.gguf_loader import WEIGHTS_NAME
 
 QUESTION = "What is the capital of France?"
@@ -39,6 +39,7 @@ def _fake_build(calls: list[Path], seconds: float = 0.0):
         time.sleep(seconds)
         out_dir.mkdir()
         (out_dir / "config.json").write_text("{}")
+        (out_dir / INDEX_NAME).write_text("{}")
         gguf.rename(out_dir / WEIGHTS_NAME)
     return build_model_dir
 
@@ -90,7 +91,7 @@ def test_conversion_renames_a_marked_directory_into_place(tmp_path, fake_pipelin
     model_dir = ensure_default_model(tmp_path)
     assert model_dir == tmp_path / DEFAULT_MODEL_DIR
     assert sorted(p.name for p in model_dir.iterdir()) == [COMPLETE_MARKER, "config.json", "generation_config.json",
-                                                           WEIGHTS_NAME]
+                                                           INDEX_NAME, WEIGHTS_NAME]
     assert json.loads((model_dir / "generation_config.json").read_text()) == RECOMMENDED_SAMPLING
     assert [g.name for g in fake_pipeline] == ["M.Q4_1.gguf"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [DEFAULT_MODEL_DIR, f"{DEFAULT_MODEL_NAME}.lock"]
@@ -108,7 +109,7 @@ def test_a_directory_without_the_marker_is_replaced(tmp_path, fake_pipeline):
     (stale / "half-written.gguf").write_bytes(b"")
     ensure_default_model(tmp_path)
     assert sorted(p.name for p in stale.iterdir()) == [COMPLETE_MARKER, "config.json", "generation_config.json",
-                                                      WEIGHTS_NAME]
+                                                      INDEX_NAME, WEIGHTS_NAME]
 
 
 def test_a_directory_converted_before_gets_the_model_cards_sampling(tmp_path, fake_pipeline):
@@ -127,6 +128,16 @@ def test_a_directory_with_the_earlier_sampling_gets_the_answer_cap(tmp_path, fak
     ensure_default_model(tmp_path)
     assert json.loads((model_dir / "generation_config.json").read_text())["max_new_tokens"] == 1024
     assert len(fake_pipeline) == 1
+
+
+def test_a_directory_converted_before_the_tensor_index_gets_one_once(tmp_path, monkeypatch, fake_pipeline):
+    model_dir = ensure_default_model(tmp_path)
+    (model_dir / INDEX_NAME).unlink()
+    indexed: list[tuple[Path, Path]] = []
+    monkeypatch.setattr(default_model, "write_index", lambda gguf, out_dir: indexed.append((gguf, out_dir)))
+    ensure_default_model(tmp_path)
+    assert indexed == [(model_dir / WEIGHTS_NAME, model_dir)]
+    assert len(fake_pipeline) == 1  # not converted again
 
 
 def test_an_interrupted_conversion_leaves_no_model_directory(tmp_path, monkeypatch, fake_pipeline):
@@ -164,7 +175,7 @@ def smollm2_dir() -> Path:
 @pytest.mark.default_model
 def test_default_model_is_its_gguf_file_with_config_and_tokenizer(smollm2_dir):
     names = {p.name for p in smollm2_dir.iterdir()}
-    assert names == {COMPLETE_MARKER, "config.json", "generation_config.json", WEIGHTS_NAME,
+    assert names == {COMPLETE_MARKER, "config.json", "generation_config.json", INDEX_NAME, WEIGHTS_NAME,
                      "tokenizer.json", "tokenizer_config.json"}
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert "quantization_config" not in config
@@ -178,7 +189,7 @@ def test_default_model_is_its_gguf_file_with_config_and_tokenizer(smollm2_dir):
 
 @pytest.mark.default_model
 def test_default_model_weights_are_q4_1_layers_and_a_q8_0_tied_embedding(smollm2_dir):
-    tensors = {t.name: t.tensor_type.name for t in GGUFReader(smollm2_dir / WEIGHTS_NAME).tensors}
+    tensors = {t.name: t.qtype.name for t in read_indexed(smollm2_dir / WEIGHTS_NAME)[1]}
     # tied: the output projection is the embedding, so it is not stored twice
     assert tensors["token_embd.weight"] == "Q8_0" and "output.weight" not in tensors
     assert sorted(set(tensors.values())) == ["F32", "Q4_1", "Q8_0"]
