@@ -108,8 +108,9 @@ def read_tensors(gguf_file: Path, config: PretrainedConfig) -> dict[str, torch.T
         if name is None:
             continue
         qtype, k = tensor.qtype, tensor.dims[0]
-        if qtype in _FLOAT_TYPES:
-            value: torch.Tensor | QuantRows = torch.from_numpy(np.array(tensor.data, dtype=np.float32))
+        if qtype in _FLOAT_TYPES:  # (bf16 comes as its bytes: the gguf library's dequantize reads them)
+            value: torch.Tensor | QuantRows = torch.from_numpy(np.array(dequantize(tensor.data, qtype),
+                                                                        dtype=np.float32))
         elif quant_formats.supported(qtype):
             value = quant_formats.decode(tensor.data, qtype, k)
         else:
