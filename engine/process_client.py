@@ -7,8 +7,10 @@ on it ends at once with EngineDeadError, is_alive() turns False, the published s
 `max_restarts` within `restart_window_s`; past that `on_fatal` is called (the gateway exits non-zero, so a
 supervisor above it takes over). A message from the engine that cannot be read (it does not unpickle, or is
 none of engine/messages.py's outbound types) counts as a death: the engine process is killed and the same
-happens. Each engine incarnation gets fresh sockets, so no message meant for a dead engine reaches its
-successor. The death is seen through a pidfd, the kernel's own exit notification: is_alive() polls it, so
+happens. Messages cross in frames over two pipes (engine/framing.py): the event loop reads the engine's as they
+arrive and writes ours without ever blocking. Each engine incarnation gets fresh pipes, so no message meant for
+a dead engine reaches its successor. The death is seen through a pidfd, the kernel's own exit notification:
+is_alive() polls it, so
 /health is 503 from the moment the process is gone, before asyncio's child watcher (a thread's waitpid, then a
 callback on the loop) tells the supervisor. Importing this module loads no torch.
 """
@@ -22,18 +24,15 @@ import os
 import pickle
 import select
 import sys
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-import zmq
-import zmq.asyncio
-
 from engine.client import RelayedEngineClient
 from engine.config import EngineConfig
+from engine.framing import Frames, FramingError, LoopPipes, encode, pipe
 from engine.messages import CommandReply, EngineInfo, Inbound, StartFailed, StepOutputs
 from engine.sampling_params import SamplingParams, validate_prompt
 from engine.stats import SchedulerStats, StepStats
@@ -47,18 +46,15 @@ class EngineStartError(ValueError):
 
 
 class _Incarnation:
-    """One engine process and its two sockets."""
+    """One engine process and its two pipes."""
 
-    def __init__(self, process: asyncio.subprocess.Process, inbox: zmq.asyncio.Socket,
-                 outbox: zmq.asyncio.Socket, folder: tempfile.TemporaryDirectory) -> None:
+    def __init__(self, process: asyncio.subprocess.Process, pipes: LoopPipes) -> None:
         self.process = process
-        self.inbox = inbox  # we PUSH adds and aborts
-        self.outbox = outbox  # we PULL step messages
-        self._folder = folder
+        self.pipes = pipes  # adds, aborts and cache commands in; step messages and command replies out
         self.dead = False  # its death was handled: requests failed, stats zeroed
+        self._loop = asyncio.get_running_loop()
         self._pidfd = _pidfd(process.pid)
         self._exit_poll = select.poll()
-        self._loop: asyncio.AbstractEventLoop | None = None
         if self._pidfd is not None:
             self._exit_poll.register(self._pidfd, select.POLLIN)
 
@@ -70,7 +66,6 @@ class _Incarnation:
         """`callback` runs on this loop once, as soon as the process has ended."""
         if self._pidfd is None:
             return
-        self._loop = asyncio.get_running_loop()
 
         def fire() -> None:
             self._loop.remove_reader(self._pidfd)
@@ -79,12 +74,9 @@ class _Incarnation:
         self._loop.add_reader(self._pidfd, fire)
 
     def close(self) -> None:
-        self.inbox.close(linger=0)
-        self.outbox.close(linger=0)
-        self._folder.cleanup()
+        self.pipes.close()
         if self._pidfd is not None:
-            if self._loop is not None:
-                self._loop.remove_reader(self._pidfd)
+            self._loop.remove_reader(self._pidfd)
             self._exit_poll.unregister(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
@@ -120,8 +112,8 @@ class ProcessClient(RelayedEngineClient):
 
     def start(self) -> None:
         self._alive = True
-        self._tasks = [asyncio.create_task(self._read(self._engine)), asyncio.create_task(self._supervise())]
-        self._watch(self._engine)
+        self._tasks = [asyncio.create_task(self._supervise())]
+        self._listen(self._engine)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         loop = asyncio.get_running_loop()
@@ -169,21 +161,23 @@ class ProcessClient(RelayedEngineClient):
 
     def _send(self, message: Inbound) -> None:
         if self._alive:
-            with contextlib.suppress(zmq.ZMQError):  # a dying engine: its requests fail through _supervise
-                self._engine.inbox.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
+            self._engine.pipes.send(encode(message))  # a gone engine's are dropped: _supervise fails its requests
 
-    async def _read(self, engine: _Incarnation) -> None:
+    def _listen(self, engine: _Incarnation) -> None:
+        engine.pipes.listen(partial(self._on_frames, engine))
+        engine.on_exit(partial(self._on_death, engine, "the engine process died"))
+
+    def _on_frames(self, engine: _Incarnation, frames: Frames) -> None:
         """Hands on the engine's messages; one it cannot read ends the engine, whose supervisor restarts it."""
         try:
-            while True:
-                data = await engine.outbox.recv()
+            for payload in frames:
                 if engine.dead:  # sent before it died, read after: its requests have failed, its stats are stale
+                    engine.pipes.pause()
                     return
-                self._on_message(pickle.loads(data))
-        except asyncio.CancelledError:
-            raise
+                self._on_message(pickle.loads(payload))
         except Exception:
             logger.exception("engine process %d sent a message that cannot be read; killing it", engine.process.pid)
+            engine.pipes.pause()
             self._on_death(engine, "the engine process sent a message that cannot be read")
             with contextlib.suppress(ProcessLookupError):
                 engine.process.kill()  # _supervise sees it exit, and restarts it
@@ -197,9 +191,6 @@ class ProcessClient(RelayedEngineClient):
                 self._on_reply(message)
             case _:
                 raise TypeError(f"not a message the engine sends after it started: {type(message).__name__}")
-
-    def _watch(self, engine: _Incarnation) -> None:
-        engine.on_exit(partial(self._on_death, engine, "the engine process died"))
 
     def _on_death(self, engine: _Incarnation, reason: str) -> None:
         """is_alive() turns False, the stats drop to an idle pool's, then every request and command waiting
@@ -220,8 +211,6 @@ class ProcessClient(RelayedEngineClient):
                 return
             logger.error("engine process %d exited with code %s", self.info.pid, code)
             self._on_death(self._engine, f"the engine process died (exit code {code})")  # without a pidfd
-            for task in self._tasks[:1]:
-                task.cancel()
             self._engine.close()
             if not self._may_restart():
                 logger.error("engine process died %d times within %.0fs; giving up", len(self.restarts) + 1,
@@ -252,8 +241,7 @@ class ProcessClient(RelayedEngineClient):
                         self.on_fatal()
                     return
                 self.restarts.append(time.monotonic())
-        self._tasks[0] = asyncio.create_task(self._read(self._engine))
-        self._watch(self._engine)
+        self._listen(self._engine)
         self._alive = True
         logger.info("engine process %d is serving again", self.info.pid)
 
@@ -271,20 +259,35 @@ def _pidfd(pid: int) -> int | None:
 
 
 async def _spawn(config: EngineConfig) -> tuple[_Incarnation, EngineInfo]:
-    """A new engine process on fresh IPC sockets; returns once it is ready (EngineStartError if it fails)."""
-    folder = tempfile.TemporaryDirectory(prefix="prefixgate-")
-    context = zmq.asyncio.Context.instance()
-    inbox, outbox = context.socket(zmq.PUSH), context.socket(zmq.PULL)
-    inbox_address, outbox_address = f"ipc://{folder.name}/in", f"ipc://{folder.name}/out"
-    inbox.bind(inbox_address)
-    outbox.bind(outbox_address)
+    """A new engine process on fresh pipes; returns once it is ready (EngineStartError if it fails)."""
+    engine_reads, to_engine = pipe()
+    from_engine, engine_writes = pipe()
     env = {**os.environ, "PREFIXGATE_LOG_LEVEL": logging.getLevelName(logging.getLogger().getEffectiveLevel())}
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "engine.engine_process", inbox_address, outbox_address,
-        base64.b64encode(pickle.dumps(config)).decode(), env=env)
-    incarnation = _Incarnation(process, inbox, outbox, folder)
+    try:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "engine.engine_process", str(engine_reads), str(engine_writes),
+            base64.b64encode(pickle.dumps(config)).decode(), env=env, pass_fds=(engine_reads, engine_writes))
+    except BaseException:
+        for fd in (to_engine, from_engine):
+            os.close(fd)
+        raise
+    finally:
+        os.close(engine_reads)  # the engine's ends: with them closed here, its exit reads as end of file
+        os.close(engine_writes)
+    incarnation = _Incarnation(process, LoopPipes(to_engine, from_engine))
     logger.info("engine process %d: loading model %s", process.pid, config.model)
-    first = asyncio.ensure_future(outbox.recv())
+    first = asyncio.get_running_loop().create_future()
+
+    def take_first(frames: Frames) -> None:
+        try:
+            payload = next(frames, None)
+        except FramingError as exc:
+            payload = exc
+        if payload is not None:
+            incarnation.pipes.pause()  # the frames after it wait for ProcessClient.start()
+            first.set_result(payload)
+
+    incarnation.pipes.listen(take_first)
     exited = asyncio.ensure_future(process.wait())
     await asyncio.wait({first, exited}, return_when=asyncio.FIRST_COMPLETED)
     if not first.done():
@@ -304,9 +307,11 @@ async def _spawn(config: EngineConfig) -> tuple[_Incarnation, EngineInfo]:
     return incarnation, info
 
 
-def _ready(data: bytes) -> EngineInfo | str:
+def _ready(data: bytes | FramingError) -> EngineInfo | str:
     """The engine process's first message: its EngineInfo, or why it did not start."""
     try:
+        if isinstance(data, FramingError):
+            raise data
         message = pickle.loads(data)
     except Exception as exc:
         return f"the engine process's first message cannot be read ({exc!r})"

@@ -4,15 +4,16 @@ errors crossing as type and message strings, and a message that cannot be read t
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
-import zmq
-import zmq.asyncio
 
 from engine.client import EngineCommandError, EngineDeadError
 from engine.config import EngineConfig
+from engine.framing import HEADER
 from engine.messages import EngineError, PinList, StepOutputs
 from engine.process_client import ProcessClient
 from engine.sampling_params import SamplingParams
@@ -35,12 +36,16 @@ async def client(tiny_llama_dir):
     await engine.shutdown(timeout=0)
 
 
-async def inject(client: ProcessClient, message: bytes) -> None:
-    """Sends `message` to the API process's end of the engine's outbox, as if the engine had sent it."""
-    socket = zmq.asyncio.Context.instance().socket(zmq.PUSH)
-    socket.connect(client._engine.outbox.getsockopt(zmq.LAST_ENDPOINT).decode())
-    await socket.send(message)
-    socket.close(linger=1000)
+def inject(client: ProcessClient, payload: bytes) -> None:
+    """Writes a frame of `payload` into the engine's outbound pipe, as if the engine had sent it: through the
+    engine process's own write end (`python -m engine.engine_process IN_FD OUT_FD CONFIG`)."""
+    pid = client.info.pid
+    out_fd = int(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[4])
+    fd = os.open(f"/proc/{pid}/fd/{out_fd}", os.O_WRONLY)
+    try:
+        os.write(fd, HEADER.pack(len(payload)) + payload)  # under PIPE_BUF: one write, never split by the engine's
+    finally:
+        os.close(fd)
 
 
 async def wait_until(predicate, what: str) -> None:
@@ -62,7 +67,7 @@ async def test_a_malformed_message_fails_the_waiting_requests_and_the_engine_res
     outputs = client.generate("long", PROMPT, LONG)
     assert not (await anext(outputs)).finished  # it runs
 
-    await inject(client, malformed)
+    inject(client, malformed)
 
     with pytest.raises(EngineDeadError, match="cannot be read"):
         async for _ in outputs:
