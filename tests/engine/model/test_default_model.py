@@ -6,11 +6,14 @@ import pytest
 from engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.default_model
+# fixed thread counts: timing them at start-up (test_threads.py's concern, not these tests') cost most of a
+# load of this model, and equal counts make the engines compared here compute alike
+THREADS = dict(threads=1, threads_batch=2)
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("default", kv_cache_memory_mb=128)
+    return LLM("default", kv_cache_memory_mb=128, **THREADS)
 
 
 def test_default_model_knows_the_capital_of_france(llm):
@@ -44,7 +47,8 @@ def test_a_plain_sdk_call_samples_with_the_model_cards_defaults():
     from tests.support.gateway_helpers import served
 
     question = [{"role": "user", "content": "What is the capital of France?"}]
-    with served("--model", "default", "--kv-cache-memory-mb", "128") as server:
+    threads = ("--threads", str(THREADS["threads"]), "--threads-batch", str(THREADS["threads_batch"]))
+    with served("--model", "default", "--kv-cache-memory-mb", "128", *threads) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         card = client.models.retrieve(model).model_dump()
@@ -68,8 +72,8 @@ def test_its_q4_1_file_gives_the_dequantized_fp32_models_tokens(llm):
     """Served as its file's Q4_1 / Q8_0 blocks by default; --dtype float32 dequantizes the same file exactly,
     so the two differ only in fp32 summation order (the default float32 activations multiply exactly)."""
     assert llm.core.weights_format == "gguf" and not llm.core.integer_activations
-    llm = LLM("default", kv_cache_memory_mb=128, kv_cache_dtype="float32")  # the reference's K/V (default: bf16)
-    reference = LLM("default", kv_cache_memory_mb=128, dtype="float32")
+    llm = LLM("default", kv_cache_memory_mb=128, kv_cache_dtype="float32", **THREADS)  # the reference's K/V
+    reference = LLM("default", kv_cache_memory_mb=128, dtype="float32", **THREADS)
     assert reference.core.weights_format == "none" and reference.core.model.lm_head.quant is None
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     params = SamplingParams(max_tokens=32, temperature=0, logprobs=0)
@@ -82,11 +86,14 @@ def test_its_q4_1_file_gives_the_dequantized_fp32_models_tokens(llm):
 def test_a_gguf_file_is_a_model(llm, tmp_path):
     """--model FILE.gguf: config and tokenizer come from the file's metadata, the weights stay in its formats."""
     from engine.model.default_model import ensure_default_model
+    from engine.model.gguf_index import INDEX_NAME
     from engine.model.gguf_loader import WEIGHTS_NAME
 
-    by_file = LLM(str(ensure_default_model() / WEIGHTS_NAME), model_cache_dir=str(tmp_path), kv_cache_memory_mb=64)
+    by_file = LLM(str(ensure_default_model() / WEIGHTS_NAME), model_cache_dir=str(tmp_path), kv_cache_memory_mb=64,
+                  **THREADS)
     assert by_file.core.weights_format == "gguf"
     assert (by_file.core.model_path / WEIGHTS_NAME).is_symlink()
+    assert (by_file.core.model_path / INDEX_NAME).is_file()  # built with the directory, read at every load
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}])
     assert by_file.tokenizer.encode(prompt) == llm.tokenizer.encode(prompt)
     params = SamplingParams(max_tokens=16, temperature=0)

@@ -172,6 +172,11 @@ def smollm2_dir() -> Path:
     return ensure_default_model()
 
 
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_dir):
+    return AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
+
+
 @pytest.mark.default_model
 def test_default_model_is_its_gguf_file_with_config_and_tokenizer(smollm2_dir):
     names = {p.name for p in smollm2_dir.iterdir()}
@@ -198,21 +203,19 @@ def test_default_model_weights_are_q4_1_layers_and_a_q8_0_tied_embedding(smollm2
 
 
 @pytest.mark.default_model
-def test_default_tokenizer_round_trips_and_stops_at_im_end(smollm2_dir):
-    tok = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
-    ids = tok.encode(QUESTION, add_special_tokens=False)
+def test_default_tokenizer_round_trips_and_stops_at_im_end(smollm2_tokenizer):
+    ids = smollm2_tokenizer.encode(QUESTION, add_special_tokens=False)
     assert ids == [1780, 314, 260, 3575, 282, 4649, 47]
-    assert tok.decode(ids) == QUESTION
-    assert (tok.bos_token, tok.bos_token_id) == ("<|im_start|>", 1)
-    assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)
+    assert smollm2_tokenizer.decode(ids) == QUESTION
+    assert (smollm2_tokenizer.bos_token, smollm2_tokenizer.bos_token_id) == ("<|im_start|>", 1)
+    assert (smollm2_tokenizer.eos_token, smollm2_tokenizer.eos_token_id) == ("<|im_end|>", 2)
 
 
 @pytest.mark.default_model
-def test_default_chat_template_renders_chatml(smollm2_dir):
-    tok = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
+def test_default_chat_template_renders_chatml(smollm2_dir, smollm2_tokenizer):
     assert "<|im_start|>" in json.loads((smollm2_dir / "tokenizer_config.json").read_text())["chat_template"]
-    prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}],
-                                     tokenize=False, add_generation_prompt=True)
+    prompt = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
+                                                   tokenize=False, add_generation_prompt=True)
     assert prompt == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         f"<|im_start|>user\n{QUESTION}<|im_end|>\n"
