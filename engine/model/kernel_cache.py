@@ -6,6 +6,8 @@ and never half-written.
   the matmuls, the vector code and the bfloat16 reads of the other files compiled into it), numba's and
   llvmlite's versions, and the CPU's name and features (two CPU models on a shared volume never share an
   index; numba's CPU-name override counts too).
+- Not keyed on where the checkout lies: numba's own locator names a subfolder after the source directory's
+  absolute path, so each clone or worktree compiled everything anew; ours does not (`_KernelLocator`).
 - A folder that cannot be written is reported, and the kernels are then compiled in memory (`CACHE` is
   False): numba would otherwise fall back to the source tree's __pycache__, keyed by one file only.
 - Saving and loading hold an exclusive lock on the folder: numba picks a data file's name from the index
@@ -88,6 +90,23 @@ def _locked(method):
     return under_lock
 
 
+class _KernelLocator(caching.UserProvidedCacheLocator):
+    """numba's locator for a cache folder of one's own, but for this package's kernels the subfolder is not keyed
+    on the checkout's absolute path: the folder is keyed on the kernels' sources and numba checks each file's
+    content hash, so a second clone or worktree of the same sources loads what the first compiled."""
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        path = Path(py_file).resolve()
+        if path.name not in KERNEL_SOURCES or path.parent.parts[-2:] != ("engine", "model"):
+            return None  # another package's cached function: numba's own locators
+        return super().from_function(py_func, py_file)
+
+    @classmethod
+    def get_suitable_cache_subpath(cls, py_file):
+        return "kernels"
+
+
 TARGET_ISA = vector_isa(target_cpu()[1])
 FOLDER = folder()
 CACHE = writable(FOLDER)
@@ -97,6 +116,7 @@ if CACHE:
     # one after the other, each by rename, which is atomic per file but not for the pair)
     caching.IndexDataCacheFile.save = _locked(caching.IndexDataCacheFile.save)
     caching.IndexDataCacheFile.load = _locked(caching.IndexDataCacheFile.load)
+    caching.CacheImpl._locator_classes.insert(0, _KernelLocator)
 else:
     log.warning("the CPU kernels' cache folder %s cannot be written: compiling them in memory at every start "
                 "(about 40 s); set NUMBA_CACHE_DIR to a writable folder", FOLDER)

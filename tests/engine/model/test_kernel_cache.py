@@ -17,6 +17,26 @@ def test_the_kernels_cache_in_the_folder_for_their_sources():
         assert kernel._cache._cache_path.startswith(folder)
 
 
+def test_a_second_clone_of_the_same_sources_finds_the_kernels_the_first_compiled(tmp_path):
+    """numba's own locator keys the subfolder on the checkout's absolute path, so every clone or worktree
+    compiled anew; ours keys it on nothing but the sources (the folder's name and each file's content hash)."""
+    kernel = paged_decode_cpu.attend
+    source = Path(paged_decode_cpu.__file__)
+    clone = tmp_path / "clone" / "engine" / "model"
+    clone.mkdir(parents=True)
+    (clone / source.name).write_bytes(source.read_bytes())
+    here = kernel_cache._KernelLocator.from_function(kernel.py_func, str(source))
+    there = kernel_cache._KernelLocator.from_function(kernel.py_func, str(clone / source.name))
+    assert here.get_cache_path() == there.get_cache_path() == kernel._cache._cache_path
+    assert here.get_source_stamp() == there.get_source_stamp()
+    (clone / source.name).write_bytes(source.read_bytes() + b"#")  # an edit: numba's index sees the new hash
+    assert kernel_cache._KernelLocator.from_function(kernel.py_func, str(clone / source.name)).get_source_stamp() \
+        != here.get_source_stamp()
+    elsewhere = tmp_path / "other_package.py"
+    elsewhere.write_text("")
+    assert kernel_cache._KernelLocator.from_function(kernel.py_func, str(elsewhere)) is None  # numba's own, there
+
+
 def test_an_edit_of_any_kernel_source_changes_the_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
     before = kernel_cache.folder()
