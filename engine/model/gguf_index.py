@@ -40,6 +40,7 @@ def read_indexed(gguf_file: Path) -> tuple[str, list[GGUFTensor]]:
 def write_index(gguf_file: Path, out_dir: Path) -> dict:
     """Parse the file with the gguf library and write its index to out_dir (atomically); a directory that
     cannot be written keeps no index, so the next load parses again."""
+    logger.info("indexing the tensors of %s (once per file)", gguf_file.name)
     reader = GGUFReader(gguf_file)
     index = {"version": _VERSION, **_stamp(gguf_file),
              "architecture": bytes(reader.fields["general.architecture"].parts[-1]).decode(),
