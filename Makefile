@@ -63,9 +63,14 @@ test: $(STAMP) $(CLUSTER_STAMP) $(COMPAT_STAMP)
 	  $(PY) -m engine.model.compile --dtype bfloat16; status=$$?; wait $$quantized && exit $$status
 	$(PY) -m pytest $(XDIST) $(COVERAGE) $(ARGS)
 
-# the unit tier, for the edit-test loop: no Ray, client frameworks, browser or Prometheus to install
+# the unit tier, for the edit-test loop: no Ray, client frameworks, browser or Prometheus to install. Each pytest
+# process rewrites the asserts of every test module it imports, and of every module of its plugins' packages;
+# PYTHONDONTWRITEBYTECODE (set in many containers) would make it redo that on every run rather than keep the
+# result. schemathesis's pytest plugin is off: no test uses it (the fuzz tests take its strategies), and loading
+# it imports all of schemathesis
+test-fast: export PYTHONDONTWRITEBYTECODE :=
 test-fast: $(STAMP)
-	$(PY) -m pytest $(XDIST) -m "not ($(HEAVY))" $(ARGS)
+	$(PY) -m pytest $(XDIST) -p no:schemathesis -m "not ($(HEAVY))" $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench $(ARGS)

@@ -1,20 +1,104 @@
-"""Shared fixtures: tiny random-weight models built once per test session."""
+"""Shared fixtures: tiny random-weight models built once per test session. The hooks below keep a run of the
+unit tier from paying for the heavy tiers: it does not import the files whose every test it deselects, and on
+several workers each worker has a core of its own."""
 from __future__ import annotations
 
+import ast
+import functools
+import itertools
 import logging
 import os
+import re
+from pathlib import Path
 
 import pytest
-import torch
-
-from bench.tiny_models import build_tiktoken_model, build_tiny_model
-
-if not torch.cuda.is_available():  # Triton kernels (the CUDA decode path) run on CPU tensors in its interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 
 # what holds a worker longest first (Ray's start, the default model, real processes, fuzzing, compiles)
 HEAVIEST_FIRST = ("ray", "default_model", "server", "fuzz", "slow", "browser", "compat", "prometheus")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # before anything imports torch or numba: both size their thread pools from the cores the process may use
+    if _is_unit_tier(config):
+        _core_of_its_own()
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # pytest-xdist's controller runs no test: its workers start once it has configured
+    import torch
+
+    if not torch.cuda.is_available():  # Triton kernels (the CUDA decode path) run on CPU tensors in its interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _is_unit_tier(config: pytest.Config) -> bool:
+    """A run whose marker expression deselects every test with a heavy marker: it starts no process of its own
+    (servers, Ray and their processes would inherit a worker's one core)."""
+    markexpr = config.getoption("markexpr")
+    return bool(markexpr) and all(_never_selects(markexpr, {marker}) for marker in HEAVIEST_FIRST)
+
+
+def _core_of_its_own() -> None:
+    """An xdist worker runs on one core, a core of its own while there are as many cores as workers. Two workers
+    on two cores otherwise each ran their engines' kernels on two threads: four threads on two cores, every
+    parallel region waiting for a thread that the other worker held (the tier took twice the CPU)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if worker is None or count is None or int(count) > len(cores):
+        return
+    os.sched_setaffinity(0, {cores[int(worker.removeprefix("gw"))]})
+
+
+def _never_selects(markexpr: str, marks: set[str]) -> bool:
+    """Whether -m MARKEXPR deselects every test that carries `marks`, whatever other marks it carries (only the
+    names in the expression matter, so each set of those is tried)."""
+    expression, names = _compiled(markexpr)
+    others = names - marks
+    added = itertools.chain.from_iterable(itertools.combinations(others, n) for n in range(len(others) + 1))
+    return not any(expression.evaluate(_carrying(marks | set(extra))) for extra in added)
+
+
+def _carrying(marks: set[str]):
+    return lambda name, **kwargs: name in marks
+
+
+@functools.cache
+def _compiled(markexpr: str):
+    from _pytest.mark.expression import Expression  # what -m itself evaluates (private, stable since pytest 6)
+
+    return Expression.compile(markexpr), set(re.findall(r"\w+", markexpr)) - {"and", "or", "not"}
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A test file whose module-level `pytestmark` makes -m deselect each of its tests, whatever marks the tests
+    add, is not imported: the unit tier does not import Ray, Playwright or schemathesis for files it would not
+    run."""
+    markexpr = config.getoption("markexpr")
+    if (not markexpr or not collection_path.name.startswith("test_") or collection_path.suffix != ".py"
+            or set(re.findall(r"(\w+)\s*\(", markexpr)) - {"not", "and", "or"}):
+        return None  # (a marker's keyword arguments in -m are left to pytest)
+    module_marks = _module_marks(collection_path)
+    return True if module_marks and _never_selects(markexpr, module_marks) else None
+
+
+def _module_marks(path: Path) -> set[str]:
+    """The names in `pytestmark = pytest.mark.NAME` or a list of them (calls included) at a module's top level."""
+    try:
+        tree = ast.parse(path.read_bytes(), str(path))
+    except (OSError, SyntaxError, ValueError):
+        return set()  # pytest reports it when it collects the file
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark"
+                                                for t in node.targets):
+            values = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) else [node.value]
+            return {name for value in values if (name := _mark_name(value))}
+    return set()
+
+
+def _mark_name(node: ast.expr) -> str | None:
+    node = node.func if isinstance(node, ast.Call) else node
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "mark"
+            and isinstance(node.value.value, ast.Name) and node.value.value.id == "pytest"):
+        return node.attr
+    return None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -31,11 +115,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 -len(tests))
 
     items[:] = [item for tests in sorted(files.values(), key=weight) for item in tests]
-    for item in items:
-        # fuzzing is volume, not reach: under coverage's line tracer (Python 3.11's sys.settrace) its thousands of
-        # requests cost half again their CPU. Coverage is the example tests' (docs/development.md, "Line coverage")
-        if item.get_closest_marker("fuzz"):
-            item.add_marker(pytest.mark.no_cover)
 
 
 @pytest.fixture(autouse=True)
@@ -61,25 +140,35 @@ def _responses_db_in_tmp(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
+    from bench.tiny_models import build_tiny_model
+
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory):
+    from bench.tiny_models import build_tiny_model
+
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory):
+    from bench.tiny_models import build_tiny_model
+
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
 
 
 @pytest.fixture(scope="session")
 def tiny_tools_dir(tmp_path_factory):
     """A tiny Qwen2 whose chat template renders tools (Hermes <tool_call> format)."""
+    from bench.tiny_models import build_tiny_model
+
     return build_tiny_model(tmp_path_factory.mktemp("tiny-tools"), "qwen2", tools=True)
 
 
 @pytest.fixture(scope="session")
 def tiny_tiktoken_dir(tmp_path_factory):
+    from bench.tiny_models import build_tiktoken_model
+
     return build_tiktoken_model(tmp_path_factory.mktemp("tiny-tiktoken"))

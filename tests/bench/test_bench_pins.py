@@ -6,6 +6,8 @@ import pytest
 from bench import pins
 from tests.support.bench_command import run_quick
 
+pytestmark = pytest.mark.slow  # a benchmark run: three chatbot workloads and 100,000 bookkeeping rounds timed
+
 TINY = pins.Scale(hot_tokens=96, doc_tokens=96, question_tokens=8, rounds=2, burst=3, pool_blocks=20, cost_repeats=1)
 
 

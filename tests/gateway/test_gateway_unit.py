@@ -118,8 +118,13 @@ def test_the_readme_keys_file_starts(tmp_path):
     ({"k.yaml": "sk-secret-1: {tenant: a}\nsk-secret-2: {tenant: a, share_public_salt: true}\n"},
      ["--api-keys-file", "k.yaml"], "tenant 'a' disagree on salt"),
     ({}, ["--block-size", "0"], "block_size must be >= 1"),
-    ({}, ["--model", "no-such-model-dir", "--port", "0"], "not a model directory"),
-    ({"m/config.json": "{"}, ["--model", "m", "--port", "0"], "not a valid JSON"),  # a ValueError from loading
+    # the model loads on a thread of this process, or in the engine process (its error crosses the seam)
+    ({}, ["--model", "no-such-model-dir", "--port", "0", "--no-engine-process"], "not a model directory"),
+    pytest.param({}, ["--model", "no-such-model-dir", "--port", "0"], "not a model directory",
+                 marks=pytest.mark.server),
+    ({"m/config.json": "{"}, ["--model", "m", "--port", "0", "--no-engine-process"], "not a valid JSON"),
+    pytest.param({"m/config.json": "{"}, ["--model", "m", "--port", "0"], "not a valid JSON",
+                 marks=pytest.mark.server),  # a ValueError from loading
 ])
 def test_every_configuration_error_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, files, flags, message):
     for name, text in files.items():

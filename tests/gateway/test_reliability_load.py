@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import psutil
+import pytest
 
 from bench.engine_faults import set_step_hook
 from bench.soak import SoakParams, run_soak
@@ -17,6 +18,7 @@ from tests.gateway.test_gateway_http import chat, sse_events, wait_released
 SOAK = SoakParams(requests=2000, concurrency=72, seed=7)
 
 
+@pytest.mark.slow  # a benchmark run: 2,000 requests
 async def test_soak_nothing_lost_nothing_leaked(tiny_llama_dir):
     report = await run_soak(str(tiny_llama_dir), SOAK)
     print("\n".join(["soak:", *report.lines()]))

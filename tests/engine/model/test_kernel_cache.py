@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import numba
+import pytest
 
 from engine.model import decode_step_cpu, kernel_cache, paged_decode_cpu
 
@@ -64,6 +65,7 @@ def test_the_folder_follows_numbas_and_llvmlites_versions_and_the_cpu(monkeypatc
     assert kernel_cache.folder() == before
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch and numba
 def test_an_unwritable_folder_is_reported_and_the_kernels_compile_in_memory(tmp_path):
     """Never loaded from elsewhere: numba's own fallback (the source tree's __pycache__) is keyed by one
     file only, so it served a stale kernel after an edit of another."""
