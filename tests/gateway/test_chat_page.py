@@ -369,7 +369,9 @@ def test_the_default_model_in_the_page_and_the_readme_screenshot(browser, tmp_pa
     """The page as a newcomer sees it after `make serve`: the real default model, its sampling defaults, two
     turns of one chat (the second hits the cache). Its screenshot becomes docs/images/chat-page.png, which the
     README shows, when PREFIXGATE_UPDATE_SCREENSHOTS=1."""
-    with served("--model", "default", "--kv-cache-memory-mb", "256") as server:
+    # fixed thread counts: the start-up probe of each count (test_threads.py's) is not this test's point
+    with served("--model", "default", "--kv-cache-memory-mb", "256", "--threads", "1", "--threads-batch", "2") \
+            as server:
         # the start-up log names the page beside the API, and that address serves it
         page_url = re.search(r"the chat page is at (http://\S+/)$", "".join(server.log_lines), re.M).group(1)
         assert page_url == server.base_url.removesuffix("v1")
