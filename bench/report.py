@@ -4,11 +4,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-
 
 def find(rows: list[dict], workload: str, variant: str) -> dict | None:
     for row in rows:
@@ -220,7 +215,7 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
 
 
 def _decode(rows: list[dict], shared: list[dict], path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = _pyplot().subplots(figsize=(7, 4))
     batches = [r["batch"] for r in rows]
     ax.plot(batches, [r["step_ms"] for r in rows], "o-", label="decode step (measured)")
     ax.plot(batches, [r["roofline_ms"] for r in rows], "s--", label="roofline: (weights + KV) / bandwidth")
@@ -241,7 +236,7 @@ def _decode(rows: list[dict], shared: list[dict], path: Path) -> Path:
 def decode_runs(runs: list[list[dict]], path: Path) -> Path:
     """Step time against batch for bench.decode runs (each a list of rows), on a log scale: each run's steps,
     the first run's roofline and, where measured, plain transformers and the CUDA graph's replay alone."""
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = _pyplot().subplots(figsize=(7, 4.2))
     first = runs[0]
     batches = [r["batch"] for r in first]
     for rows in runs:
@@ -272,7 +267,7 @@ def _multiturn(chats: dict, path: Path) -> Path:
     runs = {k: v for k, v in chats.items() if isinstance(v, dict) and "itl_p50_s" in v}
     metrics = [("ttft_p50_s", "TTFT p50 (s)"), ("itl_p50_s", "ITL p50 (s)"), ("itl_p95_s", "ITL p95 (s)"),
                ("e2e_p50_s", "request latency p50 (s)"), ("output_tok_s", "output tok/s")]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(13, 3.3))
+    fig, axes = _pyplot().subplots(1, len(metrics), figsize=(13, 3.3))
     for ax, (key, label) in zip(axes, metrics):
         ax.bar(list(runs), [r.get(key) or 0 for r in runs.values()], color=["tab:blue", "tab:orange"][:len(runs)])
         ax.set_title(label, fontsize=9)
@@ -284,7 +279,7 @@ def _multiturn(chats: dict, path: Path) -> Path:
 def _grouped(rows: list[dict], key: str, ylabel: str, title: str, path: Path, log: bool = False) -> Path:
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     variants = list(dict.fromkeys(r["variant"] for r in rows))
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = _pyplot().subplots(figsize=(10, 4.5))
     width = 0.8 / max(len(variants), 1)
     for j, variant in enumerate(variants):
         xs, ys = [], []
@@ -306,7 +301,7 @@ def _grouped(rows: list[dict], key: str, ylabel: str, title: str, path: Path, lo
 def _prefill(rows: list[dict], path: Path) -> Path:
     workloads = [w for w in dict.fromkeys(r["workload"] for r in rows)
                  if find(rows, w, "cache-on") or find(rows, w, "lpm")]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = _pyplot().subplots(figsize=(10, 4.5))
     series = {"oracle": [], "cache on (lpm)": [], "no cache (every prompt token)": []}
     for w in workloads:
         on = find(rows, w, "cache-on") or find(rows, w, "lpm")
@@ -326,7 +321,7 @@ def _prefill(rows: list[dict], path: Path) -> Path:
 def _policy(rows: list[dict], path: Path) -> Path:
     metrics = [("hit_rate", "hit rate"), ("ttft_p50_s", "TTFT p50 s"), ("ttft_p99_s", "TTFT p99 s"),
                ("max_queue_s", "max queue s")]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(12, 3.5))
+    fig, axes = _pyplot().subplots(1, len(metrics), figsize=(12, 3.5))
     for ax, (key, label) in zip(axes, metrics):
         ax.bar([r["variant"] for r in rows], [r.get(key) or 0 for r in rows], color=["tab:gray", "tab:green"][:len(rows)])
         ax.set_title(label)
@@ -337,5 +332,16 @@ def _policy(rows: list[dict], path: Path) -> Path:
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
+
+
+def _pyplot():
+    """matplotlib's pyplot, imported at the first plot: the table, the JSON and whatever imports this module
+    without plotting (the bench CLI, the test files) skip its imports."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt

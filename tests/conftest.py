@@ -81,9 +81,12 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 def _module_marks(path: Path) -> set[str]:
     """The names in `pytestmark = pytest.mark.NAME` or a list of them (calls included) at a module's top level."""
+    source = path.read_bytes()
+    if b"pytestmark" not in source:  # most files: not parsed
+        return set()
     try:
-        tree = ast.parse(path.read_bytes(), str(path))
-    except (OSError, SyntaxError, ValueError):
+        tree = ast.parse(source, str(path))
+    except (SyntaxError, ValueError):
         return set()  # pytest reports it when it collects the file
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark"

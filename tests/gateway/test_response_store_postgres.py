@@ -7,7 +7,6 @@ import logging
 import sys
 
 import aiohttp
-import asyncpg
 import pytest
 
 from gateway.errors import APIError
@@ -131,6 +130,8 @@ async def test_two_gateways_share_their_stored_responses(tiny_llama_dir, pg_url)
             assert (await session.get(f"{two.base_url}/responses/{second['id']}")).status == 404
     assert second["previous_response_id"] == first["id"]
     assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"]  # the first turn is in its prompt
+    import asyncpg  # imported here, not when the file is collected: only this test talks to the server itself
+
     db = await asyncpg.connect(pg_url)  # the rows are the server's, not some file's
     try:
         assert await db.fetchval("SELECT tenant FROM prefixgate_responses WHERE id = $1", first["id"]) == "anonymous"
