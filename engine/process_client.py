@@ -1,18 +1,17 @@
 """The engine in its own process, supervised: the EngineClient that `serve` uses by default.
 
-The API process (this side) spawns `python -m engine.engine_process`, sends it adds and aborts, and reads
-one message per engine step. When the engine process dies (kill -9, out of memory), every request waiting
-on it ends at once with EngineDeadError, is_alive() turns False, the published stats drop to an idle pool's
-(no request running or waiting, no block used), and a new engine process starts, up to
-`max_restarts` within `restart_window_s`; past that `on_fatal` is called (the gateway exits non-zero, so a
-supervisor above it takes over). A message from the engine that cannot be read (it does not unpickle, or is
-none of engine/messages.py's outbound types) counts as a death: the engine process is killed and the same
-happens. Messages cross in frames over two pipes (engine/framing.py): the event loop reads the engine's as they
-arrive and writes ours without ever blocking. Each engine incarnation gets fresh pipes, so no message meant for
-a dead engine reaches its successor. The death is seen through a pidfd, the kernel's own exit notification:
-is_alive() polls it, so
-/health is 503 from the moment the process is gone, before asyncio's child watcher (a thread's waitpid, then a
-callback on the loop) tells the supervisor. Importing this module loads no torch.
+The API process (this side) spawns `python -m engine.engine_process`, sends it adds and aborts, and reads one
+message per engine step. When the engine process dies (kill -9, out of memory), every request waiting on it ends at
+once with EngineDeadError, is_alive() turns False, the published stats drop to an idle pool's (no request running or
+waiting, no block used), and a new engine process starts, up to `max_restarts` within `restart_window_s`; past that
+`on_fatal` is called (the gateway exits non-zero, so a supervisor above it takes over). A message from the engine
+that cannot be read (a corrupt frame, a pickle that does not load, or none of engine/messages.py's outbound types)
+counts as a death: the engine process is killed and the same happens. Messages cross in frames over two pipes
+(engine/framing.py): the event loop reads the engine's as they arrive and writes ours without ever blocking. Each
+engine incarnation gets fresh pipes, so no message meant for a dead engine reaches its successor. The death is seen
+through a pidfd, the kernel's own exit notification: is_alive() polls it, so /health is 503 from the moment the
+process is gone, before asyncio's child watcher (a thread's waitpid, then a callback on the loop) tells the
+supervisor. Importing this module loads no torch.
 """
 from __future__ import annotations
 
