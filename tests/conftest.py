@@ -19,8 +19,7 @@ HEAVIEST_FIRST = ("ray", "default_model", "server", "fuzz", "slow", "browser", "
 
 def pytest_configure(config: pytest.Config) -> None:
     # before anything imports torch or numba: both size their thread pools from the cores the process may use
-    if _is_unit_tier(config):
-        _core_of_its_own()
+    _core_of_its_own()
     if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
         return  # pytest-xdist's controller runs no test: its workers start once it has configured
     import torch
@@ -29,17 +28,12 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _is_unit_tier(config: pytest.Config) -> bool:
-    """A run whose marker expression deselects every test with a heavy marker: it starts no process of its own
-    (servers, Ray and their processes would inherit a worker's one core)."""
-    markexpr = config.getoption("markexpr")
-    return bool(markexpr) and all(_never_selects(markexpr, {marker}) for marker in HEAVIEST_FIRST)
-
-
 def _core_of_its_own() -> None:
     """An xdist worker runs on one core, a core of its own while there are as many cores as workers. Two workers
     on two cores otherwise each ran their engines' kernels on two threads: four threads on two cores, every
-    parallel region waiting for a thread that the other worker held (the tier took twice the CPU)."""
+    parallel region waiting for a thread that the other worker held (the unit tier took twice the CPU). What a
+    worker starts (servers, engine processes, Ray) inherits its core: each worker's processes share one core,
+    as the two workers share the machine's two."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if worker is None or count is None or int(count) > len(cores):
