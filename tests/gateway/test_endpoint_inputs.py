@@ -73,6 +73,41 @@ def test_malformed_top_level_fields_name_the_field(server, extra, param):
     assert_400(post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 2, **extra}), param)
 
 
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi", "cache_control": "5m"}]}]}, "messages[0].content[0].cache_control"),
+    ("/v1/chat/completions", {**CHAT, "cache_control": ["ephemeral"]}, "cache_control[0]"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "cache_control": {"type": "ephemeral", "tokens": 0}},
+     "cache_control.tokens"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": [1, 2]}, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": "json"}, "structured_outputs"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"json": 5}}, "structured_outputs"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": ""}}, "structured_outputs"),
+])
+def test_malformed_sampling_and_cache_fields_name_the_field(server, path, body, param):
+    """Cases that only the schemathesis fuzz reached before its calls ran untraced (tests/conftest.py)."""
+    assert_400(post(server, path, body), param)
+
+
+@pytest.mark.parametrize("extra", [
+    {"response_format": {"type": "text"}},
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}},  # no schema: any JSON object
+    {"structured_outputs": {"json_object": True}},
+    {"structured_outputs": {"json": '{"type": "object"}'}},  # the schema as JSON text
+])
+def test_each_output_format_spelling_answers(server, extra):
+    resp = post(server, "/v1/chat/completions", {**CHAT, **extra})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
 def test_well_formed_items_still_answer(server):
     items = [{"role": "developer", "content": "Be brief."},
              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
