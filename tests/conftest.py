@@ -1,6 +1,5 @@
-"""Shared fixtures: tiny random-weight models built once per test session. The hooks below keep a run of the
-unit tier from paying for the heavy tiers: it does not import the files whose every test it deselects, and on
-several workers each worker has a core of its own."""
+"""Shared fixtures: tiny random-weight models built once per test session. The hooks below give each xdist worker
+a core of its own, and keep a run of the unit tier from importing the files whose every test it deselects."""
 from __future__ import annotations
 
 import ast
