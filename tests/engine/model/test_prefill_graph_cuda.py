@@ -48,6 +48,7 @@ def test_a_step_is_padded_with_one_row_of_unstored_tokens_and_empty_rows():
 
 
 @pytest.mark.slow  # off CUDA, Triton's interpreter runs the prefill kernel in Python
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's twin of the test below, which runs on CUDA")
 def test_a_padded_step_gives_the_eager_steps_logits_and_kv(tiny_llama_dir, monkeypatch):
     """What a recorded step computes, run eagerly on CPU through the interpreter's kernel: every step of chunked
     prompts beside decodes, then cache hits, padded to its bucket (GraphPrefill.forward over the filled buffers)
