@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Protocol
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from engine.piece_encoder import PieceEncoder, independent_pieces
+
 if TYPE_CHECKING:
     import llguidance
 
@@ -58,6 +60,8 @@ class HFTokenizer:
         self._backend = Backend.from_file(str(path / "tokenizer.json"))
         self._backend.no_padding()
         self._backend.no_truncation()
+        spec = _read_json(path / "tokenizer.json")
+        self._pieces = PieceEncoder(spec, self._encode_whole) if independent_pieces(spec) else None
         config = _read_json(path / "tokenizer_config.json")
         self.vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
         specials = _special_tokens(config)
@@ -80,7 +84,10 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         with self._lock:
-            return self._backend.encode(text, add_special_tokens=False).ids
+            return self._pieces.encode(text) if self._pieces else self._encode_whole(text)
+
+    def _encode_whole(self, text: str) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, token_ids: list[int]) -> str:
         with self._lock:
