@@ -1,7 +1,7 @@
 """Prompt caching through HTTP and the openai SDK: `cache_control` breakpoints (on a message, a content part,
 or in `extra_body`), the 400s of a wrong one, the accounting in usage, quotas from the keys file, the cache
 endpoints (GET /v1/cache, POST /v1/cache/warm, DELETE /v1/cache) with tenants kept apart, expiry and its
-metrics, the engine process's path, and pins that survive a restart."""
+metrics, and pins that survive a restart. The engine process's path: tests/engine/test_engine_process.py."""
 from __future__ import annotations
 
 import time
@@ -182,18 +182,6 @@ def test_an_expired_pin_is_released_and_counted(tiny_llama_dir):
         model = live.state.model_name
         assert f'prefixgate_tenant_pin_expiries_total{{model_name="{model}",tenant="anonymous"}} 1.0' in metrics
         assert f'prefixgate_pins_released_total{{model_name="{model}",reason="expired"}} 1.0' in metrics
-
-
-@pytest.mark.server
-def test_the_engine_process_answers_cache_commands(tiny_llama_dir):
-    with LiveServer(tiny_settings(tiny_llama_dir, engine_process=True)) as live:
-        c = client(live)
-        system = {"role": "system", "content": system_prompt(), "cache_control": {"type": "ephemeral"}}
-        pinned = details(chat(c, [system, {"role": "user", "content": "hi"}]))["pinned_tokens"]
-        assert [p["tokens"] for p in get(live, "/v1/cache", "none")["data"]] == [pinned]
-        erased = httpx.delete(live.url + "/v1/cache").json()
-        assert erased["pins"] == 1 and erased["blocks"] > 0
-        assert get(live, "/v1/cache", "none")["data"] == []
 
 
 def test_pins_survive_a_gateway_restart_through_the_disk_tier(tiny_llama_dir, tmp_path):
