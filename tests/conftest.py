@@ -111,6 +111,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 -len(tests))
 
     items[:] = [item for tests in sorted(files.values(), key=weight) for item in tests]
+    for item in items:
+        # fuzzing is volume, not reach: under coverage's line tracer (Python 3.11's sys.settrace) its thousands of
+        # inputs cost half again their CPU. Coverage is the example tests' (docs/development.md, "Line coverage")
+        if item.get_closest_marker("fuzz"):
+            item.add_marker(pytest.mark.no_cover)
 
 
 @pytest.fixture(autouse=True)
