@@ -34,7 +34,7 @@ def build_grammar(so: StructuredOutput) -> str:
                 '{"type": "object"}', defaults={"whitespace_flexible": False})
         elif so.kind == "json_schema":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                _closed_objects(_load_schema(so.spec)), defaults={"whitespace_flexible": False})
+                _closed_objects(load_json_object(so.spec, "the schema")), defaults={"whitespace_flexible": False})
         else:
             grammar = llguidance.grammar_from("grammar" if so.kind == "grammar" else so.kind, so.spec)
     except ValueError as exc:
@@ -45,14 +45,15 @@ def build_grammar(so: StructuredOutput) -> str:
     return grammar
 
 
-def _load_schema(spec: str) -> dict:
+def load_json_object(text: str, name: str) -> dict:
+    """`text` parsed as a JSON object; ValueError naming `name` where it is not JSON or not an object."""
     try:
-        schema = json.loads(spec)
+        value = json.loads(text)
     except ValueError as exc:
-        raise ValueError(f"invalid json_schema: not JSON ({exc})") from None
-    if not isinstance(schema, dict):
-        raise ValueError("invalid json_schema: the schema must be a JSON object")
-    return schema
+        raise ValueError(f"{name} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object")
+    return value
 
 
 def _closed_objects(node):

@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from engine.structured import load_json_object
+
 log = logging.getLogger("gateway")
 
 # the fields that may come from the model, with OpenAI's defaults for when nothing says otherwise
@@ -24,12 +26,7 @@ def parse_override(text: str | None) -> dict[str, float]:
     """The `--override-generation-config` JSON object; ValueError naming what is wrong."""
     if not text:
         return {}
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"override_generation_config is not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError("override_generation_config must be a JSON object")
+    value = load_json_object(text, "override_generation_config")
     known = [*SAMPLING_FIELDS, LENGTH_FIELD]
     unknown = sorted(set(value) - set(known))
     if unknown:

@@ -74,7 +74,7 @@ def test_without_grammar_the_model_is_not_json(llm):
 
 @pytest.mark.parametrize("so, message", [
     (StructuredOutput("json_schema", '{"type": "nope"}'), "invalid json_schema"),
-    (StructuredOutput("json_schema", "not json"), "invalid json_schema: not JSON"),
+    (StructuredOutput("json_schema", "not json"), "invalid json_schema: the schema is not JSON"),
     (StructuredOutput("regex", "a(b"), "invalid regex"),
     (StructuredOutput("choice", "[1, 2]"), "invalid choice"),
     (StructuredOutput("choice", "nope"), "invalid choice"),
