@@ -35,7 +35,7 @@ def _pair(spec: dict) -> tuple[PieceEncoder, Tokenizer]:
 
 
 @pytest.mark.parametrize("normalizer", [None, {"type": "NFC"}, {"type": "Sequence", "normalizers": [{"type": "NFKC"}]}])
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(batch=st.lists(texts, min_size=1, max_size=6))
 def test_pieces_give_the_whole_texts_ids(spec, normalizer, batch):
     """Texts encoded one after another through one small LRU (hits, misses and evictions mixed): each the ids
@@ -63,10 +63,11 @@ def test_tokenizers_whose_pieces_depend_on_their_place_encode_whole_texts(spec):
     assert not independent_pieces({**spec, "added_tokens": normalized, "normalizer": {"type": "NFC"}})
 
 
-def test_a_chats_earlier_turns_are_looked_up_not_encoded_again(tiny_llama_dir):
+def test_a_chats_earlier_turns_are_looked_up_not_encoded_again(tmp_path):
     """The second turn of a chat (its history sent again) encodes only its new pieces: the system prompt and
     the first exchange are hits; the ids are the whole text's."""
-    tokenizer = HFTokenizer(tiny_llama_dir, set())
+    build_tokenizer(tmp_path)  # ChatML
+    tokenizer = HFTokenizer(tmp_path, set())
     system = {"role": "system", "content": "You answer about caches. " * 200}
     first = [system, {"role": "user", "content": "What is a block?"}]
     second = first + [{"role": "assistant", "content": "A run of tokens."}, {"role": "user", "content": "A hit?"}]
