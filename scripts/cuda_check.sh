@@ -4,8 +4,9 @@
 # hub) measured four ways: a 4,096-token prompt's prefill against the bf16 peak and its cached TTFT (1B shapes),
 # decode steps against the roofline with plain transformers beside them, and the server on the GPU through HTTP
 # (`bench serving`: one stream, 4 chats, 64 chats on a shared 2,000-token system prompt) against the same engine in
-# process. Each stage has its own time limit (seconds, from the environment) and its own log, so one that fails or
-# runs long leaves the others' figures; STAGES (names, space-separated) runs some of them only.
+# process; then the CPU kernels' decode step on the host's CPU (Q4_0 at load). Each stage has its own time limit
+# (seconds, from the environment) and its own log, so one that fails or runs long leaves the others' figures;
+# STAGES (names, space-separated) runs some of them only.
 # usage: scripts/cuda_check.sh [SOURCE_DIR] [OUT_DIR]
 #   SOURCE_DIR: a model directory whose config.json and tokenizer the random models take (default: the default
 #   model's, downloaded here); OUT_DIR: where the logs, JSON and plots go (default bench/results/cuda).
@@ -18,7 +19,7 @@ export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 [ -n "$source_dir" ] || source_dir=$($py -c "from engine.model.loader import resolve_model_path; print(resolve_model_path('default'))")
 
-stages=" ${STAGES:-tests prefill sweep profile decode_1b decode_small serving} "
+stages=" ${STAGES:-tests prefill sweep profile decode_1b decode_small serving cpu_decode} "
 stage() {  # stage NAME SECONDS COMMAND...: runs it under its limit, its output to NAME.log and the screen
   local name=$1 limit=$2
   shift 2
@@ -33,6 +34,8 @@ stage() {  # stage NAME SECONDS COMMAND...: runs it under its limit, its output 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$out/summary.txt"
 $py -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)" | tee -a "$out/summary.txt"
+echo "host CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), $(nproc) cores, widest vectors: \
+$(grep -m1 -o -w -E 'avx512f' /proc/cpuinfo || grep -m1 -o -w avx2 /proc/cpuinfo)" | tee -a "$out/summary.txt"
 
 # the random models, built on the CPU while the tests use the GPU
 small=$out/smollm2-shapes
@@ -64,4 +67,9 @@ stage decode_small "${DECODE_S:-60}" $py -m bench.decode --device cuda --dtype b
 stage serving "${SERVING_S:-170}" $py -m bench serving --model "$small" --device cuda --max-num-seqs 64 \
   --tokens 200 --turns 2 --think-s 0.5 --no-thread-mode --many-chats 64 --many-prefix-tokens 2000 --many-turns 2 \
   --transformers --out "$out"
+# the CPU kernels on this host's CPU (AVX-512 where it has it; the project's own machine has AVX2 only): the
+# default model's shapes quantized to Q4_0 at load, a batch-1 decode step against the roofline of the bytes it
+# reads; numba compiles the kernels for this CPU first (minutes)
+stage cpu_decode "${CPU_S:-300}" $py -m bench.decode --device cpu --model "$small" --quantization q4_0 --batches 1,8 \
+  --steps 16 --context 968 --json "$out/cpu_decode_q4_0.json"
 cat "$out/summary.txt"
