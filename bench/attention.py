@@ -26,7 +26,8 @@ from engine.model.attention import SharedPrefix
 from engine.model.bfloat16_bits import numpy_view
 from engine.model.cpu_threads import use_threads
 from engine.model.llama import head_dim
-from engine.model.loader import load_config, resolve_model_path
+from engine.model.loader import resolve_model_path
+from engine.model.model_config import load_config
 from engine.model.paged_decode_cpu import attend, cascade_groups
 
 

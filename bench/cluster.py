@@ -457,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.config import EngineConfig
     from engine.model.compile import compile_kernels
-    from engine.model.loader import load_config, resolve_model_path
+    from engine.model.loader import resolve_model_path
+    from engine.model.model_config import load_config
 
     model = args.model
     if model in RANDOM_MODELS:

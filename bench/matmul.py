@@ -27,7 +27,8 @@ from engine.model import packed_matmul_cpu, quant_dot_cpu, quant_formats, quant_
 from engine.model.bfloat16_bits import numpy_view
 from engine.model.cpu_threads import use_threads
 from engine.model.llama import head_dim
-from engine.model.loader import load_config, resolve_model_path
+from engine.model.loader import resolve_model_path
+from engine.model.model_config import load_config
 
 
 def step_shapes(config) -> list[tuple[int, int]]:

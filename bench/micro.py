@@ -11,7 +11,7 @@ from engine.core import EngineCore
 from engine.kv.hashing import hash_full_blocks
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.model.llama import head_dim
-from engine.model.loader import load_config
+from engine.model.model_config import load_config
 from engine.request import Request
 from engine.sampling_params import SampledToken, SamplingParams
 from engine.scheduler import Scheduler

@@ -1,12 +1,12 @@
 """The step loop: schedule, run one forward pass, sample, register full blocks, emit deltas."""
 from __future__ import annotations
 
+import json
 import logging
 import time
 from functools import partial
 
 import torch
-from transformers import GenerationConfig
 
 from engine import heap
 from engine.config import EngineConfig
@@ -17,7 +17,8 @@ from engine.kv.kv_io import KVBlockIO
 from engine.messages import CacheCommand, CacheErased, PinList
 from engine.model import cpu_kernels
 from engine.model.llama import LlamaForCausalLM, head_dim
-from engine.model.loader import load_config, load_model, resolve_model_path, weights_format
+from engine.model.loader import load_model, resolve_model_path, weights_format
+from engine.model.model_config import load_config
 from engine.outputs import FinishReason, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
@@ -421,10 +422,8 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def _eos_token_ids(path, hf_config) -> set[int]:
     ids: set[int] = set()
-    try:
-        eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
-    except OSError:
-        eos = None
+    generation = path / "generation_config.json"
+    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
     eos = eos if eos is not None else hf_config.eos_token_id
     if eos is not None:
         ids.update(eos if isinstance(eos, list) else [eos])

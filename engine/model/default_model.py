@@ -18,12 +18,15 @@ import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.model.gguf_index import has_index, write_index
 from engine.model.gguf_loader import WEIGHTS_NAME, write_metadata
 from engine.paths import default_cache_dir
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # the cache folder's model directory: the GGUF file and its metadata (an older fp32 directory named
@@ -138,6 +141,7 @@ def build_model_dir(gguf: Path, out_dir: Path) -> None:
     tokenizer_config.json, where every reader looks) from its metadata."""
     out_dir.mkdir()
     write_metadata(gguf, out_dir)
+    from transformers import AutoTokenizer  # (the first build only)
     _check_chatml(AutoTokenizer.from_pretrained(out_dir, local_files_only=True))
     gguf.rename(out_dir / WEIGHTS_NAME)
 

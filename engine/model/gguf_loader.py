@@ -12,16 +12,19 @@ import hashlib
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from engine.model import quant_formats
 from engine.model.gguf_index import read_indexed, write_index
 from engine.model.quant_formats import QuantRows
+
+if TYPE_CHECKING:
+    from engine.model.model_config import AnyConfig
 
 logger = logging.getLogger("prefixgate.engine")
 
@@ -79,6 +82,7 @@ def write_metadata(gguf_file: Path, out_dir: Path) -> None:
     """config.json and the tokenizer (chat template inside tokenizer_config.json) from the file's metadata, and
     the file's tensor index."""
     logger.info("reading the config and tokenizer of %s", gguf_file.name)
+    from transformers import AutoConfig, AutoTokenizer  # (a file's first use only: the directory keeps them)
     config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     config.save_pretrained(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
@@ -97,7 +101,7 @@ def _head_order(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
 
 
-def read_tensors(gguf_file: Path, config: PretrainedConfig) -> dict[str, torch.Tensor | QuantRows]:
+def read_tensors(gguf_file: Path, config: AnyConfig) -> dict[str, torch.Tensor | QuantRows]:
     """Every weight by our name: float tensors, QuantRows where a kernel runs the format (the rest
     dequantized to float32, with a warning). The tensors come through the index beside the file."""
     arch, tensors = read_indexed(gguf_file)

@@ -5,18 +5,21 @@ the loader builds from the checkpoint's separate ones.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.model.attention import AttentionMetadata, paged_attention, store_kv
 from engine.model.linear import Embedding, Linear
 
+if TYPE_CHECKING:
+    from engine.model.model_config import AnyConfig
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def head_dim(config: PretrainedConfig) -> int:
+def head_dim(config: AnyConfig) -> int:
     """Size of one attention head: the config's own where it names one (Qwen3), else hidden / heads."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -38,7 +41,7 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+    def __init__(self, config: AnyConfig, head_dim: int) -> None:
         super().__init__()
         params = config.rope_parameters or {}
         rope_type = params.get("rope_type", "default")
@@ -48,6 +51,7 @@ class RotaryEmbedding(nn.Module):
             self.attention_scaling = 1.0
         else:
             # "dynamic" gets its static frequencies: exact up to the original context length
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # (their configs come from transformers)
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -65,7 +69,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: AnyConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -102,7 +106,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: AnyConfig) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         # gate and up in one matmul (the loader concatenates the checkpoint's two weights)
@@ -120,7 +124,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: AnyConfig) -> None:
         super().__init__()
         self.self_attn = Attention(config)
         self.mlp = MLP(config)
@@ -133,7 +137,7 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: AnyConfig) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
@@ -142,7 +146,7 @@ class Backbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: AnyConfig) -> None:
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model type {config.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")

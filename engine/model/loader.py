@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, PretrainedConfig
 
 from engine.model import quant_formats
 from engine.model.gguf_loader import WEIGHTS_NAME, as_float, gguf_model_dir, is_gguf_dir, read_tensors
@@ -16,6 +16,9 @@ from engine.model.linear import Embedding, Linear, can_pack, pack_linears
 from engine.model.llama import LlamaForCausalLM
 from engine.model.quant_formats import QuantRows
 from engine.paths import default_cache_dir
+
+if TYPE_CHECKING:
+    from engine.model.model_config import AnyConfig
 
 logger = logging.getLogger("prefixgate.engine")
 
@@ -55,11 +58,7 @@ def weights_format(path: Path, quantization: str, dtype_name: str, native_kernel
     return quantization
 
 
-def load_config(path: Path) -> PretrainedConfig:
-    return AutoConfig.from_pretrained(path, local_files_only=True)
-
-
-def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+def load_model(path: Path, config: AnyConfig, dtype: torch.dtype, device: torch.device,
                pack: bool = True, weights: str = "none", integer_activations: bool = False) -> LlamaForCausalLM:
     """`pack`: add packed copies of the float linear weights for small batches where supported (CPU); see
     linear.py. `weights`: weights_format()'s answer; quantized weights are CPU-only. `integer_activations`:
@@ -89,7 +88,7 @@ def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, device:
     return model
 
 
-def _read_state(path: Path, config: PretrainedConfig, weights: str) -> dict[str, torch.Tensor | QuantRows]:
+def _read_state(path: Path, config: AnyConfig, weights: str) -> dict[str, torch.Tensor | QuantRows]:
     if is_gguf_dir(path):
         state = read_tensors(path / WEIGHTS_NAME, config)
         fuse_projections(state, config.num_hidden_layers)

@@ -96,7 +96,7 @@ def test_batch8_steps_are_timed_in_turns_with_a_batch1_engine_over_the_same_weig
 
 def test_matmul_bench_times_every_kernel_over_the_models_step_shapes(tiny_llama_dir):
     from bench import matmul
-    from engine.model.loader import load_config
+    from engine.model.model_config import load_config
     config = load_config(tiny_llama_dir)
     result = matmul.run(str(tiny_llama_dir), rows=(1, 9), repeats=1, log=lambda _: None)
     assert [r["rows"] for r in result["rows"]] == [1, 9]
@@ -107,7 +107,7 @@ def test_matmul_bench_times_every_kernel_over_the_models_step_shapes(tiny_llama_
 
 def test_attention_bench_runs_the_kernel_over_every_layer_and_counts_a_shared_prefix_once(tiny_llama_dir):
     from bench import attention
-    from engine.model.loader import load_config
+    from engine.model.model_config import load_config
     runs = {shared: attention.run(str(tiny_llama_dir), batch=3, context=40, shared_prefix=shared, repeats=2,
                                   log=lambda _: None) for shared in (0, 24)}
     assert all(r["ms"] > 0 and r["layers"] == load_config(tiny_llama_dir).num_hidden_layers for r in runs.values())

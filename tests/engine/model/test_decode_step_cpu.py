@@ -12,7 +12,8 @@ from bench.tiny_models import build_tiny_model
 from engine import LLM, SamplingParams
 from engine.model import decode_step_cpu, paged_decode_cpu
 from engine.model.bfloat16_bits import numpy_view
-from engine.model.loader import load_config, load_model
+from engine.model.loader import load_model
+from engine.model.model_config import load_config
 from engine.runner import ModelRunner
 
 # three prompts sharing their first two blocks (the engine attends them by cascade) and one that

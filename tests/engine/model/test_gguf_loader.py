@@ -7,7 +7,7 @@ from gguf import GGMLQuantizationType as QType
 from safetensors.torch import load_file
 
 from engine.model.gguf_loader import read_tensors
-from engine.model.loader import load_config
+from engine.model.model_config import load_config
 from tests.support.tiny_gguf import gguf_name, write_gguf_model
 
 # llama.cpp's name part -> the file's format and the torch dtype that rounds the same way; the rest F32

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from engine.model.linear import Linear
-from engine.model.loader import load_config, load_model
+from engine.model.loader import load_model
+from engine.model.model_config import load_config
 
 
 def test_packed_and_plain_weights_give_the_same_logits(tiny_llama_dir):

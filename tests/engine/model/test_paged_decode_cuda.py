@@ -9,7 +9,8 @@ import torch
 from engine.model.attention import AttentionMetadata, DecodeBatch
 from engine.model.decode_graph_cuda import GraphDecode
 from engine.model.llama import head_dim
-from engine.model.loader import load_config, load_model
+from engine.model.loader import load_model
+from engine.model.model_config import load_config
 from tests.support.machine import KERNEL_DEVICE as DEVICE, triton_module
 
 pytestmark = pytest.mark.slow  # off CUDA, Triton's interpreter runs each kernel in Python
