@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
     parser.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "auto"),
+                        help="auto: the engine's default (on CPU a GGUF file's weights run in their own formats)")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gather-too", action="store_true", help="also time the uncached prompts on the gather path")
