@@ -43,7 +43,7 @@ class Linear(nn.Linear):
             # a large batch multiplies the dequantized weight by the activations the small-batch kernel would
             # see (rounded to int8 where it runs on integer dot products): a row's answer never depends on its batch
             activations = quant_matmul_cpu.activations_of(x.float(), self.quant)
-            return F.linear(activations, quant_matmul_cpu.dequantize(self.quant), self.bias).to(x.dtype)
+            return quant_matmul_cpu.prefill_linear(activations, self.quant, self.bias).to(x.dtype)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         from engine.model import packed_matmul_cpu  # (numba: only once weights were packed)

@@ -13,6 +13,7 @@ integer products never round: the result is the dequantized weight's product to 
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,12 +123,37 @@ def activations_of(x: torch.Tensor, weight: QuantTiles) -> torch.Tensor:
     return out
 
 
-def dequantize(weight: QuantTiles) -> torch.Tensor:
-    """The weight [N, K] in float32: prefill's compute-bound matmuls run on it, one chunk at a time."""
-    out = torch.empty(weight.out_features, weight.in_features)
+def dequantize_rows(weight: QuantTiles, first: int, out: torch.Tensor) -> torch.Tensor:
+    """out[r] = W[first + r] in float32, for every row of out [rows, K]."""
     with launch_lock:
-        _dequantize(*weight.arrays(), use_threads(), out.numpy())
+        _dequantize(*weight.arrays(), first, use_threads(), out.numpy())
     return out
+
+
+def prefill_linear(x: torch.Tensor, weight: QuantTiles, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T + bias for many rows of float32 x (prefill: compute-bound): W dequantized a block of its rows at a
+    time into one reused scratch, each block multiplied by oneDNN's GEMM. A fresh float32 copy of the whole W per
+    call spent much of its time in page faults, and a large model's copy is hundreds of MB."""
+    n, k = weight.out_features, weight.in_features
+    block_rows = max(TILE, PREFILL_BLOCK_BYTES // (4 * k) // TILE * TILE)
+    scratch = _prefill_scratch(min(block_rows, n) * k)
+    out = torch.empty(x.shape[0], n)
+    for first in range(0, n, block_rows):
+        rows = min(block_rows, n - first)
+        block = dequantize_rows(weight, first, scratch[:rows * k].view(rows, k))
+        out[:, first:first + rows] = torch.mm(x, block.T)
+    return out + bias if bias is not None else out
+
+
+PREFILL_BLOCK_BYTES = 16 << 20  # much smaller blocks leave the GEMM too few output columns to run at speed
+_local = threading.local()  # a scratch per thread: two engines in one process may prefill at once
+
+
+def _prefill_scratch(numel: int) -> torch.Tensor:
+    scratch = getattr(_local, "scratch", None)
+    if scratch is None or scratch.numel() < numel:
+        scratch = _local.scratch = torch.empty(numel)
+    return scratch
 
 
 def embedding_rows(weight: QuantTiles, ids: torch.Tensor) -> torch.Tensor:
@@ -143,16 +169,20 @@ def _row(data, scales, mins, group, row, out):
     if quant_dot_cpu.is_quads(data):
         quant_dot_cpu.row(data, scales, mins, row, out)
         return
+    # a group at a time, its scale and min hoisted: a division and two branches per weight made prefill's
+    # dequantization several times slower than its memory traffic
     tile, j = row // TILE, row % TILE
-    four_bit = data.shape[2] == HALF
-    for k in range(data.shape[1]):
-        if four_bit:
-            byte = data[tile, k, j % HALF]
-            q = np.float32(byte & 0x0F if j < HALF else byte >> 4)
+    has_min = mins.shape[1] > 0
+    byte, shift = j % HALF, (j // HALF) * 4  # 4 bits: column j is the low nibble of byte j, j - 16 the high one
+    for g in range(scales.shape[1]):
+        scale = scales[tile, g, j]
+        low = mins[tile, g, j] if has_min else np.float32(0.0)
+        if data.shape[2] == HALF:
+            for k in range(g * group, (g + 1) * group):
+                out[k] = np.float32((data[tile, k, byte] >> shift) & 0x0F) * scale + low
         else:
-            q = np.float32(np.int8(data[tile, k, j]))
-        value = q * scales[tile, k // group, j]
-        out[k] = value + mins[tile, k // group, j] if mins.shape[1] else value
+            for k in range(g * group, (g + 1) * group):
+                out[k] = np.float32(np.int8(data[tile, k, j])) * scale + low
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
@@ -162,12 +192,13 @@ def _rows(data, scales, mins, group, ids, out):
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, parallel=True)
-def _dequantize(data, scales, mins, group, threads, out):
+def _dequantize(data, scales, mins, group, first, threads, out):
+    """out[r] = W[first + r] for every row of out."""
     rows = out.shape[0]
     parts = min(threads, rows)
     for part in prange(parts):
         for row in range(part * rows // parts, (part + 1) * rows // parts):
-            _row(data, scales, mins, group, row, out[row])
+            _row(data, scales, mins, group, first + row, out[row])
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)

@@ -58,11 +58,24 @@ def test_bias_and_accumulate_add_onto_the_output():
 
 
 @pytest.mark.parametrize("bits,group,with_mins", LAYOUTS)
+def test_prefill_products_dequantize_the_weight_a_block_of_rows_at_a_time(bits, group, with_mins, monkeypatch):
+    """Many rows (prefill) against a weight dequantized 32 rows at a time into one reused scratch, its last
+    block partial, with a bias: the float64 product to float32 summation."""
+    monkeypatch.setattr(quant_matmul_cpu, "PREFILL_BLOCK_BYTES", TILE * 64 * 4)
+    rows = _rows(3 * TILE + 5, 64, bits, group, with_mins)
+    rng = np.random.default_rng(2)
+    x, bias = rng.standard_normal((40, 64)).astype(np.float32), rng.standard_normal(3 * TILE + 5).astype(np.float32)
+    got = quant_matmul_cpu.prefill_linear(torch.from_numpy(x), quant_matmul_cpu.pack(rows), torch.from_numpy(bias))
+    expected = bias + _reference(x, rows)
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("bits,group,with_mins", LAYOUTS)
 def test_dequantize_and_embedding_rows_are_exact(bits, group, with_mins):
     rows = _rows(2 * TILE + 3, 64, bits, group, with_mins)
     tiles = quant_matmul_cpu.pack(rows)
     weight = rows.dequantize()
-    assert np.array_equal(quant_matmul_cpu.dequantize(tiles).numpy(), weight)
+    assert np.array_equal(quant_matmul_cpu.dequantize_rows(tiles, 0, torch.empty(weight.shape)).numpy(), weight)
     ids = torch.tensor([0, TILE // 2 - 1, TILE // 2, TILE + 1, 2 * TILE + 2])  # both nibbles, the last tile
     assert np.array_equal(quant_matmul_cpu.embedding_rows(tiles, ids).numpy(), weight[ids.numpy()])
 
