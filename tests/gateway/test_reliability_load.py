@@ -19,9 +19,6 @@ SOAK = SoakParams(requests=2000, concurrency=72, seed=7)
 
 
 @pytest.mark.slow  # a benchmark run: 2,000 requests
-# coverage paused, as for fuzzing: volume down paths the example tests reach (no line of engine/ or gateway/ is
-# its alone, checked with --cov-context=test over the whole suite), at half again its CPU under the line tracer
-@pytest.mark.no_cover
 async def test_soak_nothing_lost_nothing_leaked(tiny_llama_dir):
     report = await run_soak(str(tiny_llama_dir), SOAK)
     print("\n".join(["soak:", *report.lines()]))
