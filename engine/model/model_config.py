@@ -83,7 +83,12 @@ def plain_config(raw: dict[str, Any]) -> ModelConfig | None:
 
 def load_config(path: Path) -> AnyConfig:
     """ModelConfig where it can, else transformers' PretrainedConfig (the same attribute names)."""
-    config = plain_config(json.loads((path / "config.json").read_text()))
+    file = path / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except ValueError as exc:  # (a JSONDecodeError, or text that is not UTF-8)
+        raise ValueError(f"{file} is not a valid JSON file: {exc}") from None
+    config = plain_config(raw) if isinstance(raw, dict) else None
     if config is not None:
         return config
     from transformers import AutoConfig

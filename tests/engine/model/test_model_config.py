@@ -69,3 +69,9 @@ def test_an_engine_on_a_plain_config_never_imports_transformers(tiny_llama_dir):
             "threads_batch=1)); print(sorted(m for m in ('transformers', 'accelerate', 'sympy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_config_that_is_not_json_is_named_in_the_error(tmp_path):
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ValueError, match="config.json is not a valid JSON file"):
+        load_config(tmp_path)
