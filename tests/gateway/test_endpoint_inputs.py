@@ -11,7 +11,7 @@ import requests
 from tests.gateway.test_openapi_responses import assert_matches
 from tests.support.gateway_helpers import LiveServer, is_error_body, tiny_settings
 
-CONTEXT = 256  # max_model_len: an embedding input may fill all of it
+CONTEXT = 512  # max_model_len: an embedding input may fill all of it (and a tools prompt fits)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,15 @@ def test_malformed_input_items_name_the_field(server, items, param):
     ({"text": 5}, "text"),
     ({"text": {"format": "json"}}, "text.format"),
     ({"tools": [{"type": "function", "name": "f", "parameters": 5}]}, "tools[0].parameters"),
+    ({"tools": 5}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"background": True}, "background"),
+    ({"previous_response_id": 5}, "previous_response_id"),
+    ({"instructions": 5}, "instructions"),
+    ({"input": []}, "input"),
+    ({"metadata": 5}, "metadata"),
+    ({"store": "yes"}, "store"),
+    ({"max_output_tokens": -1}, "max_output_tokens"),  # the chat parser's max_tokens, by its Responses name
 ])
 def test_malformed_top_level_fields_name_the_field(server, extra, param):
     assert_400(post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 2, **extra}), param)
@@ -106,6 +115,35 @@ def test_each_output_format_spelling_answers(server, extra):
     resp = post(server, "/v1/chat/completions", {**CHAT, **extra})
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_a_body_that_is_not_an_object_is_refused(server):
+    for path in ("/v1/responses", "/v1/chat/completions"):
+        assert_400(requests.post(server.url + path, json=[{"input": "hi"}], timeout=60), None)
+
+
+def test_a_message_that_is_not_an_object_names_it(server):
+    assert_400(post(server, "/v1/chat/completions", {**CHAT, "messages": ["hi"]}), "messages[0]")
+
+
+def test_warming_another_models_cache_is_a_404(server):
+    resp = requests.post(server.url + "/v1/cache/warm", json={"model": "no-such-model", "prompt": "hi"}, timeout=60)
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found", resp.text
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/responses", {"input": "hi", "text": {}}),  # text without a format: plain text
+    ("/v1/responses", {"input": "hi", "parallel_tool_calls": False,
+                       "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}),
+    ("/v1/chat/completions", {"messages": [  # a tool call whose arguments are not JSON is kept as its text
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "f", "arguments": "not json"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"}]}),
+])
+def test_optional_shapes_still_answer(server, path, body):
+    resp = post(server, path, {**body, "max_output_tokens" if "input" in body else "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
 
 
 def test_well_formed_items_still_answer(server):

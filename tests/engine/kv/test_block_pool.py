@@ -402,6 +402,18 @@ def test_free_cached_follows_a_promoted_copy_and_an_erase():
 
 
 
+def test_erase_forgets_the_tenants_ghosts_only():
+    pool = BlockPool(2)
+    a, b = pool.allocate(2)
+    pool.cache_block(a, h(1), (1,), "alice")
+    pool.cache_block(b, h(2), (2,), "bob")
+    pool.free([a, b])
+    pool.allocate(2)  # both evicted: their hashes stay as ghosts
+    assert list(pool.ghosts) == [h(1), h(2)]
+    pool.erase("alice")
+    assert list(pool.ghosts) == [h(2)]
+
+
 # ---- stateful model check
 
 class BlockPoolMachine(RuleBasedStateMachine):

@@ -179,6 +179,14 @@ def test_nested_breakpoints_share_blocks_and_count_them_once():
     assert request.num_pinned_tokens == 8
 
 
+def test_a_breakpoint_inside_the_first_block_pins_nothing():
+    engine = MiniEngine(num_blocks=16, max_pinned_blocks=8)
+    request = engine.add(list(range(1, 11)), "a", CacheDirectives((CacheBreakpoint(BS - 1, 300.0),)))
+    engine.drain()
+    assert (engine.kv.pins.num_blocks, request.num_pinned_tokens) == (0, 0)
+    check_invariants(engine)
+
+
 def test_erase_forgets_one_tenants_blocks_pinned_or_not():
     engine = MiniEngine(num_blocks=16)
     engine.add([1, 2, 3, 4, 5], "a", pin_all())
