@@ -36,8 +36,8 @@ def independent_pieces(spec: dict) -> bool:
     added = spec.get("added_tokens") or []
     return (normalizer <= _UNICODE_FORMS
             and "Metaspace" not in _types(spec.get("pre_tokenizer")) | normalizer
-            and not any(t["lstrip"] or t["rstrip"] or t["single_word"] or (t["normalized"] and normalizer)
-                        for t in added))
+            and not any(t.get("lstrip") or t.get("rstrip") or t.get("single_word")
+                        or (t.get("normalized", True) and normalizer) for t in added))
 
 
 class PieceEncoder:
