@@ -9,53 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 import ray.exceptions
 from ray import serve
 
-from cluster.kv_event_log import KvEvent, event_log
+from cluster.kv_event_log import event_log
 from cluster.prefix_index import DEFAULT_MEAN_LOAD_FACTOR
+from cluster.report_buffer import ReportBuffer
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.messages import CacheDirectives
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.stats import SchedulerStats, StepStats
+from engine.stats import StepStats
 
 
 logger = logging.getLogger("prefixgate.cluster")
 Report = tuple[str, StepStats]  # a replica's id and what its engine did since its previous report
 PUSH_INTERVAL_S = 0.05  # how often a replica sends its KV events to the log (the gateways' lag behind it)
-
-
-class ReportBuffer:
-    """Merges the engine's per-step stats (engine thread) until the next item goes out, and its KV events
-    until the next push to the log (event loop)."""
-
-    def __init__(self, first: SchedulerStats) -> None:
-        self._lock = threading.Lock()
-        self._stats = StepStats(first)
-        self._kv_events: list[KvEvent] = []
-
-    def on_step(self, stats: StepStats) -> None:
-        with self._lock:
-            self._kv_events.extend(stats.kv_events)
-            # the events go to the log alone: every gateway follows it, not only the one that gets this report
-            self._stats = self._stats.merge(replace(stats, kv_events=[]))
-
-    def take(self) -> StepStats:
-        """What the engine did since the previous take, with its latest scheduler snapshot."""
-        with self._lock:
-            taken, self._stats = self._stats, StepStats(self._stats.scheduler)
-            return taken
-
-    def take_kv_events(self) -> list[KvEvent]:
-        with self._lock:
-            taken, self._kv_events = self._kv_events, []
-            return taken
 
 
 class EngineReplica:

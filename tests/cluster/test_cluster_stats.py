@@ -1,13 +1,10 @@
-"""A replica's stats report: its engine's StepStats merged as they are (the fast lane, no Ray). That they
+"""A replica's stats report: its engine's StepStats merged as they are (the fast lane: no Ray imported). That they
 reach the gateway whole, in /metrics and /v1/cache/stats, is tested on a local Ray Serve in test_cluster.py,
 where the run's one Ray instance starts."""
 from __future__ import annotations
 
-import pytest
-
-pytest.importorskip("ray", reason="the cluster extra is not installed (make test installs it)")
-from cluster.replica import ReportBuffer  # noqa: E402
-from engine.stats import PrefixCacheStats, SchedulerStats, StepStats  # noqa: E402
+from cluster.report_buffer import ReportBuffer
+from engine.stats import PrefixCacheStats, SchedulerStats, StepStats
 
 BLOCKS = 9
 
