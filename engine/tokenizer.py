@@ -57,10 +57,11 @@ class HFTokenizer:
 
     def __init__(self, path: Path, eos_token_ids: set[int]) -> None:
         from tokenizers import Tokenizer as Backend
-        self._backend = Backend.from_file(str(path / "tokenizer.json"))
+        text = (path / "tokenizer.json").read_text()  # read once: the backend and the piece encoder's check
+        self._backend = Backend.from_str(text)
         self._backend.no_padding()
         self._backend.no_truncation()
-        spec = _read_json(path / "tokenizer.json")
+        spec = json.loads(text)
         self._pieces = PieceEncoder(spec, self._encode_whole) if independent_pieces(spec) else None
         config = _read_json(path / "tokenizer_config.json")
         self.vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
