@@ -1,6 +1,7 @@
 """Targets (met / missed), the printed table, results.json and the plots."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -336,6 +337,7 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+@functools.cache
 def _pyplot():
     """matplotlib's pyplot, imported at the first plot: the table, the JSON and whatever imports this module
     without plotting (the bench CLI, the test files) skip its imports."""

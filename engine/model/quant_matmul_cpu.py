@@ -142,7 +142,7 @@ def prefill_linear(x: torch.Tensor, weight: QuantTiles, bias: torch.Tensor | Non
         rows = min(block_rows, n - first)
         block = dequantize_rows(weight, first, scratch[:rows * k].view(rows, k))
         out[:, first:first + rows] = torch.mm(x, block.T)
-    return out + bias if bias is not None else out
+    return out.add_(bias) if bias is not None else out  # (in place: out is this call's own)
 
 
 PREFILL_BLOCK_BYTES = 16 << 20  # much smaller blocks leave the GEMM too few output columns to run at speed
