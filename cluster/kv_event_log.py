@@ -16,8 +16,6 @@ import itertools
 from collections import deque
 from collections.abc import Sequence
 
-import ray
-
 NAMESPACE = "prefixgate"
 MAX_EVENTS = 1 << 20  # ~50 MB of 32-byte hashes; a gateway further behind than this takes a snapshot
 
@@ -75,6 +73,8 @@ def actor_name(app: str) -> str:
 
 def event_log(app: str):
     """The app's log, created on first use (detached: it outlives whichever process created it)."""
+    import ray  # here, not at the top: the log itself (KvEventLog) runs and is tested without Ray
+
     actor = ray.remote(num_cpus=0)(KvEventLog)
     return actor.options(name=actor_name(app), namespace=NAMESPACE, get_if_exists=True,
                          lifetime="detached").remote()
@@ -82,6 +82,8 @@ def event_log(app: str):
 
 def remove(app: str) -> None:
     """Kills the app's log (when the app is deleted); nothing if there is none."""
+    import ray
+
     try:
         ray.kill(ray.get_actor(actor_name(app), namespace=NAMESPACE))
     except ValueError:

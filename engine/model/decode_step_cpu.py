@@ -63,25 +63,28 @@ class CompiledDecode:
         self.vocab_size = model.lm_head.out_features
 
         def weights(get) -> List:
-            return List([numpy_view(get(layer)) for layer in layers])
+            return typed_list([numpy_view(get(layer)) for layer in layers])
 
         def biases(get) -> List:  # (empty: none)
-            return List([numpy_view(get(layer)) if get(layer) is not None else np.zeros(0, np.float32)
-                         for layer in layers])
+            return typed_list([numpy_view(get(layer)) if get(layer) is not None else np.zeros(0, np.float32)
+                               for layer in layers])
+
+        def matmuls(get) -> List:
+            return typed_list([matmul_weight(get(layer)) for layer in layers])
 
         self.out_features = (attn.qkv_proj.out_features, layers[0].mlp.gate_up_proj.out_features)
         self.weights = (
             weights(lambda l: l.input_layernorm.weight),
             weights(lambda l: l.post_attention_layernorm.weight),
-            List([matmul_weight(layer.self_attn.qkv_proj) for layer in layers]),
+            matmuls(lambda l: l.self_attn.qkv_proj),
             biases(lambda l: l.self_attn.qkv_proj.bias),
-            weights(lambda l: l.self_attn.q_norm.weight) if self.qk_norm else List([np.ones(1, np.float32)]),
-            weights(lambda l: l.self_attn.k_norm.weight) if self.qk_norm else List([np.ones(1, np.float32)]),
-            List([matmul_weight(layer.self_attn.o_proj) for layer in layers]),
+            weights(lambda l: l.self_attn.q_norm.weight) if self.qk_norm else typed_list([np.ones(1, np.float32)]),
+            weights(lambda l: l.self_attn.k_norm.weight) if self.qk_norm else typed_list([np.ones(1, np.float32)]),
+            matmuls(lambda l: l.self_attn.o_proj),
             biases(lambda l: l.self_attn.o_proj.bias),
-            List([matmul_weight(layer.mlp.gate_up_proj) for layer in layers]),
+            matmuls(lambda l: l.mlp.gate_up_proj),
             biases(lambda l: l.mlp.gate_up_proj.bias),
-            List([matmul_weight(layer.mlp.down_proj) for layer in layers]),
+            matmuls(lambda l: l.mlp.down_proj),
             biases(lambda l: l.mlp.down_proj.bias),
             numpy_view(model.model.norm.weight),
             matmul_weight(model.lm_head),
@@ -117,6 +120,28 @@ class CompiledDecode:
             cos, sin = self.rotary(torch.arange(size))
             self._cos, self._sin = cos.float().contiguous().numpy(), sin.float().contiguous().numpy()
         return self._cos[positions], self._sin[positions]
+
+
+def typed_list(items: Sequence) -> List:
+    """A numba typed list of `items` (one type), built by the cached functions below. `List(items)` from Python
+    compiles the list's own methods for the item type in every new process (numba caches none of them):
+    seconds of each engine's start, against milliseconds to load these."""
+    out = _list_of(items[0])
+    for item in items[1:]:
+        _append(out, item)
+    return out
+
+
+@njit(cache=kernel_cache.CACHE)
+def _list_of(item):
+    items = List()
+    items.append(item)
+    return items
+
+
+@njit(cache=kernel_cache.CACHE)
+def _append(items, item):
+    items.append(item)
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
