@@ -29,6 +29,20 @@ class GGUFTensor:
     data: np.ndarray  # the file's bytes as GGUFReader's `data` views them (its dtype and shape)
 
 
+class ArrayReader(GGUFReader):
+    """GGUFReader over a plain ndarray view of its mapping. GGUFReader slices its np.memmap at every metadata
+    value, and each slice of a memmap runs numpy's Python-level __array_finalize__: over the default model's
+    vocabulary and merges that was most of a parse (docs/quantization.md)."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._array
+
+    @data.setter
+    def data(self, mapped: np.memmap) -> None:  # where GGUFReader.__init__ puts its mapping, before it parses
+        self._array = mapped.view(np.ndarray)  # (the view keeps the mapping alive)
+
+
 def read_indexed(gguf_file: Path) -> tuple[str, list[GGUFTensor]]:
     """The file's architecture and its tensors, mapped through the index in the file's directory (the index
     written there first when it is missing or stale)."""
@@ -41,7 +55,7 @@ def write_index(gguf_file: Path, out_dir: Path) -> dict:
     """Parse the file with the gguf library and write its index to out_dir (atomically); a directory that
     cannot be written keeps no index, so the next load parses again."""
     logger.info("indexing the tensors of %s (once per file)", gguf_file.name)
-    reader = GGUFReader(gguf_file)
+    reader = ArrayReader(gguf_file)
     index = {"version": _VERSION, **_stamp(gguf_file),
              "architecture": bytes(reader.fields["general.architecture"].parts[-1]).decode(),
              "tensors": [{"name": t.name, "type": QType(t.tensor_type).name, "dims": [int(d) for d in t.shape],

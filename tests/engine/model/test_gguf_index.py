@@ -34,11 +34,12 @@ def gguf_file(tiny_llama_dir, tmp_path):
 def parses(monkeypatch) -> list[str]:
     """Each parse of a GGUF file by the index, recorded."""
     calls: list[str] = []
+    parse = gguf_index.ArrayReader
 
     def reader(path):
         calls.append(str(path))
-        return GGUFReader(path)
-    monkeypatch.setattr(gguf_index, "GGUFReader", reader)
+        return parse(path)
+    monkeypatch.setattr(gguf_index, "ArrayReader", reader)
     return calls
 
 
