@@ -20,6 +20,9 @@ HEAVIEST_FIRST = ("ray", "default_model", "server", "fuzz", "slow", "browser", "
 def pytest_configure(config: pytest.Config) -> None:
     # before anything imports torch or numba: both size their thread pools from the cores the process may use
     _core_of_its_own()
+    # the tests make objects by the million (hypothesis, schemathesis, requests): the cyclic collector's young
+    # generation every 10,000 allocations rather than every 700, and the older ones as often relative to it
+    gc.set_threshold(10_000, 10, 10)
     if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
         return  # pytest-xdist's controller runs no test: its workers start once it has configured
     import torch
