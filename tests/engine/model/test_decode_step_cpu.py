@@ -266,3 +266,18 @@ def test_smollm2_shaped_model_gives_transformers_greedy_tokens_and_logits(smollm
         torch.testing.assert_close(got, logits, rtol=1e-4, atol=1e-4)
     if cpu_kernels == "compiled":
         assert (len(batch), [3, 12]) in steps and (1, []) in steps
+
+
+def test_typed_list_holds_the_items_in_order_as_a_list_of_their_type():
+    """What the step's per-layer lists are built with: each item the very array given (no copy), in order, in a
+    numba typed list of that array type; a quantized weight's (data, scales, mins, group) tuples too."""
+    from numba import typeof, types
+
+    arrays = [np.arange(i, i + 4, dtype=np.float32) for i in range(3)]
+    built = decode_step_cpu.typed_list(arrays)
+    assert typeof(built) == types.ListType(typeof(arrays[0])) and len(built) == 3
+    assert all(np.shares_memory(ours, given) and np.array_equal(ours, given) for ours, given in zip(built, arrays))
+    quantized = [(np.zeros((1, 2, 16), np.uint8), np.ones((1, 1, 16), np.float32), np.zeros((1, 0, 16), np.float32),
+                  32) for _ in range(2)]
+    built = decode_step_cpu.typed_list(quantized)
+    assert typeof(built) == types.ListType(typeof(quantized[0])) and [item[3] for item in built] == [32, 32]
