@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.kv.kv_cache_manager import KVCacheManager
-from engine.kv.pins import REFUSED_POOL_QUOTA, REFUSED_TENANT_QUOTA
+from engine.kv.pins import REFUSED_NOT_CACHED, REFUSED_POOL_QUOTA, REFUSED_TENANT_QUOTA
 from engine.messages import CacheBreakpoint, CacheCommand, CacheDirectives, PinList
 from engine.request import Request
 from engine.sampling_params import SampledToken
@@ -39,10 +39,11 @@ class MiniEngine:
     """The real scheduler and KV cache manager, with every scheduled token "computed" at once and one token
     sampled per step after the prompt: the engine's step without a model."""
 
-    def __init__(self, num_blocks: int = 12, max_pinned_blocks: int = 6, policy: str = "lru") -> None:
+    def __init__(self, num_blocks: int = 12, max_pinned_blocks: int = 6, policy: str = "lru",
+                 enable_caching: bool = True) -> None:
         config = EngineConfig(model="none", block_size=BS, num_kv_blocks=num_blocks, max_num_batched_tokens=8,
                               max_num_seqs=4, eviction_policy=policy)
-        self.kv = KVCacheManager(num_blocks, BS, eviction_policy=config.eviction_policy,
+        self.kv = KVCacheManager(num_blocks, BS, enable_caching=enable_caching, eviction_policy=config.eviction_policy,
                                  max_pinned_blocks=max_pinned_blocks)
         self.clock = Clock()
         self.kv.pins.clock = self.clock
@@ -144,6 +145,32 @@ def test_every_hit_renews_the_ttl():
     assert engine.kv.pins.num_blocks == 2
     [pin] = engine.kv.pins.list("a")
     assert pin.hits == 1 and pin.num_tokens == 4
+
+
+def test_pinning_a_pinned_prefix_again_keeps_the_longer_ttl_and_the_later_expiry():
+    engine = MiniEngine(num_blocks=16)
+    engine.add([1, 2, 3, 4, 5], "a", pin_all(ttl_s=300))
+    engine.drain()
+    engine.clock.now += 100
+    engine.add([1, 2, 3, 4, 6], "a", pin_all(ttl_s=3600))  # the same two full blocks: the same pin
+    engine.drain()
+    [pin] = engine.kv.pins.list("a")
+    assert (pin.ttl_s, pin.expires_at) == (3600, engine.clock.now + 3600)
+    engine.clock.now += 100
+    engine.add([1, 2, 3, 4, 7], "a", pin_all(ttl_s=60))  # a shorter ttl shortens nothing
+    engine.drain()
+    [pin] = engine.kv.pins.list("a")
+    assert (pin.ttl_s, pin.expires_at) == (3600, engine.clock.now + 3600)
+    assert engine.kv.pins.num_blocks == 2
+    check_invariants(engine)
+
+
+def test_with_prefix_caching_off_a_breakpoint_is_refused_as_not_cached_and_the_request_runs():
+    engine = MiniEngine(num_blocks=16, enable_caching=False)
+    request = engine.add([1, 2, 3, 4, 5], "a", pin_all())
+    engine.drain()
+    assert request.pin_refused == REFUSED_NOT_CACHED and request.num_pinned_tokens == 0
+    assert request.output_token_ids and engine.kv.pins.num_blocks == 0
 
 
 def test_quotas_refuse_a_pin_without_failing_the_request():
