@@ -126,7 +126,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What the imports and the collection made (torch's, transformers' and every test module's millions of
     objects) lives to the end: frozen, the cyclic collector stops walking it at each of its full passes during
-    the tests (`make test-fast`: about a sixth of its CPU, docs/development.md)."""
+    the tests (docs/development.md, "Where the time goes")."""
     gc.freeze()
 
 

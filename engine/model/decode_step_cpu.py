@@ -124,8 +124,8 @@ class CompiledDecode:
 
 def typed_list(items: Sequence) -> List:
     """A numba typed list of `items` (one type), built by the cached functions below. `List(items)` from Python
-    compiles the list's own methods for the item type in every new process (numba caches none of them):
-    seconds of each engine's start, against milliseconds to load these."""
+    compiles the list's own methods for the item type in every new process (numba caches none of them), which
+    was most of an engine's start (docs/engine.md)."""
     out = _list_of(items[0])
     for item in items[1:]:
         _append(out, item)
