@@ -21,23 +21,26 @@ COVERAGE := --cov=engine --cov=gateway --cov-report=term:skip-covered $(if $(ARG
 
 .PHONY: serve serve-cluster test test-fast bench bench-quick bench-peers model clean
 
-$(STAMP): pyproject.toml
+# installs go through uv (scripts/uv_install.py: pip's configuration handed over), which pip installs first
+UV_INSTALL := $(PY) scripts/uv_install.py
+
+$(STAMP): pyproject.toml scripts/uv_install.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q uv
+	$(UV_INSTALL) $(PY) -q -e '.[test,bench]'
 	touch $(STAMP)
 
 # ray[serve], for make test and serve-cluster only: `make serve` neither installs nor imports Ray
 $(CLUSTER_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[cluster]'
+	$(UV_INSTALL) $(PY) -q -e '.[cluster]'
 	touch $(CLUSTER_STAMP)
 
 # the client frameworks of tests/gateway/test_client_compat.py, for make test only; instructor in a venv of its own
 # (its pins cannot share this venv's openai: tests/compat/instructor.txt)
 $(COMPAT_STAMP): $(STAMP) tests/compat/instructor.txt
-	$(PY) -m pip install -q -e '.[compat]'
-	test -x $(COMPAT_INSTRUCTOR)/bin/python || $(PYTHON) -m venv $(COMPAT_INSTRUCTOR)
-	$(COMPAT_INSTRUCTOR)/bin/python -m pip install -q -r tests/compat/instructor.txt
+	$(UV_INSTALL) $(PY) -q -e '.[compat]'
+	test -x $(COMPAT_INSTRUCTOR)/bin/python || $(VENV)/bin/uv venv -q --python $(PYTHON) $(COMPAT_INSTRUCTOR)
+	$(UV_INSTALL) $(COMPAT_INSTRUCTOR)/bin/python -q -r tests/compat/instructor.txt
 	touch $(COMPAT_STAMP)
 
 serve: $(STAMP)
@@ -50,7 +53,8 @@ serve-cluster: $(CLUSTER_STAMP)
 model: $(STAMP)
 	$(PY) -m engine.model.default_model
 
-# the whole suite, and what .ci/run calls
+# the whole suite, and what .ci/run calls; bytecode written as in test-fast (below), for every process the suite starts
+test: export PYTHONDONTWRITEBYTECODE :=
 test: $(STAMP) $(CLUSTER_STAMP) $(COMPAT_STAMP)
 	bash scripts/ensure_test_deps.sh
 	# the CPU kernels compiled once up front (seconds when numba's cache has them): on a cold cache the first
@@ -79,7 +83,7 @@ bench-quick: $(STAMP)
 	$(PY) -m bench --quick $(ARGS)
 
 bench-peers: $(STAMP)
-	$(PY) -m pip install -q -e '.[peers]'
+	$(UV_INSTALL) $(PY) -q -e '.[peers]'
 	$(PY) -m bench --quick --workloads chatbot --peers $(ARGS)
 
 clean:
