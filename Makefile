@@ -21,6 +21,12 @@ COVERAGE := --cov=engine --cov=gateway --cov-report=term:skip-covered $(if $(ARG
 
 .PHONY: serve serve-cluster test test-fast bench bench-quick bench-peers model clean
 
+# Python writes bytecode at first import and reuses it after, even where PYTHONDONTWRITEBYTECODE is set (as in many
+# containers): every server, engine and pytest process would otherwise compile each module it imports from source,
+# and pytest would rewrite every test module's asserts on every run.
+# uv compiles none at install (pip compiles all of every package: most of it never imported)
+export PYTHONDONTWRITEBYTECODE :=
+
 # installs go through uv (scripts/uv_install.py: pip's configuration handed over), which pip installs first
 UV_INSTALL := $(PY) scripts/uv_install.py
 
@@ -53,8 +59,7 @@ serve-cluster: $(CLUSTER_STAMP)
 model: $(STAMP)
 	$(PY) -m engine.model.default_model
 
-# the whole suite, and what .ci/run calls; bytecode written as in test-fast (below), for every process the suite starts
-test: export PYTHONDONTWRITEBYTECODE :=
+# the whole suite, and what .ci/run calls
 test: $(STAMP) $(CLUSTER_STAMP) $(COMPAT_STAMP)
 	bash scripts/ensure_test_deps.sh
 	# the CPU kernels compiled once up front (seconds when numba's cache has them): on a cold cache the first
@@ -67,12 +72,9 @@ test: $(STAMP) $(CLUSTER_STAMP) $(COMPAT_STAMP)
 	  $(PY) -m engine.model.compile --dtype bfloat16; status=$$?; wait $$quantized && exit $$status
 	$(PY) -m pytest $(XDIST) $(COVERAGE) $(ARGS)
 
-# the unit tier, for the edit-test loop: no Ray, client frameworks, browser or Prometheus to install. Each pytest
-# process rewrites the asserts of every test module it imports, and of every module of its plugins' packages;
-# PYTHONDONTWRITEBYTECODE (set in many containers) would make it redo that on every run rather than keep the
-# result. schemathesis's pytest plugin is off: no test uses it (the fuzz tests take its strategies), and loading
-# it imports all of schemathesis
-test-fast: export PYTHONDONTWRITEBYTECODE :=
+# the unit tier, for the edit-test loop: no Ray, client frameworks, browser or Prometheus to install.
+# schemathesis's pytest plugin is off: no test uses it (the fuzz tests take its strategies), and loading it
+# imports all of schemathesis
 test-fast: $(STAMP)
 	$(PY) -m pytest $(XDIST) -p no:schemathesis -m "not ($(HEAVY))" $(ARGS)
 

@@ -36,10 +36,9 @@ def pip_settings() -> dict[str, str]:
 
 def uv_command(python: str, args: list[str], settings: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     # as pip does: the best version any index has (uv by default takes only the first index's that has the
-    # package), and bytecode compiled at install (each process would otherwise compile what it imports, where
-    # PYTHONDONTWRITEBYTECODE is set, as in many containers)
-    command = [find_uv_bin(), "pip", "install", "--python", python, "--index-strategy", "unsafe-best-match",
-               "--compile-bytecode"]
+    # package). Unlike pip, no bytecode at install: the Makefile lets Python write it at first import, for the
+    # modules that run
+    command = [find_uv_bin(), "pip", "install", "--python", python, "--index-strategy", "unsafe-best-match"]
     env = dict(os.environ)
     for name, value in settings.items():
         if name in FLAGS:
