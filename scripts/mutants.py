@@ -84,7 +84,10 @@ MUTANTS = [
            QUANT_TESTS),
     # the high nibbles (columns 16-31 of a tile) read as the low ones
     Mutant("quant-high-nibble-as-low", "quant_matmul_cpu.py",
-           "high = builder.lshr(raw, ir.Constant(_BYTES, [4] * LANES))", "high = low", QUANT_TESTS),
+           "high = builder.lshr(wide, ir.Constant(_WORDS, [4] * LANES))", "high = low", QUANT_TESTS),
+    # the low nibbles not masked: columns 0-15 read with their high neighbours' bits (16x too large)
+    Mutant("quant-low-nibble-unmasked", "quant_matmul_cpu.py",
+           "low = builder.and_(wide, ir.Constant(_WORDS, [0x0F] * LANES))", "low = wide", QUANT_TESTS),
     # 8-bit weights widened as unsigned: negative weights read as 128..255
     Mutant("quant-int8-read-unsigned", "quant_matmul_cpu.py",
            "_BYTES.as_pointer()), align=1), True)", "_BYTES.as_pointer()), align=1), False)", QUANT_TESTS),

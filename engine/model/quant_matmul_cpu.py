@@ -33,6 +33,7 @@ from engine.model.simd import LANES, const
 
 HALF = TILE // 2
 _BYTES = ir.VectorType(ir.IntType(8), LANES)
+_WORDS = ir.VectorType(simd.I32, LANES)
 
 
 def row_group(isa: str) -> int:
@@ -309,9 +310,10 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
             here = builder.gep(tile_data, [builder.mul(k, const(width))])
             if four_bit:
                 raw = builder.load(builder.bitcast(here, _BYTES.as_pointer()), align=1)
-                low = builder.and_(raw, ir.Constant(_BYTES, [0x0F] * LANES))
-                high = builder.lshr(raw, ir.Constant(_BYTES, [4] * LANES))
-                return [_widen(builder, low, False), _widen(builder, high, False)]
+                wide = builder.zext(raw, _WORDS)
+                low = builder.and_(wide, ir.Constant(_WORDS, [0x0F] * LANES))
+                high = builder.lshr(wide, ir.Constant(_WORDS, [4] * LANES))
+                return [builder.sitofp(low, simd.FLOATS), builder.sitofp(high, simd.FLOATS)]
             return [_widen(builder, builder.load(builder.bitcast(builder.gep(here, [const(v * LANES)]),
                                                                  _BYTES.as_pointer()), align=1), True)
                     for v in range(2)]
