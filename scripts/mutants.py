@@ -54,8 +54,12 @@ MUTANTS = [
            "if t < count\n", "if t < count - 1\n", ATTENTION_TESTS),
     # a row's last chunk ends one slot early: the newest token, at the end of its partial last block, is not read
     Mutant("partial-last-block-off-by-one", "paged_decode_cpu.py",
-           "chunk_end[task] = min((c + 1) * CHUNK, lengths[m])",
-           "chunk_end[task] = min((c + 1) * CHUNK, lengths[m] - 1)", ATTENTION_TESTS),
+           "chunk_end[task] = min((c + 1) * own_chunk[m], lengths[m])",
+           "chunk_end[task] = min((c + 1) * own_chunk[m], lengths[m] - 1)", ATTENTION_TESTS),
+    # a short context's halves rounded down: an odd length's last slot is read by neither
+    Mutant("short-context-halves-short", "paged_decode_cpu.py",
+           "own_chunk = np.where(halves, (lengths + 1) // 2, CHUNK)", "own_chunk = np.where(halves, lengths // 2, CHUNK)",
+           ATTENTION_TESTS),
     # a row's last chunk is dropped when it holds a single slot
     Mutant("one-slot-last-chunk-dropped", "paged_decode_cpu.py",
            "own = (lengths + CHUNK - 1) // CHUNK", "own = (lengths + CHUNK - 2) // CHUNK", ATTENTION_TESTS),

@@ -47,6 +47,10 @@ from engine.model.paged_decode_loops import _matmul_form, _task
 # context slots a parallel task attends: a batch-1 step at a 1,000-token context makes 4 tasks for the
 # threads, and the partials to merge stay few (128 and 512 measured no faster)
 CHUNK = 256
+# a row's own context shorter than CHUNK but of at least twice this many slots is split in two halves, so that
+# a short context's attention at batch 1 runs on two threads rather than one (the split depends on the row's
+# length alone: a row's answer never depends on its batch or on the thread count)
+MIN_OWN_CHUNK = 64
 MIN_SHARED_CHUNK = 64  # context slots of a cascade group's task, at the least
 # a row-slot of a task in the plain loops costs this many of one in _cascade's matmuls, to deal tasks by (with
 # 1, one thread got every own chunk while the other waited at the join; docs/speed.md#paged-attention)
@@ -147,6 +151,9 @@ def _plan(lengths, group, shared_lengths, threads, per_kv, dim):
     each of these small array operations as a parallel loop, which measured costly)."""
     rows = len(lengths)
     own = (lengths + CHUNK - 1) // CHUNK
+    halves = (lengths < CHUNK) & (lengths >= 2 * MIN_OWN_CHUNK)
+    own_chunk = np.where(halves, (lengths + 1) // 2, CHUNK)  # slots of each own chunk but the last
+    own[halves] = 2
     # a shared chunk serves every row of its group: 1/size of CHUNK each, so that a cascade task costs
     # about what a row's own chunk does and the tasks can be dealt evenly (below), but at least
     # MIN_SHARED_CHUNK slots, which bounds the partials of a large group
@@ -173,8 +180,8 @@ def _plan(lengths, group, shared_lengths, threads, per_kv, dim):
     task, member = 0, 0
     for m in range(rows):
         for c in range(own[m]):
-            source[task], chunk_start[task], member_first[task] = m, c * CHUNK, member
-            chunk_end[task] = min((c + 1) * CHUNK, lengths[m])
+            source[task], chunk_start[task], member_first[task] = m, c * own_chunk[m], member
+            chunk_end[task] = min((c + 1) * own_chunk[m], lengths[m])
             member_row[member], member_partial[member] = m, first[m] + c
             task, member = task + 1, member + 1
     for g in range(len(shared_lengths)):

@@ -2,8 +2,8 @@
 sequence, as a float64 reference computes it (tests/engine/model/test_kernel_reference.py).
 
 The kernel's own tests plant a key whose score is SPIKE above every other at each position of a context: its
-first, middle and partial last chunk (CHUNK slots), a chunk's tail past its last 16 keys, a last chunk of one
-slot, a shared prefix's chunks (their size depends on the group) and its last slot, the first own slot after it.
+first, middle and partial last chunk (CHUNK slots), the two halves of a context shorter than a chunk, a chunk's
+tail past its last 16 keys, a last chunk of one slot, a shared prefix's chunks (their size depends on the group) and its last slot, the first own slot after it.
 The spike's value is then the output, so a key, chunk or partial softmax that is dropped or misread changes it
 by O(1), not by rounding, and so does a maximum that misses the spike (its exponential overflows)."""
 from __future__ import annotations
@@ -176,11 +176,12 @@ def test_paged_kernel_cascade_over_long_shared_prefixes(dtype, dim):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [DIM, 64, 128])
 def test_a_spike_anywhere_in_a_rows_context_is_its_output(dim, dtype):
-    """Contexts of 37 slots (one chunk with a tail past its last 16 keys), CHUNK + 1 (a last chunk of one slot)
-    and 2 * CHUNK + 37 (a first, a middle and a partial last chunk), one row for every position of each, whose
-    key there scores SPIKE. Each row's spike has a value of its own, so rows that swap outputs differ too."""
+    """Contexts of 37 slots (one chunk with a tail past its last 16 keys), 2 * MIN_OWN_CHUNK + 37 (shorter than a
+    chunk, split in two halves of 83 and 82), CHUNK + 1 (a last chunk of one slot) and 2 * CHUNK + 37 (a first, a
+    middle and a partial last chunk), one row for every position of each, whose key there scores SPIKE. Each
+    row's spike has a value of its own, so rows that swap outputs differ too."""
     gen = torch.Generator().manual_seed(10)
-    lengths = [37, CHUNK + 1, 2 * CHUNK + 37]
+    lengths = [37, 2 * paged_decode_cpu.MIN_OWN_CHUNK + 37, CHUNK + 1, 2 * CHUNK + 37]
     pool, rows = sum(lengths), sum(lengths)  # base slots (each length its own), then one spike slot per row
     direction = _direction(dim, gen)
     k_cache = torch.randn(pool + rows, KV_HEADS, dim, generator=gen)
@@ -364,3 +365,20 @@ def test_tasks_are_dealt_so_both_threads_get_own_chunks_beside_the_cascade():
     assert sorted(by_bin) == list(range(len(source)))
     own_per_bin = [int((source[by_bin[bin_first[b]:bin_first[b + 1]]] < rows).sum()) for b in range(2)]
     assert sum(own_per_bin) == rows and min(own_per_bin) >= 2
+
+
+@pytest.mark.parametrize("length, chunks", [
+    (2 * paged_decode_cpu.MIN_OWN_CHUNK - 1, [(0, 127)]),
+    (2 * paged_decode_cpu.MIN_OWN_CHUNK, [(0, 64), (64, 128)]),
+    (201, [(0, 101), (101, 201)]),
+    (CHUNK + 1, [(0, CHUNK), (CHUNK, CHUNK + 1)]),
+])
+def test_a_short_context_is_attended_in_two_halves(length, chunks):
+    """A batch-1 row's own context shorter than a chunk, from 2 * MIN_OWN_CHUNK slots on, makes two tasks, one
+    for each thread; longer contexts keep their CHUNK-slot chunks. The split depends on the length alone: the
+    same with one thread or a batch beside it."""
+    for rows, threads in [(1, 2), (1, 1), (3, 2)]:
+        plan = paged_decode_cpu._plan(np.full(rows, length, np.int64), np.full(rows, -1, np.int64),
+                                      np.zeros(0, np.int64), threads, 3, 64)
+        source, chunk_start, chunk_end = plan[1], plan[2], plan[3]
+        assert [(int(s), int(e)) for s, e in zip(chunk_start[source == 0], chunk_end[source == 0])] == chunks
