@@ -94,7 +94,7 @@ MUTANTS = [
            "low = builder.and_(wide, ir.Constant(_WORDS, [0x0F] * LANES))", "low = wide", QUANT_TESTS),
     # 8-bit weights widened as unsigned: negative weights read as 128..255
     Mutant("quant-int8-read-unsigned", "quant_matmul_cpu.py",
-           "_BYTES.as_pointer()), align=1), True)", "_BYTES.as_pointer()), align=1), False)", QUANT_TESTS),
+           "return [builder.sitofp(builder.load(", "return [builder.uitofp(builder.load(", QUANT_TESTS),
     # an embedding row's group index off by one weight
     Mutant("quant-row-group-index-shifted", "quant_matmul_cpu.py",
            "value = q * scales[tile, k // group, j]", "value = q * scales[tile, (k + 1) // group % scales.shape[1], j]",

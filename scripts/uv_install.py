@@ -35,6 +35,7 @@ def pip_settings() -> dict[str, str]:
 
 
 def uv_command(python: str, args: list[str], settings: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """uv's command line and environment for `pip install ARGS` into `python`'s environment under `settings`."""
     # as pip does: the best version any index has (uv by default takes only the first index's that has the
     # package). Unlike pip, no bytecode at install: the Makefile lets Python write it at first import, for the
     # modules that run

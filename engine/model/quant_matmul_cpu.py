@@ -278,10 +278,6 @@ def _add_out(scratch, rows, bias, out, first, start, accumulate):
                 out[first + m, start + j] = value
 
 
-def _widen(builder: ir.IRBuilder, raw: ir.Value, signed: bool) -> ir.Value:
-    return builder.sitofp(raw, simd.FLOATS) if signed else builder.uitofp(raw, simd.FLOATS)
-
-
 @intrinsic
 def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_min):
     """out[r, :TILE] = x[r, :] @ W[tile].T for each of x's 1 to ROW_GROUP rows (the literal `bits` and
@@ -314,8 +310,8 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
                 low = builder.and_(wide, ir.Constant(_WORDS, [0x0F] * LANES))
                 high = builder.lshr(wide, ir.Constant(_WORDS, [4] * LANES))
                 return [builder.sitofp(low, simd.FLOATS), builder.sitofp(high, simd.FLOATS)]
-            return [_widen(builder, builder.load(builder.bitcast(builder.gep(here, [const(v * LANES)]),
-                                                                 _BYTES.as_pointer()), align=1), True)
+            return [builder.sitofp(builder.load(builder.bitcast(builder.gep(here, [const(v * LANES)]),
+                                                               _BYTES.as_pointer()), align=1), simd.FLOATS)
                     for v in range(2)]
 
         def out_at(r, v):
