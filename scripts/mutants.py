@@ -62,7 +62,8 @@ MUTANTS = [
            ATTENTION_TESTS),
     # a row's last chunk is dropped when it holds a single slot
     Mutant("one-slot-last-chunk-dropped", "paged_decode_cpu.py",
-           "own = (lengths + CHUNK - 1) // CHUNK", "own = (lengths + CHUNK - 2) // CHUNK", ATTENTION_TESTS),
+           "own = (lengths + own_chunk - 1) // own_chunk", "own = (lengths + own_chunk - 2) // own_chunk",
+           ATTENTION_TESTS),
     # a cascade group's shared prefix ends one slot early
     Mutant("cascade-boundary-off-by-one", "paged_decode_cpu.py",
            "chunk_end[task] = min((c + 1) * shared_chunk[g], shared_lengths[g])",

@@ -150,10 +150,9 @@ def _plan(lengths, group, shared_lengths, threads, per_kv, dim):
     """attend's tasks and their bins (a function of its own: in attend's parallel body numba would launch
     each of these small array operations as a parallel loop, which measured costly)."""
     rows = len(lengths)
-    own = (lengths + CHUNK - 1) // CHUNK
     halves = (lengths < CHUNK) & (lengths >= 2 * MIN_OWN_CHUNK)
     own_chunk = np.where(halves, (lengths + 1) // 2, CHUNK)  # slots of each own chunk but the last
-    own[halves] = 2
+    own = (lengths + own_chunk - 1) // own_chunk
     # a shared chunk serves every row of its group: 1/size of CHUNK each, so that a cascade task costs
     # about what a row's own chunk does and the tasks can be dealt evenly (below), but at least
     # MIN_SHARED_CHUNK slots, which bounds the partials of a large group

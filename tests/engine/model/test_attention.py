@@ -3,7 +3,8 @@ sequence, as a float64 reference computes it (tests/engine/model/test_kernel_ref
 
 The kernel's own tests plant a key whose score is SPIKE above every other at each position of a context: its
 first, middle and partial last chunk (CHUNK slots), the two halves of a context shorter than a chunk, a chunk's
-tail past its last 16 keys, a last chunk of one slot, a shared prefix's chunks (their size depends on the group) and its last slot, the first own slot after it.
+tail past its last 16 keys, a last chunk of one slot, a shared prefix's chunks (their size depends on the group)
+and its last slot, the first own slot after it.
 The spike's value is then the output, so a key, chunk or partial softmax that is dropped or misread changes it
 by O(1), not by rounding, and so does a maximum that misses the spike (its exponential overflows)."""
 from __future__ import annotations
