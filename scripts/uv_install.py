@@ -14,9 +14,8 @@ import sys
 
 from uv import find_uv_bin
 
-# pip's option -> uv's flag; each takes one or more whitespace-separated values
-FLAGS = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
-         "constraint": "--constraint"}
+# pip's options that uv takes as flags of the same name; each holds one or more whitespace-separated values
+FLAGS = ("index-url", "extra-index-url", "find-links", "constraint")
 # pip's option -> the variable uv reads for the same setting
 VARIABLES = {"cert": "SSL_CERT_FILE", "timeout": "UV_HTTP_TIMEOUT", "default-timeout": "UV_HTTP_TIMEOUT"}
 
@@ -44,7 +43,7 @@ def uv_command(python: str, args: list[str], settings: dict[str, str]) -> tuple[
     for name, value in settings.items():
         if name in FLAGS:
             for item in value.split():
-                command += [FLAGS[name], item]
+                command += [f"--{name}", item]
         elif name in VARIABLES:
             env[VARIABLES[name]] = value
     return command + args, env
