@@ -27,13 +27,17 @@ from engine.model import kernel_cache  # numba's cache folder, set before any @n
 from engine.model import quant_dot_cpu, simd
 from engine.model.bfloat16_bits import as_float32
 from engine.model.cpu_threads import launch_lock, use_threads
-from engine.model.packed_matmul_cpu import REGISTERS, TILE, matmul
+from engine.model.packed_matmul_cpu import PREFETCH_BYTES, REGISTERS, TILE, matmul
 from engine.model.quant_formats import QuantRows
 from engine.model.simd import LANES, const
 
 HALF = TILE // 2
 _BYTES = ir.VectorType(ir.IntType(8), LANES)
 _WORDS = ir.VectorType(simd.I32, LANES)
+# the microkernel asks for a tile's integers PREFETCH_BYTES ahead of each k, and for its scales and mins
+# SCALES_AHEAD bytes ahead of each group: left to the hardware's prefetchers, one thread streamed a tile's three
+# arrays at 6-7 GB/s (docs/speed.md#quantized-weights)
+SCALES_AHEAD = 1024  # 8 groups
 
 
 def row_group(isa: str) -> int:
@@ -302,8 +306,7 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
         tile_scales = builder.gep(scales_ary.data, [builder.mul(tile_arg, builder.mul(groups, const(TILE)))])
         tile_mins = builder.gep(mins_ary.data, [builder.mul(tile_arg, builder.mul(groups, const(TILE)))])
 
-        def weights_at(k):  # the tile's 32 weights of row k as 2 float vectors (columns 0-15, 16-31)
-            here = builder.gep(tile_data, [builder.mul(k, const(width))])
+        def weights_at(here):  # the tile's 32 weights of one k, at `here`, as 2 float vectors (columns 0-15, 16-31)
             if four_bit:
                 raw = builder.load(builder.bitcast(here, _BYTES.as_pointer()), align=1)
                 wide = builder.zext(raw, _WORDS)
@@ -325,10 +328,17 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
 
             def group_step(g, _):
                 first_k = builder.mul(g, group_arg)
+                at = builder.mul(g, const(TILE))
+                for line in range(0, TILE * 4, simd.CACHE_LINE):
+                    simd.prefetch(builder, builder.gep(tile_scales, [at]), SCALES_AHEAD + line)
+                    if with_min:
+                        simd.prefetch(builder, builder.gep(tile_mins, [at]), SCALES_AHEAD + line)
 
                 def k_step(i, partial):  # partial[r * 2 + v] += x[r, k] * q[k, v-th half of the tile]
                     k = builder.add(first_k, i)
-                    w = weights_at(k)
+                    here = builder.gep(tile_data, [builder.mul(k, const(width))])
+                    simd.prefetch(builder, here, PREFETCH_BYTES)  # (a line holds 2 or 4 k's: asked as often)
+                    w = weights_at(here)
                     summed = []
                     for r in range(num_rows):
                         x_rk = simd.broadcast(builder, builder.load(
@@ -337,7 +347,6 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
                     return summed
 
                 partial = simd.accumulate(builder, group_arg, num_rows * 2, k_step)
-                at = builder.mul(g, const(TILE))
                 scale = simd.load_pieces(builder, builder.gep(tile_scales, [at]), 2, False)
                 low = simd.load_pieces(builder, builder.gep(tile_mins, [at]), 2, False) if with_min else None
                 for r in range(num_rows):
