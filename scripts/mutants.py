@@ -96,10 +96,9 @@ MUTANTS = [
     # 8-bit weights widened as unsigned: negative weights read as 128..255
     Mutant("quant-int8-read-unsigned", "quant_matmul_cpu.py",
            "return [builder.sitofp(builder.load(", "return [builder.uitofp(builder.load(", QUANT_TESTS),
-    # an embedding row's group index off by one weight
+    # an embedding row's weights scaled by the next group's scale
     Mutant("quant-row-group-index-shifted", "quant_matmul_cpu.py",
-           "value = q * scales[tile, k // group, j]", "value = q * scales[tile, (k + 1) // group % scales.shape[1], j]",
-           QUANT_TESTS),
+           "scale = scales[tile, g, j]", "scale = scales[tile, (g + 1) % scales.shape[1], j]", QUANT_TESTS),
     # integer dot products: 8-bit weights' signs never reach the activations (every weight read as |w|)
     Mutant("dot-int8-sign-dropped", "quant_dot_cpu.py",
            'signed_x = x_bytes if four_bit else _x86(builder, "psign.b", _BYTES, x_bytes, w[v])',
