@@ -39,6 +39,8 @@ class Mutant:
     old: str  # must occur exactly once in the file
     new: str
     tests: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()  # for the tests' run: NUMBA_CPU_NAME=haswell tests AVX2's code on any x86 host
+    needs: str = ""  # a /proc/cpuinfo flag the mutated code runs only with (the mutant is skipped without it)
 
 
 MUTANTS = [
@@ -90,9 +92,14 @@ MUTANTS = [
     # the high nibbles (columns 16-31 of a tile) read as the low ones
     Mutant("quant-high-nibble-as-low", "quant_matmul_cpu.py",
            "high = builder.lshr(wide, ir.Constant(_WORDS, [4] * LANES))", "high = low", QUANT_TESTS),
-    # the low nibbles not masked: columns 0-15 read with their high neighbours' bits (16x too large)
+    # the low nibbles not masked: columns 0-15 read with their high neighbours' bits (16x too large; AVX2's code)
     Mutant("quant-low-nibble-unmasked", "quant_matmul_cpu.py",
-           "low = builder.and_(wide, ir.Constant(_WORDS, [0x0F] * LANES))", "low = wide", QUANT_TESTS),
+           "low = builder.and_(wide, ir.Constant(_WORDS, [0x0F] * LANES))", "low = wide", QUANT_TESTS,
+           env=(("NUMBA_CPU_NAME", "haswell"),)),
+    # AVX-512's nibble lookup reads the high nibbles for the low columns too
+    Mutant("quant-nibble-lookup-high-as-low", "quant_matmul_cpu.py",
+           "return [_nibble_floats(builder, wide), _nibble_floats(builder, high)]",
+           "return [_nibble_floats(builder, high), _nibble_floats(builder, high)]", QUANT_TESTS, needs="avx512f"),
     # 8-bit weights widened as unsigned: negative weights read as 128..255
     Mutant("quant-int8-read-unsigned", "quant_matmul_cpu.py",
            "return [builder.sitofp(builder.load(", "return [builder.uitofp(builder.load(", QUANT_TESTS),
@@ -139,9 +146,16 @@ def kernel_files_are_clean(files: set[str]) -> bool:
     return not status.stdout.strip()
 
 
-def run_tests(tests: tuple[str, ...], cache_dir: str | None) -> tuple[int, str]:
+def host_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists the CPU flag (an empty flag: always)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    return not flag or (cpuinfo.exists() and flag in cpuinfo.read_text().split())
+
+
+def run_tests(tests: tuple[str, ...], cache_dir: str | None, extra_env: tuple[tuple[str, str], ...] = ()
+              ) -> tuple[int, str]:
     """(pytest's exit code, the first failed or erroring test, or the last line of its output)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), **dict(extra_env))
     if cache_dir is not None:
         env["NUMBA_CACHE_DIR"] = cache_dir
     try:
@@ -163,7 +177,7 @@ def try_mutant(mutant: Mutant) -> tuple[bool, str, float]:
     try:
         path.write_text(original.replace(mutant.old, mutant.new))
         with tempfile.TemporaryDirectory(prefix="mutant-numba-") as cache_dir:
-            code, by = run_tests(mutant.tests, cache_dir)
+            code, by = run_tests(mutant.tests, cache_dir, mutant.env)
     finally:
         path.write_text(original)
     return code != 0, by, time.perf_counter() - started
@@ -174,6 +188,9 @@ def main() -> int:
     parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
     args = parser.parse_args()
     chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    for mutant in [m for m in chosen if not host_has(m.needs)]:
+        print(f"{mutant.name}: skipped, this CPU lacks {mutant.needs} (the mutated code never runs here)")
+        chosen.remove(mutant)
     if unknown := set(args.names) - {m.name for m in MUTANTS}:
         parser.error(f"unknown mutants {sorted(unknown)}; known: {[m.name for m in MUTANTS]}")
     files = {m.file for m in chosen}
@@ -194,7 +211,7 @@ def main() -> int:
     for mutant in chosen:
         print(f"{mutant.name} ...", flush=True)
         results.append((mutant, *try_mutant(mutant)))
-    width = max(len(m.name) for m in chosen)
+    width = max((len(m.name) for m in chosen), default=len("mutant"))
     print(f"\n{'mutant':{width}}  {'file':20}  result    seconds  by")
     for mutant, caught, by, seconds in results:
         print(f"{mutant.name:{width}}  {mutant.file:20}  {'caught' if caught else 'SURVIVED':8}  {seconds:7.0f}  "
