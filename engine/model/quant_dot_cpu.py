@@ -27,7 +27,7 @@ from numba.extending import intrinsic
 
 from engine.model import kernel_cache  # numba's cache folder, set before any @njit below
 from engine.model import simd
-from engine.model.packed_matmul_cpu import TILE
+from engine.model.packed_matmul_cpu import PREFETCH_BYTES, TILE
 from engine.model.quant_formats import QuantRows
 from engine.model.simd import const
 
@@ -35,6 +35,9 @@ GROUP = 32  # k per activation scale; the weight's group must be the same
 QUAD = 4  # k a vpmaddwd lane sums
 COLUMNS = 8  # columns of one 32-byte vector (8 columns x 4 k)
 BYTES_4BIT, BYTES_8BIT = TILE * QUAD // 2, TILE * QUAD  # bytes of one quad of a tile
+# both quantized kernels ask for a tile's integers PREFETCH_BYTES ahead, and for its scales and mins SCALES_AHEAD
+# bytes ahead of each group: left to the hardware's prefetchers, one thread streamed a tile at half the memory's rate
+SCALES_AHEAD = 1024  # 8 groups
 X86 = kernel_cache.TARGET_ISA in ("avx2", "avx512")
 # rows one pass over a tile serves: each keeps 4 integer accumulators beside the 4 weight vectors (AVX2: 16
 # registers; AVX-512's 32 ymm registers hold 4 rows)
@@ -197,6 +200,8 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
 
             def vectors_at(quad):  # the tile's 4 weight vectors of a quad (unsigned bytes; 8 bits: as signed)
                 here = builder.gep(tile_data, [builder.mul(quad, const(width))])
+                for line in range(0, width, simd.CACHE_LINE):
+                    simd.prefetch(builder, here, PREFETCH_BYTES + line)
                 loaded = [builder.load(builder.bitcast(builder.gep(here, [const(32 * v)]), _BYTES.as_pointer()),
                                        align=1) for v in range(width // 32)]
                 if not four_bit:
@@ -208,6 +213,9 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
                 return out
 
             def group_step(num_rows, g):
+                for line in range(0, TILE * 4, simd.CACHE_LINE):
+                    for ahead in (tile_scales, tile_mins) if with_min else (tile_scales,):
+                        simd.prefetch(builder, builder.gep(ahead, [builder.mul(g, const(TILE))]), SCALES_AHEAD + line)
                 sums_of = [[ir.Constant(_SUMS, None)] * 4 for _ in range(num_rows)]
                 for step in range(GROUP // QUAD):
                     quad = builder.add(builder.mul(g, const(GROUP // QUAD)), const(step))

@@ -28,16 +28,13 @@ from engine.model import quant_dot_cpu, simd
 from engine.model.bfloat16_bits import as_float32
 from engine.model.cpu_threads import launch_lock, use_threads
 from engine.model.packed_matmul_cpu import PREFETCH_BYTES, REGISTERS, TILE, matmul
+from engine.model.quant_dot_cpu import SCALES_AHEAD
 from engine.model.quant_formats import QuantRows
 from engine.model.simd import LANES, const
 
 HALF = TILE // 2
 _BYTES = ir.VectorType(ir.IntType(8), LANES)
 _WORDS = ir.VectorType(simd.I32, LANES)
-# the microkernel asks for a tile's integers PREFETCH_BYTES ahead of each k, and for its scales and mins
-# SCALES_AHEAD bytes ahead of each group: left to the hardware's prefetchers, one thread streamed a tile's three
-# arrays at 6-7 GB/s (docs/speed.md#quantized-weights)
-SCALES_AHEAD = 1024  # 8 groups
 # AVX-512's vpermps looks a float up by the low 4 bits of each 32-bit lane: a nibble's float in one instruction
 # where masking and converting took two (the inner loop is bound by its vector instructions at one row)
 NIBBLE_LOOKUP = kernel_cache.TARGET_ISA == "avx512"
