@@ -101,6 +101,12 @@ MUTANTS = [
     # 8-bit weights widened as unsigned: negative weights read as 128..255
     Mutant("quant-int8-read-unsigned", "quant_matmul_cpu.py",
            "return [builder.sitofp(builder.load(", "return [builder.uitofp(builder.load(", QUANT_TESTS),
+    # fp16 scales read back as integers where a row is dequantized (embedding, prefill)
+    Mutant("quant-half-scale-bits-as-integer", "quant_matmul_cpu.py",
+           "return lambda value: _half_to_float(value)", "return lambda value: np.float32(value)", QUANT_TESTS),
+    # the microkernel's second vector of fp16 scales read from the middle of the first
+    Mutant("quant-half-scales-second-vector-shifted", "quant_matmul_cpu.py",
+           "builder.gep(base, [const(v * LANES)])", "builder.gep(base, [const(v * LANES // 2)])", QUANT_TESTS),
     # an embedding row's weights scaled by the next group's scale
     Mutant("quant-row-group-index-shifted", "quant_matmul_cpu.py",
            "scale = scales[tile, g, j]", "scale = scales[tile, (g + 1) % scales.shape[1], j]", QUANT_TESTS),

@@ -35,6 +35,7 @@ from engine.model.simd import LANES, const
 HALF = TILE // 2
 _BYTES = ir.VectorType(ir.IntType(8), LANES)
 _WORDS = ir.VectorType(simd.I32, LANES)
+_HALVES = ir.VectorType(ir.HalfType(), LANES)
 # AVX-512's vpermps looks a float up by the low 4 bits of each 32-bit lane: a nibble's float in one instruction
 # where masking and converting took two (the inner loop is bound by its vector instructions at one row)
 NIBBLE_LOOKUP = kernel_cache.TARGET_ISA == "avx512"
@@ -53,7 +54,8 @@ ROW_GROUP = row_group(kernel_cache.TARGET_ISA)
 
 @dataclass(frozen=True)
 class QuantTiles:
-    """A quantized weight packed for the kernels (torch tensors, so a module can hold them)."""
+    """A quantized weight packed for the kernels (torch tensors, so a module can hold them). Scales and mins are
+    float32, or their fp16 bits as int16 where every one is an fp16 value (`half_exact`)."""
     data: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor
@@ -81,9 +83,16 @@ class QuantTiles:
         return self.data.numpy(), self.scales.numpy(), self.mins.numpy(), self.group
 
 
-def pack(rows: QuantRows, integer: bool = False) -> QuantTiles:
+def half_exact(rows: QuantRows) -> bool:
+    """Whether every scale and min is an fp16 value: so for the Q8_0, Q4_0 and Q4_1 blocks of a file or of
+    quantize-at-load (their d and m are fp16), not for the K-quants' products of an fp16 and a 6-bit scale."""
+    return all(v is None or np.array_equal(v.astype(np.float16).astype(np.float32), v) for v in (rows.scales, rows.mins))
+
+
+def pack(rows: QuantRows, integer: bool = False, half: bool = False) -> QuantTiles:
     """The weight's tiles: for integer dot products (quant_dot_cpu, x86 only) where `integer` and the format
-    allows, else for the float kernel here."""
+    allows, else for the float kernel here, its scales and mins as fp16 bits where `half` (exact only where
+    `half_exact(rows)`: a model's weights all take one kind, so that its compiled step has one signature)."""
     as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
     if integer and quant_dot_cpu.X86 and quant_dot_cpu.fits(rows):
         return QuantTiles(*map(as_tensor, quant_dot_cpu.pack(rows)), rows.group, rows.shape[0])
@@ -98,11 +107,11 @@ def pack(rows: QuantRows, integer: bool = False) -> QuantTiles:
         data = q.astype(np.int8).view(np.uint8)
 
     def per_group(values: np.ndarray | None) -> np.ndarray:
-        if values is None:
-            return np.zeros((tiles, 0, TILE), np.float32)
-        padded = np.zeros((tiles * TILE, values.shape[1]), np.float32)
-        padded[:n] = values
-        return padded.reshape(tiles, TILE, -1).transpose(0, 2, 1)
+        padded = np.zeros((tiles * TILE, 0 if values is None else values.shape[1]), np.float32)
+        if values is not None:
+            padded[:n] = values
+        grouped = padded.reshape(tiles, TILE, -1).transpose(0, 2, 1)
+        return np.ascontiguousarray(grouped).astype(np.float16).view(np.int16) if half else grouped
 
     return QuantTiles(as_tensor(data), as_tensor(per_group(rows.scales)), as_tensor(per_group(rows.mins)),
                       rows.group, n)
@@ -180,14 +189,32 @@ def _row(data, scales, mins, group, row, out):
     has_min = mins.shape[1] > 0
     byte, shift = j % HALF, (j // HALF) * 4  # 4 bits: column j is the low nibble of byte j, j - 16 the high one
     for g in range(scales.shape[1]):
-        scale = scales[tile, g, j]
-        low = mins[tile, g, j] if has_min else np.float32(0.0)
+        scale = _as_float(scales[tile, g, j])
+        low = _as_float(mins[tile, g, j]) if has_min else np.float32(0.0)
         if data.shape[2] == HALF:
             for k in range(g * group, (g + 1) * group):
                 out[k] = np.float32((data[tile, k, byte] >> shift) & 0x0F) * scale + low
         else:
             for k in range(g * group, (g + 1) * group):
                 out[k] = np.float32(np.int8(data[tile, k, j])) * scale + low
+
+
+def _as_float(value):
+    """A scale or min as float32: itself, or its fp16 bits (int16) widened."""
+
+
+@overload(_as_float, inline="always")
+def _as_float_for(value):
+    if value == types.int16:
+        return lambda value: _half_to_float(value)
+    return lambda value: value
+
+
+@intrinsic
+def _half_to_float(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.int16), codegen
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
@@ -296,6 +323,14 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
         arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 7)]
         x_ary, data_ary, scales_ary, mins_ary, sums_ary, out_ary = arrays
         four_bit, with_min = bits.literal_value == 4, has_min.literal_value
+        half = signature.args[2].dtype == types.int16  # scales and mins as fp16 bits
+
+        def per_group_vectors(base):  # the 32 scales (or mins) of one group from `base` as 2 float vectors
+            if not half:
+                return simd.load_pieces(builder, base, 2, False)
+            return [builder.fpext(builder.load(builder.bitcast(builder.gep(base, [const(v * LANES)]),
+                                                               _HALVES.as_pointer()), align=2), simd.FLOATS)
+                    for v in range(2)]
         rows, k_len = cgutils.unpack_tuple(builder, x_ary.shape, 2)
         x_row = builder.udiv(cgutils.unpack_tuple(builder, x_ary.strides, 2)[0], const(4))  # in elements
         out_row = builder.udiv(cgutils.unpack_tuple(builder, out_ary.strides, 2)[0], const(4))
@@ -331,7 +366,7 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
             def group_step(g, _):
                 first_k = builder.mul(g, group_arg)
                 at = builder.mul(g, const(TILE))
-                for line in range(0, TILE * 4, simd.CACHE_LINE):
+                for line in range(0, TILE * (2 if half else 4), simd.CACHE_LINE):
                     simd.prefetch(builder, builder.gep(tile_scales, [at]), SCALES_AHEAD + line)
                     if with_min:
                         simd.prefetch(builder, builder.gep(tile_mins, [at]), SCALES_AHEAD + line)
@@ -349,8 +384,8 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
                     return summed
 
                 partial = simd.accumulate(builder, group_arg, num_rows * 2, k_step)
-                scale = simd.load_pieces(builder, builder.gep(tile_scales, [at]), 2, False)
-                low = simd.load_pieces(builder, builder.gep(tile_mins, [at]), 2, False) if with_min else None
+                scale = per_group_vectors(builder.gep(tile_scales, [at]))
+                low = per_group_vectors(builder.gep(tile_mins, [at])) if with_min else None
                 for r in range(num_rows):
                     x_sum = simd.broadcast(builder, builder.load(builder.gep(
                         sums_ary.data, [builder.add(builder.mul(const(r), sums_row), g)]))) if with_min else None

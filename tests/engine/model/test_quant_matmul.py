@@ -47,6 +47,28 @@ def test_product_matches_float64(bits, group, with_mins, n):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("bits,group,with_mins", LAYOUTS)
+def test_fp16_scales_give_the_float32_scales_results_bit_for_bit(bits, group, with_mins):
+    """Scales and mins that are fp16 values (a file's Q8_0 / Q4_0 / Q4_1) packed as their fp16 bits, half the
+    bytes, widen exactly: the matmul at every row count, the dequantized rows and the embedding rows equal
+    those of the float32 tiles bit for bit."""
+    n, k = 3 * TILE + 5, 64
+    fp32 = _rows(n, k, bits, group, with_mins)
+    rows = QuantRows(fp32.q, fp32.scales.astype(np.float16).astype(np.float32),
+                     None if fp32.mins is None else fp32.mins.astype(np.float16).astype(np.float32), group, bits)
+    assert quant_matmul_cpu.half_exact(rows) and not quant_matmul_cpu.half_exact(fp32)
+    full, half = quant_matmul_cpu.pack(rows), quant_matmul_cpu.pack(rows, half=True)
+    assert half.scales.dtype == half.mins.dtype == torch.int16
+    assert full.nbytes() - half.nbytes() == 2 * (full.scales.numel() + full.mins.numel())
+    for m in ROW_COUNTS:
+        x = torch.from_numpy(np.random.default_rng(m).standard_normal((m, k)).astype(np.float32))
+        assert torch.equal(quant_matmul_cpu.linear(x, half, None), quant_matmul_cpu.linear(x, full, None))
+    weight = rows.dequantize()
+    assert np.array_equal(quant_matmul_cpu.dequantize_rows(half, 0, torch.empty(weight.shape)).numpy(), weight)
+    ids = torch.tensor([0, TILE // 2, 2 * TILE + 1, 3 * TILE + 4])
+    assert torch.equal(quant_matmul_cpu.embedding_rows(half, ids), quant_matmul_cpu.embedding_rows(full, ids))
+
+
 def test_bias_and_accumulate_add_onto_the_output():
     rows = _rows(TILE + 7, 64, 4, 32, True)
     tiles = quant_matmul_cpu.pack(rows)

@@ -74,6 +74,7 @@ def test_native_formats_give_the_dequantized_models_tokens(files, tiny_llama_dir
     layer = native.core.model.model.layers[0]
     assert layer.self_attn.qkv_proj.quant is not None and layer.self_attn.qkv_proj.weight is None
     assert native.core.model.lm_head.quant is native.core.model.model.embed_tokens.quant  # tied, one copy
+    assert layer.self_attn.qkv_proj.quant.scales.dtype == torch.int16  # the file's fp16 scales, as they are
     if files == "mixed":
         assert layer.self_attn.qkv_proj.quant.bits == 8  # 4-bit q and k promoted beside 8-bit v
         assert layer.mlp.down_proj.quant is None and "Q5_0" in caplog.text
