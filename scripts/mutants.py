@@ -109,7 +109,8 @@ MUTANTS = [
            "builder.gep(base, [const(v * LANES)])", "builder.gep(base, [const(v * LANES // 2)])", QUANT_TESTS),
     # an embedding row's weights scaled by the next group's scale
     Mutant("quant-row-group-index-shifted", "quant_matmul_cpu.py",
-           "scale = scales[tile, g, j]", "scale = scales[tile, (g + 1) % scales.shape[1], j]", QUANT_TESTS),
+           "scale = _as_float(scales[tile, g, j])", "scale = _as_float(scales[tile, (g + 1) % scales.shape[1], j])",
+           QUANT_TESTS),
     # integer dot products: 8-bit weights' signs never reach the activations (every weight read as |w|)
     Mutant("dot-int8-sign-dropped", "quant_dot_cpu.py",
            'signed_x = x_bytes if four_bit else _x86(builder, "psign.b", _BYTES, x_bytes, w[v])',
