@@ -1,10 +1,11 @@
-"""Small-batch matmuls on CPU that stream quantized weights as they are (4-bit or 8-bit integers, a float32
-scale and min per group of k): the bytes read per decode step are the file's, not fp32's.
+"""Small-batch matmuls on CPU that stream quantized weights as they are (4-bit or 8-bit integers, a scale and
+min per group of k): the bytes read per decode step are the file's, not fp32's.
 
 Layout (packed_matmul_cpu's tiles, with integers): a weight [N, K] in QuantRows form becomes
 - data [ceil(N / TILE), K, TILE / 2] uint8 for 4 bits (byte j of a k: column j low, column j + 16 high) or
   [.., K, TILE] (int8 bits) for 8 bits: each thread reads its tiles as one sequential stream;
-- scales, mins [tiles, K / group, TILE] float32 (mins [tiles, 0, TILE] when the format has none).
+- scales, mins [tiles, K / group, TILE] float32, or their fp16 bits as int16 where all are fp16 values (mins
+  [tiles, 0, TILE] when the format has none).
 
 The microkernel keeps, for each of up to ROW_GROUP rows, two 16-float accumulators of the group's
 sum of x[k] * q[k] (q widened to float in registers); at each group's end it adds scale * group sum and
@@ -37,7 +38,7 @@ _BYTES = ir.VectorType(ir.IntType(8), LANES)
 _WORDS = ir.VectorType(simd.I32, LANES)
 _HALVES = ir.VectorType(ir.HalfType(), LANES)
 # AVX-512's vpermps looks a float up by the low 4 bits of each 32-bit lane: a nibble's float in one instruction
-# where masking and converting took two (the inner loop is bound by its vector instructions at one row)
+# where masking and converting took two (a pass of 8 rows is bound by its vector instructions)
 NIBBLE_LOOKUP = kernel_cache.TARGET_ISA == "avx512"
 
 
@@ -313,7 +314,7 @@ def _add_out(scratch, rows, bias, out, first, start, accumulate):
 def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_min):
     """out[r, :TILE] = x[r, :] @ W[tile].T for each of x's 1 to ROW_GROUP rows (the literal `bits` and
     `has_min` pick the code): x [rows, K] float32 with unit stride along K, data / scales / mins contiguous
-    as pack() makes them, sums [rows, K / group] the group sums of x (read only with mins), out [>= rows,
+    as pack() makes them (scales and mins float32 or fp16 bits), sums [rows, K / group] the group sums of x (read only with mins), out [>= rows,
     >= TILE] float32 with unit stride along its rows."""
     if not isinstance(bits, types.IntegerLiteral) or not isinstance(has_min, types.BooleanLiteral):
         return None  # numba then retries with the literal values of the constants the caller passes
