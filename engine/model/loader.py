@@ -125,7 +125,7 @@ def _set_quantized(model: LlamaForCausalLM, quantized: dict[str, QuantRows], tie
         return
     from engine.model import quant_matmul_cpu  # (numba: only a quantized model needs it)
     # fp16 scales and mins (the files' own, half the bytes) where all of the model's are fp16 values
-    half = not integer and all(quant_matmul_cpu.half_exact(rows) for rows in quantized.values())
+    half = not integer and all(rows.half_exact for rows in quantized.values())
     for name, rows in quantized.items():
         module = model.get_submodule(name.removesuffix(".weight"))
         if not isinstance(module, (Embedding, Linear)):

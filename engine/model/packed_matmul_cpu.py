@@ -138,9 +138,8 @@ def tile_product(typingctx, x, packed, tile, out, accumulate):
         def product(num_rows):
             def step(k, acc):  # acc[r * vectors + v] += x[r, k] * packed[tile, k, v * LANES:(v + 1) * LANES]
                 here = builder.gep(weights, [builder.mul(k, const(TILE))])
-                if num_rows >= PREFETCH_ROWS:  # this step's weights PREFETCH_BYTES on, a cache line at a time
-                    for line in range(0, TILE * (2 if bits else 4), simd.CACHE_LINE):
-                        simd.prefetch(builder, here, PREFETCH_BYTES + line)
+                if num_rows >= PREFETCH_ROWS:  # this step's weights PREFETCH_BYTES on
+                    simd.prefetch_lines(builder, here, PREFETCH_BYTES, TILE * (2 if bits else 4))
                 w = simd.load_pieces(builder, here, vectors, bits)
                 summed = []
                 for r in range(num_rows):

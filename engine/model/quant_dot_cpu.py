@@ -200,8 +200,7 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
 
             def vectors_at(quad):  # the tile's 4 weight vectors of a quad (unsigned bytes; 8 bits: as signed)
                 here = builder.gep(tile_data, [builder.mul(quad, const(width))])
-                for line in range(0, width, simd.CACHE_LINE):
-                    simd.prefetch(builder, here, PREFETCH_BYTES + line)
+                simd.prefetch_lines(builder, here, PREFETCH_BYTES, width)
                 loaded = [builder.load(builder.bitcast(builder.gep(here, [const(32 * v)]), _BYTES.as_pointer()),
                                        align=1) for v in range(width // 32)]
                 if not four_bit:
@@ -213,9 +212,9 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
                 return out
 
             def group_step(num_rows, g):
-                for line in range(0, TILE * 4, simd.CACHE_LINE):
-                    for ahead in (tile_scales, tile_mins) if with_min else (tile_scales,):
-                        simd.prefetch(builder, builder.gep(ahead, [builder.mul(g, const(TILE))]), SCALES_AHEAD + line)
+                first_column = builder.mul(g, const(TILE))  # of the group's scales and mins
+                for ahead in (tile_scales, tile_mins) if with_min else (tile_scales,):
+                    simd.prefetch_lines(builder, builder.gep(ahead, [first_column]), SCALES_AHEAD, TILE * 4)
                 sums_of = [[ir.Constant(_SUMS, None)] * 4 for _ in range(num_rows)]
                 for step in range(GROUP // QUAD):
                     quad = builder.add(builder.mul(g, const(GROUP // QUAD)), const(step))
@@ -228,7 +227,6 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
                             signed_x = x_bytes if four_bit else _x86(builder, "psign.b", _BYTES, x_bytes, w[v])
                             pairs = _x86(builder, "pmadd.ub.sw", _PAIRS, magnitude[v], signed_x)
                             sums_of[r][v] = builder.add(sums_of[r][v], _x86(builder, "pmadd.wd", _SUMS, pairs, ones))
-                first_column = builder.mul(g, const(TILE))
                 for r in range(num_rows):
                     d_rg = per_row(d_ary, d_row, r, g)
                     x_sum = per_row(sums_ary, sums_row, r, g) if with_min else None

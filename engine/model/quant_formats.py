@@ -38,6 +38,13 @@ class QuantRows:
     def shape(self) -> tuple[int, int]:
         return self.q.shape
 
+    @property
+    def half_exact(self) -> bool:
+        """Whether every scale and min is an fp16 value: so for the Q8_0, Q4_0 and Q4_1 blocks of a file or of
+        quantize-at-load (their d and m are fp16), not for the K-quants' products of an fp16 and a 6-bit scale."""
+        return all(v is None or np.array_equal(v.astype(np.float16).astype(np.float32), v)
+                   for v in (self.scales, self.mins))
+
     def dequantize(self) -> np.ndarray:
         """The weight [N, K] in float32 (float64 products rounded once: exact where the format is)."""
         expand = np.repeat(self.scales.astype(np.float64), self.group, axis=1)

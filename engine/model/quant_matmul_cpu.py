@@ -56,7 +56,7 @@ ROW_GROUP = row_group(kernel_cache.TARGET_ISA)
 @dataclass(frozen=True)
 class QuantTiles:
     """A quantized weight packed for the kernels (torch tensors, so a module can hold them). Scales and mins are
-    float32, or their fp16 bits as int16 where every one is an fp16 value (`half_exact`)."""
+    float32, or their fp16 bits as int16 where every one is an fp16 value (`QuantRows.half_exact`)."""
     data: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor
@@ -84,16 +84,10 @@ class QuantTiles:
         return self.data.numpy(), self.scales.numpy(), self.mins.numpy(), self.group
 
 
-def half_exact(rows: QuantRows) -> bool:
-    """Whether every scale and min is an fp16 value: so for the Q8_0, Q4_0 and Q4_1 blocks of a file or of
-    quantize-at-load (their d and m are fp16), not for the K-quants' products of an fp16 and a 6-bit scale."""
-    return all(v is None or np.array_equal(v.astype(np.float16).astype(np.float32), v) for v in (rows.scales, rows.mins))
-
-
 def pack(rows: QuantRows, integer: bool = False, half: bool = False) -> QuantTiles:
     """The weight's tiles: for integer dot products (quant_dot_cpu, x86 only) where `integer` and the format
     allows, else for the float kernel here, its scales and mins as fp16 bits where `half` (exact only where
-    `half_exact(rows)`: a model's weights all take one kind, so that its compiled step has one signature)."""
+    `rows.half_exact`: a model's weights all take one kind, so that its compiled step has one signature)."""
     as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
     if integer and quant_dot_cpu.X86 and quant_dot_cpu.fits(rows):
         return QuantTiles(*map(as_tensor, quant_dot_cpu.pack(rows)), rows.group, rows.shape[0])
@@ -112,7 +106,7 @@ def pack(rows: QuantRows, integer: bool = False, half: bool = False) -> QuantTil
         if values is not None:
             padded[:n] = values
         grouped = padded.reshape(tiles, TILE, -1).transpose(0, 2, 1)
-        return np.ascontiguousarray(grouped).astype(np.float16).view(np.int16) if half else grouped
+        return grouped.astype(np.float16).view(np.int16) if half else grouped
 
     return QuantTiles(as_tensor(data), as_tensor(per_group(rows.scales)), as_tensor(per_group(rows.mins)),
                       rows.group, n)
@@ -367,10 +361,8 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
             def group_step(g, _):
                 first_k = builder.mul(g, group_arg)
                 at = builder.mul(g, const(TILE))
-                for line in range(0, TILE * (2 if half else 4), simd.CACHE_LINE):
-                    simd.prefetch(builder, builder.gep(tile_scales, [at]), SCALES_AHEAD + line)
-                    if with_min:
-                        simd.prefetch(builder, builder.gep(tile_mins, [at]), SCALES_AHEAD + line)
+                for ahead in (tile_scales, tile_mins) if with_min else (tile_scales,):
+                    simd.prefetch_lines(builder, builder.gep(ahead, [at]), SCALES_AHEAD, TILE * (2 if half else 4))
 
                 def k_step(i, partial):  # partial[r * 2 + v] += x[r, k] * q[k, v-th half of the tile]
                     k = builder.add(first_k, i)

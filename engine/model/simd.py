@@ -57,6 +57,12 @@ def prefetch(builder: ir.IRBuilder, pointer, offset) -> None:
     builder.call(fn, [line, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])  # read, keep, data
 
 
+def prefetch_lines(builder: ir.IRBuilder, pointer, offset: int, size: int) -> None:
+    """prefetch() of every cache line of the `size` bytes that start `offset` bytes past `pointer`."""
+    for line in range(0, size, CACHE_LINE):
+        prefetch(builder, pointer, offset + line)
+
+
 def broadcast(builder: ir.IRBuilder, scalar: ir.Value) -> ir.Value:
     lane0 = builder.insert_element(ir.Constant(FLOATS, ir.Undefined), scalar, ir.Constant(I32, 0))
     return builder.shuffle_vector(lane0, ir.Constant(FLOATS, ir.Undefined), ir.Constant(_WORDS, [0] * LANES))

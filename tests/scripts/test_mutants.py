@@ -2,24 +2,11 @@
 a mutant's line would otherwise only show when someone next runs the mutants, as one did)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "mutants.py"
+from tests.support.scripts import load_script
 
-
-def _mutants_module():
-    spec = importlib.util.spec_from_file_location("mutants", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-MUTANTS = _mutants_module()
+MUTANTS = load_script("mutants")
 
 
 @pytest.mark.parametrize("mutant", MUTANTS.MUTANTS, ids=lambda m: m.name)

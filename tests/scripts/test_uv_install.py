@@ -1,22 +1,18 @@
 """scripts/uv_install.py: pip's configuration handed to uv as its flags and variables."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "uv_install.py"
+from tests.support.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def uv_install():
-    spec = importlib.util.spec_from_file_location("uv_install", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("uv_install")
 
 
 def fake_pip_config(monkeypatch, module, listing: str) -> None:

@@ -7,7 +7,7 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize, quantize
 
-from engine.model import quant_formats, quant_matmul_cpu
+from engine.model import quant_formats
 from engine.model.quant_formats import QuantRows
 
 ROWS, K = 24, 512
@@ -87,4 +87,4 @@ def test_quantize_at_load_is_the_reference_quantizer_then_decode():
 def test_the_simple_blocks_scales_and_mins_are_fp16_values_and_the_k_quants_are_not(qtype, fp16):
     """A file's Q8_0 / Q4_0 / Q4_1 keep d (and m) in fp16, and Q4_0's min -8 d is one too: the kernels can hold
     them as fp16 bits. A K-quant's scale is an fp16 times a 6-bit integer: float32."""
-    assert quant_matmul_cpu.half_exact(quant_formats.decode(_file_blocks(qtype), qtype, K)) == fp16
+    assert quant_formats.decode(_file_blocks(qtype), qtype, K).half_exact == fp16

@@ -56,7 +56,7 @@ def test_fp16_scales_give_the_float32_scales_results_bit_for_bit(bits, group, wi
     fp32 = _rows(n, k, bits, group, with_mins)
     rows = QuantRows(fp32.q, fp32.scales.astype(np.float16).astype(np.float32),
                      None if fp32.mins is None else fp32.mins.astype(np.float16).astype(np.float32), group, bits)
-    assert quant_matmul_cpu.half_exact(rows) and not quant_matmul_cpu.half_exact(fp32)
+    assert rows.half_exact and not fp32.half_exact
     full, half = quant_matmul_cpu.pack(rows), quant_matmul_cpu.pack(rows, half=True)
     assert half.scales.dtype == half.mins.dtype == torch.int16
     assert full.nbytes() - half.nbytes() == 2 * (full.scales.numel() + full.mins.numel())
