@@ -65,6 +65,7 @@ def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
         # faster from memory: docs/speed.md#paged-attention)
         for t in range(0, vector_keys, KEYS):
             _prefetch_rows(k_cache, slots, t + KEYS, KEYS)
+            _prefetch_rows(v_cache, slots, t, KEYS)  # for the value pass below, which found them cold
             for kvh in range(kv_heads):
                 last = (kvh + 1) * per_kv  # the GQA group's heads, SCORE_HEADS a pass
                 for h in range(kvh * per_kv, last, SCORE_HEADS):
