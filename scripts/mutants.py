@@ -86,8 +86,11 @@ MUTANTS = [
            "simd.store(builder, total, to)", QUANT_TESTS),
     # a group's sum of x skips its last weight
     Mutant("quant-group-sum-one-short", "quant_matmul_cpu.py",
-           "sums[r, k // group] += x[r, k]", "sums[r, k // group] += x[r, k] if k % group != group - 1 else 0.0",
-           QUANT_TESTS),
+           "total += x[r, k]", "total += x[r, k] if k % group != group - 1 else np.float32(0.0)", QUANT_TESTS),
+    # the group sums left to inherit their caller's fastmath: reordered, so that results depend on who compiled them
+    Mutant("quant-group-sums-inherit-fastmath", "quant_matmul_cpu.py",
+           "@njit(fastmath=False, nogil=True, cache=kernel_cache.CACHE)\ndef _group_sums",
+           "@njit(nogil=True, cache=kernel_cache.CACHE)\ndef _group_sums", QUANT_TESTS),
     # the high nibbles (columns 16-31 of a tile) read as the low ones
     Mutant("quant-high-nibble-as-low", "quant_matmul_cpu.py",
            "high = builder.lshr(wide, ir.Constant(_WORDS, [4] * LANES))", "high = low", QUANT_TESTS),

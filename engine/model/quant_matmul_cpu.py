@@ -228,15 +228,21 @@ def _dequantize(data, scales, mins, group, first, threads, out):
             _row(data, scales, mins, group, first + row, out[row])
 
 
-@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+# (fastmath=False, said: a callee left unset inherits its first caller's fastmath, under which the sums were
+# reordered differently in each caller compiled, so that fp16 and float32 scales gave different last bits)
+@njit(fastmath=False, nogil=True, cache=kernel_cache.CACHE)
 def _group_sums(x, group, has_min):
-    """sums[r, g] = x[r, g * group:(g + 1) * group].sum(): what the mins multiply (none without mins)."""
+    """sums[r, g] = x[r, g * group:(g + 1) * group].sum() added in order: what the mins multiply (none without
+    mins). One group after the other: an index k // group per k cost a one-row matmul as much as its launch."""
     if not has_min:
         return np.zeros((x.shape[0], 0), np.float32)
-    sums = np.zeros((x.shape[0], x.shape[1] // group), np.float32)
+    sums = np.empty((x.shape[0], x.shape[1] // group), np.float32)
     for r in range(x.shape[0]):
-        for k in range(x.shape[1]):
-            sums[r, k // group] += x[r, k]
+        for g in range(sums.shape[1]):
+            total = np.float32(0.0)
+            for k in range(g * group, (g + 1) * group):
+                total += x[r, k]
+            sums[r, g] = total
     return sums
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from numba import njit
 
 from engine.model import quant_matmul_cpu
 from engine.model.quant_formats import QuantRows
@@ -45,6 +46,22 @@ def test_product_matches_float64(bits, group, with_mins, n):
         got = quant_matmul_cpu.linear(torch.from_numpy(x), tiles, None).numpy()
         expected = _reference(x, rows)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+@njit(fastmath=True)
+def _sums_under_fastmath(x, group):
+    return quant_matmul_cpu._group_sums(x, group, True)  # compiled here: x's layout 'A' is a new signature
+
+
+def test_group_sums_add_in_order_whatever_compiles_them():
+    """A numba callee without fastmath of its own compiles with its first caller's; the matmuls' group sums (what
+    the mins multiply) must not, or each compiled caller reorders them its own way and results differ in their
+    last bits by which process compiled what (fp16 and float32 scales did, after a cache filled elsewhere)."""
+    x = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32)[:, ::2]  # non-contiguous: 'A'
+    in_order = np.zeros((3, 4), np.float32)
+    for r, g, k in np.ndindex(3, 4, 32):
+        in_order[r, g] = np.float32(in_order[r, g] + x[r, g * 32 + k])
+    assert np.array_equal(_sums_under_fastmath(x, 32), in_order)
 
 
 @pytest.mark.parametrize("bits,group,with_mins", LAYOUTS)
