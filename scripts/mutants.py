@@ -91,6 +91,14 @@ MUTANTS = [
     Mutant("quant-group-sums-inherit-fastmath", "quant_matmul_cpu.py",
            "@njit(fastmath=False, nogil=True, cache=kernel_cache.CACHE)\ndef _group_sums",
            "@njit(nogil=True, cache=kernel_cache.CACHE)\ndef _group_sums", QUANT_TESTS),
+    # prefill's dequantization writes a tile's high nibbles over its low columns (columns 16-31 never written)
+    Mutant("dequantize-block-high-nibble-as-low", "quant_matmul_cpu.py",
+           "store_column(j + HALF, builder.sitofp(builder.lshr(", "store_column(j, builder.sitofp(builder.lshr(",
+           QUANT_TESTS),
+    # ... and the 8-bit tile's second half of columns as its first
+    Mutant("dequantize-block-second-half-as-first", "quant_matmul_cpu.py",
+           "store_column(c * LANES + j, builder.sitofp(lanes, simd.FLOATS))",
+           "store_column(j, builder.sitofp(lanes, simd.FLOATS))", QUANT_TESTS),
     # the high nibbles (columns 16-31 of a tile) read as the low ones
     Mutant("quant-high-nibble-as-low", "quant_matmul_cpu.py",
            "high = builder.lshr(wide, ir.Constant(_WORDS, [4] * LANES))", "high = low", QUANT_TESTS),

@@ -220,12 +220,88 @@ def _rows(data, scales, mins, group, ids, out):
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, parallel=True)
 def _dequantize(data, scales, mins, group, first, threads, out):
-    """out[r] = W[first + r] for every row of out."""
-    rows = out.shape[0]
-    parts = min(threads, rows)
+    """out[r] = W[first + r] for every row of out: whole tiles LANES k's at a time by _dequantize_block, the rest
+    (a last partial tile, a start inside a tile, other layouts) row by row."""
+    rows, k_len = out.shape
+    blocks = (first % TILE == 0 and group % LANES == 0 and k_len % LANES == 0
+              and not quant_dot_cpu.is_quads(data))
+    whole = rows // TILE if blocks else 0
+    parts = min(threads, max(whole, 1))
     for part in prange(parts):
-        for row in range(part * rows // parts, (part + 1) * rows // parts):
+        for t in range(part * whole // parts, (part + 1) * whole // parts):
+            for k in range(0, k_len, LANES):
+                _dequantize_block(data, scales, mins, first // TILE + t, k // group, k, out, t * TILE)
+    rest = rows - whole * TILE
+    parts = min(threads, max(rest, 1))
+    for part in prange(parts):
+        for row in range(whole * TILE + part * rest // parts, whole * TILE + (part + 1) * rest // parts):
             _row(data, scales, mins, group, first + row, out[row])
+
+
+@intrinsic
+def _dequantize_block(typingctx, data, scales, mins, tile, g, k, out, row):
+    """out[row + j, k:k + LANES] = W[tile * TILE + j, k:k + LANES] for the tile's TILE rows j, k a multiple of LANES
+    inside group g: the LANES k's of the tile's integers (LANES bytes each, twice for 8 bits) transposed in
+    registers, so that a row's LANES weights are one store where row by row each weight was a load of its
+    own byte (prefill dequantizes every weight once a step). Each weight is q * scale + min in one rounding,
+    as _row computes it."""
+    def codegen(context, builder, signature, args):
+        data_arg, scales_arg, mins_arg, tile_arg, g_arg, k_arg, out_arg, row_arg = args
+        data_ary, scales_ary, mins_ary, out_ary = [context.make_array(signature.args[i])(context, builder, args[i])
+                                                    for i in (0, 1, 2, 6)]
+        half = signature.args[1].dtype == types.int16  # scales and mins as fp16 bits
+        _, k_len, width = cgutils.unpack_tuple(builder, data_ary.shape, 3)
+        groups = cgutils.unpack_tuple(builder, scales_ary.shape, 3)[1]
+        has_min = builder.icmp_signed(">", cgutils.unpack_tuple(builder, mins_ary.shape, 3)[1], const(0))
+        out_row = builder.udiv(cgutils.unpack_tuple(builder, out_ary.strides, 2)[0], const(4))  # in elements
+        byte = ir.IntType(8).as_pointer()
+        first_k = builder.gep(builder.bitcast(data_ary.data, byte),
+                              [builder.mul(builder.add(builder.mul(tile_arg, k_len), k_arg), width)])
+        at_group = builder.mul(builder.add(builder.mul(tile_arg, groups), g_arg), const(TILE))
+
+        def scalar(ary, column):  # a scale or min of this group for one column, as float32
+            here = builder.gep(ary.data, [builder.add(at_group, const(column))])
+            if half:
+                return builder.fpext(builder.bitcast(builder.load(here), ir.HalfType()), ir.FloatType())
+            return builder.load(here)
+
+        def store_column(column, weights):
+            scale = simd.broadcast(builder, scalar(scales_ary, column))
+            with builder.if_else(has_min) as (with_min, without):
+                with with_min:
+                    low = simd.broadcast(builder, scalar(mins_ary, column))
+                    block = builder.block
+                with without:
+                    block_none = builder.block
+            low_or_zero = builder.phi(simd.FLOATS)
+            low_or_zero.add_incoming(low, block)
+            low_or_zero.add_incoming(ir.Constant(simd.FLOATS, None), block_none)
+            to = builder.gep(out_ary.data, [builder.add(builder.mul(builder.add(row_arg, const(column)), out_row),
+                                                        k_arg)])
+            simd.store(builder, simd.fma(builder, weights, scale, low_or_zero), to)
+
+        def transposed(offset, widen):  # LANES k's of LANES bytes from `offset` on, byte j of each k in vector j
+            k_rows = []
+            for i in range(LANES):
+                here = builder.gep(first_k, [builder.add(builder.mul(const(i), width), const(offset))])
+                raw = builder.load(builder.bitcast(here, _BYTES.as_pointer()), align=1)
+                k_rows.append(builder.bitcast(widen(raw, _WORDS), simd.FLOATS))
+            return [builder.bitcast(v, _WORDS) for v in simd.transpose(builder, k_rows)]
+
+        with builder.if_else(builder.icmp_signed("==", width, const(HALF))) as (four_bit, eight_bit):
+            with four_bit:  # byte j: column j in its low nibble, column j + HALF in its high one
+                for j, lanes in enumerate(transposed(0, builder.zext)):
+                    store_column(j, builder.sitofp(builder.and_(lanes, ir.Constant(_WORDS, [0x0F] * LANES)),
+                                                   simd.FLOATS))
+                    store_column(j + HALF, builder.sitofp(builder.lshr(lanes, ir.Constant(_WORDS, [4] * LANES)),
+                                                          simd.FLOATS))
+            with eight_bit:  # byte j of the c-th half: column c * LANES + j, an int8
+                for c in range(TILE // LANES):
+                    for j, lanes in enumerate(transposed(c * LANES, builder.sext)):
+                        store_column(c * LANES + j, builder.sitofp(lanes, simd.FLOATS))
+        return context.get_dummy_value()
+
+    return types.void(data, scales, mins, tile, g, k, out, row), codegen
 
 
 # (fastmath=False, said: a callee left unset inherits its first caller's fastmath, under which the sums were

@@ -117,6 +117,11 @@ def test_dequantize_and_embedding_rows_are_exact(bits, group, with_mins):
     assert np.array_equal(quant_matmul_cpu.dequantize_rows(tiles, 0, torch.empty(weight.shape)).numpy(), weight)
     ids = torch.tensor([0, TILE // 2 - 1, TILE // 2, TILE + 1, 2 * TILE + 2])  # both nibbles, the last tile
     assert np.array_equal(quant_matmul_cpu.embedding_rows(tiles, ids).numpy(), weight[ids.numpy()])
+    # whole tiles go by blocks of k's transposed in registers, the rest row by row: a start inside a tile, a run
+    # from a tile's start that ends inside the last one
+    for first, rows in ((5, 2 * TILE - 2), (TILE, TILE + 3)):
+        got = quant_matmul_cpu.dequantize_rows(tiles, first, torch.empty(rows, weight.shape[1])).numpy()
+        assert np.array_equal(got, weight[first:first + rows])
 
 
 def test_four_bit_tiles_hold_half_a_byte_a_weight():
