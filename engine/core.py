@@ -15,7 +15,7 @@ from engine.kv.disk_tier import DiskTier, model_fingerprint, open_disk_tier
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_io import KVBlockIO
 from engine.messages import CacheCommand, CacheErased, PinList
-from engine.model import cpu_kernels
+from engine.model import cpu_kernels, huge_pages
 from engine.model.llama import LlamaForCausalLM, head_dim
 from engine.model.loader import load_model, resolve_model_path, weights_format
 from engine.model.model_config import load_config
@@ -458,4 +458,7 @@ def _allocate_kv_cache(config: EngineConfig, hf_config, dtype: torch.dtype, devi
         bytes_per_block = 2 * layers * config.block_size * kv_heads * dim * dtype.itemsize
         num_blocks = max(2, config.kv_cache_memory_mb * 2**20 // bytes_per_block)
     # NOTE: one tensor for the whole pool, allocated once; a token's slot is block_id * block_size + offset
-    return torch.zeros(2, layers, num_blocks, config.block_size, kv_heads, dim, dtype=dtype, device=device)
+    shape = (2, layers, num_blocks, config.block_size, kv_heads, dim)
+    if device.type == "cpu":  # in huge pages, as the weights (huge_pages.py)
+        return huge_pages.zeros(shape, dtype)
+    return torch.zeros(*shape, dtype=dtype, device=device)

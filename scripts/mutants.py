@@ -152,6 +152,10 @@ MUTANTS = [
     Mutant("rotary-first-half-sign", "fused_cuda.py",
            "return (first * cos_first[None, :] - second * sin_first[None, :],",
            "return (first * cos_first[None, :] + second * sin_first[None, :],", FUSED_TESTS),
+    # weights and the KV pool in a shared anonymous mapping: Linux backs it with huge pages only where shmem_enabled
+    # says so (mostly never)
+    Mutant("huge-pages-shared-mapping", "huge_pages.py", "flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS",
+           "flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS", ("tests/engine/model/test_huge_pages.py",)),
 ]
 
 

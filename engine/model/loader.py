@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file
 
-from engine.model import quant_formats
+from engine.model import huge_pages, quant_formats
 from engine.model.gguf_loader import WEIGHTS_NAME, as_float, gguf_model_dir, is_gguf_dir, read_tensors
 from engine.model.linear import Embedding, Linear, can_pack, pack_linears
 from engine.model.llama import LlamaForCausalLM
@@ -85,7 +86,24 @@ def load_model(path: Path, config: AnyConfig, dtype: torch.dtype, device: torch.
     if device.type == "cpu" and dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         logger.warning("bfloat16 on a CPU without the instructions oneDNN needs for it (avx512bw/vl/dq, "
                        "avx_ne_convert or AMX): prefill's plain bf16 matmuls are likely slower than float32")
+    del state, quantized, floats  # (the decoded rows, before the tiles are copied once more)
+    _quant_tiles_into_huge_pages(model)
     return model
+
+
+def _quant_tiles_into_huge_pages(model: LlamaForCausalLM) -> None:
+    """The quantized tiles, which every decode step streams, copied into one mapping of huge pages
+    (huge_pages.py); a tied embedding and lm_head keep sharing theirs."""
+    tiles = {id(m.quant): m.quant for m in model.modules()
+             if isinstance(m, (Embedding, Linear)) and m.quant is not None}
+    if not tiles:
+        return
+    copies = iter(huge_pages.copy_into_huge_pages([t for q in tiles.values() for t in (q.data, q.scales, q.mins)]))
+    moved = {key: dataclasses.replace(q, data=next(copies), scales=next(copies), mins=next(copies))
+             for key, q in tiles.items()}
+    for module in model.modules():
+        if isinstance(module, (Embedding, Linear)) and module.quant is not None:
+            module.quant = moved[id(module.quant)]
 
 
 def _read_state(path: Path, config: AnyConfig, weights: str) -> dict[str, torch.Tensor | QuantRows]:
