@@ -19,20 +19,33 @@ HUGE_PAGE = 2 << 20
 ALIGN = 64  # each tensor starts on a cache line
 
 
-def copy_into_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of CPU `tensors` in one mapping advised for huge pages, in order; the mapping lives as long as any
-    of them."""
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    starts = [0]
-    for size in sizes:
-        starts.append(starts[-1] + -(-size // ALIGN) * ALIGN)
-    mapping = _mapping(starts[-1])
-    copies = []
-    for tensor, start, size in zip(tensors, starts, sizes):
+class Arena:
+    """One mapping advised for huge pages that tensors are copied into one after the other (`place`), each on a
+    cache line of its own; the mapping lives as long as any copy. A caller that drops each original as soon as
+    its copy is placed holds little more than the weights at any moment."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Room for copies of `tensors`, placed later in any order."""
+        self.size = sum(-(-_nbytes(t) // ALIGN) * ALIGN for t in tensors)
+        self._mapping = _mapping(self.size)
+        self._used = 0
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of CPU `tensor` in the mapping."""
+        size = _nbytes(tensor)
+        if self._used + size > self.size:
+            raise ValueError(f"the arena holds {self.size} bytes; {self._used} used, {size} more asked")
         # (torch.frombuffer holds the mapping: it is unmapped when the last copy goes)
-        copy = torch.frombuffer(mapping, dtype=torch.uint8, count=size, offset=start) if size else torch.empty(0)
-        copies.append(copy.view(tensor.dtype).view(tensor.shape).copy_(tensor))
-    return copies
+        raw = torch.frombuffer(self._mapping, dtype=torch.uint8, count=size, offset=self._used) if size else \
+            torch.empty(0, dtype=torch.uint8)
+        self._used += -(-size // ALIGN) * ALIGN
+        return raw.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+
+
+def copy_into_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of CPU `tensors` in one mapping advised for huge pages, in order."""
+    arena = Arena(tensors)
+    return [arena.place(t) for t in tensors]
 
 
 def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -51,3 +64,7 @@ def _mapping(size: int) -> mmap.mmap:
     if hasattr(mmap, "MADV_HUGEPAGE"):
         mapping.madvise(mmap.MADV_HUGEPAGE)
     return mapping
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

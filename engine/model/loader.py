@@ -87,23 +87,39 @@ def load_model(path: Path, config: AnyConfig, dtype: torch.dtype, device: torch.
         logger.warning("bfloat16 on a CPU without the instructions oneDNN needs for it (avx512bw/vl/dq, "
                        "avx_ne_convert or AMX): prefill's plain bf16 matmuls are likely slower than float32")
     del state, quantized, floats  # (the decoded rows, before the tiles are copied once more)
-    _quant_tiles_into_huge_pages(model)
+    if device.type == "cpu":
+        _tiles_into_huge_pages(model)
     return model
 
 
-def _quant_tiles_into_huge_pages(model: LlamaForCausalLM) -> None:
-    """The quantized tiles, which every decode step streams, copied into one mapping of huge pages
-    (huge_pages.py); a tied embedding and lm_head keep sharing theirs."""
-    tiles = {id(m.quant): m.quant for m in model.modules()
-             if isinstance(m, (Embedding, Linear)) and m.quant is not None}
-    if not tiles:
+def _tiles_into_huge_pages(model: LlamaForCausalLM) -> None:
+    """The tiles every decode step streams (quantized, or the packed float ones) moved into one mapping of huge
+    pages (huge_pages.py), one module at a time so that each original goes as its copy is placed; a tied
+    embedding keeps sharing the lm_head's."""
+    modules = [m for m in model.modules() if isinstance(m, (Embedding, Linear))]
+    quant = {id(m.quant): m.quant for m in modules if m.quant is not None}
+    packed = {id(t): t for m in modules for t in (getattr(m, "packed", None), getattr(m, "tiles", None))
+              if t is not None}
+    tensors = [t for q in quant.values() for t in (q.data, q.scales, q.mins)] + list(packed.values())
+    if not tensors:
         return
-    copies = iter(huge_pages.copy_into_huge_pages([t for q in tiles.values() for t in (q.data, q.scales, q.mins)]))
-    moved = {key: dataclasses.replace(q, data=next(copies), scales=next(copies), mins=next(copies))
-             for key, q in tiles.items()}
-    for module in model.modules():
-        if isinstance(module, (Embedding, Linear)) and module.quant is not None:
-            module.quant = moved[id(module.quant)]
+    arena = huge_pages.Arena(tensors)
+    del tensors
+    moved: dict[int, object] = {}
+
+    def place(kind: dict, key: int, copy):
+        if key not in moved:
+            moved[key] = copy(kind.pop(key))
+        return moved[key]
+
+    for module in modules:
+        if module.quant is not None:
+            module.quant = place(quant, id(module.quant), lambda q: dataclasses.replace(
+                q, data=arena.place(q.data), scales=arena.place(q.scales), mins=arena.place(q.mins)))
+        if isinstance(module, Linear) and module.packed is not None:
+            module.packed = place(packed, id(module.packed), arena.place)
+        if isinstance(module, Embedding) and module.tiles is not None:
+            module.tiles = place(packed, id(module.tiles), arena.place)
 
 
 def _read_state(path: Path, config: AnyConfig, weights: str) -> dict[str, torch.Tensor | QuantRows]:

@@ -1,4 +1,4 @@
-"""Weights and the KV pool in one mapping advised for huge pages: the same values, the mapping kept alive by its
+"""Weights and the KV pool in mappings advised for huge pages: the same values, the mapping kept alive by its
 tensors, and (where Linux grants transparent huge pages on madvise) a mapping the kernel may back with them."""
 from __future__ import annotations
 
@@ -78,3 +78,23 @@ def test_a_quantized_models_tiles_and_kv_pool_live_in_advised_mappings(tiny_llam
         assert _mapping_of(tiles[0].data)["THPeligible"] == "1"
         assert _mapping_of(llm.core.runner.kv_slots)["THPeligible"] == "1"
     assert len(llm.generate([5, 6, 7], SamplingParams(max_tokens=4, temperature=0))[0].token_ids) == 4
+
+
+def test_an_arena_refuses_more_than_it_was_sized_for():
+    arena = huge_pages.Arena([torch.zeros(10)])
+    arena.place(torch.ones(10))
+    with pytest.raises(ValueError, match="holds"):
+        arena.place(torch.ones(1))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_float_models_packed_tiles_live_in_one_advised_mapping(dtype, tiny_llama_dir):
+    """The packed float tiles move as the quantized ones do; the tied embedding reads its rows from the
+    lm_head's moved tiles."""
+    llm = LLM(str(tiny_llama_dir), dtype=dtype, block_size=16, num_kv_blocks=64, max_num_batched_tokens=64)
+    model = llm.core.model
+    packed = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
+    assert packed and model.model.embed_tokens.tiles is model.lm_head.packed
+    assert len({_mapping_of(t)["range"] for t in packed}) == 1
+    if _huge_pages_on_madvise():
+        assert _mapping_of(packed[0])["THPeligible"] == "1"
