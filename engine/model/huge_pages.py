@@ -1,11 +1,12 @@
-"""Weights in 2 MB pages where Linux gives them (transparent huge pages, which most distributions grant on
+"""Tensors in 2 MB pages where Linux gives them (transparent huge pages, which most distributions grant on
 madvise): a decode step streams every weight once, and in 4 KB pages each 4 KB of it is a TLB miss of its own.
 The step's 120 Q4_1 matmuls of the default model took 2.96 ms from one advised mapping against 3.27 ms in 4 KB
-pages (docs/speed.md#quantized-weights).
+pages, its packed fp32 ones 13.5 against 16.9 ms (docs/speed.md#quantized-weights).
 
-`copy_into_huge_pages` lays tensors one after the other in one anonymous mapping advised MADV_HUGEPAGE (one
-mapping: a mapping per tensor would round each up to 2 MB, and a page is counted whole once touched). Elsewhere
-(no MADV_HUGEPAGE, or not Linux) the mapping is plain memory and nothing else changes.
+An `Arena` lays copies one after the other in one private anonymous mapping advised MADV_HUGEPAGE (one mapping:
+a mapping per tensor would round each up to 2 MB, and a page is counted whole once touched): the loader moves
+the tiles there. `zeros` gives the CPU KV pool (and bench.decode's bandwidth probe) a mapping of its own.
+Elsewhere (no MADV_HUGEPAGE, or not Linux) a mapping is plain memory and nothing else changes.
 """
 from __future__ import annotations
 
@@ -40,12 +41,6 @@ class Arena:
             torch.empty(0, dtype=torch.uint8)
         self._used += -(-size // ALIGN) * ALIGN
         return raw.view(tensor.dtype).view(tensor.shape).copy_(tensor)
-
-
-def copy_into_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of CPU `tensors` in one mapping advised for huge pages, in order."""
-    arena = Arena(tensors)
-    return [arena.place(t) for t in tensors]
 
 
 def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

@@ -42,8 +42,9 @@ def test_copies_hold_the_same_values_in_one_mapping_that_outlives_the_originals(
     originals = [torch.randn(3, 5), torch.arange(10, dtype=torch.int16), torch.randn(4, 4).bfloat16(),
                  torch.empty(0, 3, dtype=torch.int16), torch.randint(0, 255, (7, 3, 16), dtype=torch.uint8)]
     expected = [t.clone() for t in originals]
-    copies = huge_pages.copy_into_huge_pages(originals)
-    del originals
+    arena = huge_pages.Arena(originals)
+    copies = [arena.place(t) for t in originals]
+    del originals, arena
     gc.collect()
     for copy, want in zip(copies, expected):
         assert copy.dtype == want.dtype and copy.shape == want.shape and torch.equal(copy, want)
