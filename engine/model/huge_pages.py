@@ -27,7 +27,7 @@ class Arena:
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         """Room for copies of `tensors`, placed later in any order."""
-        self.size = sum(-(-_nbytes(t) // ALIGN) * ALIGN for t in tensors)
+        self.size = sum(_aligned(_nbytes(t)) for t in tensors)
         self._mapping = _mapping(self.size)
         self._used = 0
 
@@ -36,20 +36,16 @@ class Arena:
         size = _nbytes(tensor)
         if self._used + size > self.size:
             raise ValueError(f"the arena holds {self.size} bytes; {self._used} used, {size} more asked")
-        # (torch.frombuffer holds the mapping: it is unmapped when the last copy goes)
-        raw = torch.frombuffer(self._mapping, dtype=torch.uint8, count=size, offset=self._used) if size else \
-            torch.empty(0, dtype=torch.uint8)
-        self._used += -(-size // ALIGN) * ALIGN
-        return raw.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        copy = _tensor_at(self._mapping, self._used, size, tensor.dtype, tensor.shape).copy_(tensor)
+        self._used += _aligned(size)
+        return copy
 
 
 def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros on CPU in a mapping of its own advised for huge pages (the KV pool, which decode attention
     streams), every page written as torch.zeros writes them: the memory is taken at once, not on first use."""
     size = math.prod(shape) * dtype.itemsize
-    if not size:
-        return torch.zeros(*shape, dtype=dtype)
-    return torch.frombuffer(_mapping(size), dtype=torch.uint8, count=size).view(dtype).view(*shape).zero_()
+    return _tensor_at(_mapping(size), 0, size, dtype, shape).zero_()
 
 
 def _mapping(size: int) -> mmap.mmap:
@@ -59,6 +55,18 @@ def _mapping(size: int) -> mmap.mmap:
     if hasattr(mmap, "MADV_HUGEPAGE"):
         mapping.madvise(mmap.MADV_HUGEPAGE)
     return mapping
+
+
+def _tensor_at(mapping: mmap.mmap, offset: int, size: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """The `size` bytes at `offset` of the mapping as a tensor (torch.frombuffer holds the mapping: it is unmapped
+    when the last such tensor goes; it refuses no bytes, so an empty tensor is its own)."""
+    raw = torch.frombuffer(mapping, dtype=torch.uint8, count=size, offset=offset) if size else \
+        torch.empty(0, dtype=torch.uint8)
+    return raw.view(dtype).view(*shape)
+
+
+def _aligned(size: int) -> int:
+    return -(-size // ALIGN) * ALIGN
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -23,9 +23,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("prefixgate.engine")
 
-# checkpoint projections that our decoder runs as one matmul: fused name -> the parts, in order
 # what `quantization` may be besides none: the file's own formats (GGUF), or a ggml format to quantize to at load
 AT_LOAD = {"q8_0": quant_formats.QType.Q8_0, "q4_0": quant_formats.QType.Q4_0}
+# what a Linear or an Embedding may stream its weight from: quantized tiles, packed float tiles (Linear), the tied
+# lm_head's packed tiles (Embedding)
+TILE_ATTRIBUTES = ("quant", "packed", "tiles")
+# checkpoint projections that our decoder runs as one matmul: fused name -> the parts, in order
 FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                      "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
@@ -97,29 +100,27 @@ def _tiles_into_huge_pages(model: LlamaForCausalLM) -> None:
     pages (huge_pages.py), one module at a time so that each original goes as its copy is placed; a tied
     embedding keeps sharing the lm_head's."""
     modules = [m for m in model.modules() if isinstance(m, (Embedding, Linear))]
-    quant = {id(m.quant): m.quant for m in modules if m.quant is not None}
-    packed = {id(t): t for m in modules for t in (getattr(m, "packed", None), getattr(m, "tiles", None))
-              if t is not None}
-    tensors = [t for q in quant.values() for t in (q.data, q.scales, q.mins)] + list(packed.values())
-    if not tensors:
+    # each module's QuantTiles and packed tiles, once: a tied pair holds the same ones
+    originals = {id(o): o for m in modules for o in (getattr(m, name, None) for name in TILE_ATTRIBUTES)
+                 if o is not None}
+    if not originals:
         return
-    arena = huge_pages.Arena(tensors)
-    del tensors
-    moved: dict[int, object] = {}
+    arena = huge_pages.Arena([t for o in originals.values()
+                              for t in ((o,) if isinstance(o, torch.Tensor) else (o.data, o.scales, o.mins))])
+    del originals  # (from here the modules alone hold the originals: each goes as its module's is replaced)
+    copies: dict[int, object] = {}  # id of an original -> its copy
 
-    def place(kind: dict, key: int, copy):
-        if key not in moved:
-            moved[key] = copy(kind.pop(key))
-        return moved[key]
+    def copy_of(original):
+        if id(original) not in copies:
+            copies[id(original)] = arena.place(original) if isinstance(original, torch.Tensor) else \
+                dataclasses.replace(original, data=arena.place(original.data), scales=arena.place(original.scales),
+                                    mins=arena.place(original.mins))
+        return copies[id(original)]
 
     for module in modules:
-        if module.quant is not None:
-            module.quant = place(quant, id(module.quant), lambda q: dataclasses.replace(
-                q, data=arena.place(q.data), scales=arena.place(q.scales), mins=arena.place(q.mins)))
-        if isinstance(module, Linear) and module.packed is not None:
-            module.packed = place(packed, id(module.packed), arena.place)
-        if isinstance(module, Embedding) and module.tiles is not None:
-            module.tiles = place(packed, id(module.tiles), arena.place)
+        for name in TILE_ATTRIBUTES:
+            if getattr(module, name, None) is not None:
+                setattr(module, name, copy_of(getattr(module, name)))
 
 
 def _read_state(path: Path, config: AnyConfig, weights: str) -> dict[str, torch.Tensor | QuantRows]:

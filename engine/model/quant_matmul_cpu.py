@@ -208,8 +208,13 @@ def _as_float_for(value):
 @intrinsic
 def _half_to_float(typingctx, bits):
     def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return _float_of_half_bits(builder, args[0])
     return types.float32(types.int16), codegen
+
+
+def _float_of_half_bits(builder: ir.IRBuilder, bits: ir.Value) -> ir.Value:
+    """The float32 of an fp16 held as its bits (an i16)."""
+    return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
@@ -260,10 +265,8 @@ def _dequantize_block(typingctx, data, scales, mins, tile, g, k, out, row):
         at_group = builder.mul(builder.add(builder.mul(tile_arg, groups), g_arg), const(TILE))
 
         def scalar(ary, column):  # a scale or min of this group for one column, as float32
-            here = builder.gep(ary.data, [builder.add(at_group, const(column))])
-            if half:
-                return builder.fpext(builder.bitcast(builder.load(here), ir.HalfType()), ir.FloatType())
-            return builder.load(here)
+            value = builder.load(builder.gep(ary.data, [builder.add(at_group, const(column))]))
+            return _float_of_half_bits(builder, value) if half else value
 
         def store_column(column, weights):
             scale = simd.broadcast(builder, scalar(scales_ary, column))
