@@ -14,6 +14,7 @@ from engine.model import huge_pages
 from tests.support.tiny_gguf import write_gguf_model
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+pytestmark = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
 
 
 def _mapping_of(tensor: torch.Tensor) -> dict[str, str]:
@@ -55,7 +56,6 @@ def test_copies_hold_the_same_values_in_one_mapping_that_outlives_the_originals(
     assert torch.equal(copies[0], expected[0] + 1)
 
 
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc")
 def test_the_mapping_is_advised_for_huge_pages():
     zeros = huge_pages.zeros((3, 2 << 20), torch.bfloat16)  # 12 MB
     assert zeros.shape == (3, 2 << 20) and zeros.dtype == torch.bfloat16 and not zeros.any()
