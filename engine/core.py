@@ -103,7 +103,7 @@ class EngineCore:
         self._ttfts: list[float] = []
         self._prefill_times: list[float] = []
         self._inter_token_latencies: list[float] = []
-        heap.trim()  # loading's freed temporaries back to the OS
+        self._release_idle_memory()  # with loading's freed temporaries
 
     # ---- requests in and out
 
@@ -150,12 +150,22 @@ class EngineCore:
 
     def idle(self, just_idle: bool) -> None:
         """No request runs. Pins expire; on becoming idle, the disk tier (if any) gets the cached blocks it
-        lacks and the pins, so a killed engine restarts warm."""
+        lacks and the pins, so a killed engine restarts warm, and a quantized model's prefill scratch goes back
+        to the OS."""
         self.kv.pins.expire()
         if self.kv.disk is not None and not self.kv.disk.closed:
             if just_idle:
                 self.kv.write_behind()
             self.kv.save_pins()
+        if just_idle:
+            self._release_idle_memory()
+
+    def _release_idle_memory(self) -> None:
+        """A quantized model's prefill scratch and the heap's freed pages back to the OS."""
+        if self.weights_format != "none":
+            from engine.model import quant_matmul_cpu
+            quant_matmul_cpu.release_prefill_scratch()
+        heap.trim()
 
     def cache_command(self, command: CacheCommand) -> PinList | CacheErased:
         if command.op == "list":

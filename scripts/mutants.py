@@ -101,10 +101,10 @@ MUTANTS = [
            "store_column(j, builder.sitofp(lanes, simd.FLOATS))", QUANT_TESTS),
     # the high nibbles (columns 16-31 of a tile) read as the low ones
     Mutant("quant-high-nibble-as-low", "quant_matmul_cpu.py",
-           "high = builder.lshr(wide, ir.Constant(_WORDS, [4] * LANES))", "high = low", QUANT_TESTS),
+           "high = builder.lshr(wide, words(4))", "high = low", QUANT_TESTS),
     # the low nibbles not masked: columns 0-15 read with their high neighbours' bits (16x too large; AVX2's code)
     Mutant("quant-low-nibble-unmasked", "quant_matmul_cpu.py",
-           "low = builder.and_(wide, ir.Constant(_WORDS, [0x0F] * LANES))", "low = wide", QUANT_TESTS, isa="avx2"),
+           "low = builder.and_(wide, words(0x0F))", "low = wide", QUANT_TESTS, isa="avx2"),
     # AVX-512's nibble lookup reads the high nibbles for the low columns too
     Mutant("quant-nibble-lookup-high-as-low", "quant_matmul_cpu.py",
            "return [_nibble_floats(builder, wide), _nibble_floats(builder, high)]",
@@ -114,13 +114,41 @@ MUTANTS = [
            "return [builder.sitofp(builder.load(", "return [builder.uitofp(builder.load(", QUANT_TESTS),
     # fp16 scales read back as integers where a row is dequantized (embedding, prefill)
     Mutant("quant-half-scale-bits-as-integer", "quant_matmul_cpu.py",
-           "return lambda value: _half_to_float(value)", "return lambda value: np.float32(value)", QUANT_TESTS),
+           "return lambda values, tile, g, j: _half_to_float(values[tile, g, j])",
+           "return lambda values, tile, g, j: np.float32(values[tile, g, j])", QUANT_TESTS),
     # the microkernel's second vector of fp16 scales read from the middle of the first
     Mutant("quant-half-scales-second-vector-shifted", "quant_matmul_cpu.py",
-           "builder.gep(base, [const(v * LANES)])", "builder.gep(base, [const(v * LANES // 2)])", QUANT_TESTS),
+           "builder.gep(pointer, [const(v * LANES)])", "builder.gep(pointer, [const(v * LANES // 2)])", QUANT_TESTS),
     # an embedding row's weights scaled by the next group's scale
     Mutant("quant-row-group-index-shifted", "quant_matmul_cpu.py",
-           "scale = _as_float(scales[tile, g, j])", "scale = _as_float(scales[tile, (g + 1) % scales.shape[1], j])",
+           "scale = _group_value(scales, tile, g, j)",
+           "scale = _group_value(scales, tile, (g + 1) % (out.shape[0] // group), j)", QUANT_TESTS),
+    # super-block records: the microkernel takes the int8 sub-scales for the scales (the fp16 factor dropped)
+    Mutant("quant-super-block-factor-dropped", "quant_matmul_cpu.py",
+           "return [builder.fmul(sub, factor) for sub, factor in zip(subs, factors)]", "return subs", QUANT_TESTS),
+    # ... every kernel reads a group's sub-scales half a run early (two groups' columns mixed)
+    Mutant("quant-super-block-sub-scales-shifted", "quant_matmul_cpu.py",
+           "builder.add(const(SUPER_HEAD), builder.mul(within, const(TILE)))",
+           "builder.add(const(SUPER_HEAD), builder.mul(within, const(TILE // 2)))", QUANT_TESTS),
+    # ... a row read alone (embedding, prefill's last rows) loses the high byte of its fp16 factor
+    Mutant("quant-super-block-row-factor-low-byte", "quant_matmul_cpu.py",
+           "bits = (np.int32(record[2 * j]) & 0xFF) | (np.int32(record[2 * j + 1]) << 8)",
+           "bits = np.int32(record[2 * j]) & 0xFF", QUANT_TESTS),
+    # 6 bits: the microkernel takes columns 8-15 and 24-31's top bits from their byte's pair of columns 0-7
+    Mutant("quant-six-bit-top-pairs-unshifted", "quant_matmul_cpu.py",
+           "shifts = ir.Constant(_WORDS, [4 * v] * 8 + [4 * v + 2] * 8)", "shifts = ir.Constant(_WORDS, [4 * v] * 16)",
+           QUANT_TESTS),
+    # ... its values offset by 31, not 32
+    Mutant("quant-six-bit-offset-off-by-one", "quant_matmul_cpu.py",
+           "q = builder.sub(builder.or_(lows[v], builder.shl(top, words(4))), words(32))",
+           "q = builder.sub(builder.or_(lows[v], builder.shl(top, words(4))), words(31))", QUANT_TESTS),
+    # ... prefill's dequantization takes every column's top bits at shift 0
+    Mutant("dequantize-block-six-bit-top-unshifted", "quant_matmul_cpu.py",
+           "builder.lshr(tops[column % 8], words(2 * (column // 8)))", "builder.lshr(tops[column % 8], words(0))",
+           QUANT_TESTS),
+    # ... a row read alone takes its top bits from the wrong byte
+    Mutant("quant-six-bit-row-top-byte", "quant_matmul_cpu.py",
+           "top_byte, top_shift = HALF + j % 8, (j // 8) * 2", "top_byte, top_shift = HALF + j // 4, (j // 8) * 2",
            QUANT_TESTS),
     # integer dot products: 8-bit weights' signs never reach the activations (every weight read as |w|)
     Mutant("dot-int8-sign-dropped", "quant_dot_cpu.py",

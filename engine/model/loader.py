@@ -159,13 +159,13 @@ def _set_quantized(model: LlamaForCausalLM, quantized: dict[str, QuantRows], tie
     if not quantized:
         return
     from engine.model import quant_matmul_cpu  # (numba: only a quantized model needs it)
-    # fp16 scales and mins (the files' own, half the bytes) where all of the model's are fp16 values
-    half = not integer and all(rows.half_exact for rows in quantized.values())
+    # the fewest bytes of scales and mins that hold every weight's exactly (one kind a model)
+    kind = quant_matmul_cpu.scale_kind(list(quantized.values()), integer)
     for name, rows in quantized.items():
         module = model.get_submodule(name.removesuffix(".weight"))
         if not isinstance(module, (Embedding, Linear)):
             raise ValueError(f"{name}: a quantized weight where a float one belongs")
-        module.quant, module.weight = quant_matmul_cpu.pack(rows, integer, half), None
+        module.quant, module.weight = quant_matmul_cpu.pack(rows, integer, kind), None
         if isinstance(module, Embedding) and tied:
             model.lm_head.quant, model.lm_head.weight = module.quant, None
 

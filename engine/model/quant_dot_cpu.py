@@ -51,8 +51,9 @@ _FLOATS = ir.VectorType(ir.FloatType(), COLUMNS)
 
 
 def fits(rows: QuantRows) -> bool:
-    """Whether the weight can run on integer dot products: groups of 32 (Q8_0, Q4_0, Q4_1, Q4_K; not Q6_K's 16)."""
-    return rows.group == GROUP and rows.shape[1] % GROUP == 0
+    """Whether the weight can run on integer dot products: groups of 32 of 4 or 8 bits (Q8_0, Q4_0, Q4_1, Q4_K;
+    not Q6_K)."""
+    return rows.group == GROUP and rows.shape[1] % GROUP == 0 and rows.bits in (4, 8)
 
 
 def pack(rows: QuantRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

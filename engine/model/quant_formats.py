@@ -1,7 +1,7 @@
 """ggml's block formats, decoded into one shape the kernels run: integers with a scale (and min) per group.
 
 Every format the engine runs natively is `w[n, k] = q[n, k] * scale[n, g] + min[n, g]` for g = k // group,
-with q 4-bit (0..15) or 8-bit (-128..127) and scale / min in float32:
+with q 4-bit (0..15), 6-bit (-32..31) or 8-bit (-128..127) and scale / min in float32:
 
 | file format | bits | group | scale        | min             |
 |-------------|------|-------|--------------|-----------------|
@@ -9,11 +9,13 @@ with q 4-bit (0..15) or 8-bit (-128..127) and scale / min in float32:
 | Q4_0        | 4    | 32    | d            | -8 d            |
 | Q4_1        | 4    | 32    | d            | m               |
 | Q4_K        | 4    | 32    | d * sc[j]    | -dmin * m[j]    |
-| Q6_K        | 8    | 16    | d * sc[j]    | none (q - 32)   |
+| Q6_K        | 6    | 16    | d * sc[j]    | none (q - 32)   |
 
 Each product of an fp16 and a 6- or 8-bit integer is exact in float32, so the decoded weight equals the
-file's dequantized weight bit for bit (tests compare with the gguf library's own dequantizer). Formats
-outside this table are dequantized once at load by the caller.
+file's dequantized weight bit for bit (tests compare with the gguf library's own dequantizer). The K-quants
+also keep their two levels (SuperBlocks: an fp16 per 256 weights, a small integer per group), which the kernels
+can hold in a third of the bytes of float32 products. Formats outside this table are dequantized once at load
+by the caller.
 """
 from __future__ import annotations
 
@@ -26,13 +28,36 @@ QK_K = 256  # weights of a K-quant super-block
 
 
 @dataclass(frozen=True)
+class SuperBlocks:
+    """Scales (and mins) in two levels, as the K-quants hold them: scales[n, g] = d[n, g // per_super] *
+    sub_scales[n, g], mins likewise with dmin and sub_mins, per_super = size // group. Each product of an fp16
+    and an int8 is exact in float32, so these are the float32 values, bit for bit."""
+    size: int  # weights of a super-block: a multiple of the group
+    d: np.ndarray  # [N, K // size] float32, each an fp16 value
+    sub_scales: np.ndarray  # [N, K // group] int8
+    dmin: np.ndarray | None  # [N, K // size] float32 (fp16 values), or None: no mins
+    sub_mins: np.ndarray | None  # [N, K // group] int8
+
+
+@dataclass(frozen=True)
 class QuantRows:
     """A weight [N, K] as w[n, k] = q[n, k] * scales[n, k // group] (+ mins[n, k // group])."""
-    q: np.ndarray  # [N, K]: uint8 0..15 (bits 4) or int8 (bits 8)
+    q: np.ndarray  # [N, K]: uint8 0..15 (bits 4) or int8 (-32..31 for bits 6, bits 8)
     scales: np.ndarray  # [N, K // group] float32
     mins: np.ndarray | None  # [N, K // group] float32, or None: no offset
     group: int
     bits: int
+    levels: SuperBlocks | None = None  # the K-quants' scales and mins as their file has them
+
+    def super_blocks(self) -> SuperBlocks | None:
+        """The scales and mins in two levels: the K-quants' own, or for fp16 scales (half_exact) one group per
+        super-block with sub-scales of 1; None where neither holds."""
+        if self.levels is not None:
+            return self.levels
+        if not self.half_exact:
+            return None
+        ones = np.ones(self.scales.shape, np.int8)
+        return SuperBlocks(self.group, self.scales, ones, self.mins, None if self.mins is None else ones)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -65,16 +90,16 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _q8_0(blocks):
-    return blocks[..., 2:].view(np.int8), _fp16(blocks[..., 0:2]), None, 32, 8
+    return blocks[..., 2:].view(np.int8), _fp16(blocks[..., 0:2]), None, 32, 8, None
 
 
 def _q4_0(blocks):
     d = _fp16(blocks[..., 0:2])
-    return _nibbles(blocks[..., 2:]), d, -8 * d, 32, 4
+    return _nibbles(blocks[..., 2:]), d, -8 * d, 32, 4, None
 
 
 def _q4_1(blocks):
-    return _nibbles(blocks[..., 4:]), _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4]), 32, 4
+    return _nibbles(blocks[..., 4:]), _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4]), 32, 4, None
 
 
 def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -93,7 +118,9 @@ def _q4_k(blocks):
     qs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 1, 32)
     # each 32-byte run holds two sub-blocks: the low nibbles, then the high ones
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(*blocks.shape[:-1], QK_K)
-    return q, d[..., None] * sc, -(dmin[..., None] * m), 32, 4
+    # the min's sign goes to its super-block factor: (-dmin) * m is -(dmin * m) exactly
+    levels = (d, sc.astype(np.int8), -dmin, m.astype(np.int8))
+    return q, d[..., None] * sc, -(dmin[..., None] * m), 32, 4, levels
 
 
 def _q6_k(blocks):
@@ -105,7 +132,7 @@ def _q6_k(blocks):
     low = (ql.reshape(*lead, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F
     high = (qh.reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 0x03
     q = (low.reshape(*lead, QK_K) | (high.reshape(*lead, QK_K) << 4)).astype(np.int8) - np.int8(32)
-    return q, d[..., None] * sc, None, 16, 8
+    return q, d[..., None] * sc, None, 16, 6, (d, sc.astype(np.int8), None, None)
 
 
 # format -> (weights per block, bytes per block, decoder)
@@ -129,37 +156,67 @@ def decode(raw: np.ndarray, qtype: QType, k: int) -> QuantRows:
         raise ValueError(f"{qtype.name} rows of {k} weights are not whole blocks of {per_block}")
     n = raw.shape[0]
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // per_block, block_bytes)
-    q, scales, mins, group, bits = decoder(blocks)
+    q, scales, mins, group, bits, levels = decoder(blocks)
     q = np.ascontiguousarray(q.reshape(n, k))
     scales = np.ascontiguousarray(scales.reshape(n, k // group), dtype=np.float32)
     if mins is not None:
         mins = np.ascontiguousarray(mins.reshape(n, k // group), dtype=np.float32)
-    return QuantRows(q, scales, mins, group, bits)
+    if levels is not None:
+        d, sub_scales, dmin, sub_mins = (None if a is None else np.ascontiguousarray(a.reshape(n, -1))
+                                         for a in levels)
+        levels = SuperBlocks(per_block, d, sub_scales, dmin, sub_mins)
+    return QuantRows(q, scales, mins, group, bits, levels)
 
 
 def concat(parts: list[QuantRows]) -> QuantRows:
     """Rows of several weights of one K stacked (q, k and v into qkv): promoted to the widest bits and the
-    finest group among them, which changes no weight (4-bit values fit int8; a scale repeats per subgroup)."""
+    finest group among them, which changes no weight (4-bit values fit 6 and 8 bits; a scale repeats per
+    subgroup, a super-block's factor per smaller super-block)."""
     bits = max(p.bits for p in parts)
     group = min(p.group for p in parts)
     if any(p.group % group for p in parts):
         raise ValueError(f"groups {[p.group for p in parts]} do not nest")
     with_mins = any(p.mins is not None for p in parts)
-    qs, scales, mins = [], [], []
-    for p in parts:
-        repeat = p.group // group
-        qs.append(p.q.astype(np.int8) if bits == 8 else p.q)
-        scales.append(np.repeat(p.scales, repeat, axis=1))
-        if with_mins:
-            mins.append(np.repeat(p.mins, repeat, axis=1) if p.mins is not None else np.zeros_like(scales[-1]))
-    return QuantRows(np.concatenate(qs), np.concatenate(scales), np.concatenate(mins) if with_mins else None,
-                     group, bits)
+    repeats = [p.group // group for p in parts]
+    qs = [p.q.astype(np.int8) if bits > 4 else p.q for p in parts]
+    scales = np.concatenate([np.repeat(p.scales, r, axis=1) for p, r in zip(parts, repeats)])
+    mins = np.concatenate([np.repeat(p.mins, r, axis=1) if p.mins is not None else
+                           np.zeros((p.shape[0], p.scales.shape[1] * r), np.float32)
+                           for p, r in zip(parts, repeats)]) if with_mins else None
+    return QuantRows(np.concatenate(qs), scales, mins, group, bits, _concat_levels(parts, group, with_mins))
+
+
+def _concat_levels(parts: list[QuantRows], group: int, with_mins: bool) -> SuperBlocks | None:
+    """The parts' super-blocks stacked at the smallest size among them (a larger one's factor repeated), or None
+    where a part has none or the sizes do not nest."""
+    levels = [p.super_blocks() for p in parts]
+    if any(level is None for level in levels):
+        return None
+    size = min(level.size for level in levels)
+    if any(level.size % size for level in levels) or size % group:
+        return None
+
+    def stacked(values: list[np.ndarray | None], widths: list[int], width: int, dtype) -> np.ndarray:
+        """Each part's values, one per `widths[i]` weights, repeated to one per `width` (zeros where None)."""
+        return np.concatenate([np.repeat(v, w // width, axis=1) if v is not None else
+                               np.zeros((p.shape[0], p.shape[1] // width), dtype)
+                               for p, v, w in zip(parts, values, widths)])
+
+    sizes, groups = [level.size for level in levels], [p.group for p in parts]
+    d = stacked([level.d for level in levels], sizes, size, np.float32)
+    sub_scales = stacked([level.sub_scales for level in levels], groups, group, np.int8)
+    if not with_mins:
+        return SuperBlocks(size, d, sub_scales, None, None)
+    return SuperBlocks(size, d, sub_scales, stacked([level.dmin for level in levels], sizes, size, np.float32),
+                       stacked([level.sub_mins for level in levels], groups, group, np.int8))
 
 
 def take_rows(rows: QuantRows, order: np.ndarray) -> QuantRows:
     """The rows in `order` (a row permutation: llama.cpp's q/k head layout undone)."""
-    return QuantRows(rows.q[order], rows.scales[order], rows.mins[order] if rows.mins is not None else None,
-                     rows.group, rows.bits)
+    pick = lambda a: None if a is None else a[order]  # noqa: E731
+    levels = rows.levels and SuperBlocks(rows.levels.size, *map(pick, (rows.levels.d, rows.levels.sub_scales,
+                                                                       rows.levels.dmin, rows.levels.sub_mins)))
+    return QuantRows(rows.q[order], rows.scales[order], pick(rows.mins), rows.group, rows.bits, levels)
 
 
 def quantize(weight: np.ndarray, qtype: QType) -> QuantRows:

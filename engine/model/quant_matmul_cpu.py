@@ -2,10 +2,18 @@
 min per group of k): the bytes read per decode step are the file's, not fp32's.
 
 Layout (packed_matmul_cpu's tiles, with integers): a weight [N, K] in QuantRows form becomes
-- data [ceil(N / TILE), K, TILE / 2] uint8 for 4 bits (byte j of a k: column j low, column j + 16 high) or
-  [.., K, TILE] (int8 bits) for 8 bits: each thread reads its tiles as one sequential stream;
-- scales, mins [tiles, K / group, TILE] float32, or their fp16 bits as int16 where all are fp16 values (mins
-  [tiles, 0, TILE] when the format has none).
+- data [ceil(N / TILE), K, width] uint8, each thread reading its tiles as one sequential stream; per k of a tile:
+  - 4 bits, width TILE / 2: byte j holds column j (low nibble) and column j + 16 (high nibble);
+  - 6 bits (q + 32, 0..63), width 3 TILE / 4: the low 4 bits as the 4-bit layout, then 8 bytes of the top 2
+    bits, byte 16 + b holding columns b, b + 8, b + 16, b + 24 at bits 0, 2, 4, 6;
+  - 8 bits, width TILE: column j's int8 in byte j;
+- scales, mins in one of three kinds, the same for a whole model (its compiled step has one signature):
+  - float32 [tiles, K / group, TILE];
+  - fp16 bits as int16, the same shape, where every one is an fp16 value (`QuantRows.half_exact`);
+  - super-block records (int8) [tiles, K / size, SUPER_HEAD + size / group * TILE] for the K-quants' two levels
+    (`QuantRows.super_blocks`): the fp16 factor of each column (SUPER_HEAD bytes), then for each group of the
+    super-block a run of TILE int8 sub-scales; the kernels widen both and multiply, which is exact;
+  mins [tiles, 0, ..] when the format has none.
 
 The microkernel keeps, for each of up to ROW_GROUP rows, two 16-float accumulators of the group's
 sum of x[k] * q[k] (q widened to float in registers); at each group's end it adds scale * group sum and
@@ -33,10 +41,20 @@ from engine.model.quant_dot_cpu import SCALES_AHEAD
 from engine.model.quant_formats import QuantRows
 from engine.model.simd import LANES, const
 
-HALF = TILE // 2
+HALF = TILE // 2  # bytes of a k of 4-bit tiles
+SIX_BIT = 3 * TILE // 4  # bytes of a k of 6-bit tiles: HALF of low nibbles, then TILE / 4 of top bit pairs
+SUPER_HEAD = 2 * TILE  # bytes of a super-block record's fp16 factors, one per column
+SCALE_KINDS = ("float32", "fp16", "super-blocks")
 _BYTES = ir.VectorType(ir.IntType(8), LANES)
 _WORDS = ir.VectorType(simd.I32, LANES)
 _HALVES = ir.VectorType(ir.HalfType(), LANES)
+
+
+def words(value: int) -> ir.Constant:
+    """`value` in each of LANES 32-bit lanes."""
+    return ir.Constant(_WORDS, [value] * LANES)
+
+
 # AVX-512's vpermps looks a float up by the low 4 bits of each 32-bit lane: a nibble's float in one instruction
 # where masking and converting took two (a pass of 8 rows is bound by its vector instructions)
 NIBBLE_LOOKUP = kernel_cache.TARGET_ISA == "avx512"
@@ -55,8 +73,8 @@ ROW_GROUP = row_group(kernel_cache.TARGET_ISA)
 
 @dataclass(frozen=True)
 class QuantTiles:
-    """A quantized weight packed for the kernels (torch tensors, so a module can hold them). Scales and mins are
-    float32, or their fp16 bits as int16 where every one is an fp16 value (`QuantRows.half_exact`)."""
+    """A quantized weight packed for the kernels (torch tensors, so a module can hold them), its scales and mins
+    of one of SCALE_KINDS (the module docstring)."""
     data: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor
@@ -65,7 +83,8 @@ class QuantTiles:
 
     @property
     def bits(self) -> int:
-        return 4 if self.data.shape[2] in (HALF, quant_dot_cpu.BYTES_4BIT) else 8
+        width = self.data.shape[2]
+        return 4 if width in (HALF, quant_dot_cpu.BYTES_4BIT) else 6 if width == SIX_BIT else 8
 
     @property
     def integer(self) -> bool:
@@ -74,7 +93,7 @@ class QuantTiles:
 
     @property
     def in_features(self) -> int:
-        return self.scales.shape[1] * self.group
+        return self.data.shape[1] * (quant_dot_cpu.QUAD if self.integer else 1)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.mins))
@@ -84,31 +103,61 @@ class QuantTiles:
         return self.data.numpy(), self.scales.numpy(), self.mins.numpy(), self.group
 
 
-def pack(rows: QuantRows, integer: bool = False, half: bool = False) -> QuantTiles:
+def scale_kind(weights: list[QuantRows], integer: bool = False) -> str:
+    """The fewest bytes every one of a model's weights can hold its scales in exactly (one kind a model):
+    fp16 where all are fp16 values (Q8_0, Q4_0, Q4_1), super-block records where all have two levels (the
+    K-quants, with those), else float32; integer dot products take float32."""
+    if integer:
+        return "float32"
+    if all(rows.half_exact for rows in weights):
+        return "fp16"
+    return "super-blocks" if all(rows.super_blocks() is not None for rows in weights) else "float32"
+
+
+def pack(rows: QuantRows, integer: bool = False, scales: str = "float32") -> QuantTiles:
     """The weight's tiles: for integer dot products (quant_dot_cpu, x86 only) where `integer` and the format
-    allows, else for the float kernel here, its scales and mins as fp16 bits where `half` (exact only where
-    `rows.half_exact`: a model's weights all take one kind, so that its compiled step has one signature)."""
+    allows, else for the float kernel here, its scales and mins of the kind `scales` (one of SCALE_KINDS; the
+    rows must hold it exactly: scale_kind())."""
     as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
     if integer and quant_dot_cpu.X86 and quant_dot_cpu.fits(rows):
         return QuantTiles(*map(as_tensor, quant_dot_cpu.pack(rows)), rows.group, rows.shape[0])
     n, k = rows.shape
     tiles = -(-n // TILE)
-    q = np.zeros((tiles * TILE, k), rows.q.dtype)
-    q[:n] = rows.q
-    q = q.reshape(tiles, TILE, k).transpose(0, 2, 1)  # [tiles, K, TILE]
+
+    def columns(values: np.ndarray, dtype) -> np.ndarray:  # [N, X] -> [tiles, X, TILE], padded with zeros
+        padded = np.zeros((tiles * TILE, values.shape[1]), dtype)
+        padded[:n] = values
+        return np.ascontiguousarray(padded.reshape(tiles, TILE, -1).transpose(0, 2, 1))
+
+    q = columns(rows.q, rows.q.dtype)  # [tiles, K, TILE]
     if rows.bits == 4:
-        data = (q[..., :HALF] | (q[..., HALF:] << 4)).astype(np.uint8)
+        data = q[..., :HALF] | (q[..., HALF:] << 4)
+    elif rows.bits == 6:
+        u = (q + np.int8(32)).view(np.uint8)  # -32..31 -> 0..63
+        top = u >> 4
+        data = np.concatenate([(u[..., :HALF] & 0x0F) | ((u[..., HALF:] & 0x0F) << 4),
+                               top[..., 0:8] | (top[..., 8:16] << 2) | (top[..., 16:24] << 4) | (top[..., 24:32] << 6)],
+                              axis=2)
     else:
         data = q.astype(np.int8).view(np.uint8)
 
-    def per_group(values: np.ndarray | None) -> np.ndarray:
-        padded = np.zeros((tiles * TILE, 0 if values is None else values.shape[1]), np.float32)
-        if values is not None:
-            padded[:n] = values
-        grouped = padded.reshape(tiles, TILE, -1).transpose(0, 2, 1)
-        return grouped.astype(np.float16).view(np.int16) if half else grouped
+    if scales == "super-blocks":
+        levels = rows.super_blocks()
+        per_super = levels.size // rows.group
 
-    return QuantTiles(as_tensor(data), as_tensor(per_group(rows.scales)), as_tensor(per_group(rows.mins)),
+        def records(d: np.ndarray | None, sub: np.ndarray | None) -> np.ndarray:
+            if d is None:
+                return np.zeros((tiles, 0, SUPER_HEAD + per_super * TILE), np.int8)
+            head = columns(d.astype(np.float16), np.float16).view(np.int8)  # [tiles, K / size, SUPER_HEAD]
+            subs = columns(sub, np.int8).reshape(tiles, -1, per_super * TILE)
+            return np.concatenate([head, subs], axis=2)
+        packed_scales, packed_mins = records(levels.d, levels.sub_scales), records(levels.dmin, levels.sub_mins)
+    else:
+        def per_group(values: np.ndarray | None) -> np.ndarray:
+            grouped = columns(np.zeros((n, 0), np.float32) if values is None else values, np.float32)
+            return grouped.astype(np.float16).view(np.int16) if scales == "fp16" else grouped
+        packed_scales, packed_mins = per_group(rows.scales), per_group(rows.mins)
+    return QuantTiles(as_tensor(data.astype(np.uint8)), as_tensor(packed_scales), as_tensor(packed_mins),
                       rows.group, n)
 
 
@@ -165,6 +214,12 @@ def _prefill_scratch(numel: int) -> torch.Tensor:
     return scratch
 
 
+def release_prefill_scratch() -> None:
+    """Drops this thread's scratch (an engine going idle: its PREFILL_BLOCK_BYTES need not count at idle; the
+    next prefill allocates it again, a few milliseconds of page faults against its hundreds)."""
+    _local.scratch = None
+
+
 def embedding_rows(weight: QuantTiles, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the weight (an embedding table read from its tied lm_head) in float32."""
     out = torch.empty(len(ids), weight.in_features)
@@ -182,27 +237,40 @@ def _row(data, scales, mins, group, row, out):
     # dequantization several times slower than its memory traffic
     tile, j = row // TILE, row % TILE
     has_min = mins.shape[1] > 0
-    byte, shift = j % HALF, (j // HALF) * 4  # 4 bits: column j is the low nibble of byte j, j - 16 the high one
-    for g in range(scales.shape[1]):
-        scale = _as_float(scales[tile, g, j])
-        low = _as_float(mins[tile, g, j]) if has_min else np.float32(0.0)
-        if data.shape[2] == HALF:
+    width = data.shape[2]
+    byte, shift = j % HALF, (j // HALF) * 4  # 4 and 6 bits: column j's low nibble in byte j % 16
+    top_byte, top_shift = HALF + j % 8, (j // 8) * 2  # 6 bits: its top 2 bits
+    for g in range(out.shape[0] // group):
+        scale = _group_value(scales, tile, g, j)
+        low = _group_value(mins, tile, g, j) if has_min else np.float32(0.0)
+        if width == HALF:
             for k in range(g * group, (g + 1) * group):
                 out[k] = np.float32((data[tile, k, byte] >> shift) & 0x0F) * scale + low
+        elif width == SIX_BIT:
+            for k in range(g * group, (g + 1) * group):
+                u = ((data[tile, k, byte] >> shift) & 0x0F) | (((data[tile, k, top_byte] >> top_shift) & 0x03) << 4)
+                out[k] = np.float32(np.int32(u) - 32) * scale + low
         else:
             for k in range(g * group, (g + 1) * group):
                 out[k] = np.float32(np.int8(data[tile, k, j])) * scale + low
 
 
-def _as_float(value):
-    """A scale or min as float32: itself, or its fp16 bits (int16) widened."""
+def _group_value(values, tile, g, j):
+    """Group g's scale (or min) of column j of a tile as float32, from packed scales of any kind."""
 
 
-@overload(_as_float, inline="always")
-def _as_float_for(value):
-    if value == types.int16:
-        return lambda value: _half_to_float(value)
-    return lambda value: value
+@overload(_group_value, inline="always")
+def _group_value_of(values, tile, g, j):
+    if values.dtype == types.int8:  # super-block records
+        def from_records(values, tile, g, j):
+            per_super = (values.shape[2] - SUPER_HEAD) // TILE
+            record = values[tile, g // per_super]
+            bits = (np.int32(record[2 * j]) & 0xFF) | (np.int32(record[2 * j + 1]) << 8)
+            return np.float32(record[SUPER_HEAD + (g % per_super) * TILE + j]) * _half_to_float(np.int16(bits))
+        return from_records
+    if values.dtype == types.int16:
+        return lambda values, tile, g, j: _half_to_float(values[tile, g, j])
+    return lambda values, tile, g, j: values[tile, g, j]
 
 
 @intrinsic
@@ -243,10 +311,25 @@ def _dequantize(data, scales, mins, group, first, threads, out):
             _row(data, scales, mins, group, first + row, out[row])
 
 
+def _group_pointers(builder: ir.IRBuilder, kind, ary, tile: ir.Value, g: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """(the TILE values of group g of a tile in packed scales or mins, the TILE fp16 factors of its super-block:
+    records only, else None)."""
+    _, rows, width = cgutils.unpack_tuple(builder, ary.shape, 3)
+    tile_start = builder.gep(ary.data, [builder.mul(tile, builder.mul(rows, width))])
+    if kind != types.int8:
+        return builder.gep(tile_start, [builder.mul(g, const(TILE))]), None
+    per_super = builder.udiv(builder.sub(width, const(SUPER_HEAD)), const(TILE))
+    super_block = builder.udiv(g, per_super)
+    head = builder.gep(tile_start, [builder.mul(super_block, width)])
+    within = builder.sub(g, builder.mul(super_block, per_super))
+    return builder.gep(head, [builder.add(const(SUPER_HEAD), builder.mul(within, const(TILE)))]), head
+
+
 @intrinsic
 def _dequantize_block(typingctx, data, scales, mins, tile, g, k, out, row):
     """out[row + j, k:k + LANES] = W[tile * TILE + j, k:k + LANES] for the tile's TILE rows j, k a multiple of LANES
-    inside group g: the LANES k's of the tile's integers (LANES bytes each, twice for 8 bits) transposed in
+    inside group g: the LANES k's of the tile's integers (LANES bytes each, twice for 8 bits, with 8 more of top
+    bits for 6 bits) transposed in
     registers, so that a row's LANES weights are one store where row by row each weight was a load of its
     own byte (prefill dequantizes every weight once a step). Each weight is q * scale + min in one rounding,
     as _row computes it."""
@@ -254,25 +337,28 @@ def _dequantize_block(typingctx, data, scales, mins, tile, g, k, out, row):
         data_arg, scales_arg, mins_arg, tile_arg, g_arg, k_arg, out_arg, row_arg = args
         data_ary, scales_ary, mins_ary, out_ary = [context.make_array(signature.args[i])(context, builder, args[i])
                                                     for i in (0, 1, 2, 6)]
-        half = signature.args[1].dtype == types.int16  # scales and mins as fp16 bits
+        kind = signature.args[1].dtype
         _, k_len, width = cgutils.unpack_tuple(builder, data_ary.shape, 3)
-        groups = cgutils.unpack_tuple(builder, scales_ary.shape, 3)[1]
         has_min = builder.icmp_signed(">", cgutils.unpack_tuple(builder, mins_ary.shape, 3)[1], const(0))
         out_row = builder.udiv(cgutils.unpack_tuple(builder, out_ary.strides, 2)[0], const(4))  # in elements
         byte = ir.IntType(8).as_pointer()
         first_k = builder.gep(builder.bitcast(data_ary.data, byte),
                               [builder.mul(builder.add(builder.mul(tile_arg, k_len), k_arg), width)])
-        at_group = builder.mul(builder.add(builder.mul(tile_arg, groups), g_arg), const(TILE))
+        group_of = [_group_pointers(builder, kind, ary, tile_arg, g_arg) for ary in (scales_ary, mins_ary)]
 
-        def scalar(ary, column):  # a scale or min of this group for one column, as float32
-            value = builder.load(builder.gep(ary.data, [builder.add(at_group, const(column))]))
-            return _float_of_half_bits(builder, value) if half else value
+        def scalar(which, column):  # a scale or min of this group for one column, as float32
+            at, head = group_of[which]
+            value = builder.load(builder.gep(at, [const(column)]))
+            if kind == types.int8:
+                factor = builder.load(builder.gep(builder.bitcast(head, ir.IntType(16).as_pointer()), [const(column)]))
+                return builder.fmul(builder.sitofp(value, ir.FloatType()), _float_of_half_bits(builder, factor))
+            return _float_of_half_bits(builder, value) if kind == types.int16 else value
 
         def store_column(column, weights):
-            scale = simd.broadcast(builder, scalar(scales_ary, column))
+            scale = simd.broadcast(builder, scalar(0, column))
             with builder.if_else(has_min) as (with_min, without):
                 with with_min:
-                    low = simd.broadcast(builder, scalar(mins_ary, column))
+                    low = simd.broadcast(builder, scalar(1, column))
                     block = builder.block
                 with without:
                     block_none = builder.block
@@ -283,25 +369,40 @@ def _dequantize_block(typingctx, data, scales, mins, tile, g, k, out, row):
                                                         k_arg)])
             simd.store(builder, simd.fma(builder, weights, scale, low_or_zero), to)
 
-        def transposed(offset, widen):  # LANES k's of LANES bytes from `offset` on, byte j of each k in vector j
+        def transposed(offset, widen, count=LANES):  # LANES k's of `count` bytes from `offset`: byte j in vector j
             k_rows = []
             for i in range(LANES):
                 here = builder.gep(first_k, [builder.add(builder.mul(const(i), width), const(offset))])
-                raw = builder.load(builder.bitcast(here, _BYTES.as_pointer()), align=1)
+                raw = builder.load(builder.bitcast(here, ir.VectorType(ir.IntType(8), count).as_pointer()), align=1)
+                if count < LANES:  # (the rest of the vector zeros: a load past the k's bytes could leave the array)
+                    raw = builder.shuffle_vector(raw, ir.Constant(raw.type, None), ir.Constant(
+                        ir.VectorType(simd.I32, LANES), list(range(count)) + [count] * (LANES - count)))
                 k_rows.append(builder.bitcast(widen(raw, _WORDS), simd.FLOATS))
             return [builder.bitcast(v, _WORDS) for v in simd.transpose(builder, k_rows)]
 
-        with builder.if_else(builder.icmp_signed("==", width, const(HALF))) as (four_bit, eight_bit):
+        def store_six_bit():  # the nibbles as 4 bits do, each with its 2 top bits of byte HALF + j % 8
+            nibbles, tops = transposed(0, builder.zext), transposed(HALF, builder.zext, 8)
+            for j, lanes in enumerate(nibbles):
+                for column, nibble in ((j, builder.and_(lanes, words(0x0F))), (j + HALF, builder.lshr(lanes, words(4)))):
+                    top = builder.and_(builder.lshr(tops[column % 8], words(2 * (column // 8))), words(3))
+                    q = builder.sub(builder.or_(nibble, builder.shl(top, words(4))), words(32))
+                    store_column(column, builder.sitofp(q, simd.FLOATS))
+
+        four = builder.icmp_signed("==", width, const(HALF))
+        six = builder.icmp_signed("==", width, const(SIX_BIT))
+        with builder.if_else(four) as (four_bit, wider):
             with four_bit:  # byte j: column j in its low nibble, column j + HALF in its high one
                 for j, lanes in enumerate(transposed(0, builder.zext)):
-                    store_column(j, builder.sitofp(builder.and_(lanes, ir.Constant(_WORDS, [0x0F] * LANES)),
-                                                   simd.FLOATS))
-                    store_column(j + HALF, builder.sitofp(builder.lshr(lanes, ir.Constant(_WORDS, [4] * LANES)),
-                                                          simd.FLOATS))
-            with eight_bit:  # byte j of the c-th half: column c * LANES + j, an int8
-                for c in range(TILE // LANES):
-                    for j, lanes in enumerate(transposed(c * LANES, builder.sext)):
-                        store_column(c * LANES + j, builder.sitofp(lanes, simd.FLOATS))
+                    store_column(j, builder.sitofp(builder.and_(lanes, words(0x0F)), simd.FLOATS))
+                    store_column(j + HALF, builder.sitofp(builder.lshr(lanes, words(4)), simd.FLOATS))
+            with wider:
+                with builder.if_else(six) as (six_bit, eight_bit):
+                    with six_bit:
+                        store_six_bit()
+                    with eight_bit:  # byte j of the c-th half: column c * LANES + j, an int8
+                        for c in range(TILE // LANES):
+                            for j, lanes in enumerate(transposed(c * LANES, builder.sext)):
+                                store_column(c * LANES + j, builder.sitofp(lanes, simd.FLOATS))
         return context.get_dummy_value()
 
     return types.void(data, scales, mins, tile, g, k, out, row), codegen
@@ -371,6 +472,11 @@ def _tile_rows(x, data, scales, mins, sums, tile, group, out):
             _tile(x, data, scales, mins, sums, tile, group, out, 4, True)
         else:
             _tile(x, data, scales, mins, sums, tile, group, out, 4, False)
+    elif data.shape[2] == SIX_BIT:
+        if mins.shape[1]:
+            _tile(x, data, scales, mins, sums, tile, group, out, 6, True)
+        else:
+            _tile(x, data, scales, mins, sums, tile, group, out, 6, False)
     elif mins.shape[1]:
         _tile(x, data, scales, mins, sums, tile, group, out, 8, True)
     else:
@@ -393,8 +499,8 @@ def _add_out(scratch, rows, bias, out, first, start, accumulate):
 def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_min):
     """out[r, :TILE] = x[r, :] @ W[tile].T for each of x's 1 to ROW_GROUP rows (the literal `bits` and
     `has_min` pick the code): x [rows, K] float32 with unit stride along K, data / scales / mins contiguous
-    as pack() makes them (scales and mins float32 or fp16 bits), sums [rows, K / group] the group sums of x (read only with mins), out [>= rows,
-    >= TILE] float32 with unit stride along its rows."""
+    as pack() makes them (scales and mins of any of SCALE_KINDS), sums [rows, K / group] the group sums of x
+    (read only with mins), out [>= rows, >= TILE] float32 with unit stride along its rows."""
     if not isinstance(bits, types.IntegerLiteral) or not isinstance(has_min, types.BooleanLiteral):
         return None  # numba then retries with the literal values of the constants the caller passes
 
@@ -402,31 +508,54 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
         x_arg, data_arg, scales_arg, mins_arg, sums_arg, tile_arg, group_arg, out_arg, _, _ = args
         arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 7)]
         x_ary, data_ary, scales_ary, mins_ary, sums_ary, out_ary = arrays
-        four_bit, with_min = bits.literal_value == 4, has_min.literal_value
-        half = signature.args[2].dtype == types.int16  # scales and mins as fp16 bits
+        with_min = has_min.literal_value
+        kind = signature.args[2].dtype
 
-        def per_group_vectors(base):  # the 32 scales (or mins) of one group from `base` as 2 float vectors
-            if not half:
-                return simd.load_pieces(builder, base, 2, False)
-            return [builder.fpext(builder.load(builder.bitcast(builder.gep(base, [const(v * LANES)]),
+        def halves(pointer):  # 2 vectors of the fp16 bits from `pointer` on, widened
+            return [builder.fpext(builder.load(builder.bitcast(builder.gep(pointer, [const(v * LANES)]),
                                                                _HALVES.as_pointer()), align=2), simd.FLOATS)
                     for v in range(2)]
+
+        def per_group_vectors(pointers):  # the 32 scales (or mins) of one group as 2 float vectors
+            at, head = pointers
+            if kind == types.int16:
+                return halves(at)
+            if kind == types.float32:
+                return simd.load_pieces(builder, at, 2, False)
+            subs = [builder.sitofp(builder.load(builder.bitcast(builder.gep(at, [const(v * LANES)]),
+                                                                _BYTES.as_pointer()), align=1), simd.FLOATS)
+                    for v in range(2)]
+            factors = halves(builder.bitcast(head, ir.IntType(16).as_pointer()))
+            return [builder.fmul(sub, factor) for sub, factor in zip(subs, factors)]  # (exact: see the docstring)
         rows, k_len = cgutils.unpack_tuple(builder, x_ary.shape, 2)
         x_row = builder.udiv(cgutils.unpack_tuple(builder, x_ary.strides, 2)[0], const(4))  # in elements
         out_row = builder.udiv(cgutils.unpack_tuple(builder, out_ary.strides, 2)[0], const(4))
         sums_row = builder.udiv(cgutils.unpack_tuple(builder, sums_ary.strides, 2)[0], const(4))
-        width = HALF if four_bit else TILE  # bytes of one k of a tile
+        width = {4: HALF, 6: SIX_BIT, 8: TILE}[bits.literal_value]  # bytes of one k of a tile
         groups = builder.udiv(k_len, group_arg)
         tile_data = builder.gep(data_ary.data, [builder.mul(tile_arg, builder.mul(k_len, const(width)))])
-        tile_scales = builder.gep(scales_ary.data, [builder.mul(tile_arg, builder.mul(groups, const(TILE)))])
-        tile_mins = builder.gep(mins_ary.data, [builder.mul(tile_arg, builder.mul(groups, const(TILE)))])
 
         def weights_at(here):  # the tile's 32 weights of one k, at `here`, as 2 float vectors (columns 0-15, 16-31)
-            if four_bit:
+            if width == SIX_BIT:
+                nibbles = builder.zext(builder.load(builder.bitcast(here, _BYTES.as_pointer()), align=1), _WORDS)
+                tops = builder.load(builder.bitcast(builder.gep(here, [const(HALF)]),
+                                                    ir.VectorType(ir.IntType(8), 8).as_pointer()), align=1)
+                # byte b's bit pairs to columns b, b + 8 (vector 0), b + 16, b + 24 (vector 1)
+                tops = builder.zext(builder.shuffle_vector(tops, tops, ir.Constant(
+                    ir.VectorType(simd.I32, LANES), list(range(8)) * 2)), _WORDS)
+                lows = (builder.and_(nibbles, words(0x0F)), builder.lshr(nibbles, words(4)))
+                vectors = []
+                for v in range(2):
+                    shifts = ir.Constant(_WORDS, [4 * v] * 8 + [4 * v + 2] * 8)
+                    top = builder.and_(builder.lshr(tops, shifts), words(3))
+                    q = builder.sub(builder.or_(lows[v], builder.shl(top, words(4))), words(32))
+                    vectors.append(builder.sitofp(q, simd.FLOATS))
+                return vectors
+            if width == HALF:
                 raw = builder.load(builder.bitcast(here, _BYTES.as_pointer()), align=1)
                 wide = builder.zext(raw, _WORDS)
-                low = builder.and_(wide, ir.Constant(_WORDS, [0x0F] * LANES))  # (unused, and dropped, on AVX-512)
-                high = builder.lshr(wide, ir.Constant(_WORDS, [4] * LANES))
+                low = builder.and_(wide, words(0x0F))  # (unused, and dropped, on AVX-512)
+                high = builder.lshr(wide, words(4))
                 if NIBBLE_LOOKUP:
                     return [_nibble_floats(builder, wide), _nibble_floats(builder, high)]
                 return [builder.sitofp(low, simd.FLOATS), builder.sitofp(high, simd.FLOATS)]
@@ -445,9 +574,9 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
 
             def group_step(g, _):
                 first_k = builder.mul(g, group_arg)
-                at = builder.mul(g, const(TILE))
-                for ahead in (tile_scales, tile_mins) if with_min else (tile_scales,):
-                    simd.prefetch_lines(builder, builder.gep(ahead, [at]), SCALES_AHEAD, TILE * (2 if half else 4))
+                scales_at, mins_at = [_group_pointers(builder, kind, ary, tile_arg, g) for ary in (scales_ary, mins_ary)]
+                for ahead in (scales_at, mins_at) if with_min else (scales_at,):
+                    simd.prefetch_lines(builder, ahead[0], SCALES_AHEAD, TILE * (kind.bitwidth // 8))
 
                 def k_step(i, partial):  # partial[r * 2 + v] += x[r, k] * q[k, v-th half of the tile]
                     k = builder.add(first_k, i)
@@ -462,8 +591,8 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
                     return summed
 
                 partial = simd.accumulate(builder, group_arg, num_rows * 2, k_step)
-                scale = per_group_vectors(builder.gep(tile_scales, [at]))
-                low = per_group_vectors(builder.gep(tile_mins, [at])) if with_min else None
+                scale = per_group_vectors(scales_at)
+                low = per_group_vectors(mins_at) if with_min else None
                 for r in range(num_rows):
                     x_sum = simd.broadcast(builder, builder.load(builder.gep(
                         sums_ary.data, [builder.add(builder.mul(const(r), sums_row), g)]))) if with_min else None

@@ -15,8 +15,10 @@ from gguf.quants import quantize
 from safetensors.numpy import load_file
 
 from engine.model.gguf_loader import GLOBAL_NAMES, LAYER_NAMES, WEIGHTS_NAME
+from tests.support.k_quants import quantize_q4_k, quantize_q6_k
 
 _TO_GGUF = {ours: theirs for theirs, ours in GLOBAL_NAMES.items()}
+_QUANTIZERS = {QType.Q4_K: quantize_q4_k, QType.Q6_K: quantize_q6_k}  # the gguf library's quantize has no K-quants
 
 
 def gguf_name(name: str) -> str:
@@ -51,7 +53,7 @@ def write_gguf_model(model_dir: Path, out_dir: Path, format_of: Callable[[str], 
         if qtype == QType.F32:
             writer.add_tensor(target, value)
         else:
-            writer.add_tensor(target, quantize(value, qtype), raw_dtype=qtype)
+            writer.add_tensor(target, _QUANTIZERS.get(qtype, lambda v: quantize(v, qtype))(value), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -48,7 +48,8 @@ print("ok")
                     reason="AVX2 code runs only on an x86 CPU with AVX2")
 def test_kernels_compiled_for_avx2_use_its_registers_and_match_torch(tmp_path):
     """NUMBA_CPU_NAME=haswell with the host's features minus AVX-512: the machine code uses no AVX-512 register,
-    and on a host with AVX-512 every kernel test of the packed matmul passes with AVX2's row group."""
+    and on a host with AVX-512 every kernel test of the packed and the quantized matmuls passes with AVX2's row
+    group (and the 6-bit weights' lanes as AVX2 splits them)."""
     features = ",".join("-" + f[1:] if f[1:].startswith("avx512") else f for f in HOST_FEATURES.split(","))
     env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": features}
     # numba shows no machine code of a kernel loaded from its cache: the check compiles into an empty one
@@ -56,10 +57,10 @@ def test_kernels_compiled_for_avx2_use_its_registers_and_match_torch(tmp_path):
                            capture_output=True, text=True, timeout=600)
     assert check.stdout.strip() == "ok", check.stderr[-3000:]
     if vector_isa(HOST_FEATURES) == "avx2":
-        return  # the suite's own run of test_packed_matmul.py on this host is AVX2 code with AVX2's row group
+        return  # the suite's own runs of the kernel tests on this host are AVX2 code with AVX2's row group
     # the kernel tests load AVX2 code from the kernels' cache (its folder is keyed on the CPU name and features,
     # so never the host's code), compiled once per version of the kernels' sources as the host's is
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            "tests/engine/model/test_packed_matmul.py"], cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=600)
+                            "tests/engine/model/test_packed_matmul.py", "tests/engine/model/test_quant_matmul.py"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert tests.returncode == 0, tests.stdout[-3000:]

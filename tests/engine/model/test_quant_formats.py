@@ -45,13 +45,13 @@ def test_decoded_weight_equals_the_gguf_librarys_dequantization(qtype):
 
 @pytest.mark.parametrize("qtype,bits,group,with_mins", [
     (QType.Q8_0, 8, 32, False), (QType.Q4_0, 4, 32, True), (QType.Q4_1, 4, 32, True),
-    (QType.Q4_K, 4, 32, True), (QType.Q6_K, 8, 16, False)])
+    (QType.Q4_K, 4, 32, True), (QType.Q6_K, 6, 16, False)])
 def test_each_format_decodes_to_its_bits_group_and_offset(qtype, bits, group, with_mins):
     rows = quant_formats.decode(_file_blocks(qtype), qtype, K)
     assert (rows.bits, rows.group, rows.mins is not None) == (bits, group, with_mins)
     assert rows.q.dtype == (np.uint8 if bits == 4 else np.int8)
-    if bits == 4:
-        assert rows.q.max() <= 15
+    if bits < 8:
+        assert rows.q.min() >= -(1 << (bits - 1)) * (bits == 6) and rows.q.max() < 1 << (4 if bits == 4 else 5)
     assert rows.scales.shape == (ROWS, K // group)
 
 
@@ -60,18 +60,48 @@ def test_a_row_that_is_not_whole_blocks_is_refused():
         quant_formats.decode(np.zeros((2, 144), np.uint8), QType.Q4_K, 200)
 
 
+def _two_levels_equal_the_scales(rows: QuantRows) -> bool:
+    levels = rows.super_blocks()
+    per = levels.size // rows.group
+    exact = lambda d, sub: np.repeat(d, per, axis=1) * sub.astype(np.float32)  # noqa: E731
+    return (np.array_equal(exact(levels.d, levels.sub_scales), rows.scales)
+            and (rows.mins is None or np.array_equal(exact(levels.dmin, levels.sub_mins), rows.mins)))
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K])
+def test_the_k_quants_keep_their_two_levels_and_they_are_the_scales_exactly(qtype):
+    rows = quant_formats.decode(_file_blocks(qtype), qtype, K)
+    assert rows.levels.size == 256 and rows.levels.sub_scales.dtype == np.int8
+    assert (rows.levels.dmin is None) == (rows.mins is None)
+    assert _two_levels_equal_the_scales(rows)
+
+
 def test_stacking_formats_promotes_without_changing_a_weight():
-    """q and k in Q4_K, v in Q6_K (as Q4_K_M files mix them): one 8-bit, 16-group weight."""
+    """q and k in Q4_K, v in Q6_K (as Q4_K_M files mix them): one 6-bit, 16-group weight, its two levels kept."""
     parts = [quant_formats.decode(_file_blocks(q), q, K) for q in (QType.Q4_K, QType.Q4_K, QType.Q6_K)]
     stacked = quant_formats.concat(parts)
-    assert (stacked.bits, stacked.group, stacked.q.dtype) == (8, 16, np.int8)
+    assert (stacked.bits, stacked.group, stacked.q.dtype, stacked.levels.size) == (6, 16, np.int8, 256)
     assert np.array_equal(stacked.dequantize(), np.concatenate([p.dequantize() for p in parts]))
+    assert _two_levels_equal_the_scales(stacked)
+
+
+def test_stacking_a_simple_block_with_a_k_quant_takes_the_smaller_super_block():
+    """Q8_0's fp16 scale is a super-block of one group with a sub-scale of 1; Q4_K's factor repeats per 32."""
+    parts = [quant_formats.decode(_file_blocks(q), q, K) for q in (QType.Q4_K, QType.Q8_0)]
+    stacked = quant_formats.concat(parts)
+    assert (stacked.bits, stacked.group, stacked.levels.size) == (8, 32, 32)
+    assert _two_levels_equal_the_scales(stacked)
+    float_scales = QuantRows(parts[0].q, parts[0].scales, parts[0].mins, 32, 4)  # levels dropped
+    assert float_scales.super_blocks() is None and quant_formats.concat([float_scales, parts[1]]).levels is None
 
 
 def test_take_rows_reorders_every_part():
     rows = quant_formats.decode(_file_blocks(QType.Q4_1), QType.Q4_1, K)
     order = np.arange(ROWS)[::-1].copy()
     assert np.array_equal(quant_formats.take_rows(rows, order).dequantize(), rows.dequantize()[order])
+    k_rows = quant_formats.decode(_file_blocks(QType.Q4_K), QType.Q4_K, K)
+    taken = quant_formats.take_rows(k_rows, order)
+    assert np.array_equal(taken.dequantize(), k_rows.dequantize()[order]) and _two_levels_equal_the_scales(taken)
 
 
 def test_quantize_at_load_is_the_reference_quantizer_then_decode():

@@ -8,17 +8,24 @@ import torch
 from numba import njit
 
 from engine.model import quant_matmul_cpu
-from engine.model.quant_formats import QuantRows
-from engine.model.quant_matmul_cpu import ROW_GROUP, TILE
+from engine.model.quant_formats import QuantRows, SuperBlocks
+from engine.model.quant_matmul_cpu import ROW_GROUP, SIX_BIT, SUPER_HEAD, TILE
 
-# (bits, group, with mins): Q4_0 / Q4_1 / Q4_K, Q8_0, Q6_K (16-weight groups), an 8-bit stack with mins
-LAYOUTS = [(4, 32, True), (8, 32, False), (8, 16, False), (8, 16, True)]
+# (bits, group, with mins): Q4_0 / Q4_1 / Q4_K, Q8_0, Q6_K, a 6-bit stack with mins (Q4_K's q and k over Q6_K's
+# v), 8-bit stacks of 16-weight groups
+LAYOUTS = [(4, 32, True), (8, 32, False), (6, 16, False), (6, 16, True), (8, 16, False), (8, 16, True)]
 ROW_COUNTS = sorted({1, 2, 8, ROW_GROUP, ROW_GROUP + 1})
+
+
+def _integers(rng: np.random.Generator, n: int, k: int, bits: int) -> np.ndarray:
+    if bits == 4:
+        return rng.integers(0, 16, (n, k), dtype=np.uint8)
+    return rng.integers(-(1 << (bits - 1)), 1 << (bits - 1), (n, k), dtype=np.int8)
 
 
 def _rows(n: int, k: int, bits: int, group: int, with_mins: bool, seed: int = 0) -> QuantRows:
     rng = np.random.default_rng(seed)
-    q = rng.integers(0, 16, (n, k), dtype=np.uint8) if bits == 4 else rng.integers(-128, 128, (n, k), dtype=np.int8)
+    q = _integers(rng, n, k, bits)
     scales = rng.uniform(0.001, 0.02, (n, k // group)).astype(np.float32)
     scales[n // 2, 0] = 3.0  # planted outliers: one group's scale, one group's min, far from the rest
     mins = rng.uniform(-0.1, 0.1, (n, k // group)).astype(np.float32) if with_mins else None
@@ -64,26 +71,62 @@ def test_group_sums_add_in_order_whatever_compiles_them():
     assert np.array_equal(_sums_under_fastmath(x, 32), in_order)
 
 
-@pytest.mark.parametrize("bits,group,with_mins", LAYOUTS)
-def test_fp16_scales_give_the_float32_scales_results_bit_for_bit(bits, group, with_mins):
-    """Scales and mins that are fp16 values (a file's Q8_0 / Q4_0 / Q4_1) packed as their fp16 bits, half the
-    bytes, widen exactly: the matmul at every row count, the dequantized rows and the embedding rows equal
-    those of the float32 tiles bit for bit."""
-    n, k = 3 * TILE + 5, 64
-    fp32 = _rows(n, k, bits, group, with_mins)
+def _two_level_rows(n: int, k: int, bits: int, group: int, with_mins: bool, size: int) -> QuantRows:
+    """Rows whose scales and mins are a K-quant's: an fp16 factor per super-block of `size` weights times an int8
+    per group (planted outliers among both), so that every kind of packed scales holds them exactly."""
+    rng = np.random.default_rng(1)
+    per = size // group
+
+    def levels(low: float, high: float):
+        d = rng.uniform(low, high, (n, k // size)).astype(np.float16).astype(np.float32)
+        d[n // 2, 0] = 3.0
+        sub = rng.integers(-128, 128, (n, k // group), dtype=np.int8)
+        sub[0, -1] = -128
+        return d, sub, np.repeat(d, per, axis=1) * sub.astype(np.float32)
+
+    d, sub_scales, scales = levels(1e-4, 1e-3)
+    dmin, sub_mins, mins = levels(-1e-3, 1e-3) if with_mins else (None, None, None)
+    return QuantRows(_integers(rng, n, k, bits), scales, mins, group, bits,
+                     SuperBlocks(size, d, sub_scales, dmin, sub_mins))
+
+
+def _fp16_rows(bits: int, group: int, with_mins: bool) -> QuantRows:
+    fp32 = _rows(3 * TILE + 5, 128, bits, group, with_mins)
     rows = QuantRows(fp32.q, fp32.scales.astype(np.float16).astype(np.float32),
                      None if fp32.mins is None else fp32.mins.astype(np.float16).astype(np.float32), group, bits)
     assert rows.half_exact and not fp32.half_exact
-    full, half = quant_matmul_cpu.pack(rows), quant_matmul_cpu.pack(rows, half=True)
-    assert half.scales.dtype == half.mins.dtype == torch.int16
-    assert full.nbytes() - half.nbytes() == 2 * (full.scales.numel() + full.mins.numel())
+    return rows
+
+
+@pytest.mark.parametrize("bits,group,with_mins", LAYOUTS)
+@pytest.mark.parametrize("source,kind", [("fp16", "fp16"), ("fp16", "super-blocks"),
+                                         ("two levels", "super-blocks")])
+def test_every_kind_of_scales_gives_the_float32_scales_results_bit_for_bit(bits, group, with_mins, source, kind):
+    """Scales and mins that are fp16 values (a file's Q8_0 / Q4_0 / Q4_1) packed as their fp16 bits, and the
+    K-quants' two levels (an fp16 per super-block, an int8 per group) packed as super-block records, fewer
+    bytes, widen exactly: the matmul at every row count, the dequantized rows and the embedding rows equal those
+    of the float32 tiles bit for bit."""
+    rows = _fp16_rows(bits, group, with_mins) if source == "fp16" else \
+        _two_level_rows(3 * TILE + 5, 128, bits, group, with_mins, 4 * group)
+    assert quant_matmul_cpu.scale_kind([rows]) == ("fp16" if source == "fp16" else "super-blocks")
+    full, packed = quant_matmul_cpu.pack(rows), quant_matmul_cpu.pack(rows, scales=kind)
+    assert packed.scales.dtype == packed.mins.dtype == (torch.int16 if kind == "fp16" else torch.int8)
+    assert packed.nbytes() < full.nbytes() and packed.in_features == full.in_features == 128
     for m in ROW_COUNTS:
-        x = torch.from_numpy(np.random.default_rng(m).standard_normal((m, k)).astype(np.float32))
-        assert torch.equal(quant_matmul_cpu.linear(x, half, None), quant_matmul_cpu.linear(x, full, None))
+        x = torch.from_numpy(np.random.default_rng(m).standard_normal((m, 128)).astype(np.float32))
+        assert torch.equal(quant_matmul_cpu.linear(x, packed, None), quant_matmul_cpu.linear(x, full, None))
     weight = rows.dequantize()
-    assert np.array_equal(quant_matmul_cpu.dequantize_rows(half, 0, torch.empty(weight.shape)).numpy(), weight)
+    assert np.array_equal(quant_matmul_cpu.dequantize_rows(packed, 0, torch.empty(weight.shape)).numpy(), weight)
     ids = torch.tensor([0, TILE // 2, 2 * TILE + 1, 3 * TILE + 4])
-    assert torch.equal(quant_matmul_cpu.embedding_rows(half, ids), quant_matmul_cpu.embedding_rows(full, ids))
+    assert torch.equal(quant_matmul_cpu.embedding_rows(packed, ids), quant_matmul_cpu.embedding_rows(full, ids))
+
+
+def test_scale_kind_is_the_smallest_every_weight_holds_exactly():
+    fp16, two_levels = _fp16_rows(4, 32, True), _two_level_rows(TILE, 128, 4, 32, True, 256 // 2)
+    assert quant_matmul_cpu.scale_kind([fp16, fp16]) == "fp16"
+    assert quant_matmul_cpu.scale_kind([fp16, two_levels]) == "super-blocks"
+    assert quant_matmul_cpu.scale_kind([fp16, _rows(TILE, 64, 4, 32, True)]) == "float32"  # neither
+    assert quant_matmul_cpu.scale_kind([fp16, two_levels], integer=True) == "float32"
 
 
 def test_bias_and_accumulate_add_onto_the_output():
@@ -128,6 +171,16 @@ def test_four_bit_tiles_hold_half_a_byte_a_weight():
     tiles = quant_matmul_cpu.pack(_rows(TILE, 64, 4, 32, True))
     assert tiles.data.shape == (1, 64, TILE // 2)
     assert tiles.nbytes() == 64 * TILE // 2 + 2 * 2 * TILE * 4  # nibbles, then a scale and a min per group
+
+
+def test_six_bit_tiles_hold_three_quarters_of_a_byte_a_weight():
+    """Q6_K's integers as 6 bits, not widened to 8; its two-level scales as super-block records: 6.56 bits a
+    weight, the file's own size."""
+    rows = _two_level_rows(TILE, 512, 6, 16, False, 256)
+    tiles = quant_matmul_cpu.pack(rows, scales="super-blocks")
+    assert tiles.bits == 6 and tiles.data.shape == (1, 512, SIX_BIT)
+    assert tiles.scales.shape == (1, 2, SUPER_HEAD + 16 * TILE) and tiles.mins.numel() == 0
+    assert tiles.nbytes() * 8 / (TILE * 512) == 6.5625
 
 
 @pytest.mark.parametrize("isa,rows", [("avx2", 2), ("avx512", 8), ("neon", 2)])

@@ -91,6 +91,43 @@ def test_native_formats_give_the_dequantized_models_tokens(files, tiny_llama_dir
     assert _greedy_twice(LLM(str(gguf_dir), cpu_kernels="eager", **SMALL), prompts)[0] == tokens
 
 
+@pytest.fixture(scope="module")
+def k_quant_llama_dir(tmp_path_factory):
+    """A tiny llama whose every K (hidden, intermediate, heads x dim) is whole 256-weight super-blocks."""
+    from bench.tiny_models import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-256"), "llama", hidden_size=256,
+                            intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+def _q4_k_m(name: str) -> QType:
+    """llama-quantize's Q4_K_M mix: Q6_K for the embedding and for v and ffn_down in some layers (here layer 0)."""
+    six = name == "token_embd.weight" or name in ("blk.0.attn_v.weight", "blk.0.ffn_down.weight")
+    return QType.Q6_K if six else QType.Q4_K
+
+
+def test_k_quants_give_the_dequantized_models_tokens_from_super_block_records(k_quant_llama_dir, tmp_path):
+    """A Q4_K_M-like file: its K-quants run natively with their two-level scales as super-block records and Q6_K
+    in 6 bits (layer 0's qkv stacks Q4_K q and k over a Q6_K v: 6 bits), the tiles no larger than the file's
+    blocks; greedy tokens equal the dequantized model's, with or without the cache."""
+    gguf_dir = write_gguf_model(k_quant_llama_dir, tmp_path / "gguf", _q4_k_m)
+    native = LLM(str(gguf_dir), **SMALL)
+    model = native.core.model
+    first, second = model.model.layers
+    assert [first.self_attn.qkv_proj.quant.bits, second.self_attn.qkv_proj.quant.bits] == [6, 4]
+    assert [first.mlp.down_proj.quant.bits, second.mlp.down_proj.quant.bits] == [6, 4]
+    quants = {id(m.quant): m.quant for m in model.modules() if getattr(m, "quant", None) is not None}.values()
+    assert all(q.scales.dtype == torch.int8 for q in quants)
+    weights = sum(q.out_features * q.in_features for q in quants)
+    # 4.625 bits a Q4_K weight and 6.5625 a Q6_K one, as the file; a little more where q and k stack at 6 bits
+    assert sum(q.nbytes() for q in quants) * 8 / weights < 5.5
+    assert native.core.runner.compiled_decode is not None
+    prompts = _prompts(native.core.vocab_size)
+    tokens, cached = _greedy_twice(native, prompts)
+    assert cached == [32, 32, 48]
+    assert _greedy_twice(LLM(str(gguf_dir), quantization="none", **SMALL), prompts)[0] == tokens
+    assert _greedy_twice(LLM(str(gguf_dir), cpu_kernels="eager", **SMALL), prompts)[0] == tokens
+
+
 def _dequantized_twin(model_dir, out_dir, quantization: str):
     """model_dir with every weight quantize-at-load touches replaced by its quantized-then-dequantized value."""
     shutil.copytree(model_dir, out_dir)
