@@ -136,12 +136,21 @@ MUTANTS = [
            "bits = np.int32(record[2 * j]) & 0xFF", QUANT_TESTS),
     # 6 bits: the microkernel takes columns 8-15 and 24-31's top bits from their byte's pair of columns 0-7
     Mutant("quant-six-bit-top-pairs-unshifted", "quant_matmul_cpu.py",
-           "shifts = ir.Constant(_WORDS, [4 * v] * 8 + [4 * v + 2] * 8)", "shifts = ir.Constant(_WORDS, [4 * v] * 16)",
-           QUANT_TESTS),
-    # ... its values offset by 31, not 32
+           "shifts = [4 * v] * 8 + [4 * v + 2] * 8", "shifts = [4 * v] * 16", QUANT_TESTS, isa="avx512"),
+    # ... its values offset by 31, not 32 (AVX-512's lookup, and AVX2's bytes)
     Mutant("quant-six-bit-offset-off-by-one", "quant_matmul_cpu.py",
-           "q = builder.sub(builder.or_(lows[v], builder.shl(top, words(4))), words(32))",
-           "q = builder.sub(builder.or_(lows[v], builder.shl(top, words(4))), words(31))", QUANT_TESTS),
+           "low = _nibble_floats(builder, lanes, -32)", "low = _nibble_floats(builder, lanes, -31)", QUANT_TESTS,
+           isa="avx512"),
+    Mutant("quant-six-bit-bytes-offset-off-by-one", "quant_matmul_cpu.py",
+           "q = builder.sub(builder.or_(lows, tops), splat(32))", "q = builder.sub(builder.or_(lows, tops), splat(31))",
+           QUANT_TESTS, isa="avx2"),
+    # ... AVX2's bytes keep every quarter's first pair of top bits (columns 8-31 take columns 0-7's)
+    Mutant("quant-six-bit-bytes-quarter-mask", "quant_matmul_cpu.py",
+           "[3 << (2 * (c // 8)) for c in range(32)]", "[3 for c in range(32)]", QUANT_TESTS, isa="avx2"),
+    # super-block records: a group's place in its super-block masked one bit too wide
+    Mutant("quant-super-block-within-mask", "quant_matmul_cpu.py",
+           "within = builder.and_(g, builder.sub(per_super, const(1)))", "within = builder.and_(g, per_super)",
+           QUANT_TESTS),
     # ... prefill's dequantization takes every column's top bits at shift 0
     Mutant("dequantize-block-six-bit-top-unshifted", "quant_matmul_cpu.py",
            "builder.lshr(tops[column % 8], words(2 * (column // 8)))", "builder.lshr(tops[column % 8], words(0))",
