@@ -108,13 +108,22 @@ class QuantTiles:
 
 def scale_kind(weights: list[QuantRows], integer: bool = False) -> str:
     """The fewest bytes every one of a model's weights can hold its scales in exactly (one kind a model):
-    fp16 where all are fp16 values (Q8_0, Q4_0, Q4_1), super-block records where all have two levels (the
-    K-quants, with those), else float32; integer dot products take float32."""
+    fp16 where all are fp16 values (Q8_0, Q4_0, Q4_1), super-block records where all have two levels that fit
+    them (the K-quants, with those), else float32; integer dot products take float32."""
     if integer:
         return "float32"
     if all(rows.half_exact for rows in weights):
         return "fp16"
-    return "super-blocks" if all(rows.super_blocks() is not None for rows in weights) else "float32"
+    return "super-blocks" if all(_records_fit(rows.super_blocks(), rows.group) for rows in weights) else "float32"
+
+
+def _records_fit(levels, group: int) -> bool:
+    """Whether super-block records hold these levels: groups per super-block a power of two (the kernels find a
+    group's record by a shift)."""
+    if levels is None:
+        return False
+    per_super = levels.size // group
+    return per_super & (per_super - 1) == 0
 
 
 def pack(rows: QuantRows, integer: bool = False, scales: str = "float32") -> QuantTiles:
@@ -146,9 +155,9 @@ def pack(rows: QuantRows, integer: bool = False, scales: str = "float32") -> Qua
 
     if scales == "super-blocks":
         levels = rows.super_blocks()
+        if not _records_fit(levels, rows.group):
+            raise ValueError("these scales do not fit super-block records: see scale_kind()")
         per_super = levels.size // rows.group
-        if per_super & (per_super - 1):
-            raise ValueError(f"super-blocks of {per_super} groups: the kernels need a power of two")
 
         def records(d: np.ndarray | None, sub: np.ndarray | None) -> np.ndarray:
             if d is None:
