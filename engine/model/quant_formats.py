@@ -177,13 +177,20 @@ def concat(parts: list[QuantRows]) -> QuantRows:
     if any(p.group % group for p in parts):
         raise ValueError(f"groups {[p.group for p in parts]} do not nest")
     with_mins = any(p.mins is not None for p in parts)
-    repeats = [p.group // group for p in parts]
     qs = [p.q.astype(np.int8) if bits > 4 else p.q for p in parts]
-    scales = np.concatenate([np.repeat(p.scales, r, axis=1) for p, r in zip(parts, repeats)])
-    mins = np.concatenate([np.repeat(p.mins, r, axis=1) if p.mins is not None else
-                           np.zeros((p.shape[0], p.scales.shape[1] * r), np.float32)
-                           for p, r in zip(parts, repeats)]) if with_mins else None
+    groups = [p.group for p in parts]
+    scales = _stacked(parts, [p.scales for p in parts], groups, group, np.float32)
+    mins = _stacked(parts, [p.mins for p in parts], groups, group, np.float32) if with_mins else None
     return QuantRows(np.concatenate(qs), scales, mins, group, bits, _concat_levels(parts, group, with_mins))
+
+
+def _stacked(parts: list[QuantRows], values: list[np.ndarray | None], widths: list[int], width: int,
+             dtype) -> np.ndarray:
+    """The parts' values stacked by rows, each part's one per `widths[i]` weights repeated to one per `width`
+    (zeros for a part without them)."""
+    return np.concatenate([np.repeat(v, w // width, axis=1) if v is not None else
+                           np.zeros((p.shape[0], p.shape[1] // width), dtype)
+                           for p, v, w in zip(parts, values, widths)])
 
 
 def _concat_levels(parts: list[QuantRows], group: int, with_mins: bool) -> SuperBlocks | None:
@@ -196,19 +203,13 @@ def _concat_levels(parts: list[QuantRows], group: int, with_mins: bool) -> Super
     if any(level.size % size for level in levels) or size % group:
         return None
 
-    def stacked(values: list[np.ndarray | None], widths: list[int], width: int, dtype) -> np.ndarray:
-        """Each part's values, one per `widths[i]` weights, repeated to one per `width` (zeros where None)."""
-        return np.concatenate([np.repeat(v, w // width, axis=1) if v is not None else
-                               np.zeros((p.shape[0], p.shape[1] // width), dtype)
-                               for p, v, w in zip(parts, values, widths)])
-
     sizes, groups = [level.size for level in levels], [p.group for p in parts]
-    d = stacked([level.d for level in levels], sizes, size, np.float32)
-    sub_scales = stacked([level.sub_scales for level in levels], groups, group, np.int8)
+    d = _stacked(parts, [level.d for level in levels], sizes, size, np.float32)
+    sub_scales = _stacked(parts, [level.sub_scales for level in levels], groups, group, np.int8)
     if not with_mins:
         return SuperBlocks(size, d, sub_scales, None, None)
-    return SuperBlocks(size, d, sub_scales, stacked([level.dmin for level in levels], sizes, size, np.float32),
-                       stacked([level.sub_mins for level in levels], groups, group, np.int8))
+    return SuperBlocks(size, d, sub_scales, _stacked(parts, [level.dmin for level in levels], sizes, size, np.float32),
+                       _stacked(parts, [level.sub_mins for level in levels], groups, group, np.int8))
 
 
 def take_rows(rows: QuantRows, order: np.ndarray) -> QuantRows:
