@@ -335,8 +335,8 @@ def _group_pointers(builder: ir.IRBuilder, kind, ary, tile: ir.Value, g: ir.Valu
     # groups of a super-block: a power of two (pack() checks), so a shift and a mask where a division per group
     # cost the Q4_K matmuls a tenth of their time
     per_super = builder.udiv(builder.sub(width, const(SUPER_HEAD)), const(TILE))
-    trailing_zeros = cgutils.get_or_insert_function(builder.module, ir.FunctionType(simd.I64, [simd.I64, ir.IntType(1)]),
-                                                    "llvm.cttz.i64")
+    trailing_zeros = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(simd.I64, [simd.I64, ir.IntType(1)]), "llvm.cttz.i64")
     super_block = builder.lshr(g, builder.call(trailing_zeros, [per_super, ir.Constant(ir.IntType(1), 1)]))
     head = builder.gep(tile_start, [builder.mul(super_block, width)])
     within = builder.and_(g, builder.sub(per_super, const(1)))
@@ -401,7 +401,8 @@ def _dequantize_block(typingctx, data, scales, mins, tile, g, k, out, row):
         def store_six_bit():  # the nibbles as 4 bits do, each with its 2 top bits of byte HALF + j % 8
             nibbles, tops = transposed(0, builder.zext), transposed(HALF, builder.zext, 8)
             for j, lanes in enumerate(nibbles):
-                for column, nibble in ((j, builder.and_(lanes, words(0x0F))), (j + HALF, builder.lshr(lanes, words(4)))):
+                low, high = builder.and_(lanes, words(0x0F)), builder.lshr(lanes, words(4))
+                for column, nibble in ((j, low), (j + HALF, high)):
                     top = builder.and_(builder.lshr(tops[column % 8], words(2 * (column // 8))), words(3))
                     q = builder.sub(builder.or_(nibble, builder.shl(top, words(4))), words(32))
                     store_column(column, builder.sitofp(q, simd.FLOATS))
@@ -579,7 +580,8 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
 
             def group_step(g, _):
                 first_k = builder.mul(g, group_arg)
-                scales_at, mins_at = [_group_pointers(builder, kind, ary, tile_arg, g) for ary in (scales_ary, mins_ary)]
+                scales_at, mins_at = [_group_pointers(builder, kind, ary, tile_arg, g)
+                                      for ary in (scales_ary, mins_ary)]
                 for ahead in (scales_at, mins_at) if with_min else (scales_at,):
                     simd.prefetch_lines(builder, ahead[0], SCALES_AHEAD, TILE * (kind.bitwidth // 8))
 
