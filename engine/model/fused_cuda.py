@@ -1,9 +1,9 @@
 """The decoder's elementwise chains as one Triton kernel each, for CUDA.
 
-Eager PyTorch runs RMSNorm as 7 kernels in bfloat16 (cast, square, mean, add, rsqrt, multiply, scale),
-rotary as 5 per tensor, the K/V store as 2 more and SiLU-and-multiply as 2. On a GPU each launch costs more
-than its arithmetic, even replayed from a CUDA graph, so a small model's decode step is bound by its kernel
-count, far above its memory roofline (docs/speed.md#on-a-gpu-cuda). Each function here is one kernel that
+Eager PyTorch runs RMSNorm as 7 kernels in bfloat16 (cast, square, mean, add, rsqrt, multiply, scale) and the
+residual add before it as one more, rotary as 5 per tensor, the K/V store as 2 more and SiLU-and-multiply as 2.
+On a GPU each launch costs more than its arithmetic, even replayed from a CUDA graph, so a small model's decode
+step is bound by its kernel count, far above its memory roofline (docs/speed.md#on-a-gpu-cuda). Each function here is one kernel that
 computes in float32 and rounds once. The CPU keeps the eager ops (and its compiled decode step).
 """
 from __future__ import annotations
@@ -35,6 +35,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     subs, stride_sub = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
     _rms_norm_kernel[(x.shape[0], subs)](x, weight, out, x.stride(0), stride_sub, dim, eps,
                                          BLOCK=triton.next_power_of_2(dim))
+    return out
+
+
+@triton.jit
+def _add_rms_norm_kernel(delta_ptr, residual_ptr, weight_ptr, out_ptr, stride_delta, stride_residual, dim, eps,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < dim
+    delta = tl.load(delta_ptr + row * stride_delta + cols, mask=inside, other=0.0).to(tl.float32)
+    at = residual_ptr + row * stride_residual + cols
+    # the sum rounded to the stream's dtype once, as torch's add does, and normalized from that rounded value
+    total = (tl.load(at, mask=inside, other=0.0).to(tl.float32) + delta).to(residual_ptr.dtype.element_ty)
+    tl.store(at, total, mask=inside)
+    x = total.to(tl.float32)
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+    weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    out = weight * normed.to(residual_ptr.dtype.element_ty).to(tl.float32)  # (rounded as _rms_norm_kernel does)
+    tl.store(out_ptr + row * dim + cols, out.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += delta, in place, then rms_norm(residual) returned: a decoder layer's residual add and the next
+    norm in one kernel (vLLM's fused_add_rms_norm). delta, residual: [T, dim], rows contiguous."""
+    assert delta.shape == residual.shape and delta.stride(-1) == residual.stride(-1) == 1
+    dim = residual.shape[-1]
+    out = torch.empty(residual.shape, dtype=torch.result_type(weight, residual), device=residual.device)
+    _add_rms_norm_kernel[(residual.shape[0],)](delta, residual, weight, out, delta.stride(0), residual.stride(0),
+                                               dim, eps, BLOCK=triton.next_power_of_2(dim))
     return out
 
 

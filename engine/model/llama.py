@@ -39,6 +39,15 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_and_norm(self, delta: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + delta), residual + delta): the residual add before a norm, one kernel on CUDA (which
+        adds into `residual` in place)."""
+        if residual.is_cuda:
+            from engine.model import fused_cuda
+            return fused_cuda.add_rms_norm(delta, residual, self.weight, self.eps), residual
+        residual = residual + delta
+        return self(residual), residual
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, config: AnyConfig, head_dim: int) -> None:
@@ -131,9 +140,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, k_cache, v_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the last layer's output (the embeddings, with residual None, for the first). Returns (this layer's
+        output, the residual stream before it): their sum, which the next norm adds, is the stream after it."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x, residual = self.post_attention_layernorm.add_and_norm(
+            self.self_attn(x, cos, sin, k_cache, v_cache, meta), residual)
+        return self.mlp(x), residual
 
 
 class Backbone(nn.Module):
@@ -165,8 +181,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        residual = None
         for layer, k_cache, v_cache in zip(self.model.layers, kv_cache[0], kv_cache[1]):
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
-        x = self.model.norm(x[logits_indices])
+            x, residual = layer(x, residual, cos, sin, k_cache, v_cache, meta)
+        x, _ = self.model.norm.add_and_norm(x[logits_indices], residual[logits_indices])
         logits = self.lm_head(x).float()
         return (logits, x) if return_hidden else logits

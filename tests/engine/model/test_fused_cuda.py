@@ -31,6 +31,37 @@ def test_rms_norm_matches_the_module(shape, dtype):
     torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_adds_in_place_then_normalizes(dtype):
+    """A layer's residual add and the next norm in one kernel: the stream updated in place to residual + delta
+    (rounded once, as torch's add), and the norm of that rounded sum, as the module computes it."""
+    dim = 576 + 3  # a masked tail
+    norm = RMSNorm(dim, 1e-5).to(dtype)
+    norm.weight.data = _randn(dim, dtype=dtype, seed=1)
+    residual, delta = _randn(4, dim, dtype=dtype), _randn(4, dim, dtype=dtype, seed=2)
+    expected_stream = residual + delta
+    expected = norm(expected_stream).detach()
+    stream = residual.to(DEVICE)
+    out = fused_cuda.add_rms_norm(delta.to(DEVICE), stream, norm.weight.to(DEVICE), 1e-5).cpu()
+    assert out.dtype == expected.dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # (the interpreter rounds bf16 by truncation)
+    torch.testing.assert_close(stream.cpu().float(), expected_stream.float(), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    if DEVICE.type == "cuda":  # one add rounded to nearest, as torch's: the same bits (the norm's float32 sum of
+        assert torch.equal(stream.cpu(), expected_stream)  # squares runs in another order: an ulp apart at most)
+
+
+def test_add_and_norm_is_the_add_then_the_norm_on_cpu():
+    """The module's CPU path (no kernel): a new stream tensor, the caller's left as it was."""
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = _randn(64, seed=1)
+    residual, delta = _randn(3, 64), _randn(3, 64, seed=2)
+    before = residual.clone()
+    out, stream = norm.add_and_norm(delta, residual)
+    assert torch.equal(stream, before + delta) and torch.equal(residual, before)
+    assert torch.equal(out, norm(before + delta))
+
+
 def test_rms_norm_of_strided_heads():
     """q_norm / k_norm (Qwen3) normalize [T, heads, D] views into the fused qkv projection's output."""
     qkv = _randn(3, 9 * 64 + 2 * 3 * 64)
