@@ -28,11 +28,14 @@ def supports(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def tile_shapes(device: torch.device, group: int) -> tuple[int, int]:
-    """(rows of a program's dots, keys scored at once). A GPU wants large tiles for its tensor cores; Triton's
-    interpreter (CPU tensors, the tests) gets small ones, so tiny test contexts cross several query and key tiles."""
-    rows, keys = (64, 64) if device.type == "cuda" else (16, 16)
-    return max(rows, triton.next_power_of_2(group)), keys
+def tile_shapes(device: torch.device, group: int) -> tuple[int, int, int, int]:
+    """(rows of a program's dots, keys scored at once, warps, pipeline stages). A GPU wants large tiles for its
+    tensor cores; Triton's interpreter (CPU tensors, the tests) gets small ones, so tiny test contexts cross several
+    query and key tiles. On an H200, 64 x 64 tiles with two stages took 0.235 ms for a 1B layer's 4,096-token
+    attention, three stages (Triton's default) 0.264 ms, and larger tiles 0.25-0.30 ms (bench.prefill
+    --kernel-sweep, docs/results/cuda-h200-2026-11-28b.md)."""
+    rows, keys, warps, stages = (64, 64, 4, 2) if device.type == "cuda" else (16, 16, 4, 3)
+    return max(rows, triton.next_power_of_2(group)), keys, warps, stages
 
 
 @triton.jit
@@ -114,13 +117,12 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: [R, max_blocks] int32; query_starts: [R + 1] int32, row r's queries are
     q[query_starts[r]:query_starts[r + 1]]; context_lens: [R] int32, row r's tokens up to its last query.
     Returns [T, H, D] in q's dtype. No host sync. tiles: (query rows of a program's dots, keys at once, warps,
-    pipeline stages) instead of tile_shapes' and Triton's defaults (bench.prefill --kernel-sweep tries several)."""
+    pipeline stages) instead of tile_shapes' (bench.prefill --kernel-sweep tries several)."""
     tokens, num_heads, dim = q.shape
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
     kv_heads = k_cache.shape[1]
     group = num_heads // kv_heads
-    tile_m, tile_n = tile_shapes(q.device, group) if tiles is None else tiles[:2]
-    launch = {} if tiles is None else {"num_warps": tiles[2], "num_stages": tiles[3]}
+    tile_m, tile_n, warps, stages = tile_shapes(q.device, group) if tiles is None else tiles
     tile_q = tile_m // group
     rows = context_lens.shape[0]
     out = torch.empty_like(q)
@@ -131,5 +133,5 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, out, block_tables, query_starts, context_lens, scale * LOG2E, rows,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0), BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=dim, TILE_M=tile_m, TILE_Q=tile_q,
-        TILE_N=tile_n, HALF_DOTS=half_dots, **launch)
+        TILE_N=tile_n, HALF_DOTS=half_dots, num_warps=warps, num_stages=stages)
     return out
