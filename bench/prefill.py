@@ -7,8 +7,10 @@ per weight of the linear layers per token, the logits of the last token only, an
 a cache hit, so its TTFT is the step of the last block's tokens, replayed from a CUDA graph as serving does
 (prefill_graph_cuda.py; the 4,096-token step is past the graphs' buckets and runs eagerly). With --eager-too the
 cached prompts run once more with those graphs switched off, and with --gather-too the uncached ones with the
-prefill kernel switched off (the gather path), in the same process. Times are medians; the first
-prompt of a kind is a warm-up (kernel compilation) and not counted.
+prefill kernel switched off (the gather path), in the same process; with --profile-host cProfile says where
+the prompts' TTFT goes on the host. On CUDA the cached prompt's step is also replayed alone from its graph (its
+GPU time, without the host's share). Times are medians; the first prompt of a kind is a warm-up (kernel
+compilation) and not counted.
 
 --kernel-sweep (CUDA) times the paged prefill kernel alone on the model's attention shapes (one row of `--tokens`
 queries from position 0, K/V scattered over the block pool in bf16) for several tile shapes, warps and pipeline
@@ -74,8 +76,47 @@ def _uncached_and_cached(llm: LLM, prompts: list[list[int]]) -> tuple[list[float
     return uncached, cached, hits
 
 
+def host_profile(llm: LLM, prompts: list[list[int]], top: int = 25) -> dict[str, list[dict]]:
+    """Where a prompt's TTFT goes on the host, uncached and cached: cProfile over each prompt's two sends, the
+    `top` functions by their own time in ms a prompt (a wait for the GPU shows as the call that synchronizes)."""
+    import cProfile
+    import pstats
+
+    profiles = {"uncached": cProfile.Profile(), "cached": cProfile.Profile()}
+    for prompt in prompts:
+        for profile in profiles.values():
+            profile.enable()
+            ttft(llm, prompt)
+            profile.disable()
+
+    def rows(profile: cProfile.Profile) -> list[dict]:
+        stats = sorted(pstats.Stats(profile).stats.items(), key=lambda item: -item[1][2])[:top]
+        return [{"function": f"{path.rsplit('/', 1)[-1]}:{line}({name})", "calls": calls / len(prompts),
+                 "own_ms": round(own * 1e3 / len(prompts), 3),
+                 "cumulative_ms": round(cumulative * 1e3 / len(prompts), 3)}
+                for (path, line, name), (_, calls, own, cumulative, _) in stats]
+    return {kind: rows(profile) for kind, profile in profiles.items()}
+
+
+def graph_replay_ms(graphs, tokens: int, replays: int = 20) -> float:
+    """The GPU time of a step of `tokens` tokens replayed from its CUDA graph alone (CUDA events, median): what a
+    cached prompt's TTFT would be without the host's share. Its inputs are padding only, so it writes no K/V."""
+    bucket = next(b for b in graphs.buckets if b >= tokens)
+    graphs.inputs.fill(bucket, min(bucket, graphs.max_rows), [], [], [], [])
+    times = []
+    for _ in range(replays + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs.graphs[bucket].replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[1:])
+
+
 def run(model: str = "default", device: str = "cuda", dtype: str = "bfloat16", tokens: int = 4096,
-        repeats: int = 3, gather_too: bool = False, eager_too: bool = False, **overrides) -> dict:
+        repeats: int = 3, gather_too: bool = False, eager_too: bool = False, profile_host: bool = False,
+        **overrides) -> dict:
     llm = LLM(model, device=device, dtype=dtype, max_num_batched_tokens=tokens, max_num_seqs=1, **overrides)
     gen = torch.Generator().manual_seed(0)
 
@@ -95,6 +136,10 @@ def run(model: str = "default", device: str = "cuda", dtype: str = "bfloat16", t
     if (peak := peak_tflops(llm.core.device)) is not None:
         result["peak_bf16_tflops"] = peak
         result["fraction_of_peak"] = round(result["prefill_tflops"] / peak, 3)
+    if llm.core.runner.graph_prefill is not None:
+        result["cached_step_replay_ms"] = round(graph_replay_ms(llm.core.runner.graph_prefill, tokens - hits[0]), 4)
+    if profile_host:
+        result["host_profile"] = host_profile(llm, fresh())
     if eager_too and llm.core.runner.graph_prefill is not None:
         llm.core.runner.graph_prefill = None
         eager_cached = _uncached_and_cached(llm, fresh())[1]
@@ -106,8 +151,8 @@ def run(model: str = "default", device: str = "cuda", dtype: str = "bfloat16", t
     return result
 
 
-SWEEP = ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3), (256, 64, 8, 3),
-         (128, 32, 4, 4))
+SWEEP = ((64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 1), (64, 64, 8, 2), (64, 32, 4, 2), (64, 128, 4, 2),
+         (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3))
 
 
 def kernel_sweep(model: str = "default", tokens: int = 4096, block_size: int = 16, configs=SWEEP,
@@ -174,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gather-too", action="store_true", help="also time the uncached prompts on the gather path")
     parser.add_argument("--eager-too", action="store_true",
                         help="CUDA: also time the cached prompts with the prefill steps' CUDA graphs off")
+    parser.add_argument("--profile-host", action="store_true",
+                        help="also profile the prompts' TTFT on the host, uncached and cached (cProfile's top functions)")
     parser.add_argument("--kernel-sweep", action="store_true",
                         help="CUDA: time the prefill kernel alone per tile shape, beside SDPA (one layer's attention)")
     parser.add_argument("--json", default=None, help="also write the result here")
@@ -184,7 +231,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['kernel']:14}{str(row.get('tiles', '')):20}{row['ms']:8.3f} ms{row['tflops']:8.1f} TFLOP/s"
                   f"  rel error {row.get('rel_error', '-')}")
     else:
-        result = run(args.model, args.device, args.dtype, args.tokens, args.repeats, args.gather_too, args.eager_too)
+        result = run(args.model, args.device, args.dtype, args.tokens, args.repeats, args.gather_too, args.eager_too,
+                     args.profile_host)
+        for kind, rows in result.get("host_profile", {}).items():
+            print(f"host profile, {kind} prompts: ms a prompt")
+            for row in rows:
+                print(f"{row['own_ms']:8.3f} own {row['cumulative_ms']:8.3f} cumulative {row['calls']:8.1f} calls"
+                      f"  {row['function']}")
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:

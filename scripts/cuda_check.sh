@@ -54,7 +54,7 @@ stage tests "${TESTS_S:-150}" $py -m pytest -q -p no:cacheprovider -o filterwarn
 wait $models || { echo "building the random models failed:"; tail -20 "$out/models.log"; }
 
 stage prefill "${PREFILL_S:-80}" $py -m bench.prefill --model "$large" --tokens 4096 --repeats 2 --gather-too --eager-too \
-  --json "$out/prefill_1b.json"
+  --profile-host --json "$out/prefill_1b.json"
 stage sweep "${SWEEP_S:-60}" $py -m bench.prefill --model "$large" --tokens 4096 --kernel-sweep \
   --json "$out/prefill_kernel_sweep.json"
 stage profile "${PROFILE_S:-60}" bash -c "$py -m bench.step_profile --device cuda --dtype bfloat16 --model $large \

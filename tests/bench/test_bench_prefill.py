@@ -1,6 +1,8 @@
 """bench.prefill on the tiny model on CPU (behaviour, not times): the step's FLOPs, the cache hits of the repeat."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from bench import prefill
@@ -23,6 +25,21 @@ def test_the_repeated_prompt_hits_every_full_block_but_the_last_tokens(tiny_llam
     assert result["prefill_kernel"] is False and "fraction_of_peak" not in result  # CPU: gather path, no peak
     assert result["prefill_graphs"] is False
     assert result["uncached_ttft_s"] > 0 and result["cached_ttft_s"] > 0
+
+
+def test_the_host_profile_counts_one_step_a_send_uncached_and_cached(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), cpu_kernels="eager", block_size=16, num_kv_blocks=32)
+    prompts = [list(range(1, 65)), list(range(2, 66))]
+    profile = prefill.host_profile(llm, prompts, top=500)
+    assert set(profile) == {"uncached", "cached"}
+    for rows in profile.values():
+        by_name = {re.sub(r":\d+", "", row["function"]): row for row in rows}  # (line numbers move)
+        step, execute = by_name["core.py(step)"], by_name["runner.py(execute)"]
+        assert step["calls"] == execute["calls"] == 1.0  # one step a send: the whole prompt, or its last block
+        assert step["cumulative_ms"] >= execute["cumulative_ms"] > 0
+        assert [row["own_ms"] for row in rows] == sorted((row["own_ms"] for row in rows), reverse=True)
+    hashed = {re.sub(r":\d+", "", row["function"]): row["calls"] for row in profile["cached"]}
+    assert "hashing.py(hash_full_blocks)" in hashed or "request.py(update_block_hashes)" in hashed
 
 
 def test_a_failed_step_is_an_error_not_a_time(tiny_llama_dir, monkeypatch):
