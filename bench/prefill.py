@@ -8,14 +8,15 @@ a cache hit, so its TTFT is the step of the last block's tokens, replayed from a
 (prefill_graph_cuda.py; the 4,096-token step is past the graphs' buckets and runs eagerly). With --eager-too the
 cached prompts run once more with those graphs switched off, and with --gather-too the uncached ones with the
 prefill kernel switched off (the gather path), in the same process; with --profile-host cProfile says where
-the prompts' TTFT goes on the host. On CUDA the cached prompt's step is also replayed alone from its graph (its
-GPU time, without the host's share). Times are medians; the first prompt of a kind is a warm-up (kernel
+the prompts' TTFT goes on the host. On CUDA the cached prompts' steps are timed on the GPU too (CUDA events around
+their graphs' replays: the TTFT less the host's share). Times are medians; the first prompt of a kind is a warm-up (kernel
 compilation) and not counted.
 
 --kernel-sweep (CUDA) times the paged prefill kernel alone on the model's attention shapes (one row of `--tokens`
 queries from position 0, K/V scattered over the block pool in bf16) for several tile shapes, warps and pipeline
 stages, beside PyTorch's scaled_dot_product_attention (FlashAttention) on the same K/V laid out contiguously, and
-checks each output against it.
+checks each output against it. With --queries 16 the row is a cached prompt's last block (16 queries over the
+whole context), timed with its keys split over programs several ways and not at all.
 """
 from __future__ import annotations
 
@@ -98,20 +99,24 @@ def host_profile(llm: LLM, prompts: list[list[int]], top: int = 25) -> dict[str,
     return {kind: rows(profile) for kind, profile in profiles.items()}
 
 
-def graph_replay_ms(graphs, tokens: int, replays: int = 20) -> float:
-    """The GPU time of a step of `tokens` tokens replayed from its CUDA graph alone (CUDA events, median): what a
-    cached prompt's TTFT would be without the host's share. Its inputs are padding only, so it writes no K/V."""
-    bucket = next(b for b in graphs.buckets if b >= tokens)
-    graphs.inputs.fill(bucket, min(bucket, graphs.max_rows), [], [], [], [])
-    times = []
-    for _ in range(replays + 1):
+class _TimedReplays:
+    """Stands in for a captured graph: each replay between two CUDA events. A cached prompt's step finds the GPU
+    idle (the copies of its inputs go first, on the same stream), so the events bracket the step's GPU time alone:
+    its TTFT less the host's share."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph = graph
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def replay(self) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graphs.graphs[bucket].replay()
+        self.graph.replay()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[1:])
+        self.events.append((start, end))
+
+    def times_ms(self) -> list[float]:
+        return [start.elapsed_time(end) for start, end in self.events]
 
 
 def run(model: str = "default", device: str = "cuda", dtype: str = "bfloat16", tokens: int = 4096,
@@ -123,6 +128,9 @@ def run(model: str = "default", device: str = "cuda", dtype: str = "bfloat16", t
     def fresh() -> list[list[int]]:
         return [torch.randint(0, llm.core.vocab_size, (tokens,), generator=gen).tolist() for _ in range(repeats + 1)]
 
+    graphs = llm.core.runner.graph_prefill
+    if graphs is not None:  # the cached steps' replays timed on the GPU (the uncached step runs eagerly)
+        graphs.graphs = {bucket: _TimedReplays(graph) for bucket, graph in graphs.graphs.items()}
     uncached, cached, hits = _uncached_and_cached(llm, fresh())
     flops = step_flops(llm, tokens)
     result = {"model": model, "device": device, "dtype": dtype, "tokens": tokens,
@@ -136,8 +144,11 @@ def run(model: str = "default", device: str = "cuda", dtype: str = "bfloat16", t
     if (peak := peak_tflops(llm.core.device)) is not None:
         result["peak_bf16_tflops"] = peak
         result["fraction_of_peak"] = round(result["prefill_tflops"] / peak, 3)
-    if llm.core.runner.graph_prefill is not None:
-        result["cached_step_replay_ms"] = round(graph_replay_ms(llm.core.runner.graph_prefill, tokens - hits[0]), 4)
+    if graphs is not None:
+        bucket = next((b for b in graphs.buckets if b >= tokens - hits[0]), None)
+        if bucket is not None and bucket < tokens:  # (else the uncached steps replay the same graph)
+            replays = graphs.graphs[bucket].times_ms()[1:]  # (not the warm-up prompt's)
+            result["cached_step_gpu_ms"] = round(statistics.median(replays), 4)
     if profile_host:
         result["host_profile"] = host_profile(llm, fresh())
     if eager_too and llm.core.runner.graph_prefill is not None:
@@ -156,9 +167,13 @@ SWEEP = ((64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 1), (64, 64, 8, 2), (64, 32
 
 
 def kernel_sweep(model: str = "default", tokens: int = 4096, block_size: int = 16, configs=SWEEP,
-                 device: str = "cuda", timer=None) -> dict:
-    """The kernel's time and attention TFLOP/s per (query rows, keys, warps, stages), SDPA's on the same K/V.
-    timer(fn) -> ms: triton.testing.do_bench's median by default (the tests pass another for CPU tensors)."""
+                 device: str = "cuda", timer=None, queries: int | None = None,
+                 splits: tuple[int | None, ...] = (None,)) -> dict:
+    """The kernel's time and attention TFLOP/s per (query rows, keys, warps, stages) and keys per split (None:
+    the kernel's own choice, 0: none), SDPA's on the same K/V. One row of `queries` queries (default: all
+    `tokens`) at the end of a `tokens`-token context: a cached prompt's last block is 16 queries over its whole
+    context. timer(fn) -> ms: triton.testing.do_bench's median by default (the tests pass another for CPU
+    tensors)."""
     import torch.nn.functional as F
     from transformers import AutoConfig
 
@@ -168,42 +183,48 @@ def kernel_sweep(model: str = "default", tokens: int = 4096, block_size: int = 1
     config = AutoConfig.from_pretrained(resolve_model_path(model))
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    queries = tokens if queries is None else queries
     if timer is None:
         import triton.testing
         timer = functools.partial(triton.testing.do_bench, return_mode="median")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # (the interpreter's 16-bit dots are wrong)
     gen = torch.Generator(device=device).manual_seed(0)
     num_blocks = tokens // block_size
-    q = torch.randn(tokens, heads, dim, device=device, generator=gen, dtype=dtype)
+    q = torch.randn(queries, heads, dim, device=device, generator=gen, dtype=dtype)
     k = torch.randn(tokens, kv_heads, dim, device=device, generator=gen, dtype=dtype)
     v = torch.randn(tokens, kv_heads, dim, device=device, generator=gen, dtype=dtype)
     table = torch.randperm(num_blocks, device=device, generator=gen).int()
     slots = (table.long()[:, None] * block_size + torch.arange(block_size, device=device)).flatten()
     k_cache, v_cache = torch.empty_like(k), torch.empty_like(v)
     k_cache[slots], v_cache[slots] = k, v  # token t sits in slot slots[t]
-    starts = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+    starts = torch.tensor([0, queries], dtype=torch.int32, device=device)
     lens = torch.tensor([tokens], dtype=torch.int32, device=device)
     scale = dim ** -0.5
-    flops = 2 * 2 * heads * dim * tokens * tokens // 2
+    # the keys each query sees: all before it in the context (causal over the whole prompt when queries = tokens)
+    flops = 2 * 2 * heads * dim * sum(range(tokens - queries + 1, tokens + 1))
+    seen = (torch.arange(tokens, device=device)[None, :]
+            <= torch.arange(tokens - queries, tokens, device=device)[:, None])
 
     def sdpa():
+        causal = {"is_causal": True} if queries == tokens else {"attn_mask": seen}
         return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                              v.transpose(0, 1)[None], is_causal=True, scale=scale,
-                                              enable_gqa=True)[0].transpose(0, 1)
+                                              v.transpose(0, 1)[None], scale=scale, enable_gqa=True,
+                                              **causal)[0].transpose(0, 1)
 
     expected = sdpa().float()
     rows = [{"kernel": "sdpa", "ms": timer(sdpa)}]
     for tiles in configs:
-        def kernel(tiles=tiles):
-            return paged_prefill_cuda.paged_prefill(q, k_cache, v_cache, table[None], starts, lens, scale,
-                                                    block_size, tiles=tiles)
-        error = ((kernel().float() - expected).norm() / expected.norm()).item()
-        rows.append({"kernel": "paged_prefill", "tiles": tiles, "rel_error": round(error, 5),
-                     "ms": timer(kernel)})
+        for keys_per_split in splits:
+            def kernel(tiles=tiles, keys_per_split=keys_per_split):
+                return paged_prefill_cuda.paged_prefill(q, k_cache, v_cache, table[None], starts, lens, scale,
+                                                        block_size, tiles=tiles, keys_per_split=keys_per_split)
+            error = ((kernel().float() - expected).norm() / expected.norm()).item()
+            rows.append({"kernel": "paged_prefill", "tiles": tiles, "keys_per_split": keys_per_split,
+                         "rel_error": round(error, 5), "ms": timer(kernel)})
     for row in rows:
         row["tflops"] = round(flops / row["ms"] / 1e9, 1)
-    return {"model": model, "tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
-            "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    return {"model": model, "tokens": tokens, "queries": queries, "heads": heads, "kv_heads": kv_heads,
+            "head_dim": dim, "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "attention_tflop": round(flops / 1e12, 4), "rows": rows}
 
 
@@ -223,13 +244,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="also profile the prompts' TTFT on the host, uncached and cached (cProfile's top functions)")
     parser.add_argument("--kernel-sweep", action="store_true",
                         help="CUDA: time the prefill kernel alone per tile shape, beside SDPA (one layer's attention)")
+    parser.add_argument("--queries", type=int, default=None,
+                        help="--kernel-sweep: the row's queries at the end of its context (default: all --tokens); "
+                             "fewer time the kernel's split keys, as a cached prompt's last block (16)")
     parser.add_argument("--json", default=None, help="also write the result here")
     args = parser.parse_args(argv)
     if args.kernel_sweep:
-        result = kernel_sweep(args.model, args.tokens)
+        queries = args.queries or args.tokens
+        # a few queries over a long context: the tiles the kernel picks, its keys split several ways
+        configs, splits = ((None,), (None, 0, 256, 512, 1024)) if queries < args.tokens else (SWEEP, (None,))
+        result = kernel_sweep(args.model, args.tokens, configs=configs, queries=queries, splits=splits)
         for row in result["rows"]:
-            print(f"{row['kernel']:14}{str(row.get('tiles', '')):20}{row['ms']:8.3f} ms{row['tflops']:8.1f} TFLOP/s"
-                  f"  rel error {row.get('rel_error', '-')}")
+            split = row.get("keys_per_split", "")
+            print(f"{row['kernel']:14}{str(row.get('tiles', '')):20}{'split ' + str(split) if split != '' else '':12}"
+                  f"{row['ms']:8.3f} ms{row['tflops']:8.1f} TFLOP/s  rel error {row.get('rel_error', '-')}")
     else:
         result = run(args.model, args.device, args.dtype, args.tokens, args.repeats, args.gather_too, args.eager_too,
                      args.profile_host)

@@ -185,6 +185,19 @@ MUTANTS = [
     Mutant("prefill-unmasked-tiles-one-too-many", "paged_prefill_cuda.py",
            "full_end = (first_position + 1) // TILE_N * TILE_N",
            "full_end = (first_position + 1 + TILE_N) // TILE_N * TILE_N", PREFILL_TESTS),
+    # a split of the keys (a small step's) starts a tile late: each split's first key tile is never read
+    Mutant("prefill-split-starts-a-tile-late", "paged_prefill_cuda.py",
+           "low = split * SPLIT_KEYS", "low = split * SPLIT_KEYS + TILE_N", PREFILL_TESTS),
+    # the merge weighs the splits' partials by natural exponentials of sums kept in log2 units
+    Mutant("prefill-split-merge-natural-exp", "paged_prefill_cuda.py",
+           "weights = tl.exp2(lse - tl.max(lse, axis=0))", "weights = tl.exp(lse - tl.max(lse, axis=0))",
+           PREFILL_TESTS),
+    # a row that has seen no key yet subtracts its -inf maximum: exp(-inf - -inf) is NaN in an empty split
+    Mutant("online-softmax-empty-row-unguarded", "paged_decode_cuda.py",
+           "shift = tl.where(new_best == float(\"-inf\"), 0.0, new_best)", "shift = new_best", PREFILL_TESTS),
+    # the add and norm's stream not written back: the next layer adds to the stream before this one
+    Mutant("add-rms-norm-stream-not-stored", "fused_cuda.py", "    tl.store(at, total, mask=inside)\n", "\n",
+           FUSED_TESTS),
     # the rotation's first half turned the wrong way (CUDA's fused rotary and K/V store)
     Mutant("rotary-first-half-sign", "fused_cuda.py",
            "return (first * cos_first[None, :] - second * sin_first[None, :],",

@@ -53,12 +53,15 @@ def online_softmax(scores, values, acc, total, best, HALF_DOTS: tl.constexpr, BA
     so far (`acc` of weighted values, `total` of weights) are rescaled to it, and the tile's are added. BASE2:
     the scores are in log2 units (exp2, as a scale folded with log2(e) gives). Returns (acc, total, best)."""
     new_best = tl.maximum(best, tl.max(scores, axis=1))
+    # a row that has seen no key yet (all -inf so far: a split of the keys past its position) keeps zero weights,
+    # not exp(-inf - -inf) = NaN; every other row subtracts its maximum, as before
+    shift = tl.where(new_best == float("-inf"), 0.0, new_best)
     if BASE2:
-        weights = tl.exp2(scores - new_best[:, None])
-        rescale = tl.exp2(best - new_best)
+        weights = tl.exp2(scores - shift[:, None])
+        rescale = tl.exp2(best - shift)
     else:
-        weights = tl.exp(scores - new_best[:, None])
-        rescale = tl.exp(best - new_best)
+        weights = tl.exp(scores - shift[:, None])
+        rescale = tl.exp(best - shift)
     if HALF_DOTS:  # the weights rounded to the values' dtype for the dot, as FlashAttention does
         acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
     else:

@@ -11,8 +11,16 @@ float32. The programs are numbered over all rows' tiles from the row offsets alo
 host sync: a program finds its row by binary search and exits if it falls past its row's queries. The key tiles
 that every query of a program sees whole are walked without a mask, then the diagonal ones with the causal mask
 (FlashAttention-2's split); the programs run last tile first, so the longest walks do not start last.
+
+A step too small to fill the GPU with such programs (a cached prompt's last block: 16 queries over 4,096 keys are
+8 programs for 1B shapes) splits each walk's keys over more programs (flash-decoding's split, as the decode
+kernel's partitions): each writes its partial output and log-sum-exp, and a second kernel merges a query's
+splits. The split count comes from the block tables' width, a bound known without a sync, so the launch shapes
+stay fixed for CUDA graphs; splits past a query's position hold nothing and weigh nothing in the merge.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -21,6 +29,8 @@ import triton.language as tl
 from engine.model.paged_decode_cuda import online_softmax, online_softmax_start, tile_scores
 
 LOG2E = 1.4426950408889634  # scores are scaled by log2(e) once so that the softmax runs on exp2
+MIN_SPLIT_TILES = 4  # key tiles of one program where a small step's keys are split (split_keys)
+MAX_SPLITS = 32
 
 
 def supports(head_dim: int) -> bool:
@@ -55,12 +65,14 @@ def _find_row(query_starts_ptr, tile, num_rows, TILE_Q: tl.constexpr):
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_starts_ptr, context_lens_ptr,
-                    qk_scale, num_rows, stride_q_token, stride_q_head, stride_out_token, stride_out_head,
-                    stride_kv_slot, stride_kv_head, stride_bt_row,
+                    part_out_ptr, part_lse_ptr, qk_scale, num_rows, num_heads, stride_q_token, stride_q_head,
+                    stride_out_token, stride_out_head, stride_kv_slot, stride_kv_head, stride_bt_row,
                     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    TILE_M: tl.constexpr, TILE_Q: tl.constexpr, TILE_N: tl.constexpr, HALF_DOTS: tl.constexpr):
+                    TILE_M: tl.constexpr, TILE_Q: tl.constexpr, TILE_N: tl.constexpr, HALF_DOTS: tl.constexpr,
+                    SPLIT_KEYS: tl.constexpr):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the last tiles, the longest walks, start first
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)  # SPLIT_KEYS > 0: this program's keys are [split * SPLIT_KEYS, + SPLIT_KEYS)
     row = _find_row(query_starts_ptr, tile, num_rows, TILE_Q)
     first_query = tl.load(query_starts_ptr + row)
     num_queries = tl.load(query_starts_ptr + row + 1) - first_query
@@ -83,7 +95,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_starts
         # key tiles every query of the tile sees whole (up to its first query's position): no mask to apply
         first_position = context - num_queries + tile_start
         full_end = (first_position + 1) // TILE_N * TILE_N
-        for key_start in range(0, full_end, TILE_N):
+        end = context - num_queries + tl.minimum(tile_start + TILE_Q, num_queries)  # past the tile's last query
+        low, high = 0, end
+        if SPLIT_KEYS > 0:
+            low = split * SPLIT_KEYS
+            high = tl.minimum(low + SPLIT_KEYS, end)
+        for key_start in range(low, tl.minimum(full_end, high), TILE_N):
             keys_at = key_start + tl.arange(0, TILE_N)
             blocks = tl.load(table + keys_at // BLOCK_SIZE)
             slots = blocks.to(tl.int64) * BLOCK_SIZE + keys_at % BLOCK_SIZE
@@ -92,9 +109,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_starts
             acc, total, best = online_softmax(scores, tl.load(v_ptr + kv_offsets), acc, total, best, HALF_DOTS,
                                               True)
         # then the diagonal: keys up to the tile's last query, causal; key 0 is seen by every row, so no row's
-        # maximum stays -inf
-        end = context - num_queries + tl.minimum(tile_start + TILE_Q, num_queries)
-        for key_start in range(full_end, end, TILE_N):
+        # maximum stays -inf (unless the keys are split: a split past a row's position leaves it empty)
+        for key_start in range(tl.maximum(full_end, low), high, TILE_N):
             keys_at = key_start + tl.arange(0, TILE_N)
             in_context = keys_at < end
             blocks = tl.load(table + keys_at // BLOCK_SIZE, mask=in_context, other=0)
@@ -105,19 +121,64 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_starts
             scores = tl.where(seen, tile_scores(q, keys, HALF_DOTS) * qk_scale, float("-inf"))
             values = tl.load(v_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
             acc, total, best = online_softmax(scores, values, acc, total, best, HALF_DOTS, True)
-        out = acc / total[:, None]
-        tl.store(out_ptr + tokens[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+        if SPLIT_KEYS > 0:  # every split writes its partial, an empty one too (weight 0): _merge_kernel sums them
+            seen = total > 0
+            total = tl.where(seen, total, 1.0)  # (an empty row: acc is 0)
+            part = (tokens * num_heads + head) * tl.num_programs(2) + split
+            tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc / total[:, None],
+                     mask=live[:, None])
+            tl.store(part_lse_ptr + part, tl.where(seen, best + tl.log2(total), float("-inf")), mask=live)
+        else:
+            out = acc / total[:, None]
+            tl.store(out_ptr + tokens[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+@triton.jit
+def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_out_token, stride_out_head,
+                  HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    """One query head of one token: its splits' partial outputs weighted by their sums (log2 units)."""
+    token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    splits = tl.arange(0, SPLITS)
+    present = splits < num_splits
+    base = (token * tl.num_programs(1) + head) * num_splits
+    lse = tl.load(part_lse_ptr + base + splits, mask=present, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 holds key 0, which every query sees: a finite max
+    dims = tl.arange(0, HEAD_DIM)
+    outs = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :], mask=present[:, None],
+                   other=0.0)
+    merged = tl.sum(weights[:, None] * outs, axis=0) / tl.sum(weights, axis=0)
+    tl.store(out_ptr + token * stride_out_token + head * stride_out_head + dims, merged.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """Programs a launch runs at once, roughly: the GPU's multiprocessors; a small number for Triton's
+    interpreter (CPU tensors, the tests), so that tiny test steps split their keys as a GPU's small steps do."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def split_keys(programs: int, max_context: int, tile_n: int, device: torch.device) -> int:
+    """Keys a program walks when a step's programs (query tiles x kv heads) are too few to fill the GPU, 0 when
+    they are not: a cached prompt's last block over 4,096 tokens is 8 programs for 1B shapes, each walking the
+    whole context alone (flash-decoding's split, as the decode kernel's partitions). At least MIN_SPLIT_TILES key
+    tiles a program, at most MAX_SPLITS splits of the longest context a block table holds."""
+    if programs >= _multiprocessors(device):
+        return 0
+    keys = max(MIN_SPLIT_TILES * tile_n, triton.next_power_of_2(triton.cdiv(max_context, MAX_SPLITS)))
+    return keys if keys < max_context else 0
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   query_starts: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                  block_size: int, tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                  block_size: int, tiles: tuple[int, int, int, int] | None = None,
+                  keys_per_split: int | None = None) -> torch.Tensor:
     """q: [T, H, D], the flat batch; caches: [num_slots, KVH, D] (the slots of the block pool, any float dtype);
     block_tables: [R, max_blocks] int32; query_starts: [R + 1] int32, row r's queries are
     q[query_starts[r]:query_starts[r + 1]]; context_lens: [R] int32, row r's tokens up to its last query.
     Returns [T, H, D] in q's dtype. No host sync. tiles: (query rows of a program's dots, keys at once, warps,
-    pipeline stages) instead of tile_shapes' (bench.prefill --kernel-sweep tries several)."""
+    pipeline stages) instead of tile_shapes' (bench.prefill --kernel-sweep tries several); keys_per_split: a
+    multiple of the key tile (0: no split) instead of split_keys'."""
     tokens, num_heads, dim = q.shape
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
     kv_heads = k_cache.shape[1]
@@ -125,13 +186,27 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     tile_m, tile_n, warps, stages = tile_shapes(q.device, group) if tiles is None else tiles
     tile_q = tile_m // group
     rows = context_lens.shape[0]
+    # every row's tiles fit in tokens // tile_q + rows numbers (see _find_row); the surplus programs exit at once
+    num_tiles = tokens // tile_q + rows
+    max_context = block_tables.shape[1] * block_size  # (a bound known without a sync: the tables' width)
+    if keys_per_split is None:
+        keys_per_split = split_keys(num_tiles * kv_heads, max_context, tile_n, q.device)
+    assert keys_per_split % tile_n == 0
+    splits = triton.cdiv(max_context, keys_per_split) if keys_per_split else 1
     out = torch.empty_like(q)
+    part_out = part_lse = out  # (unused without splits)
+    if keys_per_split:
+        part_out = torch.empty(tokens, num_heads, splits, dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(tokens, num_heads, splits, dtype=torch.float32, device=q.device)
     # (on CPU tensors the kernel runs in Triton's interpreter, the tests' way, whose 16-bit dots are wrong)
     half_dots = q.is_cuda and q.dtype == k_cache.dtype and q.element_size() == 2
-    # every row's tiles fit in tokens // tile_q + rows numbers (see _find_row); the surplus programs exit at once
-    _prefill_kernel[(tokens // tile_q + rows, kv_heads)](
-        q, k_cache, v_cache, out, block_tables, query_starts, context_lens, scale * LOG2E, rows,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        block_tables.stride(0), BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=dim, TILE_M=tile_m, TILE_Q=tile_q,
-        TILE_N=tile_n, HALF_DOTS=half_dots, num_warps=warps, num_stages=stages)
+    _prefill_kernel[(num_tiles, kv_heads, splits)](
+        q, k_cache, v_cache, out, block_tables, query_starts, context_lens, part_out, part_lse, scale * LOG2E,
+        rows, num_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+        k_cache.stride(1), block_tables.stride(0), BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=dim, TILE_M=tile_m,
+        TILE_Q=tile_q, TILE_N=tile_n, HALF_DOTS=half_dots, SPLIT_KEYS=keys_per_split, num_warps=warps,
+        num_stages=stages)
+    if keys_per_split:
+        _merge_kernel[(tokens, num_heads)](part_out, part_lse, out, splits, out.stride(0), out.stride(1),
+                                           HEAD_DIM=dim, SPLITS=triton.next_power_of_2(splits))
     return out

@@ -64,3 +64,16 @@ def test_the_kernel_sweep_checks_every_tile_shape_against_sdpa(tiny_llama_dir):
     assert [r["kernel"] for r in result["rows"]] == ["sdpa", "paged_prefill", "paged_prefill"]
     assert all(r["rel_error"] < 1e-5 for r in result["rows"][1:])
     assert all(r["ms"] == 2.0 for r in result["rows"])
+
+
+def test_the_kernel_sweep_of_a_cached_block_splits_its_keys_every_way_it_is_asked(tiny_llama_dir):
+    """16 queries at the end of a 96-token context (a cached prompt's last block): split or not, the same
+    attention as SDPA's under the explicit mask; the FLOPs count each query's keys only."""
+    triton_module("paged_prefill_cuda")
+    result = prefill.kernel_sweep(str(tiny_llama_dir), tokens=96, block_size=8, device="cpu", queries=16,
+                                  configs=((16, 16, 1, 1),), splits=(None, 0, 32), timer=lambda fn: 1e-9)
+    assert [r.get("keys_per_split") for r in result["rows"]] == [None, None, 0, 32]
+    assert all(r["rel_error"] < 1e-5 for r in result["rows"][1:])
+    assert result["queries"] == 16
+    # at 1e-9 ms a run, "TFLOP/s" is the FLOPs themselves: query i of 16 sees 81 + i keys
+    assert {r["tflops"] for r in result["rows"]} == {2 * 2 * 4 * 16 * sum(range(81, 97))}

@@ -19,6 +19,7 @@ paged_prefill_cuda = triton_module("paged_prefill_cuda")
 # coverage's line tracer takes three times its CPU, and they reach no line of engine/ that the first reference
 # case and the engine's steps below do not (checked with --cov-context=test over the whole suite)
 more_cases = pytest.mark.no_cover
+SMALL_TILES = (32, 16, 4, 2)  # 16 keys a tile on CUDA as in the interpreter: short test contexts cross several
 
 
 def _reference(q, k_cache, v_cache, block_tables, query_starts, context_lens, scale, block_size):
@@ -93,6 +94,26 @@ def test_tiles_given_by_the_caller_compute_the_same_attention(tiles):
     torch.testing.assert_close(out.double(), _reference(*case, 0.125, block_size), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("keys_per_split", [16, 48])
+def test_keys_split_across_programs_compute_the_same_attention(keys_per_split):
+    """A small step's keys split over several programs and merged (what split_keys asks for when a step's programs
+    are too few to fill the GPU): a chunk after a mid-block cache hit, decodes, a whole prompt from position 0,
+    a 1-token context. Splits past a query's position leave it empty (weight 0): the merge must not count them.
+    (Key tiles of 16 on CUDA too, whose own are 64: splits must be whole tiles, and these contexts are short.)"""
+    block_size = 8
+    case = _case(6, 2, 64, block_size, [(11, 37), (1, 50), (20, 20), (1, 1)])
+    out = paged_prefill_cuda.paged_prefill(*case, 0.125, block_size, tiles=SMALL_TILES, keys_per_split=keys_per_split)
+    torch.testing.assert_close(out.double(), _reference(*case, 0.125, block_size), rtol=1e-5, atol=1e-5)
+
+
+def test_split_keys_splits_only_steps_too_small_to_fill_the_gpu():
+    cpu = torch.device("cpu")  # Triton's interpreter counts as 8 multiprocessors
+    assert paged_prefill_cuda.split_keys(8, 4096, 16, cpu) == 0  # enough programs: one walk each, no merge
+    assert paged_prefill_cuda.split_keys(2, 4096, 16, cpu) == 128  # 4,096 keys in at most 32 splits of 128
+    assert paged_prefill_cuda.split_keys(2, 300, 16, cpu) == 64  # at least 4 key tiles a program
+    assert paged_prefill_cuda.split_keys(2, 64, 16, cpu) == 0  # one split would hold the whole context
+
+
 @more_cases
 def test_planted_score_spikes_rescale_the_running_softmax():
     """Keys whose dot products with the row's queries dwarf the rest: a first spike early in the context, a far
@@ -109,8 +130,12 @@ def test_planted_score_spikes_rescale_the_running_softmax():
         for position, height in ((early, 5), (late, 10)):  # scores of about 80 and 160 at the scale below
             slot = block_tables[row, position // block_size].long() * block_size + position % block_size
             k_cache[slot] = height * direction
-    out, expected = _run((q, k_cache, v_cache, block_tables, query_starts, context_lens), dim ** -0.5, block_size)
+    case = (q, k_cache, v_cache, block_tables, query_starts, context_lens)
+    out, expected = _run(case, dim ** -0.5, block_size)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    # keys split in 16s: the spikes fall in different splits, and the merge must rescale across them
+    split = paged_prefill_cuda.paged_prefill(*case, dim ** -0.5, block_size, tiles=SMALL_TILES, keys_per_split=16)
+    torch.testing.assert_close(split.double(), expected, rtol=1e-5, atol=1e-5)
     # the spikes decide: the chunk's queries (context positions 26-36) see both and read the later one's value;
     # the whole prompt's queries at positions 1-16 see only the first spike, those from 17 the second
     def value_at(row, position):
