@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 [ -n "$source_dir" ] || source_dir=$($py -c "from engine.model.loader import resolve_model_path; print(resolve_model_path('default'))")
 
-stages=" ${STAGES:-tests prefill sweep profile decode_1b decode_small serving cpu_decode} "
+stages=" ${STAGES:-tests prefill sweep sweep_cached profile decode_1b decode_small serving cpu_decode} "
 stage() {  # stage NAME SECONDS COMMAND...: runs it under its limit, its output to NAME.log and the screen
   local name=$1 limit=$2
   shift 2
@@ -57,6 +57,8 @@ stage prefill "${PREFILL_S:-80}" $py -m bench.prefill --model "$large" --tokens 
   --profile-host --json "$out/prefill_1b.json"
 stage sweep "${SWEEP_S:-60}" $py -m bench.prefill --model "$large" --tokens 4096 --kernel-sweep \
   --json "$out/prefill_kernel_sweep.json"
+stage sweep_cached "${SWEEP_S:-60}" $py -m bench.prefill --model "$large" --tokens 4096 --queries 16 --kernel-sweep \
+  --json "$out/prefill_kernel_sweep_cached.json"
 stage profile "${PROFILE_S:-60}" bash -c "$py -m bench.step_profile --device cuda --dtype bfloat16 --model $large \
   --prefill 4096 --top 30 --json $out/profile_prefill_4096.json && $py -m bench.step_profile --device cuda \
   --dtype bfloat16 --model $large --prefill 16 --top 12 --json $out/profile_prefill_16.json"
