@@ -8,9 +8,9 @@ a cache hit, so its TTFT is the step of the last block's tokens, replayed from a
 (prefill_graph_cuda.py; the 4,096-token step is past the graphs' buckets and runs eagerly). With --eager-too the
 cached prompts run once more with those graphs switched off, and with --gather-too the uncached ones with the
 prefill kernel switched off (the gather path), in the same process; with --profile-host cProfile says where
-the prompts' TTFT goes on the host. On CUDA the cached prompts' steps are timed on the GPU too (CUDA events around
-their graphs' replays: the TTFT less the host's share). Times are medians; the first prompt of a kind is a warm-up (kernel
-compilation) and not counted.
+the prompts' TTFT goes on the host. On CUDA the cached prompts' steps are timed on the GPU too (CUDA events
+around their graphs' replays: the TTFT less the host's share). Times are medians; the first prompt of a kind is
+a warm-up (kernel compilation) and not counted.
 
 --kernel-sweep (CUDA) times the paged prefill kernel alone on the model's attention shapes (one row of `--tokens`
 queries from position 0, K/V scattered over the block pool in bf16) for several tile shapes, warps and pipeline
@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eager-too", action="store_true",
                         help="CUDA: also time the cached prompts with the prefill steps' CUDA graphs off")
     parser.add_argument("--profile-host", action="store_true",
-                        help="also profile the prompts' TTFT on the host, uncached and cached (cProfile's top functions)")
+                        help="also profile the prompts' TTFT on the host, uncached and cached (cProfile's top "
+                             "functions)")
     parser.add_argument("--kernel-sweep", action="store_true",
                         help="CUDA: time the prefill kernel alone per tile shape, beside SDPA (one layer's attention)")
     parser.add_argument("--queries", type=int, default=None,

@@ -3,8 +3,9 @@
 Eager PyTorch runs RMSNorm as 7 kernels in bfloat16 (cast, square, mean, add, rsqrt, multiply, scale) and the
 residual add before it as one more, rotary as 5 per tensor, the K/V store as 2 more and SiLU-and-multiply as 2.
 On a GPU each launch costs more than its arithmetic, even replayed from a CUDA graph, so a small model's decode
-step is bound by its kernel count, far above its memory roofline (docs/speed.md#on-a-gpu-cuda). Each function here is one kernel that
-computes in float32 and rounds once. The CPU keeps the eager ops (and its compiled decode step).
+step is bound by its kernel count, far above its memory roofline (docs/speed.md#on-a-gpu-cuda). Each function
+here is one kernel that computes in float32 and rounds once. The CPU keeps the eager ops (and its compiled decode
+step).
 """
 from __future__ import annotations
 
