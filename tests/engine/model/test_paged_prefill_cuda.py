@@ -217,3 +217,27 @@ def test_engine_steps_through_the_kernel_give_the_gather_paths_answers(tiny_llam
     assert [r.token_ids for r in kernel_path] == [r.token_ids for r in gather]
     for ours, theirs in zip(kernel_path, gather):
         assert [t.logprob for t in ours.logprobs] == pytest.approx([t.logprob for t in theirs.logprobs], abs=1e-4)
+
+
+def test_a_cached_prompts_last_block_splits_its_keys_as_the_gather_path_answers(tiny_llama_dir, monkeypatch):
+    """A 100-token prompt sent twice: the second send computes its last block alone over the 96 cached tokens, a
+    step of two programs (one query tile for each kv head), fewer than the interpreter's 8 "multiprocessors", so
+    its keys are split (64 a program) and merged. Its greedy tokens and logprobs are the gather path's."""
+    splits = []
+    choose = paged_prefill_cuda.split_keys
+    monkeypatch.setattr(paged_prefill_cuda, "split_keys", lambda *args: splits.append(choose(*args)) or splits[-1])
+    prompt = [(7 * i) % 500 + 3 for i in range(100)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, ignore_eos=True)
+    results = []
+    for use_kernel in (False, True):
+        llm = LLM(str(tiny_llama_dir), device=DEVICE.type, dtype="float32", block_size=4, num_kv_blocks=128,
+                  cpu_kernels="eager", max_num_seqs=2, max_num_batched_tokens=128, enforce_eager=True)
+        llm.core.runner.prefill_kernel = use_kernel
+        results.append([llm.generate(prompt, params)[0] for _ in range(2)])
+    gather, kernel_path = results
+    assert [r.num_cached_tokens for r in kernel_path] == [0, 96]
+    if DEVICE.type == "cpu":  # (on a GPU 100 keys are fewer than one split's 256: nothing to split)
+        assert 64 in splits  # the cached send's step (the uncached one has 13 query tiles a kv head: no split)
+    for ours, theirs in zip(kernel_path, gather):
+        assert ours.token_ids == theirs.token_ids
+        assert [t.logprob for t in ours.logprobs] == pytest.approx([t.logprob for t in theirs.logprobs], abs=1e-4)
