@@ -159,10 +159,10 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def split_keys(programs: int, max_context: int, tile_n: int, device: torch.device) -> int:
-    """Keys a program walks when a step's programs (query tiles x kv heads) are too few to fill the GPU, 0 when
-    they are not: a cached prompt's last block over 4,096 tokens is 8 programs for 1B shapes, each walking the
-    whole context alone (flash-decoding's split, as the decode kernel's partitions). At least MIN_SPLIT_TILES key
-    tiles a program, at most MAX_SPLITS splits of the longest context a block table holds."""
+    """Keys a program walks when a step's working programs (at most: query tiles x kv heads) are too few to fill
+    the GPU, 0 when they are not: a cached prompt's last block over 4,096 tokens is 8 programs for 1B shapes,
+    each walking the whole context alone (flash-decoding's split, as the decode kernel's partitions). At least
+    MIN_SPLIT_TILES key tiles a program, at most MAX_SPLITS splits of the longest context a block table holds."""
     if programs >= _multiprocessors(device):
         return 0
     keys = max(MIN_SPLIT_TILES * tile_n, triton.next_power_of_2(triton.cdiv(max_context, MAX_SPLITS)))
@@ -189,8 +189,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # every row's tiles fit in tokens // tile_q + rows numbers (see _find_row); the surplus programs exit at once
     num_tiles = tokens // tile_q + rows
     max_context = block_tables.shape[1] * block_size  # (a bound known without a sync: the tables' width)
-    if keys_per_split is None:
-        keys_per_split = split_keys(num_tiles * kv_heads, max_context, tile_n, q.device)
+    if keys_per_split is None:  # (a tile that works holds a query: at most `tokens` of the numbers do, whatever
+        # the rows; a prefill graph's bucket of 16 tokens has 17 rows at the default max_num_seqs)
+        keys_per_split = split_keys(min(num_tiles, tokens) * kv_heads, max_context, tile_n, q.device)
     assert keys_per_split % tile_n == 0
     splits = triton.cdiv(max_context, keys_per_split) if keys_per_split else 1
     out = torch.empty_like(q)

@@ -114,6 +114,19 @@ def test_split_keys_splits_only_steps_too_small_to_fill_the_gpu():
     assert paged_prefill_cuda.split_keys(2, 64, 16, cpu) == 0  # one split would hold the whole context
 
 
+def test_rows_without_queries_do_not_count_as_working_programs(monkeypatch):
+    """A prefill graph's bucket has a row per possible request, most of them empty: 4 tokens in 6 rows number
+    4 // tile_q + 6 tiles a kv head, of which at most 4 hold a query. The split is asked for 4 x kv heads."""
+    asked = []
+    choose = paged_prefill_cuda.split_keys
+    monkeypatch.setattr(paged_prefill_cuda, "split_keys", lambda *args: asked.append(args[0]) or choose(*args))
+    block_size = 8
+    case = _case(4, 2, 64, block_size, [(1, 30), (1, 9), (2, 70), (0, 1), (0, 1), (0, 1)])
+    out = paged_prefill_cuda.paged_prefill(*case, 0.125, block_size)
+    assert asked == [4 * 2]
+    torch.testing.assert_close(out.double(), _reference(*case, 0.125, block_size), rtol=1e-5, atol=1e-5)
+
+
 @more_cases
 def test_planted_score_spikes_rescale_the_running_softmax():
     """Keys whose dot products with the row's queries dwarf the rest: a first spike early in the context, a far
