@@ -208,6 +208,23 @@ def test_paged_attention_through_block_tables_equals_the_gather_path():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def _gather_and_kernel_paths(model_dir, send, **engine):
+    """send(llm) -> outputs, run on an engine of each path: (the gather path's, the kernel's)."""
+    results = []
+    for use_kernel in (False, True):
+        llm = LLM(str(model_dir), device=DEVICE.type, dtype="float32", block_size=4, cpu_kernels="eager",
+                  enforce_eager=True, **engine)
+        llm.core.runner.prefill_kernel = use_kernel
+        results.append(send(llm))
+    return results
+
+
+def _same_answers(ours, theirs):
+    for mine, other in zip(ours, theirs, strict=True):
+        assert mine.token_ids == other.token_ids
+        assert [t.logprob for t in mine.logprobs] == pytest.approx([t.logprob for t in other.logprobs], abs=1e-4)
+
+
 def test_engine_steps_through_the_kernel_give_the_gather_paths_answers(tiny_llama_dir, monkeypatch):
     """The runner's mixed steps (chunks of 6 tokens, so chunks start mid-block, decodes beside them, a second
     wave of prompts hitting the first's cached blocks) through the kernel: the same greedy tokens and logprobs as
@@ -219,17 +236,11 @@ def test_engine_steps_through_the_kernel_give_the_gather_paths_answers(tiny_llam
     # hits of 16 and 8 tokens; the first one's rest, 10 tokens, comes in chunks from 16 and from 22 (mid-block)
     second_wave = [prompts[0] + list(range(30, 39)), prompts[1][:9] + [50]]
     params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=0, ignore_eos=True)
-    results = []
-    for use_kernel in (False, True):
-        llm = LLM(str(tiny_llama_dir), device=DEVICE.type, dtype="float32", block_size=4, num_kv_blocks=64,
-                  cpu_kernels="eager", max_num_seqs=4, max_num_batched_tokens=6, enforce_eager=True)
-        llm.core.runner.prefill_kernel = use_kernel
-        results.append(llm.generate(prompts, params) + llm.generate(second_wave, params))
-    gather, kernel_path = results
+    gather, kernel_path = _gather_and_kernel_paths(
+        tiny_llama_dir, lambda llm: llm.generate(prompts, params) + llm.generate(second_wave, params),
+        num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=6)
     assert calls and [r.num_cached_tokens for r in kernel_path] == [0, 0, 16, 8]
-    assert [r.token_ids for r in kernel_path] == [r.token_ids for r in gather]
-    for ours, theirs in zip(kernel_path, gather):
-        assert [t.logprob for t in ours.logprobs] == pytest.approx([t.logprob for t in theirs.logprobs], abs=1e-4)
+    _same_answers(kernel_path, gather)
 
 
 def test_a_cached_prompts_last_block_splits_its_keys_as_the_gather_path_answers(tiny_llama_dir, monkeypatch):
@@ -241,16 +252,10 @@ def test_a_cached_prompts_last_block_splits_its_keys_as_the_gather_path_answers(
     monkeypatch.setattr(paged_prefill_cuda, "split_keys", lambda *args: splits.append(choose(*args)) or splits[-1])
     prompt = [(7 * i) % 500 + 3 for i in range(100)]
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, ignore_eos=True)
-    results = []
-    for use_kernel in (False, True):
-        llm = LLM(str(tiny_llama_dir), device=DEVICE.type, dtype="float32", block_size=4, num_kv_blocks=128,
-                  cpu_kernels="eager", max_num_seqs=2, max_num_batched_tokens=128, enforce_eager=True)
-        llm.core.runner.prefill_kernel = use_kernel
-        results.append([llm.generate(prompt, params)[0] for _ in range(2)])
-    gather, kernel_path = results
+    gather, kernel_path = _gather_and_kernel_paths(
+        tiny_llama_dir, lambda llm: [llm.generate(prompt, params)[0] for _ in range(2)],
+        num_kv_blocks=128, max_num_seqs=2, max_num_batched_tokens=128)
     assert [r.num_cached_tokens for r in kernel_path] == [0, 96]
     if DEVICE.type == "cpu":  # (on a GPU 100 keys are fewer than one split's 256: nothing to split)
         assert 64 in splits  # the cached send's step (the uncached one has 13 query tiles a kv head: no split)
-    for ours, theirs in zip(kernel_path, gather):
-        assert ours.token_ids == theirs.token_ids
-        assert [t.logprob for t in ours.logprobs] == pytest.approx([t.logprob for t in theirs.logprobs], abs=1e-4)
+    _same_answers(kernel_path, gather)
