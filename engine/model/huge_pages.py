@@ -27,13 +27,13 @@ class Arena:
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         """Room for copies of `tensors`, placed later in any order."""
-        self.size = sum(_aligned(_nbytes(t)) for t in tensors)
+        self.size = sum(_aligned(t.nbytes) for t in tensors)
         self._mapping = _mapping(self.size)
         self._used = 0
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of CPU `tensor` in the mapping."""
-        size = _nbytes(tensor)
+        size = tensor.nbytes
         if self._used + size > self.size:
             raise ValueError(f"the arena holds {self.size} bytes; {self._used} used, {size} more asked")
         copy = _tensor_at(self._mapping, self._used, size, tensor.dtype, tensor.shape).copy_(tensor)
@@ -67,7 +67,3 @@ def _tensor_at(mapping: mmap.mmap, offset: int, size: int, dtype: torch.dtype, s
 
 def _aligned(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
