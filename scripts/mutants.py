@@ -77,6 +77,14 @@ MUTANTS = [
     Mutant("rotary-halves-swapped", "decode_step_cpu.py",
            "first, second = heads[:, :half], heads[:, half:]",
            "first, second = heads[:, half:], heads[:, :half]", STEP_TESTS),
+    # a thread of the step's region goes on before a phase's other chunks are done
+    Mutant("phase-wait-skipped", "work_phases.py",
+           "while _load(ary, phase, HALF) < chunks:", "while False and _load(ary, phase, HALF) < chunks:",
+           ("tests/engine/model/test_work_phases.py",) + STEP_TESTS),
+    # the step's matmuls leave their last tile to no thread: the last output columns are never written
+    Mutant("step-matmul-last-tile-unclaimed", "decode_step_cpu.py",
+           "c * tiles // chunks, (c + 1) * tiles // chunks)",
+           "c * tiles // chunks, (c + 1) * tiles // chunks - (c == chunks - 1))", STEP_TESTS),
     # the matmuls' row groups one row short: every 8th row of a step's batch is never computed
     Mutant("matmul-row-group-one-short", "packed_matmul_cpu.py",
            "group = x[first:first + ROW_GROUP]", "group = x[first:first + ROW_GROUP - 1]", STEP_TESTS),

@@ -4,14 +4,15 @@ At batch 1 a decode step is 121 small matmuls plus some 1,500 tiny ops (norms, r
 writes, residual adds) that eager PyTorch dispatches one by one: on a 2-core machine that dispatch
 cost about a third of the weights' streaming time. Here numba compiles the step (every layer, the
 final norm and the lm_head) into one function: the matmuls (over the packed weights of
-packed_matmul_cpu.py) and the attention split their work over numba's OpenMP threads, the small ops
-run inline, and decode attention reads K/V where they sit in the paged cache. The step's phases run
-back to back, so the threads need to spin briefly between them rather than sleep (GOMP_SPINCOUNT, set
-by the server and the benchmarks). The runner takes this
-path for decode-only steps of up to MAX_ROWS rows; prefill, larger batches and CUDA keep the
-PyTorch path. bfloat16 weights and caches (either or both: kv_cache_dtype may differ from the model's)
-are read as their bits and widened to float32, in which the step computes (new K/V are rounded to
-bfloat16): half the bytes of float32, on any x86 CPU.
+packed_matmul_cpu.py, or the quantized tiles of quant_matmul_cpu.py) and the attention split their work
+over numba's threads, the small ops run inline, and decode attention reads K/V where they sit in the paged
+cache. The threads are launched once a step, not once a matmul: one parallel region walks every layer, the
+threads claiming each phase's work and meeting at its end by spinning on counters (work_phases.py), where a
+region per matmul and per attention call (181 a step) cost each its launch, its join and a plan of the
+attention's tasks. The runner takes this path for decode-only steps of up to MAX_ROWS rows; prefill, larger
+batches and CUDA keep the PyTorch path. bfloat16 weights and caches (either or both: kv_cache_dtype may differ
+from the model's) are read as their bits and widened to float32, in which the step computes (new K/V are
+rounded to bfloat16): half the bytes of float32, on any x86 CPU.
 """
 from __future__ import annotations
 
@@ -24,14 +25,14 @@ from numba import njit, prange
 from numba.typed import List
 
 from engine.model import kernel_cache  # numba's cache folder, set before any @njit below
-from engine.model import paged_decode_cpu
+from engine.model import paged_decode_cpu, work_phases
 from engine.model.attention import SharedPrefix
 from engine.model.bfloat16_bits import as_float32, numpy_view, to_element
 from engine.model.cpu_threads import launch_lock, use_threads
 from engine.model.linear import MAX_PACKED_ROWS, matmul_weight
 from engine.model.llama import LlamaForCausalLM
-from engine.model.quant_matmul_cpu import embed_row, linear_into
-from engine.model.paged_decode_cpu import attend, cascade_groups
+from engine.model.quant_matmul_cpu import embed_row, linear_tiles, tile_count
+from engine.model.paged_decode_cpu import cascade_groups
 from engine.model.paged_decode_loops import fast_exp
 
 # decode-only steps of up to this many rows take the compiled step: as many as the packed weights serve
@@ -156,11 +157,11 @@ def _rms_norm(x, weight, eps, out):
             out[m, i] = as_float32(weight[i]) * (x[m, i] * inv)
 
 
-@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, parallel=True)
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
 def _silu_and_mul(gate_up, out):
     """out = silu(gate) * up, gate and up being the two halves of gate_up's rows."""
     inter = out.shape[1]
-    for m in prange(out.shape[0]):
+    for m in range(out.shape[0]):
         for i in range(inter):
             gate = gate_up[m, i]
             e = fast_exp(-abs(gate))  # the sigmoid from e^-|gate|, which cannot overflow
@@ -193,56 +194,116 @@ def _head_norm(head, weight, eps):
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
-def _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads, q_norm, k_norm, qk_norm, eps):
-    """Rotates q and k in place (after Qwen3's q/k norm) and writes each row's k and v to its slot."""
-    rows, dim = qkv.shape[0], cos.shape[1]
-    # q heads, k heads, v heads: indexed by loop counters only, measured faster than computed indices like
-    # q_size + h * dim + d, which numba checks for wraparound (docs/speed.md#the-decode-step)
-    by_head = qkv.reshape(rows, heads + 2 * kv_heads, dim)
-    for m in range(rows):
-        if qk_norm:
-            for h in range(heads + kv_heads):
-                _head_norm(by_head[m, h], q_norm if h < heads else k_norm, eps)
-        _rotate(by_head[m, :heads + kv_heads], cos[m], sin[m])
-        slot = slot_mapping[m]
-        for h in range(kv_heads):
-            key, value = by_head[m, heads + h], by_head[m, heads + kv_heads + h]
-            for d in range(dim):
-                k_cache[slot, h, d] = to_element(k_cache, key[d])
-                v_cache[slot, h, d] = to_element(v_cache, value[d])
+def _rope_and_store(row, cos, sin, k_cache, v_cache, slot, heads, kv_heads, q_norm, k_norm, qk_norm, eps, scale,
+                    scaled):
+    """One row's q/k/v heads [heads + 2 kv_heads, dim]: rotates q and k in place (after Qwen3's q/k norm), writes
+    k and v to the row's slot and the queries times `scale` to scaled [heads, dim]."""
+    dim = cos.shape[0]
+    if qk_norm:
+        for h in range(heads + kv_heads):
+            _head_norm(row[h], q_norm if h < heads else k_norm, eps)
+    _rotate(row[:heads + kv_heads], cos, sin)
+    for h in range(kv_heads):
+        key, value = row[heads + h], row[heads + kv_heads + h]
+        for d in range(dim):
+            k_cache[slot, h, d] = to_element(k_cache, key[d])
+            v_cache[slot, h, d] = to_element(v_cache, value[d])
+    for h in range(heads):
+        for d in range(dim):
+            scaled[h, d] = row[h, d] * scale
 
 
-@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+# phases of a layer: qkv, rotary and cache writes, attention, o_proj, gate_up, down
+LAYER_PHASES = 6
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, parallel=True)
 def _step(input_ids, embed, cos, sin, kv, slot_mapping, slots, lengths, group, shared_slots, shared_lengths,
           logits_indices, input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
           down_w, down_b, final_norm, lm_head, lm_head_b, qkv_size, gate_up_size, heads, kv_heads, eps, scale,
           qk_norm, threads, logits):
+    """The step in one parallel region: each of `threads` threads walks every layer's phases (_thread), the
+    work of each phase shared by claims (work_phases); the buffers all threads read and write are made here."""
     rows, hidden = len(input_ids), final_norm.shape[0]
     x = np.empty((rows, hidden), np.float32)  # the step computes in float32 whatever the weights
     for m in range(rows):
         embed_row(embed, input_ids[m], x[m])
     dim = cos.shape[1]
-    normed = np.empty_like(x)
     qkv = np.empty((rows, qkv_size), np.float32)
-    q = np.empty((rows, heads * dim), np.float32)  # contiguous, as the eager path passes it: one compiled attend
-    attn = np.empty((rows, heads * dim), np.float32)
+    scaled = np.empty((rows, heads, dim), np.float32)
     gate_up = np.empty((rows, gate_up_size), np.float32)
-    act = np.empty((rows, gate_up_size // 2), np.float32)
+    plan = paged_decode_cpu.plan(lengths, group, shared_lengths, threads, heads // kv_heads, dim)
+    partials = paged_decode_cpu.new_partials(plan, heads, dim)
+    counters = work_phases.new_counters(len(qkv_w) * LAYER_PHASES + 1)
+    for _ in prange(threads):
+        _thread(x, qkv, scaled, gate_up, plan, partials, counters, cos, sin, kv, slot_mapping, slots, shared_slots,
+                logits_indices, input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
+                down_w, down_b, final_norm, lm_head, lm_head_b, heads, kv_heads, eps, scale, qk_norm, threads,
+                logits)
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+def _thread(x, qkv, scaled, gate_up, plan, partials, counters, cos, sin, kv, slot_mapping, slots, shared_slots,
+            logits_indices, input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
+            down_w, down_b, final_norm, lm_head, lm_head_b, heads, kv_heads, eps, scale, qk_norm, threads, logits):
+    """One thread's walk through the step. The small ops whose output every thread reads in full (the norms,
+    the merge of the attention's partials, silu-and-mul) each thread does for itself into its own buffers, which
+    costs no wait; the matmuls, the rows' rotary and cache writes and the attention's bins are claimed."""
+    rows, hidden, dim = x.shape[0], x.shape[1], cos.shape[1]
+    normed = np.empty_like(x)
+    attn = np.empty((rows, heads * dim), np.float32)
+    act = np.empty((rows, gate_up.shape[1] // 2), np.float32)
+    by_head = qkv.reshape(rows, heads + 2 * kv_heads, dim)
+    merged = attn.reshape(rows, heads, dim)
+    bins = paged_decode_cpu.bins(plan)
+    phase = 0
     for layer in range(len(qkv_w)):
         k_cache, v_cache = kv[0, layer], kv[1, layer]
         _rms_norm(x, input_norm[layer], eps, normed)
-        linear_into(normed, qkv_w[layer], qkv_b[layer], qkv, False, threads)
-        _rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads,
-                        q_norm[layer if qk_norm else 0], k_norm[layer if qk_norm else 0], qk_norm, eps)
-        q[:] = qkv[:, :heads * dim]
-        attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_lengths, heads, scale, threads, attn)
-        linear_into(attn, o_w[layer], o_b[layer], x, True, threads)  # the residual add folded into the matmul
+        _matmul_phase(normed, qkv_w[layer], qkv_b[layer], qkv, False, counters, phase, threads)
+        phase += 1
+        m = work_phases.claim(counters, phase)
+        while m < rows:
+            _rope_and_store(by_head[m], cos[m], sin[m], k_cache, v_cache, slot_mapping[m], heads, kv_heads,
+                            q_norm[layer if qk_norm else 0], k_norm[layer if qk_norm else 0], qk_norm, eps, scale,
+                            scaled[m])
+            work_phases.finish(counters, phase)
+            m = work_phases.claim(counters, phase)
+        work_phases.wait(counters, phase, rows)
+        phase += 1
+        b = work_phases.claim(counters, phase)
+        while b < bins:
+            paged_decode_cpu.run_bin(plan, b, scaled, k_cache, v_cache, slots, shared_slots, partials)
+            work_phases.finish(counters, phase)
+            b = work_phases.claim(counters, phase)
+        work_phases.wait(counters, phase, bins)
+        phase += 1
+        for m in range(rows):
+            paged_decode_cpu.merge_row(plan, partials, m, merged[m])
+        _matmul_phase(attn, o_w[layer], o_b[layer], x, True, counters, phase, threads)  # the residual add folded in
+        phase += 1
         _rms_norm(x, post_norm[layer], eps, normed)
-        linear_into(normed, gate_up_w[layer], gate_up_b[layer], gate_up, False, threads)
+        _matmul_phase(normed, gate_up_w[layer], gate_up_b[layer], gate_up, False, counters, phase, threads)
+        phase += 1
         _silu_and_mul(gate_up, act)
-        linear_into(act, down_w[layer], down_b[layer], x, True, threads)
+        _matmul_phase(act, down_w[layer], down_b[layer], x, True, counters, phase, threads)
+        phase += 1
     last = np.empty((len(logits_indices), hidden), np.float32)
     for r in range(len(logits_indices)):
         last[r] = x[logits_indices[r]]
     _rms_norm(last, final_norm, eps, last)
-    linear_into(last, lm_head, lm_head_b, logits, False, threads)
+    _matmul_phase(last, lm_head, lm_head_b, logits, False, counters, phase, threads)
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+def _matmul_phase(x, weight, bias, out, accumulate, counters, phase, threads):
+    """out (+)= x @ weight.T + bias by the threads of the region, each claiming an equal run of tiles (one stream
+    of the weight; 4 runs a thread, claimed in turn, measured slower); returns when the whole product is done."""
+    tiles = tile_count(weight)
+    chunks = min(tiles, threads)
+    c = work_phases.claim(counters, phase)
+    while c < chunks:
+        linear_tiles(x, weight, bias, out, accumulate, c * tiles // chunks, (c + 1) * tiles // chunks)
+        work_phases.finish(counters, phase)
+        c = work_phases.claim(counters, phase)
+    work_phases.wait(counters, phase, chunks)

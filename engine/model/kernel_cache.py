@@ -36,7 +36,7 @@ from numba.core import caching
 log = logging.getLogger("engine")
 KERNEL_SOURCES = ("simd.py", "bfloat16_bits.py", "paged_decode_cpu.py", "paged_decode_loops.py",
                   "paged_decode_vectors.py", "packed_matmul_cpu.py", "quant_matmul_cpu.py", "quant_dot_cpu.py",
-                  "decode_step_cpu.py")
+                  "decode_step_cpu.py", "work_phases.py")
 LOCK_FILE = ".lock"
 
 

@@ -90,28 +90,34 @@ def matmul(x, packed, bias, out, accumulate, threads):
     tiles = packed.shape[0]
     parts = min(threads, tiles)
     for part in prange(parts):
-        scratch = np.empty((ROW_GROUP, TILE), np.float32)
-        for tile in range(part * tiles // parts, (part + 1) * tiles // parts):
-            start = tile * TILE
-            width = min(TILE, out.shape[1] - start)
-            for first in range(0, x.shape[0], ROW_GROUP):
-                group = x[first:first + ROW_GROUP]
-                # a whole tile with no bias goes straight from the registers to out (the scalar pass through
-                # scratch measured slower: docs/speed.md#packed-matmul)
-                if width == TILE and not len(bias):
+        tile_run(x, packed, bias, out, accumulate, part * tiles // parts, (part + 1) * tiles // parts)
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+def tile_run(x, packed, bias, out, accumulate, first_tile, end_tile):
+    """matmul's product for the output columns of tiles first_tile to end_tile - 1, on the calling thread."""
+    scratch = np.empty((ROW_GROUP, TILE), np.float32)
+    for tile in range(first_tile, end_tile):
+        start = tile * TILE
+        width = min(TILE, out.shape[1] - start)
+        for first in range(0, x.shape[0], ROW_GROUP):
+            group = x[first:first + ROW_GROUP]
+            # a whole tile with no bias goes straight from the registers to out (the scalar pass through
+            # scratch measured slower: docs/speed.md#packed-matmul)
+            if width == TILE and not len(bias):
+                if accumulate:
+                    tile_product(group, packed, tile, out[first:first + ROW_GROUP, start:], True)
+                else:
+                    tile_product(group, packed, tile, out[first:first + ROW_GROUP, start:], False)
+                continue
+            tile_product(group, packed, tile, scratch, False)
+            for m in range(group.shape[0]):
+                for j in range(width):
+                    value = scratch[m, j] + (as_float32(bias[start + j]) if len(bias) else np.float32(0.0))
                     if accumulate:
-                        tile_product(group, packed, tile, out[first:first + ROW_GROUP, start:], True)
+                        out[first + m, start + j] += value
                     else:
-                        tile_product(group, packed, tile, out[first:first + ROW_GROUP, start:], False)
-                    continue
-                tile_product(group, packed, tile, scratch, False)
-                for m in range(group.shape[0]):
-                    for j in range(width):
-                        value = scratch[m, j] + (as_float32(bias[start + j]) if len(bias) else np.float32(0.0))
-                        if accumulate:
-                            out[first + m, start + j] += value
-                        else:
-                            out[first + m, start + j] = value
+                        out[first + m, start + j] = value
 
 
 @intrinsic

@@ -101,52 +101,87 @@ def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_leng
     A row with no slots at all gets 0. threads: numba's thread count (use_threads()), one bin of tasks each."""
     rows = q.shape[0]
     dim = q.shape[1] // heads
-    # (3-D, so that no index is computed: numba checks a computed index for wraparound, and that check
-    # alone kept the dot products from vectorizing)
     scaled = np.empty((rows, heads, dim), np.float32)
-    for m in range(rows):
-        for h in range(heads):
-            for d in range(dim):
-                scaled[m, h, d] = q[m, h * dim + d] * scale
-    first, source, chunk_start, chunk_end, member_first, member_row, member_partial, by_bin, bin_first = _plan(
-        lengths, group, shared_lengths, threads, heads // k_cache.shape[1], dim)
-    acc = np.empty((first[rows], heads, dim), np.float32)  # each partial's unnormalized output,
-    top = np.empty((first[rows], heads), np.float32)  # its largest score
-    total = np.empty((first[rows], heads), np.float32)  # and its sum of e^(score - top)
-    for b in prange(len(bin_first) - 1):
-        for k in range(bin_first[b], bin_first[b + 1]):
-            task = by_bin[k]
-            # the slots of the bin's next task (none after the last), which a cascade task asks for while it computes
-            last = k + 1 == bin_first[b + 1]
-            after = by_bin[k if last else k + 1]
-            following = _context(slots, shared_slots, rows, source[after], chunk_start[after],
-                                 chunk_start[after] if last else chunk_end[after])
-            _task(scaled, k_cache, v_cache, _context(slots, shared_slots, rows, source[task], chunk_start[task],
-                                                     chunk_end[task]), following,
-                  member_row[member_first[task]:member_first[task + 1]],
-                  member_partial[member_first[task]:member_first[task + 1]], dim, acc, top, total)
+    _scale_queries(q.reshape(rows, heads, dim), scale, scaled)
+    tasks = plan(lengths, group, shared_lengths, threads, heads // k_cache.shape[1], dim)
+    partials = new_partials(tasks, heads, dim)
+    for b in prange(bins(tasks)):
+        run_bin(tasks, b, scaled, k_cache, v_cache, slots, shared_slots, partials)
     merged = out.reshape(rows, heads, dim)
     for m in prange(rows):
-        merged[m] = 0.0
-        if first[m] == first[m + 1]:
-            continue
-        for h in range(heads):
-            # (maxima start from a value, not -inf: fastmath lets LLVM assume no infinities)
-            row_top = top[first[m], h]
-            for partial in range(first[m] + 1, first[m + 1]):
-                row_top = max(row_top, top[partial, h])
-            row_total = np.float32(0.0)
-            for partial in range(first[m], first[m + 1]):
-                weight = np.float32(math.exp(top[partial, h] - row_top))
-                row_total += weight * total[partial, h]
-                for d in range(dim):
-                    merged[m, h, d] += weight * acc[partial, h, d]
-            for d in range(dim):
-                merged[m, h, d] /= row_total
+        merge_row(tasks, partials, m, merged[m])
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+def _scale_queries(q, scale, scaled):
+    """scaled = q * scale, both [rows, heads, dim] (3-D, so that no index is computed: numba checks a computed
+    index for wraparound, and that check alone kept the dot products from vectorizing)."""
+    for m in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            for d in range(q.shape[2]):
+                scaled[m, h, d] = q[m, h, d] * scale
 
 
 @njit(nogil=True, cache=kernel_cache.CACHE)
-def _plan(lengths, group, shared_lengths, threads, per_kv, dim):
+def new_partials(plan, heads, dim):
+    """The plan's partial softmaxes, to be filled by run_bin: each one's unnormalized output, its largest score
+    and its sum of e^(score - largest)."""
+    partials = plan[0][-1]
+    return (np.empty((partials, heads, dim), np.float32), np.empty((partials, heads), np.float32),
+            np.empty((partials, heads), np.float32))
+
+
+@njit(nogil=True, cache=kernel_cache.CACHE)
+def bins(plan):
+    """The plan's bins of tasks (one per thread, but fewer where there are fewer tasks)."""
+    return len(plan[8]) - 1
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+def run_bin(plan, b, scaled, k_cache, v_cache, slots, shared_slots, partials):
+    """The tasks of bin b, on the calling thread: their partial softmaxes into `partials`."""
+    first, source, chunk_start, chunk_end, member_first, member_row, member_partial, by_bin, bin_first = plan
+    acc, top, total = partials
+    rows, dim = scaled.shape[0], scaled.shape[2]
+    for k in range(bin_first[b], bin_first[b + 1]):
+        task = by_bin[k]
+        # the slots of the bin's next task (none after the last), which a cascade task asks for while it computes
+        last = k + 1 == bin_first[b + 1]
+        after = by_bin[k if last else k + 1]
+        following = _context(slots, shared_slots, rows, source[after], chunk_start[after],
+                             chunk_start[after] if last else chunk_end[after])
+        _task(scaled, k_cache, v_cache, _context(slots, shared_slots, rows, source[task], chunk_start[task],
+                                                 chunk_end[task]), following,
+              member_row[member_first[task]:member_first[task + 1]],
+              member_partial[member_first[task]:member_first[task + 1]], dim, acc, top, total)
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+def merge_row(plan, partials, m, out):
+    """Row m's attention output [heads, dim] from its partial softmaxes, merged by their maxima (0 for a row
+    with no slots)."""
+    first = plan[0]
+    acc, top, total = partials
+    out[:] = 0.0
+    if first[m] == first[m + 1]:
+        return
+    for h in range(out.shape[0]):
+        # (maxima start from a value, not -inf: fastmath lets LLVM assume no infinities)
+        row_top = top[first[m], h]
+        for partial in range(first[m] + 1, first[m + 1]):
+            row_top = max(row_top, top[partial, h])
+        row_total = np.float32(0.0)
+        for partial in range(first[m], first[m + 1]):
+            weight = np.float32(math.exp(top[partial, h] - row_top))
+            row_total += weight * total[partial, h]
+            for d in range(out.shape[1]):
+                out[h, d] += weight * acc[partial, h, d]
+        for d in range(out.shape[1]):
+            out[h, d] /= row_total
+
+
+@njit(nogil=True, cache=kernel_cache.CACHE)
+def plan(lengths, group, shared_lengths, threads, per_kv, dim):
     """attend's tasks and their bins (a function of its own: in attend's parallel body numba would launch
     each of these small array operations as a parallel loop, which measured costly)."""
     rows = len(lengths)

@@ -36,7 +36,7 @@ from engine.model import kernel_cache  # numba's cache folder, set before any @n
 from engine.model import quant_dot_cpu, simd
 from engine.model.bfloat16_bits import as_float32
 from engine.model.cpu_threads import launch_lock, use_threads
-from engine.model.packed_matmul_cpu import PREFETCH_BYTES, REGISTERS, TILE, matmul
+from engine.model.packed_matmul_cpu import PREFETCH_BYTES, REGISTERS, TILE, matmul, tile_run
 from engine.model.quant_dot_cpu import SCALES_AHEAD
 from engine.model.quant_formats import QuantRows
 from engine.model.simd import LANES, const
@@ -456,31 +456,54 @@ def quant_matmul(x, data, scales, mins, group, bias, out, accumulate, threads):
     parts = min(threads, tiles)
     sums = _group_sums(x, group, mins.shape[1] > 0)
     for part in prange(parts):
-        scratch = np.empty((ROW_GROUP, TILE), np.float32)
-        for tile in range(part * tiles // parts, (part + 1) * tiles // parts):
-            for first in range(0, x.shape[0], ROW_GROUP):
-                _tile_rows(x[first:first + ROW_GROUP], data, scales, mins, sums[first:first + ROW_GROUP], tile,
-                           group, scratch)
-                _add_out(scratch, min(ROW_GROUP, x.shape[0] - first), bias, out, first, tile * TILE, accumulate)
+        _tile_run(x, sums, data, scales, mins, group, bias, out, accumulate, part * tiles // parts,
+                  (part + 1) * tiles // parts)
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+def _tile_run(x, sums, data, scales, mins, group, bias, out, accumulate, first_tile, end_tile):
+    """quant_matmul's product for the output columns of tiles first_tile to end_tile - 1 (sums: _group_sums of
+    x), on the calling thread."""
+    scratch = np.empty((ROW_GROUP, TILE), np.float32)
+    for tile in range(first_tile, end_tile):
+        for first in range(0, x.shape[0], ROW_GROUP):
+            _tile_rows(x[first:first + ROW_GROUP], data, scales, mins, sums[first:first + ROW_GROUP], tile, group,
+                       scratch)
+            _add_out(scratch, min(ROW_GROUP, x.shape[0] - first), bias, out, first, tile * TILE, accumulate)
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, parallel=True)
 def _integer_matmul(x, data, scales, mins, bias, out, accumulate, threads):
     """quant_matmul on integer dot products: x quantized to int8 per group of 32 once, then the tiles as there."""
+    xq, d, sums = _quantized_activations(x)
+    tiles = data.shape[0]
+    parts = min(threads, tiles)
+    for part in prange(parts):
+        _integer_run(xq, d, sums, data, scales, mins, bias, out, accumulate, part * tiles // parts,
+                     (part + 1) * tiles // parts)
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+def _quantized_activations(x):
+    """x rounded to int8 per group of quant_dot_cpu.GROUP: (the integers, each group's step, the sums of each
+    group's integers), as quant_dot_cpu.quantize_activations makes them."""
     rows, groups = x.shape[0], x.shape[1] // quant_dot_cpu.GROUP
     xq = np.empty(x.shape, np.int8)
     d, sums = np.empty((rows, groups), np.float32), np.empty((rows, groups), np.float32)
     quant_dot_cpu.quantize_activations(x, xq, d, sums)
-    tiles = data.shape[0]
-    parts = min(threads, tiles)
+    return xq, d, sums
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+def _integer_run(xq, d, sums, data, scales, mins, bias, out, accumulate, first_tile, end_tile):
+    """_integer_matmul's product for the output columns of tiles first_tile to end_tile - 1."""
     step = quant_dot_cpu.ROW_GROUP
-    for part in prange(parts):
-        scratch = np.empty((step, TILE), np.float32)
-        for tile in range(part * tiles // parts, (part + 1) * tiles // parts):
-            for first in range(0, rows, step):
-                quant_dot_cpu.tile(xq[first:first + step], d[first:first + step], sums[first:first + step],
-                                   data, scales, mins, tile, scratch)
-                _add_out(scratch, min(step, rows - first), bias, out, first, tile * TILE, accumulate)
+    scratch = np.empty((step, TILE), np.float32)
+    for tile in range(first_tile, end_tile):
+        for first in range(0, xq.shape[0], step):
+            quant_dot_cpu.tile(xq[first:first + step], d[first:first + step], sums[first:first + step],
+                               data, scales, mins, tile, scratch)
+            _add_out(scratch, min(step, xq.shape[0] - first), bias, out, first, tile * TILE, accumulate)
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
@@ -682,6 +705,39 @@ def _linear_into(x, weight, bias, out, accumulate, threads):
     def quantized(x, weight, bias, out, accumulate, threads):
         quant_matmul(x, weight[0], weight[1], weight[2], weight[3], bias, out, accumulate, threads)
     return quantized
+
+
+def linear_tiles(x, weight, bias, out, accumulate, first_tile, end_tile):
+    """linear_into's product for the output columns of tiles first_tile to end_tile - 1 only, on the calling
+    thread: a share of a matmul inside a parallel region of the caller's (decode_step_cpu)."""
+
+
+@overload(linear_tiles)
+def _linear_tiles(x, weight, bias, out, accumulate, first_tile, end_tile):
+    if isinstance(weight, types.Array):
+        return lambda x, weight, bias, out, accumulate, first_tile, end_tile: tile_run(
+            x, weight, bias, out, accumulate, first_tile, end_tile)
+
+    def quantized(x, weight, bias, out, accumulate, first_tile, end_tile):
+        data, scales, mins, group = weight
+        if quant_dot_cpu.is_quads(data):
+            xq, d, sums = _quantized_activations(x)
+            _integer_run(xq, d, sums, data, scales, mins, bias, out, accumulate, first_tile, end_tile)
+        else:
+            _tile_run(x, _group_sums(x, group, mins.shape[1] > 0), data, scales, mins, group, bias, out,
+                      accumulate, first_tile, end_tile)
+    return quantized
+
+
+def tile_count(weight):
+    """The tiles of a weight packed either way, inside compiled code."""
+
+
+@overload(tile_count)
+def _tile_count(weight):
+    if isinstance(weight, types.Array):
+        return lambda weight: weight.shape[0]
+    return lambda weight: weight[0].shape[0]
 
 
 def embed_row(table, token, out):
