@@ -10,6 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config,
                           Qwen3Config)
 
+from engine.model.gguf_index import INDEX_NAME
 from engine.tokenizer import CHATML_TEMPLATE
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -132,14 +133,16 @@ def build_llama3_tiktoken_model(path: Path, seed: int = 0) -> Path:
 def build_random_like(path: Path, source: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
                       **overrides) -> Path:
     """Random weights of the shapes in `source`'s config.json (changed by `overrides`), with its tokenizer files:
-    a stand-in for a model whose weights a machine cannot fetch, good for timing (not for answers)."""
+    a stand-in for a model whose weights a machine cannot fetch, good for timing (not for answers). `source` may
+    be a GGUF file's model directory (the default model's): its GGUF link and tensor index are not copied, or the
+    new directory would load the source's weights."""
     import shutil
 
     from transformers import AutoConfig
     path, source = Path(path), Path(source)
     path.mkdir(parents=True, exist_ok=True)
     for name in source.iterdir():
-        if name.suffix != ".safetensors" and name.is_file():
+        if name.is_file() and name.suffix not in (".safetensors", ".gguf") and name.name != INDEX_NAME:
             shutil.copy(name, path / name.name)
     torch.manual_seed(seed)
     config = AutoConfig.from_pretrained(source, **overrides)

@@ -153,6 +153,19 @@ def test_random_like_keeps_the_tokenizer_and_takes_the_new_shapes(tiny_llama_dir
     assert EngineCore(EngineConfig(model=str(out), num_kv_blocks=16)).model.config.hidden_size == 96
 
 
+def test_random_like_a_gguf_model_directory_leaves_its_weights_behind(tiny_llama_dir, tmp_path):
+    import shutil
+
+    from bench.tiny_models import build_random_like
+    from engine.model.gguf_index import INDEX_NAME
+    source = shutil.copytree(tiny_llama_dir, tmp_path / "from-gguf")
+    (source / "model.gguf").write_bytes(b"GGUF")  # a GGUF model directory's link to its file, and its index
+    (source / INDEX_NAME).write_text("{}")
+    out = build_random_like(tmp_path / "wide", source, hidden_size=96)
+    assert not (out / "model.gguf").exists() and not (out / INDEX_NAME).exists()
+    assert EngineCore(EngineConfig(model=str(out), num_kv_blocks=16)).model.config.hidden_size == 96
+
+
 def test_saved_decode_runs_plot_together(tiny_llama_dir, tmp_path):
     runs = [tmp_path / "a.json", tmp_path / "b.json"]
     for path, batches in zip(runs, [(1, 2), (1,)]):
