@@ -36,7 +36,7 @@ from engine.model import kernel_cache  # numba's cache folder, set before any @n
 from engine.model import quant_dot_cpu, simd
 from engine.model.bfloat16_bits import as_float32
 from engine.model.cpu_threads import launch_lock, use_threads
-from engine.model.packed_matmul_cpu import PREFETCH_BYTES, REGISTERS, TILE, matmul, tile_run
+from engine.model.packed_matmul_cpu import PREFETCH_BYTES, REGISTERS, TILE, tile_run
 from engine.model.quant_dot_cpu import SCALES_AHEAD
 from engine.model.quant_formats import QuantRows
 from engine.model.simd import LANES, const
@@ -692,24 +692,11 @@ def _nibble_floats(builder: ir.IRBuilder, lanes: ir.Value, offset: int = 0) -> i
     return builder.call(fn, [ir.Constant(simd.FLOATS, [float(i + offset) for i in range(LANES)]), lanes])
 
 
-def linear_into(x, weight, bias, out, accumulate, threads):
-    """out (+)= x @ weight.T + bias inside compiled code, for a weight packed either way: float tiles
-    (packed_matmul_cpu) or the (data, scales, mins, group) of quantized ones."""
-
-
-@overload(linear_into)
-def _linear_into(x, weight, bias, out, accumulate, threads):
-    if isinstance(weight, types.Array):
-        return lambda x, weight, bias, out, accumulate, threads: matmul(x, weight, bias, out, accumulate, threads)
-
-    def quantized(x, weight, bias, out, accumulate, threads):
-        quant_matmul(x, weight[0], weight[1], weight[2], weight[3], bias, out, accumulate, threads)
-    return quantized
-
-
 def linear_tiles(x, weight, bias, out, accumulate, first_tile, end_tile):
-    """linear_into's product for the output columns of tiles first_tile to end_tile - 1 only, on the calling
-    thread: a share of a matmul inside a parallel region of the caller's (decode_step_cpu)."""
+    """out (+)= x @ weight.T + bias inside compiled code, for a weight packed either way (float tiles of
+    packed_matmul_cpu, or the (data, scales, mins, group) of quantized ones), for the output columns of tiles
+    first_tile to end_tile - 1 only, on the calling thread: a share of a matmul inside a parallel region of the
+    caller's (decode_step_cpu)."""
 
 
 @overload(linear_tiles)
