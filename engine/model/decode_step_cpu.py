@@ -253,6 +253,8 @@ def _thread(x, qkv, scaled, gate_up, plan, partials, counters, cos, sin, kv, slo
     normed = np.empty_like(x)
     attn = np.empty((rows, heads * dim), np.float32)
     act = np.empty((rows, gate_up.shape[1] // 2), np.float32)
+    # q heads, k heads, v heads: indexed by loop counters only, measured faster than computed indices like
+    # q_size + h * dim + d, which numba checks for wraparound (docs/speed.md#the-decode-step)
     by_head = qkv.reshape(rows, heads + 2 * kv_heads, dim)
     merged = attn.reshape(rows, heads, dim)
     bins = paged_decode_cpu.bins(plan)
