@@ -37,13 +37,17 @@ def new_counters(phases):
     return np.zeros((phases, STRIDE), np.int64)
 
 
+def _counter(context, builder, signature, args) -> ir.Value:
+    """Pointer to counters[phase, offset] for an intrinsic called as (counters, phase, offset)."""
+    counters = context.make_array(signature.args[0])(context, builder, args[0])
+    return cgutils.get_item_pointer(context, builder, signature.args[0], counters, [args[1], args[2]])
+
+
 @intrinsic
 def _fetch_add(typingctx, ary, phase, offset):
     """counters[phase, offset] += 1, atomically; returns the value before."""
     def codegen(context, builder, signature, args):
-        pointer = cgutils.get_item_pointer(context, builder, signature.args[0],
-                                           context.make_array(signature.args[0])(context, builder, args[0]),
-                                           [args[1], args[2]])
+        pointer = _counter(context, builder, signature, args)
         return builder.atomic_rmw("add", pointer, ir.Constant(ir.IntType(64), 1), "seq_cst")
     return types.int64(ary, types.intp, types.intp), codegen
 
@@ -53,10 +57,7 @@ def _load(typingctx, ary, phase, offset):
     """counters[phase, offset], read afresh every time (an acquire load: what the thread that counted wrote
     before is seen after it)."""
     def codegen(context, builder, signature, args):
-        pointer = cgutils.get_item_pointer(context, builder, signature.args[0],
-                                           context.make_array(signature.args[0])(context, builder, args[0]),
-                                           [args[1], args[2]])
-        return builder.load_atomic(pointer, "acquire", 8)
+        return builder.load_atomic(_counter(context, builder, signature, args), "acquire", 8)
     return types.int64(ary, types.intp, types.intp), codegen
 
 
