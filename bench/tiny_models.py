@@ -131,11 +131,12 @@ def build_llama3_tiktoken_model(path: Path, seed: int = 0) -> Path:
 
 
 def build_random_like(path: Path, source: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
-                      **overrides) -> Path:
+                      model_type: str | None = None, **overrides) -> Path:
     """Random weights of the shapes in `source`'s config.json (changed by `overrides`), with its tokenizer files:
     a stand-in for a model whose weights a machine cannot fetch, good for timing (not for answers). `source` may
     be a GGUF file's model directory (the default model's): its GGUF link and tensor index are not copied, or the
-    new directory would load the source's weights."""
+    new directory would load the source's weights. `model_type` (e.g. "qwen2") makes it a model of that family
+    with the source's settings and tokenizer: Qwen2.5's shapes with the only tokenizer a machine has offline."""
     import shutil
 
     from transformers import AutoConfig
@@ -146,6 +147,10 @@ def build_random_like(path: Path, source: Path, seed: int = 0, dtype: torch.dtyp
             shutil.copy(name, path / name.name)
     torch.manual_seed(seed)
     config = AutoConfig.from_pretrained(source, **overrides)
+    if model_type is not None and model_type != config.model_type:
+        settings = {k: v for k, v in config.to_dict().items()
+                    if k not in ("model_type", "architectures", "transformers_version")}
+        config = AutoConfig.for_model(model_type, **settings)
     AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(path)
     return path
 
@@ -153,7 +158,8 @@ def build_random_like(path: Path, source: Path, seed: int = 0, dtype: torch.dtyp
 if __name__ == "__main__":
     import sys
     if len(sys.argv) < 4 or sys.argv[1] != "like":
-        raise SystemExit("usage: python -m bench.tiny_models like SOURCE_DIR OUT_DIR [config_key=int ...] [--bf16]")
-    changes = {k: int(v) for k, v in (a.split("=", 1) for a in sys.argv[4:] if "=" in a)}
+        raise SystemExit("usage: python -m bench.tiny_models like SOURCE_DIR OUT_DIR [config_key=int ...] "
+                         "[model_type=NAME] [--bf16]")
+    changes = {k: v if k == "model_type" else int(v) for k, v in (a.split("=", 1) for a in sys.argv[4:] if "=" in a)}
     kind = torch.bfloat16 if "--bf16" in sys.argv else torch.float32
     print(build_random_like(Path(sys.argv[3]), Path(sys.argv[2]), dtype=kind, **changes))

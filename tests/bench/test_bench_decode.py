@@ -153,6 +153,23 @@ def test_random_like_keeps_the_tokenizer_and_takes_the_new_shapes(tiny_llama_dir
     assert EngineCore(EngineConfig(model=str(out), num_kv_blocks=16)).model.config.hidden_size == 96
 
 
+def test_random_like_another_family_keeps_the_settings_and_tokenizer(tiny_llama_dir, tmp_path):
+    """Qwen2.5's shapes for issue 42's larger models: a qwen2 model (q/k/v biases) of the source's settings."""
+    from transformers import AutoConfig
+
+    from bench.tiny_models import build_random_like
+    out = build_random_like(tmp_path / "qwen", tiny_llama_dir, model_type="qwen2", num_key_value_heads=1)
+    config = AutoConfig.from_pretrained(out)
+    source = AutoConfig.from_pretrained(tiny_llama_dir)
+    assert config.model_type == "qwen2" and config.architectures == ["Qwen2ForCausalLM"]
+    assert (config.hidden_size, config.vocab_size, config.num_key_value_heads) == \
+        (source.hidden_size, source.vocab_size, 1)
+    assert (out / "tokenizer.json").read_bytes() == (tiny_llama_dir / "tokenizer.json").read_bytes()
+    model = EngineCore(EngineConfig(model=str(out), num_kv_blocks=16)).model
+    assert model.config.model_type == "qwen2"
+    assert any(name.endswith("qkv_proj.bias") for name, _ in model.named_parameters())
+
+
 def test_random_like_a_gguf_model_directory_leaves_its_weights_behind(tiny_llama_dir, tmp_path):
     import shutil
 
