@@ -5,9 +5,9 @@ The converter names a BPE tokenizer's pre-tokenizer by the hash of a test string
 it does not know. SmolLM2's tokenizer, the only one a machine has offline, is known ("smollm") while its model
 is a Llama; under a qwen2 config transformers loads the same tokenizer.json as a Qwen2Tokenizer, whose
 pre-tokenizer splits the test string otherwise, and the converter stops. This runs the converter from
-LLAMA_CPP_DIR (a checkout, such as ../shared/peers/' build's vendor/llama.cpp) with that name given, so the
-file's tokenizer is SmolLM2's as llama.cpp reads it for the Llama shapes. Needs `sentencepiece` and `protobuf`
-importable (the converter imports them first), as the converter itself does.
+LLAMA_CPP_DIR (a checkout: the vendor/llama.cpp of the peer build in ../shared/peers/) with that name given, so
+the file's tokenizer is SmolLM2's as llama.cpp reads it for the Llama shapes. Needs `sentencepiece` and
+`protobuf` importable: the converter imports them before it looks at the tokenizer.
 """
 from __future__ import annotations
 
