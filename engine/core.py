@@ -192,13 +192,15 @@ class EngineCore:
             return [], self.take_stats()
         num_prompt_tokens = sum(_prompt_tokens_in(c) for c in sched.chunks)
         if self.thread_budget is not None:
-            self.thread_budget.apply(has_prefill=any(c.request.is_catching_up for c in sched.chunks))
+            self.thread_budget.apply(any(c.request.is_catching_up for c in sched.chunks), len(sched.chunks))
         started = time.perf_counter()
         try:
             logits, sampled = self.runner.execute(sched.chunks)
         except Exception as exc:  # one forward pass for the whole batch: it fails as a whole
             logger.exception("engine step failed; failing its %d requests", len(sched.chunks))
             return self._fail([c.request for c in sched.chunks], "engine step failed", exc), self.take_stats()
+        if self.thread_budget is not None:
+            self.thread_budget.observe(time.perf_counter() - started)
         pooled = [(c, self.runner.hidden[i]) for i, c in enumerate(sampled) if c.request.params.pooling]
         if pooled:  # embedding requests take their hidden state, not a token
             keep = [i for i, c in enumerate(sampled) if not c.request.params.pooling]
@@ -378,7 +380,8 @@ class EngineCore:
                          ttfts=ttfts, prefill_times=prefill_times, inter_token_latencies=inter_token_latencies,
                          kv_events=pool.take_kv_events(), tenant_regrets=pool.take_tenant_regrets(),
                          tenant_pin_expiries=self.kv.pins.take_tenant_expiries(),
-                         tenant_pin_refusals=self.kv.pins.take_tenant_refusals())
+                         tenant_pin_refusals=self.kv.pins.take_tenant_refusals(),
+                         threads=self.thread_budget.counts() if self.thread_budget is not None else None)
 
     def _finished_stats(self, r: Request) -> FinishedRequestStats:
         end = time.monotonic()

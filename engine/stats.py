@@ -43,8 +43,8 @@ def mean() -> Any:
     return _rule(Merge.MEAN, 0.0)
 
 
-def latest() -> Any:
-    return _rule(Merge.LATEST)
+def latest(default: Any = MISSING) -> Any:
+    return _rule(Merge.LATEST, default)
 
 
 def nested(factory: type | None = None) -> Any:
@@ -190,3 +190,4 @@ class StepStats(Mergeable):
     tenant_regrets: dict[str, int] = count(dict)  # tenant whose evicted block was asked again -> blocks
     tenant_pin_expiries: dict[str, int] = count(dict)  # tenant -> its pins that expired
     tenant_pin_refusals: dict[tuple[str, str], int] = count(dict)  # (tenant, quota) -> refused pins
+    threads: tuple[int, int] | None = latest(None)  # CPU compute threads (decode, prefill); a live re-check moves them

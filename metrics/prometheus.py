@@ -468,6 +468,7 @@ class Metrics:
         self.requests.on_step(stats)
         self.tenants.on_step(stats)
         self.pins.on_step(stats)
+        self.set_threads(stats.threads)  # (a live re-check may change the decode count: engine/threads.py)
         for request in stats.finished:
             self.tokens.on_finished(request)
             self.requests.on_finished(request)

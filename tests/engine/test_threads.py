@@ -78,3 +78,70 @@ def test_the_counts_take_turns_so_a_burst_of_other_work_slows_them_alike(clock):
     assert order == [1, 2, 3] + [1, 2, 3] * 5  # warm-ups, then the counts take turns probe by probe
     assert timings == pytest.approx({1: 20.0, 2: 12.0, 3: 13.0})
     assert threads._fastest(timings) == 2
+
+
+def _decode(budget: threads.ThreadBudget, clock: FakeClock, costs: dict[int, float], steps: int, rows=lambda i: 1,
+            ran: list[int] | None = None) -> None:
+    """`steps` decode-only steps as EngineCore.step runs them: apply, the step, observe."""
+    for i in range(steps):
+        budget.apply(has_prefill=False, rows=rows(i))
+        if ran is not None:
+            ran.append(torch.get_num_threads())
+        start = clock.perf_counter()
+        clock.step(costs)()
+        budget.observe(clock.perf_counter() - start)
+
+
+def test_live_steps_correct_a_start_up_choice_that_other_work_spoiled(clock, monkeypatch):
+    """A start-up whose probes another process slowed chose 1 decode thread where 2 run 1.6x faster: the live
+    re-check moves it to 2 once each other count has its pairs, and the step stats say so."""
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    budget = threads.choose(None, 2, clock.step({1: 10.0, 2: 11.0}), clock.step(PREFILL_MS))  # the spoiled probes
+    assert budget.threads == 1
+    live = {1: 16.0, 2: 10.0}
+    _decode(budget, clock, live, threads.RECHECK_EVERY * threads.RECHECK_PAIRS)
+    assert budget.threads == 1  # one pair short
+    _decode(budget, clock, live, threads.RECHECK_EVERY + 2)
+    assert budget.threads == 2 and budget.counts() == (2, 2)
+
+
+def test_the_live_re_check_keeps_the_rule_a_near_tie_goes_to_fewer_threads(clock):
+    budget = threads.choose(None, 2, clock.step(DECODE_MS), clock.step(PREFILL_MS))
+    assert budget.threads == 1
+    ran: list[int] = []
+    _decode(budget, clock, DECODE_MS, 4 * threads.RECHECK_EVERY * threads.RECHECK_PAIRS, ran=ran)
+    assert budget.threads == 1
+    assert {2, 3} <= set(ran)  # the other counts did run, one step a pair
+    assert ran.count(1) > 0.99 * len(ran)
+
+
+def test_a_pair_is_two_consecutive_decode_steps_of_one_batch_size(clock, monkeypatch):
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    budget = threads.choose(None, 2, clock.step({1: 10.0, 2: 11.0}), clock.step(PREFILL_MS))
+    ran: list[int] = []
+    _decode(budget, clock, {1: 16.0, 2: 10.0}, 10 * threads.RECHECK_EVERY, rows=lambda i: 1 + i % 2, ran=ran)
+    assert ran == [1] * len(ran) and budget.threads == 1  # the batch size changed at every step: no pair
+    _decode(budget, clock, {1: 16.0, 2: 10.0}, 1)  # a reference step, then a prefill step: the pair starts again
+    budget.apply(has_prefill=True, rows=1)
+    budget.observe(0.5)
+    ran.clear()
+    _decode(budget, clock, {1: 16.0, 2: 10.0}, 2, ran=ran)
+    assert ran == [1, 2]
+
+
+def test_given_counts_are_not_re_checked(clock):
+    budget = threads.choose(2, 3, clock.step(DECODE_MS), clock.step(PREFILL_MS))
+    ran: list[int] = []
+    _decode(budget, clock, DECODE_MS, 3 * threads.RECHECK_EVERY * threads.RECHECK_PAIRS, ran=ran)
+    assert set(ran) == {2} and budget.counts() == (2, 3)
+
+
+def test_each_step_reports_the_engines_counts(tiny_llama_dir):
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+    core = EngineCore(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=16, threads=1, threads_batch=2))
+    core.add_request(Request("r", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0)))
+    reported = [core.step()[1].threads for _ in range(2)]
+    assert reported == [(1, 2), (1, 2)] == [core.thread_budget.counts()] * 2

@@ -154,6 +154,18 @@ def test_tenant_evictions_when_the_engine_reports_them():
     assert value(s, regrets, tenant="acme") == 1 and value(s, regrets, tenant="other") == 2
 
 
+def test_the_thread_gauge_follows_the_engines_steps():
+    """Set at start-up, then by each step's stats: the engine's live re-check may move its decode count."""
+    metrics = Metrics(MODEL, tenants=[])
+    metrics.set_threads((1, 2))
+    metrics.on_step(step())  # a step without counts (not a CPU engine's) leaves the series alone
+    assert value(scrape(metrics), "prefixgate_engine_threads", kind="decode") == 1
+    metrics.on_step(step(threads=(2, 2)))
+    s = scrape(metrics)
+    assert value(s, "prefixgate_engine_threads", kind="decode") == 2
+    assert value(s, "prefixgate_engine_threads", kind="prefill") == 2
+
+
 def test_tenant_cache_writes_and_disk_reads_when_requests_finish():
     from engine.stats import FinishedRequestStats
 
