@@ -32,6 +32,9 @@ PREFILL_PROBES = 2
 RECHECK_EVERY = 200  # decode-only steps at the chosen count between two re-check pairs (one step in 200 at
 # another count: a slower one costs a fraction of a percent)
 RECHECK_PAIRS = 5  # the latest pairs of each other count whose median ratio decides
+# counts whose start-up probes took more than this times the fastest's are not re-checked: many cores would
+# otherwise run one step in 200 at 1 thread, several times slower
+RECHECK_WITHIN = 2.0
 
 
 @dataclass(slots=True)
@@ -79,7 +82,7 @@ class ThreadBudget:
             if all(len(self._ratios.get(n, ())) == RECHECK_PAIRS for n in self._others()):
                 self._choose_again()
 
-    def recheck(self, counts: range) -> None:
+    def recheck(self, counts: list[int]) -> None:
         """Re-checks the decode count on live steps against each of `counts`."""
         self._counts = tuple(counts)
 
@@ -125,7 +128,8 @@ def choose(threads: int | None, threads_batch: int | None, decode_step: Callable
     if threads is None:
         budget.decode_ms = _time_each(candidates, decode_step, DECODE_PROBES)
         budget.threads = _fastest(budget.decode_ms)
-        budget.recheck(candidates)
+        best = min(budget.decode_ms.values())
+        budget.recheck([n for n in candidates if budget.decode_ms[n] <= RECHECK_WITHIN * best])
     if threads_batch is None:
         budget.prefill_ms = _time_each(candidates, prefill_chunk, PREFILL_PROBES)
         budget.threads_batch = _fastest(budget.prefill_ms)

@@ -129,6 +129,15 @@ def test_a_pair_is_two_consecutive_decode_steps_of_one_batch_size(clock, monkeyp
     assert ran == [1, 2]
 
 
+def test_counts_far_slower_at_start_up_are_not_re_checked(clock):
+    """On many cores one thread is several times slower: a step in 200 at that count would cost too much."""
+    costs = {1: 10.0, 2: 10.3, 3: 25.0}
+    budget = threads.choose(None, 2, clock.step(costs), clock.step(PREFILL_MS))
+    ran: list[int] = []
+    _decode(budget, clock, costs, 4 * threads.RECHECK_EVERY * threads.RECHECK_PAIRS, ran=ran)
+    assert set(ran) == {1, 2} and budget.threads == 1
+
+
 def test_given_counts_are_not_re_checked(clock):
     budget = threads.choose(2, 3, clock.step(DECODE_MS), clock.step(PREFILL_MS))
     ran: list[int] = []
