@@ -104,6 +104,20 @@ def run(model: str = "default", rows=(1, 8, 16, 32), repeats: int = 15, dtype: s
     return {"rows": results, "threads": torch.get_num_threads()}
 
 
+def _unquantizable(name: str) -> str | None:
+    """Why the reference quantizer cannot make this format (None: it can): the gguf library's has no K-quants,
+    whose timings come from a GGUF file's own tensors (`python -m bench.decode --model FILE`)."""
+    from gguf.quants import quantize as ggml_quantize
+    qtype = getattr(QType, name.upper(), None)
+    if qtype is None:
+        return "not a ggml format"
+    try:
+        ggml_quantize(np.zeros((1, 256), np.float32), qtype)
+    except NotImplementedError:
+        return "the gguf library's reference quantizer cannot make it (a GGUF file's: bench.decode --model FILE)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.matmul", description=__doc__)
     parser.add_argument("--model", default="default", help="whose shapes (its config only; the weights are random)")
@@ -114,8 +128,11 @@ def main(argv: list[str] | None = None) -> int:
                         "ggml formats, e.g. q4_1,q8_0 (quantized by the gguf library's reference quantizer)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
-    result = run(args.model, tuple(int(r) for r in args.rows.split(",")), args.repeats, args.dtype,
-                 quantized=tuple(f for f in args.quantized.split(",") if f))
+    formats = tuple(f for f in args.quantized.split(",") if f)
+    for name in formats:
+        if (problem := _unquantizable(name)) is not None:
+            parser.error(f"--quantized {name}: {problem}")
+    result = run(args.model, tuple(int(r) for r in args.rows.split(",")), args.repeats, args.dtype, quantized=formats)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

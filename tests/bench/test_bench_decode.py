@@ -94,6 +94,14 @@ def test_batch8_steps_are_timed_in_turns_with_a_batch1_engine_over_the_same_weig
     assert partner.kv.pool.num_free_blocks == len(partner.kv.pool.blocks)
 
 
+@pytest.mark.parametrize("name,says", [("q4_k", "reference quantizer cannot make it"), ("q9_9", "not a ggml format")])
+def test_matmul_bench_refuses_a_format_it_cannot_make_before_it_starts(name, says, capsys):
+    from bench import matmul
+    with pytest.raises(SystemExit) as refused:
+        matmul.main(["--quantized", f"q8_0,{name}", "--rows", "1", "--repeats", "1"])
+    assert refused.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_matmul_bench_times_every_kernel_over_the_models_step_shapes(tiny_llama_dir):
     from bench import matmul
     from engine.model.model_config import load_config
