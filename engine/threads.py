@@ -3,15 +3,15 @@ with a prefill chunk (llama.cpp's --threads and --threads-batch).
 
 A batch-1 decode step streams the weights once and is bound by memory: on a 2-core machine one thread
 decoded faster than two before the compiled step became one parallel region (docs/speed.md#threads), while a
-prefill chunk is bound by arithmetic and wants every core. Either number left unset is chosen at start-up by timing both kinds of step at each
-thread count the process may use, the counts taking turns; the fastest count wins, a smaller one when it
-is within 5 %, which leaves a core to the API process.
+prefill chunk is bound by arithmetic and wants every core. Either number left unset is chosen at start-up by
+timing both kinds of step at each thread count the process may use, the counts taking turns; the fastest count
+wins, a smaller one when it is within 5 %, which leaves a core to the API process.
 
-A timed decode count is then re-checked on live steps: a start-up that another process happened to slow
-(its probes take a second) would otherwise keep its choice for the server's life (one decode thread where
-two ran 1.6x faster, docs/serving.md). Every RECHECK_EVERY decode-only steps, a pair of
-consecutive steps of the same batch size runs at the chosen count and then at another count, in turn; when
-each other count has RECHECK_PAIRS pairs, their median time ratios choose again by the start-up's rule.
+A timed decode count is then re-checked on live steps: a start-up that another process happened to slow (its
+probes take a second) would otherwise keep its choice for the server's life (one decode thread where two ran
+1.6x faster, docs/serving.md). Every RECHECK_EVERY decode-only steps, a pair of consecutive steps of the same
+batch size runs at the chosen count and then at another count, in turn; when each other count has
+RECHECK_PAIRS pairs, their median time ratios choose again by the start-up's rule.
 """
 from __future__ import annotations
 
