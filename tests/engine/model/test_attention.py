@@ -361,7 +361,7 @@ def test_tasks_are_dealt_so_both_threads_get_own_chunks_beside_the_cascade():
     land on one thread. Every task is dealt once."""
     rows, per_kv, dim = 8, 3, 64
     plan = paged_decode_cpu.plan(np.full(rows, 40, np.int64), np.zeros(rows, np.int64), np.array([960], np.int64),
-                                  2, per_kv, dim)
+                                 2, per_kv, dim)
     source, by_bin, bin_first = plan[1], plan[7], plan[8]
     assert sorted(by_bin) == list(range(len(source)))
     own_per_bin = [int((source[by_bin[bin_first[b]:bin_first[b + 1]]] < rows).sum()) for b in range(2)]
@@ -380,6 +380,6 @@ def test_a_short_context_is_attended_in_two_halves(length, chunks):
     same with one thread or a batch beside it."""
     for rows, threads in [(1, 2), (1, 1), (3, 2)]:
         plan = paged_decode_cpu.plan(np.full(rows, length, np.int64), np.full(rows, -1, np.int64),
-                                      np.zeros(0, np.int64), threads, 3, 64)
+                                     np.zeros(0, np.int64), threads, 3, 64)
         source, chunk_start, chunk_end = plan[1], plan[2], plan[3]
         assert [(int(s), int(e)) for s, e in zip(chunk_start[source == 0], chunk_end[source == 0])] == chunks
