@@ -8,7 +8,8 @@ the roofline ratio is the median over steps of each step against the probe taken
 Where batches 1 and 8 are both asked for, batch 8's steps are timed once more in turns with a batch-1
 engine over the same weights, so that their ratio compares steps of the same moment
 (measure_in_turns). --transformers times plain
-`transformers` decoding the same prompts (its own KV cache, one forward per token) in the same run.
+`transformers` decoding the same prompts (its own KV cache, one forward per token) in the same run; --llama-bench
+times llama.cpp on the same GGUF file from the same context against the same probe (bench/llama_bench.py).
 """
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from pathlib import Path
 
 import torch
 
+from bench import llama_bench
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.model import huge_pages, loader
+from engine.model.gguf_loader import WEIGHTS_NAME, is_gguf_dir
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -178,7 +181,7 @@ def measure_in_turns(core: EngineCore, partner: EngineCore, batch: int, context:
 
 def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, steps: int = 24,
         dtype: str = "auto", log=print, shared_prefix: int = 0, transformers: bool = False,
-        **engine_overrides) -> dict:
+        llama_bench_binary: str | None = None, llama_gguf: str | Path | None = None, **engine_overrides) -> dict:
     # a pool that holds every sequence of the largest batch: a smaller one would preempt some and time a smaller batch
     blocks_per_seq = blocks_per_sequence(context, steps + 8, engine_overrides)
     engine_overrides.setdefault("num_kv_blocks", max(batches) * blocks_per_seq + 8)
@@ -188,6 +191,10 @@ def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, step
     start_decoding(core, 1, 64, 4)  # warm-up: first forwards pay for allocations
     for r in list(core.requests.values()):
         core.abort(r.request_id)
+    if llama_bench_binary and not llama_gguf:
+        if not is_gguf_dir(core.model_path):
+            raise ValueError(f"llama-bench needs a GGUF file: {model} is not a GGUF model (name one: llama_gguf)")
+        llama_gguf = core.model_path / WEIGHTS_NAME
     rows = []
     resolved = str(core.runner.dtype).removeprefix("torch.")  # what `auto` chose (the activations' dtype)
     weights = "" if core.weights_format == "none" else f", weights {core.weights_format}"
@@ -205,6 +212,13 @@ def run(model: str = "default", batches=(1, 4, 8, 16), context: int = 1000, step
         baseline = f"; transformers {row['transformers_step_ms']:.2f} ms/step" if transformers else ""
         if row["graph_replay_ms"] is not None:
             baseline += f"; graph replay alone {row['graph_replay_ms']:.2f} ms"
+        if llama_bench_binary and batch == 1:
+            elements = kv_bytes_per_token(core) // core.runner.kv_slots.element_size()
+            theirs = row["llama_bench"] = llama_bench.measure(
+                llama_bench_binary, Path(llama_gguf), lambda: bandwidth_gb_s(probe, repeats=1), context,
+                steps, elements, torch.get_num_threads())
+            baseline += (f"; llama-bench on the file {theirs['ms_per_token']:.2f} ms/token, each run vs its own probe: "
+                         f"{theirs['roofline_ratio']:.0%} ({theirs['weight_mb']:.0f} MB of weights)")
         log(f"decode batch {batch:>2} ({core.device.type}, {resolved}{weights}{kv}{shared}): {row['step_ms']:.2f} ms/step, "
             f"{row['tok_s']:.1f} tok/s, roofline {row['roofline_ms']:.2f} ms at {row['bandwidth_gb_s']:.1f} GB/s; "
             f"each step vs its own probe: {row['roofline_ratio']:.0%}{baseline}")
@@ -253,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
                              "the compiled step, whose supports() asks the kernel's, goes too)")
     parser.add_argument("--no-compiled-decode", action="store_true",
                         help="decode steps through eager PyTorch (to measure what the compiled step buys)")
+    parser.add_argument("--llama-bench", default=None, metavar="BINARY",
+                        help="also time llama.cpp's llama-bench at batch 1 on the GGUF file against the same probe")
+    parser.add_argument("--llama-gguf", default=None, metavar="FILE",
+                        help="the GGUF file llama-bench reads (default: --model's, when that is a GGUF model)")
     parser.add_argument("--plot", default=None, help="plot the run's step times against the roofline here (PNG)")
     parser.add_argument("--replot", nargs="+", default=None, metavar="JSON",
                         help="measure nothing: plot these saved --json runs together into --plot")
@@ -273,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         import engine.core
         engine.core.load_model = functools.partial(loader.load_model, pack=False)
     result = run(args.model, tuple(int(b) for b in args.batches.split(",")), args.context, args.steps, args.dtype,
-                 shared_prefix=args.shared_prefix, transformers=args.transformers, kv_cache_dtype=args.kv_cache_dtype,
+                 shared_prefix=args.shared_prefix, transformers=args.transformers, llama_bench_binary=args.llama_bench,
+                 llama_gguf=args.llama_gguf, kv_cache_dtype=args.kv_cache_dtype,
                  device=args.device, enforce_eager=args.enforce_eager, quantization=args.quantization,
                  quantized_activations=args.quantized_activations)
     if args.json:
