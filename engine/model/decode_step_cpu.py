@@ -194,23 +194,21 @@ def _head_norm(head, weight, eps):
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
-def _rope_and_store(row, cos, sin, k_cache, v_cache, slot, heads, kv_heads, q_norm, k_norm, qk_norm, eps, scale,
-                    scaled):
-    """One row's q/k/v heads [heads + 2 kv_heads, dim]: rotates q and k in place (after Qwen3's q/k norm), writes
-    k and v to the row's slot and the queries times `scale` to scaled [heads, dim]."""
-    dim = cos.shape[0]
+def _rope_and_store(m, by_head, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads, q_norm, k_norm, qk_norm,
+                    eps, scale, scaled):
+    """Row m's q/k/v heads by_head[m] [heads + 2 kv_heads, dim]: rotates q and k in place (after Qwen3's q/k norm),
+    writes k and v to the row's slot and the queries times `scale` to scaled[m] [heads, dim]."""
+    row, slot, dim = by_head[m], slot_mapping[m], cos.shape[1]
     if qk_norm:
         for h in range(heads + kv_heads):
             _head_norm(row[h], q_norm if h < heads else k_norm, eps)
-    _rotate(row[:heads + kv_heads], cos, sin)
+    _rotate(row[:heads + kv_heads], cos[m], sin[m])
     for h in range(kv_heads):
         key, value = row[heads + h], row[heads + kv_heads + h]
         for d in range(dim):
             k_cache[slot, h, d] = to_element(k_cache, key[d])
             v_cache[slot, h, d] = to_element(v_cache, value[d])
-    for h in range(heads):
-        for d in range(dim):
-            scaled[h, d] = row[h, d] * scale
+    paged_decode_cpu.scale_queries(by_head[m:m + 1, :heads], scale, scaled[m:m + 1])
 
 
 # phases of a layer: qkv, rotary and cache writes, attention, o_proj, gate_up, down
@@ -264,21 +262,13 @@ def _thread(x, qkv, scaled, gate_up, plan, partials, counters, cos, sin, kv, slo
         _rms_norm(x, input_norm[layer], eps, normed)
         _matmul_phase(normed, qkv_w[layer], qkv_b[layer], qkv, False, counters, phase, threads)
         phase += 1
-        m = work_phases.claim(counters, phase)
-        while m < rows:
-            _rope_and_store(by_head[m], cos[m], sin[m], k_cache, v_cache, slot_mapping[m], heads, kv_heads,
+        for m in work_phases.claimed(counters, phase, rows):
+            _rope_and_store(m, by_head, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads,
                             q_norm[layer if qk_norm else 0], k_norm[layer if qk_norm else 0], qk_norm, eps, scale,
-                            scaled[m])
-            work_phases.finish(counters, phase)
-            m = work_phases.claim(counters, phase)
-        work_phases.wait(counters, phase, rows)
+                            scaled)
         phase += 1
-        b = work_phases.claim(counters, phase)
-        while b < bins:
+        for b in work_phases.claimed(counters, phase, bins):
             paged_decode_cpu.run_bin(plan, b, scaled, k_cache, v_cache, slots, shared_slots, partials)
-            work_phases.finish(counters, phase)
-            b = work_phases.claim(counters, phase)
-        work_phases.wait(counters, phase, bins)
         phase += 1
         for m in range(rows):
             paged_decode_cpu.merge_row(plan, partials, m, merged[m])
@@ -303,9 +293,5 @@ def _matmul_phase(x, weight, bias, out, accumulate, counters, phase, threads):
     of the weight; 4 runs a thread, claimed in turn, measured slower); returns when the whole product is done."""
     tiles = tile_count(weight)
     chunks = min(tiles, threads)
-    c = work_phases.claim(counters, phase)
-    while c < chunks:
+    for c in work_phases.claimed(counters, phase, chunks):
         linear_tiles(x, weight, bias, out, accumulate, c * tiles // chunks, (c + 1) * tiles // chunks)
-        work_phases.finish(counters, phase)
-        c = work_phases.claim(counters, phase)
-    work_phases.wait(counters, phase, chunks)

@@ -102,7 +102,7 @@ def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_leng
     rows = q.shape[0]
     dim = q.shape[1] // heads
     scaled = np.empty((rows, heads, dim), np.float32)
-    _scale_queries(q.reshape(rows, heads, dim), scale, scaled)
+    scale_queries(q.reshape(rows, heads, dim), scale, scaled)
     tasks = plan(lengths, group, shared_lengths, threads, heads // k_cache.shape[1], dim)
     partials = new_partials(tasks, heads, dim)
     for b in prange(bins(tasks)):
@@ -113,7 +113,7 @@ def attend(q, k_cache, v_cache, slots, lengths, group, shared_slots, shared_leng
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
-def _scale_queries(q, scale, scaled):
+def scale_queries(q, scale, scaled):
     """scaled = q * scale, both [rows, heads, dim] (3-D, so that no index is computed: numba checks a computed
     index for wraparound, and that check alone kept the dot products from vectorizing)."""
     for m in range(q.shape[0]):

@@ -104,3 +104,18 @@ def wait(ary, phase, chunks):
         spins += 1
         if spins > SPINS_BEFORE_YIELD:
             _yield()
+
+
+# not cached itself: a caller compiled in a process that took this generator from numba's cache finds no lowering
+# for it (KeyError in numba's get_generator_impl); its cached callers hold its code all the same
+@njit(nogil=True)
+def claimed(ary, phase, chunks):
+    """This thread's chunks of `phase`, for a loop's body to work on: each is counted done when the body asks for
+    the next, and the loop ends when all `chunks` chunks are done, whoever claimed them. (A generator, where a
+    function taken as an argument would be an address that numba's cache cannot keep.)"""
+    c = claim(ary, phase)
+    while c < chunks:
+        yield c
+        finish(ary, phase)
+        c = claim(ary, phase)
+    wait(ary, phase, chunks)

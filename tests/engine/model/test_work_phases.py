@@ -16,8 +16,7 @@ def _walk(chunks, counters, done, early):
     """One thread's walk through the phases: done[p, c] counts chunk c of phase p; early[p] counts chunks of phase
     p that started while the phase before was not yet done."""
     for p in range(len(chunks)):
-        c = work_phases.claim(counters, p)
-        while c < chunks[p]:
+        for c in work_phases.claimed(counters, p, chunks[p]):
             if p > 0 and done[p - 1, :chunks[p - 1]].sum() != chunks[p - 1]:
                 early[p] += 1
             if c == 0:
@@ -27,9 +26,6 @@ def _walk(chunks, counters, done, early):
                 if total < 0:  # (never: keeps the loop from being compiled away)
                     early[p] += 100
             done[p, c] += 1
-            work_phases.finish(counters, p)
-            c = work_phases.claim(counters, p)
-        work_phases.wait(counters, p, chunks[p])
 
 
 @njit(nogil=True, parallel=True)
@@ -73,3 +69,9 @@ def test_new_counters_are_zero_and_a_phase_each_on_its_own_lines():
     counters = work_phases.new_counters(3)
     assert counters.shape == (3, work_phases.STRIDE) and not counters.any()
     assert work_phases.STRIDE * 8 >= 2 * 64 and work_phases.HALF * 8 >= 64  # claims and completions: 64-byte lines
+
+
+def test_the_claim_loop_is_compiled_with_each_caller_not_taken_from_the_cache():
+    """numba cannot lower a caller of a generator that it loaded from its cache (a later process compiling the
+    step for a new signature died in get_generator_impl), so `claimed` stays out of the cache."""
+    assert type(work_phases.claimed._cache).__name__ == "NullCache"
