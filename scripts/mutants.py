@@ -178,6 +178,9 @@ MUTANTS = [
     # the activations rounded toward zero: errors up to a whole step, not half
     Mutant("dot-activations-truncated", "quant_dot_cpu.py",
            "xq[r, k] = np.int8(np.rint(x[r, k] * inverse))", "xq[r, k] = np.int8(x[r, k] * inverse)", DOT_TESTS),
+    # fp16 scales and mins read as float32 (their bits taken for other numbers, and twice as far)
+    Mutant("dot-half-scales-read-as-float32", "quant_dot_cpu.py",
+           "half = signature.args[4].dtype == types.int16", "half = False", DOT_TESTS),
     # the group's last quad left out of its integer sums
     Mutant("dot-group-one-quad-short", "quant_dot_cpu.py",
            "for step in range(GROUP // QUAD):", "for step in range(GROUP // QUAD - 1):", DOT_TESTS),

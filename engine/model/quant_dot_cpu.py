@@ -8,7 +8,8 @@ Layout ("quads"): a weight [N, K] in QuantRows form with group 32 becomes
   holding columns 8v..8v+7 of the tile, each as its 4 consecutive k (the operand order of vpmaddubsw then
   vpmaddwd); for 4 bits [.., K / 4, 64]: vectors 0 and 1 share bytes 0-31 (0 low, 1 high nibble), 2 and 3
   bytes 32-63;
-- scales, mins [tiles, K / 32, TILE] float32, as quant_matmul_cpu's.
+- scales, mins [tiles, K / 32, TILE] float32, or their fp16 bits as int16 where every one is an fp16 value (half
+  the bytes: the format's own, for Q8_0, Q4_0 and Q4_1), as quant_matmul_cpu's.
 
 The product: x[r, k] ~ d[r, g] * xq[r, k] with xq = round(x / d) in -127..127 and d = max |x| over the group
 / 127; each output is sum over groups of scale * d * (integer sum of q * xq) + min * d * (sum of xq), as in
@@ -56,8 +57,11 @@ def fits(rows: QuantRows) -> bool:
     return rows.group == GROUP and rows.shape[1] % GROUP == 0 and rows.bits in (4, 8)
 
 
-def pack(rows: QuantRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(data, scales, mins) in the quad layout."""
+def pack(rows: QuantRows, scales: str = "float32") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(data, scales, mins) in the quad layout, the scales and mins float32 or "fp16" (the rows must hold fp16
+    values: QuantRows.half_exact)."""
+    if scales not in ("float32", "fp16"):
+        raise ValueError(f"integer dot products take float32 or fp16 scales, not {scales}")
     n, k = rows.shape
     tiles = -(-n // TILE)
     q = np.zeros((tiles * TILE, k), np.int16)
@@ -71,11 +75,11 @@ def pack(rows: QuantRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         data = q.reshape(tiles, k // QUAD, BYTES_8BIT).astype(np.int8).view(np.uint8)
 
     def per_group(values: np.ndarray | None) -> np.ndarray:
-        if values is None:
-            return np.zeros((tiles, 0, TILE), np.float32)
-        padded = np.zeros((tiles * TILE, values.shape[1]), np.float32)
-        padded[:n] = values
-        return np.ascontiguousarray(padded.reshape(tiles, TILE, -1).transpose(0, 2, 1))
+        padded = np.zeros((tiles * TILE, 0 if values is None else values.shape[1]), np.float32)
+        if values is not None:
+            padded[:n] = values
+        grouped = np.ascontiguousarray(padded.reshape(tiles, TILE, -1).transpose(0, 2, 1))
+        return grouped.astype(np.float16).view(np.int16) if scales == "fp16" else grouped
 
     return np.ascontiguousarray(data), per_group(rows.scales), per_group(rows.mins)
 
@@ -88,20 +92,15 @@ def is_quads(data) -> bool:
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
-def row(data, scales, mins, row, out):
-    """out[k] = W[row, k] for one row of a weight in the quad layout."""
+def integer_at(data, row, k):
+    """The integer of W[row, k] (its weight before scale and min) in the quad layout, as float32."""
     tile, column = row // TILE, row % TILE
     vector, within = column // COLUMNS, column % COLUMNS
-    four_bit = data.shape[2] == BYTES_4BIT
-    for k in range(data.shape[1] * QUAD):
-        j, i = k // QUAD, k % QUAD
-        if four_bit:
-            byte = data[tile, j, (vector // 2) * 32 + within * QUAD + i]
-            q = np.float32(byte & 0x0F if vector % 2 == 0 else byte >> 4)
-        else:
-            q = np.float32(np.int8(data[tile, j, vector * 32 + within * QUAD + i]))
-        value = q * scales[tile, k // GROUP, column]
-        out[k] = value + mins[tile, k // GROUP, column] if mins.shape[1] else value
+    j, i = k // QUAD, k % QUAD
+    if data.shape[2] == BYTES_4BIT:
+        byte = data[tile, j, (vector // 2) * 32 + within * QUAD + i]
+        return np.float32(byte & 0x0F if vector % 2 == 0 else byte >> 4)
+    return np.float32(np.int8(data[tile, j, vector * 32 + within * QUAD + i]))
 
 
 @njit(fastmath=False, nogil=True, cache=kernel_cache.CACHE)
@@ -154,7 +153,7 @@ def _splat(builder: ir.IRBuilder, scalar: ir.Value, vector_type: ir.VectorType) 
 def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
     """out[r, :TILE] = xq[r] (as d * xq, sums) @ W[tile `index`].T for each of xq's 1 to ROW_GROUP rows: xq
     [rows, K] int8 with unit stride along K, d / sums [rows, K / 32] float32, data / scales / mins contiguous as
-    pack() makes them, out [>= rows, >= TILE] float32 with unit stride along its rows. One unrolled loop per kind
+    pack() makes them (scales and mins float32, or fp16 bits as int16), out [>= rows, >= TILE] float32 with unit stride along its rows. One unrolled loop per kind
     of weight (4 or 8 bits, with or without mins) and row count, picked at run time. x86 only (AVX2's integer
     ops)."""
 
@@ -191,8 +190,14 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
             at = builder.gep(array.data, [builder.add(builder.mul(const(r), row_stride), g)])
             return _splat(builder, builder.load(at), _FLOATS)
 
-        def eight_columns(base, columns):
-            return builder.load(builder.bitcast(builder.gep(base, [columns]), _FLOATS.as_pointer()), align=4)
+        half = signature.args[4].dtype == types.int16  # fp16 scales and mins, as their bits
+
+        def eight_columns(base, columns):  # 8 columns' scales (or mins) from `base`, as float32
+            at = builder.gep(base, [columns])
+            if not half:
+                return builder.load(builder.bitcast(at, _FLOATS.as_pointer()), align=4)
+            bits = builder.load(builder.bitcast(at, ir.VectorType(_I16, COLUMNS).as_pointer()), align=2)
+            return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), COLUMNS)), _FLOATS)
 
         def kind(four_bit, with_min):
             width = BYTES_4BIT if four_bit else BYTES_8BIT
@@ -215,7 +220,7 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
             def group_step(num_rows, g):
                 first_column = builder.mul(g, const(TILE))  # of the group's scales and mins
                 for ahead in (tile_scales, tile_mins) if with_min else (tile_scales,):
-                    simd.prefetch_lines(builder, builder.gep(ahead, [first_column]), SCALES_AHEAD, TILE * 4)
+                    simd.prefetch_lines(builder, builder.gep(ahead, [first_column]), SCALES_AHEAD, TILE * (2 if half else 4))
                 sums_of = [[ir.Constant(_SUMS, None)] * 4 for _ in range(num_rows)]
                 for step in range(GROUP // QUAD):
                     quad = builder.add(builder.mul(g, const(GROUP // QUAD)), const(step))

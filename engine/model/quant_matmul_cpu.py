@@ -109,11 +109,11 @@ class QuantTiles:
 def scale_kind(weights: list[QuantRows], integer: bool = False) -> str:
     """The fewest bytes every one of a model's weights can hold its scales in exactly (one kind a model):
     fp16 where all are fp16 values (Q8_0, Q4_0, Q4_1), super-block records where all have two levels that fit
-    them (the K-quants, with those), else float32; integer dot products take float32."""
-    if integer:
-        return "float32"
+    them (the K-quants, with those), else float32; integer dot products take fp16 or float32."""
     if all(rows.half_exact for rows in weights):
         return "fp16"
+    if integer:
+        return "float32"
     return "super-blocks" if all(_records_fit(rows.super_blocks(), rows.group) for rows in weights) else "float32"
 
 
@@ -132,7 +132,7 @@ def pack(rows: QuantRows, integer: bool = False, scales: str = "float32") -> Qua
     rows must hold it exactly: scale_kind())."""
     as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
     if integer and quant_dot_cpu.X86 and quant_dot_cpu.fits(rows):
-        return QuantTiles(*map(as_tensor, quant_dot_cpu.pack(rows)), rows.group, rows.shape[0])
+        return QuantTiles(*map(as_tensor, quant_dot_cpu.pack(rows, scales)), rows.group, rows.shape[0])
     n, k = rows.shape
     tiles = -(-n // TILE)
 
@@ -245,7 +245,7 @@ def embedding_rows(weight: QuantTiles, ids: torch.Tensor) -> torch.Tensor:
 def _row(data, scales, mins, group, row, out):
     """out[k] = W[row, k] for one row of the packed weight."""
     if quant_dot_cpu.is_quads(data):
-        quant_dot_cpu.row(data, scales, mins, row, out)
+        _quad_row(data, scales, mins, row, out)
         return
     # a group at a time, its scale and min hoisted: a division and two branches per weight made prefill's
     # dequantization several times slower than its memory traffic
@@ -267,6 +267,19 @@ def _row(data, scales, mins, group, row, out):
         else:
             for k in range(g * group, (g + 1) * group):
                 out[k] = np.float32(np.int8(data[tile, k, j])) * scale + low
+
+
+@njit(fastmath=False, nogil=True, cache=kernel_cache.CACHE)
+def _quad_row(data, scales, mins, row, out):
+    """_row of a weight in quant_dot_cpu's quad layout: q * scale + min in float64 (the product is exact there),
+    rounded to float32 once, as QuantRows.dequantize has it."""
+    tile, j = row // TILE, row % TILE
+    for k in range(out.shape[0]):
+        g = k // quant_dot_cpu.GROUP
+        value = np.float64(quant_dot_cpu.integer_at(data, row, k)) * np.float64(_group_value(scales, tile, g, j))
+        if mins.shape[1]:
+            value += np.float64(_group_value(mins, tile, g, j))
+        out[k] = np.float32(value)
 
 
 def _group_value(values, tile, g, j):

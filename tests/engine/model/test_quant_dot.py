@@ -18,7 +18,8 @@ LAYOUTS = [(4, True), (8, False), (8, True)]
 ROW_COUNTS = sorted({1, 2, 3, quant_dot_cpu.ROW_GROUP, quant_dot_cpu.ROW_GROUP + 1, 9})
 
 
-def _rows(n: int, k: int, bits: int, with_mins: bool, seed: int = 0) -> QuantRows:
+def _rows(n: int, k: int, bits: int, with_mins: bool, seed: int = 0, half: bool = False) -> QuantRows:
+    """Random rows; `half`: their scales and mins fp16 values, as Q8_0's, Q4_0's and Q4_1's are."""
     rng = np.random.default_rng(seed)
     q = rng.integers(0, 16, (n, k), dtype=np.uint8) if bits == 4 else rng.integers(-128, 128, (n, k), dtype=np.int8)
     q[1, :32] = 15 if bits == 4 else -128  # the largest products the 16-bit pair sums must hold
@@ -27,6 +28,8 @@ def _rows(n: int, k: int, bits: int, with_mins: bool, seed: int = 0) -> QuantRow
     mins = rng.uniform(-0.1, 0.1, (n, k // 32)).astype(np.float32) if with_mins else None
     if mins is not None:
         mins[0, -1] = -40.0
+    if half:
+        scales, mins = (None if v is None else v.astype(np.float16).astype(np.float32) for v in (scales, mins))
     return QuantRows(q, scales, mins, 32, bits)
 
 
@@ -60,12 +63,15 @@ def test_activations_round_to_int8_within_half_a_step():
     np.testing.assert_array_equal(rounded.numpy(), xq * step)
 
 
+@pytest.mark.parametrize("scales", ["float32", "fp16"])
 @pytest.mark.parametrize("bits,with_mins", LAYOUTS)
 @pytest.mark.parametrize("n", [TILE, 3 * TILE + 5])
-def test_product_matches_float64_on_the_rounded_activations(bits, with_mins, n):
-    rows = _rows(n, 96, bits, with_mins)
-    tiles = quant_matmul_cpu.pack(rows, integer=True)
+def test_product_matches_float64_on_the_rounded_activations(bits, with_mins, n, scales):
+    rows = _rows(n, 96, bits, with_mins, half=scales == "fp16")
+    assert quant_matmul_cpu.scale_kind([rows], integer=True) == scales
+    tiles = quant_matmul_cpu.pack(rows, integer=True, scales=scales)
     assert tiles.integer and tiles.bits == bits and tiles.in_features == 96
+    assert tiles.scales.element_size() == (2 if scales == "fp16" else 4)
     for m in ROW_COUNTS:
         x = np.random.default_rng(m).standard_normal((m, 96)).astype(np.float32)
         got = quant_matmul_cpu.linear(torch.from_numpy(x), tiles, None).numpy()
@@ -107,10 +113,11 @@ def test_bias_and_accumulate_add_onto_the_output():
     np.testing.assert_allclose(out, 2.0 + bias + _reference(x, rows), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("scales", ["float32", "fp16"])
 @pytest.mark.parametrize("bits,with_mins", LAYOUTS)
-def test_rows_and_dequantize_read_the_quad_layout_exactly(bits, with_mins):
-    rows = _rows(2 * TILE + 3, 64, bits, with_mins)
-    tiles = quant_matmul_cpu.pack(rows, integer=True)
+def test_rows_and_dequantize_read_the_quad_layout_exactly(bits, with_mins, scales):
+    rows = _rows(2 * TILE + 3, 64, bits, with_mins, half=scales == "fp16")
+    tiles = quant_matmul_cpu.pack(rows, integer=True, scales=scales)
     exact = rows.dequantize()
     np.testing.assert_array_equal(quant_matmul_cpu.dequantize_rows(tiles, 0, torch.empty(exact.shape)).numpy(), exact)
     ids = torch.tensor([0, 1, 37, 2 * TILE + 2])
@@ -123,3 +130,8 @@ def test_groups_of_16_keep_the_float_kernel():
     rows = QuantRows(rng.integers(-32, 32, (TILE, 64), dtype=np.int8),
                      rng.uniform(0.01, 0.02, (TILE, 4)).astype(np.float32), None, 16, 8)
     assert not quant_matmul_cpu.pack(rows, integer=True).integer
+
+
+def test_the_quad_layout_refuses_super_block_records():
+    with pytest.raises(ValueError, match="float32 or fp16"):
+        quant_dot_cpu.pack(_rows(TILE, 64, 4, True), "super-blocks")
