@@ -153,9 +153,9 @@ def _splat(builder: ir.IRBuilder, scalar: ir.Value, vector_type: ir.VectorType) 
 def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
     """out[r, :TILE] = xq[r] (as d * xq, sums) @ W[tile `index`].T for each of xq's 1 to ROW_GROUP rows: xq
     [rows, K] int8 with unit stride along K, d / sums [rows, K / 32] float32, data / scales / mins contiguous as
-    pack() makes them (scales and mins float32, or fp16 bits as int16), out [>= rows, >= TILE] float32 with unit stride along its rows. One unrolled loop per kind
-    of weight (4 or 8 bits, with or without mins) and row count, picked at run time. x86 only (AVX2's integer
-    ops)."""
+    pack() makes them (scales and mins float32, or fp16 bits as int16), out [>= rows, >= TILE] float32 with unit
+    stride along its rows. One unrolled loop per kind of weight (4 or 8 bits, with or without mins) and row count,
+    picked at run time. x86 only (AVX2's integer ops)."""
 
     def codegen(context, builder, signature, args):
         if not X86:  # pack() never makes quads off x86; this keeps the function compilable there
@@ -219,8 +219,9 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
 
             def group_step(num_rows, g):
                 first_column = builder.mul(g, const(TILE))  # of the group's scales and mins
+                group_bytes = TILE * (2 if half else 4)
                 for ahead in (tile_scales, tile_mins) if with_min else (tile_scales,):
-                    simd.prefetch_lines(builder, builder.gep(ahead, [first_column]), SCALES_AHEAD, TILE * (2 if half else 4))
+                    simd.prefetch_lines(builder, builder.gep(ahead, [first_column]), SCALES_AHEAD, group_bytes)
                 sums_of = [[ir.Constant(_SUMS, None)] * 4 for _ in range(num_rows)]
                 for step in range(GROUP // QUAD):
                     quad = builder.add(builder.mul(g, const(GROUP // QUAD)), const(step))
