@@ -61,7 +61,9 @@ def run(model: str = "default", rows=(1, 8, 16, 32), repeats: int = 15, dtype: s
         # scales as the loader packs them (fp16 for all of these: the reference quantizer's)
         tiles[f"{name} float"] = [quant_matmul_cpu.pack(r, scales=quant_matmul_cpu.scale_kind([r])) for r in rows_of]
         if quant_dot_cpu.X86:
-            tiles[f"{name} int8"] = [quant_matmul_cpu.pack(r, integer=True) for r in rows_of]
+            tiles[f"{name} int8"] = [quant_matmul_cpu.pack(r, integer=True,
+                                                           scales=quant_matmul_cpu.scale_kind([r], integer=True))
+                                     for r in rows_of]
     bytes_read = {f"{name} (engine)": sum(t.nbytes() for t in ts) for name, ts in tiles.items()}
     results = []
     for m in rows:

@@ -113,6 +113,17 @@ def test_matmul_bench_times_every_kernel_over_the_models_step_shapes(tiny_llama_
         ms > 0 for r in result["rows"] for ms in r["ms"].values())
 
 
+def test_matmul_bench_packs_the_quantized_kernels_scales_as_the_loader_does(tiny_llama_dir):
+    """Q4_1's scales and mins are fp16 values: both kernels read them as fp16, so both read the same bytes."""
+    from bench import matmul
+    from engine.model import quant_dot_cpu
+    if not quant_dot_cpu.X86:
+        pytest.skip("integer dot products are x86 code")
+    result = matmul.run(str(tiny_llama_dir), rows=(1,), repeats=1, log=lambda _: None, quantized=("q4_1",))
+    bytes_mb = result["rows"][0]["bytes_mb"]
+    assert bytes_mb["q4_1 int8 (engine)"] == bytes_mb["q4_1 float (engine)"] < bytes_mb["packed (engine)"] / 4
+
+
 def test_attention_bench_runs_the_kernel_over_every_layer_and_counts_a_shared_prefix_once(tiny_llama_dir):
     from bench import attention
     from engine.model.model_config import load_config
