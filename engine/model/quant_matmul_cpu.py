@@ -243,43 +243,31 @@ def embedding_rows(weight: QuantTiles, ids: torch.Tensor) -> torch.Tensor:
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
 def _row(data, scales, mins, group, row, out):
-    """out[k] = W[row, k] for one row of the packed weight."""
-    if quant_dot_cpu.is_quads(data):
-        _quad_row(data, scales, mins, row, out)
-        return
+    """out[k] = W[row, k] for one row of the packed weight, each weight q * scale + min rounded once (a fused
+    multiply-add, as _dequantize_block computes whole tiles): exactly as QuantRows.dequantize has it."""
     # a group at a time, its scale and min hoisted: a division and two branches per weight made prefill's
-    # dequantization several times slower than its memory traffic
+    # dequantization several times slower than its memory traffic (and an fp16 scale widened per weight, 1.6x)
     tile, j = row // TILE, row % TILE
     has_min = mins.shape[1] > 0
-    width = data.shape[2]
+    quads, width = quant_dot_cpu.is_quads(data), data.shape[2]
     byte, shift = j % HALF, (j // HALF) * 4  # 4 and 6 bits: column j's low nibble in byte j % 16
     top_byte, top_shift = HALF + j % 8, (j // 8) * 2  # 6 bits: its top 2 bits
     for g in range(out.shape[0] // group):
         scale = _group_value(scales, tile, g, j)
         low = _group_value(mins, tile, g, j) if has_min else np.float32(0.0)
-        if width == HALF:
+        if quads:
             for k in range(g * group, (g + 1) * group):
-                out[k] = np.float32((data[tile, k, byte] >> shift) & 0x0F) * scale + low
+                out[k] = _fused(quant_dot_cpu.integer_at(data, row, k), scale, low)
+        elif width == HALF:
+            for k in range(g * group, (g + 1) * group):
+                out[k] = _fused(np.float32((data[tile, k, byte] >> shift) & 0x0F), scale, low)
         elif width == SIX_BIT:
             for k in range(g * group, (g + 1) * group):
                 u = ((data[tile, k, byte] >> shift) & 0x0F) | (((data[tile, k, top_byte] >> top_shift) & 0x03) << 4)
-                out[k] = np.float32(np.int32(u) - 32) * scale + low
+                out[k] = _fused(np.float32(np.int32(u) - 32), scale, low)
         else:
             for k in range(g * group, (g + 1) * group):
-                out[k] = np.float32(np.int8(data[tile, k, j])) * scale + low
-
-
-@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
-def _quad_row(data, scales, mins, row, out):
-    """_row of a weight in quant_dot_cpu's quad layout: each weight q * scale + min rounded once (a fused
-    multiply-add, as _dequantize_block computes whole tiles), so exactly as QuantRows.dequantize has it."""
-    tile, j = row // TILE, row % TILE
-    size = quant_dot_cpu.GROUP
-    for g in range(out.shape[0] // size):  # a group at a time: an fp16 scale widened per weight cost 1.6x
-        scale = _group_value(scales, tile, g, j)
-        low = _group_value(mins, tile, g, j) if mins.shape[1] else np.float32(0.0)
-        for k in range(g * size, (g + 1) * size):
-            out[k] = _fused(quant_dot_cpu.integer_at(data, row, k), scale, low)
+                out[k] = _fused(np.float32(np.int8(data[tile, k, j])), scale, low)
 
 
 @intrinsic
