@@ -55,6 +55,7 @@ class ThreadBudget:
     def apply(self, has_prefill: bool, rows: int = 0) -> None:
         """Sets torch's (and through it the compiled kernels') thread count for the next step, of `rows`
         sequences."""
+        self._running = None  # (a step that failed before its observe() leaves its role to none after it)
         if has_prefill:
             self._reference = None  # a pair is two consecutive decode-only steps
         wanted = self.threads_batch if has_prefill else self._decode_count(rows)

@@ -129,6 +129,20 @@ def test_a_pair_is_two_consecutive_decode_steps_of_one_batch_size(clock, monkeyp
     assert ran == [1, 2]
 
 
+def test_a_failed_steps_part_in_a_pair_does_not_pass_to_the_step_after_it(clock, monkeypatch):
+    """EngineCore.step skips observe() when the forward fails: a prefill step after it must not be timed as the
+    failed step's half of a pair."""
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    budget = threads.choose(None, 2, clock.step({1: 10.0, 2: 11.0}), clock.step(PREFILL_MS))
+    _decode(budget, clock, {1: 16.0, 2: 10.0}, threads.RECHECK_EVERY)  # the next decode step starts a pair ...
+    budget.apply(has_prefill=False, rows=1)  # ... and fails
+    budget.apply(has_prefill=True, rows=1)
+    budget.observe(0.5)
+    ran: list[int] = []
+    _decode(budget, clock, {1: 16.0, 2: 10.0}, 2, ran=ran)
+    assert ran == [1, 2]  # the pair starts afresh: its first step at the chosen count, then the other
+
+
 def test_counts_far_slower_at_start_up_are_not_re_checked(clock):
     """On many cores one thread is several times slower: a step in 200 at that count would cost too much."""
     costs = {1: 10.0, 2: 10.3, 3: 25.0}
