@@ -57,11 +57,9 @@ def fits(rows: QuantRows) -> bool:
     return rows.group == GROUP and rows.shape[1] % GROUP == 0 and rows.bits in (4, 8)
 
 
-def pack(rows: QuantRows, scales: str = "float32") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(data, scales, mins) in the quad layout, the scales and mins float32 or "fp16" (the rows must hold fp16
-    values: QuantRows.half_exact)."""
-    if scales not in ("float32", "fp16"):
-        raise ValueError(f"integer dot products take float32 or fp16 scales, not {scales}")
+def pack_data(rows: QuantRows) -> np.ndarray:
+    """The weight's integers in the quad layout (its scales and mins: quant_matmul_cpu.pack, as for its own
+    tiles)."""
     n, k = rows.shape
     tiles = -(-n // TILE)
     q = np.zeros((tiles * TILE, k), np.int16)
@@ -70,18 +68,8 @@ def pack(rows: QuantRows, scales: str = "float32") -> tuple[np.ndarray, np.ndarr
     q = q.reshape(tiles, TILE, k // QUAD, QUAD).transpose(0, 2, 1, 3).reshape(tiles, k // QUAD, 4, COLUMNS * QUAD)
     if rows.bits == 4:
         data = np.concatenate([q[:, :, 0] | (q[:, :, 1] << 4), q[:, :, 2] | (q[:, :, 3] << 4)], axis=2)
-        data = data.astype(np.uint8)
-    else:
-        data = q.reshape(tiles, k // QUAD, BYTES_8BIT).astype(np.int8).view(np.uint8)
-
-    def per_group(values: np.ndarray | None) -> np.ndarray:
-        padded = np.zeros((tiles * TILE, 0 if values is None else values.shape[1]), np.float32)
-        if values is not None:
-            padded[:n] = values
-        grouped = np.ascontiguousarray(padded.reshape(tiles, TILE, -1).transpose(0, 2, 1))
-        return grouped.astype(np.float16).view(np.int16) if scales == "fp16" else grouped
-
-    return np.ascontiguousarray(data), per_group(rows.scales), per_group(rows.mins)
+        return np.ascontiguousarray(data.astype(np.uint8))
+    return np.ascontiguousarray(q.reshape(tiles, k // QUAD, BYTES_8BIT).astype(np.int8).view(np.uint8))
 
 
 @njit(nogil=True, cache=kernel_cache.CACHE)

@@ -131,8 +131,6 @@ def pack(rows: QuantRows, integer: bool = False, scales: str = "float32") -> Qua
     allows, else for the float kernel here, its scales and mins of the kind `scales` (one of SCALE_KINDS; the
     rows must hold it exactly: scale_kind())."""
     as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
-    if integer and quant_dot_cpu.X86 and quant_dot_cpu.fits(rows):
-        return QuantTiles(*map(as_tensor, quant_dot_cpu.pack(rows, scales)), rows.group, rows.shape[0])
     n, k = rows.shape
     tiles = -(-n // TILE)
 
@@ -141,6 +139,15 @@ def pack(rows: QuantRows, integer: bool = False, scales: str = "float32") -> Qua
         padded[:n] = values
         return np.ascontiguousarray(padded.reshape(tiles, TILE, -1).transpose(0, 2, 1))
 
+    def per_group(values: np.ndarray | None) -> np.ndarray:  # float32 or fp16 scales (or mins), both layouts'
+        grouped = columns(np.zeros((n, 0), np.float32) if values is None else values, np.float32)
+        return grouped.astype(np.float16).view(np.int16) if scales == "fp16" else grouped
+
+    if integer and quant_dot_cpu.X86 and quant_dot_cpu.fits(rows):
+        if scales not in ("float32", "fp16"):
+            raise ValueError(f"integer dot products take float32 or fp16 scales, not {scales}")
+        return QuantTiles(as_tensor(quant_dot_cpu.pack_data(rows)), as_tensor(per_group(rows.scales)),
+                          as_tensor(per_group(rows.mins)), rows.group, n)
     q = columns(rows.q, rows.q.dtype)  # [tiles, K, TILE]
     if rows.bits == 4:
         data = q[..., :HALF] | (q[..., HALF:] << 4)
@@ -167,9 +174,6 @@ def pack(rows: QuantRows, integer: bool = False, scales: str = "float32") -> Qua
             return np.concatenate([head, subs], axis=2)
         packed_scales, packed_mins = records(levels.d, levels.sub_scales), records(levels.dmin, levels.sub_mins)
     else:
-        def per_group(values: np.ndarray | None) -> np.ndarray:
-            grouped = columns(np.zeros((n, 0), np.float32) if values is None else values, np.float32)
-            return grouped.astype(np.float16).view(np.int16) if scales == "fp16" else grouped
         packed_scales, packed_mins = per_group(rows.scales), per_group(rows.mins)
     return QuantTiles(as_tensor(data.astype(np.uint8)), as_tensor(packed_scales), as_tensor(packed_mins),
                       rows.group, n)

@@ -134,4 +134,4 @@ def test_groups_of_16_keep_the_float_kernel():
 
 def test_the_quad_layout_refuses_super_block_records():
     with pytest.raises(ValueError, match="float32 or fp16"):
-        quant_dot_cpu.pack(_rows(TILE, 64, 4, True), "super-blocks")
+        quant_matmul_cpu.pack(_rows(TILE, 64, 4, True), integer=True, scales="super-blocks")
