@@ -58,12 +58,10 @@ def run(model: str = "default", rows=(1, 8, 16, 32), repeats: int = 15, dtype: s
     tiles = {}
     for name in quantized:  # each format on both kernels: float arithmetic and integer dot products (x86)
         rows_of = [quant_formats.quantize(w.float().numpy(), QType[name.upper()]) for w in weights]
-        # scales as the loader packs them (fp16 for all of these: the reference quantizer's)
-        tiles[f"{name} float"] = [quant_matmul_cpu.pack(r, scales=quant_matmul_cpu.scale_kind([r])) for r in rows_of]
+        kind = quant_matmul_cpu.scale_kind(rows_of)  # as the loader packs them (fp16: the reference quantizer's)
+        tiles[f"{name} float"] = [quant_matmul_cpu.pack(r, scales=kind) for r in rows_of]
         if quant_dot_cpu.X86:
-            tiles[f"{name} int8"] = [quant_matmul_cpu.pack(r, integer=True,
-                                                           scales=quant_matmul_cpu.scale_kind([r], integer=True))
-                                     for r in rows_of]
+            tiles[f"{name} int8"] = [quant_matmul_cpu.pack(r, integer=True, scales=kind) for r in rows_of]
     bytes_read = {f"{name} (engine)": sum(t.nbytes() for t in ts) for name, ts in tiles.items()}
     results = []
     for m in rows:

@@ -135,7 +135,7 @@ MUTANTS = [
     Mutant("quant-super-block-factor-dropped", "quant_matmul_cpu.py",
            "return [builder.fmul(sub, factor) for sub, factor in zip(subs, factors)]", "return subs", QUANT_TESTS),
     # ... every kernel reads a group's sub-scales half a run early (two groups' columns mixed)
-    Mutant("quant-super-block-sub-scales-shifted", "quant_matmul_cpu.py",
+    Mutant("quant-super-block-sub-scales-shifted", "quant_dot_cpu.py",
            "builder.add(const(SUPER_HEAD), builder.mul(within, const(TILE)))",
            "builder.add(const(SUPER_HEAD), builder.mul(within, const(TILE // 2)))", QUANT_TESTS),
     # ... a row read alone (embedding, prefill's last rows) loses the high byte of its fp16 factor
@@ -156,7 +156,7 @@ MUTANTS = [
     Mutant("quant-six-bit-bytes-quarter-mask", "quant_matmul_cpu.py",
            "[3 << (2 * (c // 8)) for c in range(32)]", "[3 for c in range(32)]", QUANT_TESTS, isa="avx2"),
     # super-block records: a group's place in its super-block masked one bit too wide
-    Mutant("quant-super-block-within-mask", "quant_matmul_cpu.py",
+    Mutant("quant-super-block-within-mask", "quant_dot_cpu.py",
            "within = builder.and_(g, builder.sub(per_super, const(1)))", "within = builder.and_(g, per_super)",
            QUANT_TESTS),
     # ... prefill's dequantization takes every column's top bits at shift 0
@@ -181,6 +181,10 @@ MUTANTS = [
     # fp16 scales and mins read as float32 (their bits taken for other numbers, and twice as far)
     Mutant("dot-half-scales-read-as-float32", "quant_dot_cpu.py",
            "half = signature.args[4].dtype == types.int16", "half = False", DOT_TESTS),
+    # super-block records on integer dot products: the sub-scales taken for the scales (the fp16 factor dropped)
+    Mutant("dot-super-block-factor-dropped", "quant_dot_cpu.py",
+           "return builder.fmul(builder.sitofp(subs, _FLOATS), wide)", "return builder.sitofp(subs, _FLOATS)",
+           DOT_TESTS),
     # the group's last quad left out of its integer sums
     Mutant("dot-group-one-quad-short", "quant_dot_cpu.py",
            "for step in range(GROUP // QUAD):", "for step in range(GROUP // QUAD - 1):", DOT_TESTS),

@@ -160,7 +160,7 @@ def _set_quantized(model: LlamaForCausalLM, quantized: dict[str, QuantRows], tie
         return
     from engine.model import quant_matmul_cpu  # (numba: only a quantized model needs it)
     # the fewest bytes of scales and mins that hold every weight's exactly (one kind a model)
-    kind = quant_matmul_cpu.scale_kind(list(quantized.values()), integer)
+    kind = quant_matmul_cpu.scale_kind(list(quantized.values()))
     for name, rows in quantized.items():
         module = model.get_submodule(name.removesuffix(".weight"))
         if not isinstance(module, (Embedding, Linear)):

@@ -8,8 +8,9 @@ Layout ("quads"): a weight [N, K] in QuantRows form with group 32 becomes
   holding columns 8v..8v+7 of the tile, each as its 4 consecutive k (the operand order of vpmaddubsw then
   vpmaddwd); for 4 bits [.., K / 4, 64]: vectors 0 and 1 share bytes 0-31 (0 low, 1 high nibble), 2 and 3
   bytes 32-63;
-- scales, mins [tiles, K / 32, TILE] float32, or their fp16 bits as int16 where every one is an fp16 value (half
-  the bytes: the format's own, for Q8_0, Q4_0 and Q4_1), as quant_matmul_cpu's.
+- scales, mins as quant_matmul_cpu's, of the same kinds: [tiles, K / 32, TILE] float32, or their fp16 bits as int16
+  where every one is an fp16 value (half the bytes: the format's own, for Q8_0, Q4_0 and Q4_1), or the K-quants'
+  super-block records (an fp16 factor per column and super-block, an int8 per group: Q4_K's own bytes).
 
 The product: x[r, k] ~ d[r, g] * xq[r, k] with xq = round(x / d) in -127..127 and d = max |x| over the group
 / 127; each output is sum over groups of scale * d * (integer sum of q * xq) + min * d * (sum of xq), as in
@@ -39,6 +40,7 @@ BYTES_4BIT, BYTES_8BIT = TILE * QUAD // 2, TILE * QUAD  # bytes of one quad of a
 # both quantized kernels ask for a tile's integers PREFETCH_BYTES ahead, and for its scales and mins SCALES_AHEAD
 # bytes ahead of each group: left to the hardware's prefetchers, one thread streamed a tile at half the memory's rate
 SCALES_AHEAD = 1024  # 8 groups
+SUPER_HEAD = 2 * TILE  # bytes of a super-block record's fp16 factors, one per column (quant_matmul_cpu's docstring)
 X86 = kernel_cache.TARGET_ISA in ("avx2", "avx512")
 # rows one pass over a tile serves: each keeps 4 integer accumulators beside the 4 weight vectors (AVX2: 16
 # registers; AVX-512's 32 ymm registers hold 4 rows)
@@ -125,6 +127,24 @@ def round_activations(x, out):
             out[r, k] = d[r, k // GROUP] * np.float32(xq[r, k])
 
 
+def group_pointers(builder: ir.IRBuilder, kind, ary, tile: ir.Value, g: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """(the TILE values of group g of a tile in packed scales or mins of any kind, the TILE fp16 factors of its
+    super-block: records only, else None). Both layouts' scales and mins are laid out alike."""
+    _, rows, width = cgutils.unpack_tuple(builder, ary.shape, 3)
+    tile_start = builder.gep(ary.data, [builder.mul(tile, builder.mul(rows, width))])
+    if kind != types.int8:
+        return builder.gep(tile_start, [builder.mul(g, const(TILE))]), None
+    # groups of a super-block: a power of two (pack() checks), so a shift and a mask where a division per group
+    # cost the Q4_K matmuls a tenth of their time
+    per_super = builder.udiv(builder.sub(width, const(SUPER_HEAD)), const(TILE))
+    trailing_zeros = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(simd.I64, [simd.I64, ir.IntType(1)]), "llvm.cttz.i64")
+    super_block = builder.lshr(g, builder.call(trailing_zeros, [per_super, ir.Constant(ir.IntType(1), 1)]))
+    head = builder.gep(tile_start, [builder.mul(super_block, width)])
+    within = builder.and_(g, builder.sub(per_super, const(1)))
+    return builder.gep(head, [builder.add(const(SUPER_HEAD), builder.mul(within, const(TILE)))]), head
+
+
 def _x86(builder: ir.IRBuilder, name: str, result: ir.Type, *args: ir.Value) -> ir.Value:
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, [a.type for a in args]),
                                         f"llvm.x86.avx2.{name}")
@@ -141,7 +161,7 @@ def _splat(builder: ir.IRBuilder, scalar: ir.Value, vector_type: ir.VectorType) 
 def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
     """out[r, :TILE] = xq[r] (as d * xq, sums) @ W[tile `index`].T for each of xq's 1 to ROW_GROUP rows: xq
     [rows, K] int8 with unit stride along K, d / sums [rows, K / 32] float32, data / scales / mins contiguous as
-    pack() makes them (scales and mins float32, or fp16 bits as int16), out [>= rows, >= TILE] float32 with unit
+    pack() makes them (scales and mins of any of quant_matmul_cpu.SCALE_KINDS), out [>= rows, >= TILE] float32 with unit
     stride along its rows. One unrolled loop per kind of weight (4 or 8 bits, with or without mins) and row count,
     picked at run time. x86 only (AVX2's integer ops)."""
 
@@ -158,9 +178,6 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
         sums_row = builder.udiv(cgutils.unpack_tuple(builder, sums_ary.strides, 2)[0], const(4))
         out_row = builder.udiv(cgutils.unpack_tuple(builder, out_ary.strides, 2)[0], const(4))
         groups = builder.udiv(k_len, const(GROUP))
-        tile_groups = builder.mul(args[6], builder.mul(groups, const(TILE)))  # where the tile's scales start
-        tile_scales = builder.gep(scales_ary.data, [tile_groups])
-        tile_mins = builder.gep(mins_ary.data, [tile_groups])
         xq_bytes = builder.bitcast(xq_ary.data, _I8.as_pointer())
         ones = ir.Constant(_PAIRS, [1] * 16)
         nibble = ir.Constant(_BYTES, [0x0F] * 32)
@@ -178,14 +195,22 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
             at = builder.gep(array.data, [builder.add(builder.mul(const(r), row_stride), g)])
             return _splat(builder, builder.load(at), _FLOATS)
 
-        half = signature.args[4].dtype == types.int16  # fp16 scales and mins, as their bits
+        scale_kind = signature.args[4].dtype  # float32, fp16 as its bits (int16), or super-block records (int8)
 
-        def eight_columns(base, columns):  # 8 columns' scales (or mins) from `base`, as float32
-            at = builder.gep(base, [columns])
-            if not half:
-                return builder.load(builder.bitcast(at, _FLOATS.as_pointer()), align=4)
-            bits = builder.load(builder.bitcast(at, ir.VectorType(_I16, COLUMNS).as_pointer()), align=2)
-            return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), COLUMNS)), _FLOATS)
+        def eight_columns(pointers, v):  # columns 8v..8v+7 of a group's scales (or mins), as float32
+            at, head = pointers
+            if scale_kind == types.float32:
+                return builder.load(builder.bitcast(builder.gep(at, [const(v * COLUMNS)]), _FLOATS.as_pointer()),
+                                    align=4)
+            halves = builder.bitcast(at if head is None else head, _I16.as_pointer())  # the values, or the factors
+            bits = builder.load(builder.bitcast(builder.gep(halves, [const(v * COLUMNS)]),
+                                                ir.VectorType(_I16, COLUMNS).as_pointer()), align=2)
+            wide = builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), COLUMNS)), _FLOATS)
+            if head is None:
+                return wide
+            subs = builder.load(builder.bitcast(builder.gep(at, [const(v * COLUMNS)]),
+                                                ir.VectorType(_I8, COLUMNS).as_pointer()), align=1)
+            return builder.fmul(builder.sitofp(subs, _FLOATS), wide)  # (exact: quant_matmul_cpu's docstring)
 
         def kind(four_bit, with_min):
             width = BYTES_4BIT if four_bit else BYTES_8BIT
@@ -206,10 +231,10 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
                 return out
 
             def group_step(num_rows, g):
-                first_column = builder.mul(g, const(TILE))  # of the group's scales and mins
-                group_bytes = TILE * (2 if half else 4)
-                for ahead in (tile_scales, tile_mins) if with_min else (tile_scales,):
-                    simd.prefetch_lines(builder, builder.gep(ahead, [first_column]), SCALES_AHEAD, group_bytes)
+                scales_at, mins_at = [group_pointers(builder, scale_kind, ary, args[6], g)
+                                      for ary in (scales_ary, mins_ary)]
+                for ahead in (scales_at, mins_at) if with_min else (scales_at,):
+                    simd.prefetch_lines(builder, ahead[0], SCALES_AHEAD, TILE * (scale_kind.bitwidth // 8))
                 sums_of = [[ir.Constant(_SUMS, None)] * 4 for _ in range(num_rows)]
                 for step in range(GROUP // QUAD):
                     quad = builder.add(builder.mul(g, const(GROUP // QUAD)), const(step))
@@ -226,12 +251,11 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
                     d_rg = per_row(d_ary, d_row, r, g)
                     x_sum = per_row(sums_ary, sums_row, r, g) if with_min else None
                     for v in range(4):
-                        columns = builder.add(first_column, const(v * COLUMNS))
                         to = out_at(r, v)
-                        total = _fma(builder, builder.fmul(eight_columns(tile_scales, columns), d_rg),
+                        total = _fma(builder, builder.fmul(eight_columns(scales_at, v), d_rg),
                                      builder.sitofp(sums_of[r][v], _FLOATS), builder.load(to, align=4))
                         if with_min:
-                            total = _fma(builder, eight_columns(tile_mins, columns), x_sum, total)
+                            total = _fma(builder, eight_columns(mins_at, v), x_sum, total)
                         builder.store(total, to, align=4)
 
             def product(num_rows):

@@ -37,13 +37,12 @@ from engine.model import quant_dot_cpu, simd
 from engine.model.bfloat16_bits import as_float32
 from engine.model.cpu_threads import launch_lock, use_threads
 from engine.model.packed_matmul_cpu import PREFETCH_BYTES, REGISTERS, TILE, tile_run
-from engine.model.quant_dot_cpu import SCALES_AHEAD
+from engine.model.quant_dot_cpu import SCALES_AHEAD, SUPER_HEAD
 from engine.model.quant_formats import QuantRows
 from engine.model.simd import LANES, const
 
 HALF = TILE // 2  # bytes of a k of 4-bit tiles
 SIX_BIT = 3 * TILE // 4  # bytes of a k of 6-bit tiles: HALF of low nibbles, then TILE / 4 of top bit pairs
-SUPER_HEAD = 2 * TILE  # bytes of a super-block record's fp16 factors, one per column
 SCALE_KINDS = ("float32", "fp16", "super-blocks")
 _BYTES = ir.VectorType(ir.IntType(8), LANES)
 _WORDS = ir.VectorType(simd.I32, LANES)
@@ -106,14 +105,12 @@ class QuantTiles:
         return self.data.numpy(), self.scales.numpy(), self.mins.numpy(), self.group
 
 
-def scale_kind(weights: list[QuantRows], integer: bool = False) -> str:
-    """The fewest bytes every one of a model's weights can hold its scales in exactly (one kind a model):
-    fp16 where all are fp16 values (Q8_0, Q4_0, Q4_1), super-block records where all have two levels that fit
-    them (the K-quants, with those), else float32; integer dot products take fp16 or float32."""
+def scale_kind(weights: list[QuantRows]) -> str:
+    """The fewest bytes every one of a model's weights can hold its scales in exactly (one kind a model, for
+    either layout): fp16 where all are fp16 values (Q8_0, Q4_0, Q4_1), super-block records where all have two
+    levels that fit them (the K-quants, with those), else float32."""
     if all(rows.half_exact for rows in weights):
         return "fp16"
-    if integer:
-        return "float32"
     return "super-blocks" if all(_records_fit(rows.super_blocks(), rows.group) for rows in weights) else "float32"
 
 
@@ -139,26 +136,9 @@ def pack(rows: QuantRows, integer: bool = False, scales: str = "float32") -> Qua
         padded[:n] = values
         return np.ascontiguousarray(padded.reshape(tiles, TILE, -1).transpose(0, 2, 1))
 
-    def per_group(values: np.ndarray | None) -> np.ndarray:  # float32 or fp16 scales (or mins), both layouts'
+    def per_group(values: np.ndarray | None) -> np.ndarray:  # float32 or fp16 scales (or mins)
         grouped = columns(np.zeros((n, 0), np.float32) if values is None else values, np.float32)
         return grouped.astype(np.float16).view(np.int16) if scales == "fp16" else grouped
-
-    if integer and quant_dot_cpu.X86 and quant_dot_cpu.fits(rows):
-        if scales not in ("float32", "fp16"):
-            raise ValueError(f"integer dot products take float32 or fp16 scales, not {scales}")
-        return QuantTiles(as_tensor(quant_dot_cpu.pack_data(rows)), as_tensor(per_group(rows.scales)),
-                          as_tensor(per_group(rows.mins)), rows.group, n)
-    q = columns(rows.q, rows.q.dtype)  # [tiles, K, TILE]
-    if rows.bits == 4:
-        data = q[..., :HALF] | (q[..., HALF:] << 4)
-    elif rows.bits == 6:
-        u = (q + np.int8(32)).view(np.uint8)  # -32..31 -> 0..63
-        top = u >> 4
-        data = np.concatenate([(u[..., :HALF] & 0x0F) | ((u[..., HALF:] & 0x0F) << 4),
-                               top[..., 0:8] | (top[..., 8:16] << 2) | (top[..., 16:24] << 4) | (top[..., 24:32] << 6)],
-                              axis=2)
-    else:
-        data = q.astype(np.int8).view(np.uint8)
 
     if scales == "super-blocks":
         levels = rows.super_blocks()
@@ -175,8 +155,26 @@ def pack(rows: QuantRows, integer: bool = False, scales: str = "float32") -> Qua
         packed_scales, packed_mins = records(levels.d, levels.sub_scales), records(levels.dmin, levels.sub_mins)
     else:
         packed_scales, packed_mins = per_group(rows.scales), per_group(rows.mins)
+    if integer and quant_dot_cpu.X86 and quant_dot_cpu.fits(rows):
+        data = quant_dot_cpu.pack_data(rows)
+    else:
+        data = _float_layout(columns(rows.q, rows.q.dtype), rows.bits)
     return QuantTiles(as_tensor(data.astype(np.uint8)), as_tensor(packed_scales), as_tensor(packed_mins),
                       rows.group, n)
+
+
+def _float_layout(q: np.ndarray, bits: int) -> np.ndarray:
+    """The float kernel's tiles of integers q [tiles, K, TILE]: 4 bits two to a byte, 6 bits as 4 and 2, else
+    a byte each."""
+    if bits == 4:
+        return q[..., :HALF] | (q[..., HALF:] << 4)
+    if bits == 6:
+        u = (q + np.int8(32)).view(np.uint8)  # -32..31 -> 0..63
+        top = u >> 4
+        return np.concatenate([(u[..., :HALF] & 0x0F) | ((u[..., HALF:] & 0x0F) << 4),
+                               top[..., 0:8] | (top[..., 8:16] << 2) | (top[..., 16:24] << 4) | (top[..., 24:32] << 6)],
+                              axis=2)
+    return q.astype(np.int8).view(np.uint8)
 
 
 def linear(x: torch.Tensor, weight: QuantTiles, bias: torch.Tensor | None) -> torch.Tensor:
@@ -341,24 +339,6 @@ def _dequantize(data, scales, mins, group, first, threads, out):
             _row(data, scales, mins, group, first + row, out[row])
 
 
-def _group_pointers(builder: ir.IRBuilder, kind, ary, tile: ir.Value, g: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """(the TILE values of group g of a tile in packed scales or mins, the TILE fp16 factors of its super-block:
-    records only, else None)."""
-    _, rows, width = cgutils.unpack_tuple(builder, ary.shape, 3)
-    tile_start = builder.gep(ary.data, [builder.mul(tile, builder.mul(rows, width))])
-    if kind != types.int8:
-        return builder.gep(tile_start, [builder.mul(g, const(TILE))]), None
-    # groups of a super-block: a power of two (pack() checks), so a shift and a mask where a division per group
-    # cost the Q4_K matmuls a tenth of their time
-    per_super = builder.udiv(builder.sub(width, const(SUPER_HEAD)), const(TILE))
-    trailing_zeros = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(simd.I64, [simd.I64, ir.IntType(1)]), "llvm.cttz.i64")
-    super_block = builder.lshr(g, builder.call(trailing_zeros, [per_super, ir.Constant(ir.IntType(1), 1)]))
-    head = builder.gep(tile_start, [builder.mul(super_block, width)])
-    within = builder.and_(g, builder.sub(per_super, const(1)))
-    return builder.gep(head, [builder.add(const(SUPER_HEAD), builder.mul(within, const(TILE)))]), head
-
-
 @intrinsic
 def _dequantize_block(typingctx, data, scales, mins, tile, g, k, out, row):
     """out[row + j, k:k + LANES] = W[tile * TILE + j, k:k + LANES] for the tile's TILE rows j, k a multiple of LANES
@@ -378,7 +358,7 @@ def _dequantize_block(typingctx, data, scales, mins, tile, g, k, out, row):
         byte = ir.IntType(8).as_pointer()
         first_k = builder.gep(builder.bitcast(data_ary.data, byte),
                               [builder.mul(builder.add(builder.mul(tile_arg, k_len), k_arg), width)])
-        group_of = [_group_pointers(builder, kind, ary, tile_arg, g_arg) for ary in (scales_ary, mins_ary)]
+        group_of = [quant_dot_cpu.group_pointers(builder, kind, ary, tile_arg, g_arg) for ary in (scales_ary, mins_ary)]
 
         def scalar(which, column):  # a scale or min of this group for one column, as float32
             at, head = group_of[which]
@@ -619,7 +599,7 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
 
             def group_step(g, _):
                 first_k = builder.mul(g, group_arg)
-                scales_at, mins_at = [_group_pointers(builder, kind, ary, tile_arg, g)
+                scales_at, mins_at = [quant_dot_cpu.group_pointers(builder, kind, ary, tile_arg, g)
                                       for ary in (scales_ary, mins_ary)]
                 for ahead in (scales_at, mins_at) if with_min else (scales_at,):
                     simd.prefetch_lines(builder, ahead[0], SCALES_AHEAD, TILE * (kind.bitwidth // 8))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.model import quant_dot_cpu, quant_matmul_cpu
-from engine.model.quant_formats import QuantRows
-from engine.model.quant_matmul_cpu import TILE
+from engine.model.quant_formats import QuantRows, SuperBlocks
+from engine.model.quant_matmul_cpu import SUPER_HEAD, TILE
 
 pytestmark = pytest.mark.skipif(not quant_dot_cpu.X86, reason="integer dot products are x86 (AVX2) code")
 
@@ -31,6 +31,31 @@ def _rows(n: int, k: int, bits: int, with_mins: bool, seed: int = 0, half: bool 
     if half:
         scales, mins = (None if v is None else v.astype(np.float16).astype(np.float32) for v in (scales, mins))
     return QuantRows(q, scales, mins, 32, bits)
+
+
+def _k_quant_rows(n: int, k: int, bits: int, with_mins: bool, size: int = 128) -> QuantRows:
+    """Random rows whose scales and mins have a K-quant's two levels: an fp16 factor per super-block of `size`
+    weights times an int8 per group of 32 (planted outliers among both)."""
+    rng = np.random.default_rng(3)
+    q = _rows(n, k, bits, False).q
+
+    def levels(low: float, high: float):
+        d = rng.uniform(low, high, (n, k // size)).astype(np.float16).astype(np.float32)
+        d[n // 2, -1] = 2.0
+        sub = rng.integers(-128, 128, (n, k // 32), dtype=np.int8)
+        sub[0, -1], sub[-1, 0] = -128, 127
+        return d, sub, np.repeat(d, size // 32, axis=1) * sub.astype(np.float32)
+
+    d, sub_scales, scales = levels(1e-4, 1e-3)
+    dmin, sub_mins, mins = levels(-1e-3, 1e-3) if with_mins else (None, None, None)
+    return QuantRows(q, scales, mins, 32, bits, SuperBlocks(size, d, sub_scales, dmin, sub_mins))
+
+
+def _rows_of_kind(n: int, k: int, bits: int, with_mins: bool, scales: str) -> QuantRows:
+    """Rows whose scales scale_kind() packs as `scales` (K a multiple of 128 for super-blocks)."""
+    if scales == "super-blocks":
+        return _k_quant_rows(n, k, bits, with_mins)
+    return _rows(n, k, bits, with_mins, half=scales == "fp16")
 
 
 def _quantized(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -63,17 +88,18 @@ def test_activations_round_to_int8_within_half_a_step():
     np.testing.assert_array_equal(rounded.numpy(), xq * step)
 
 
-@pytest.mark.parametrize("scales", ["float32", "fp16"])
+@pytest.mark.parametrize("scales", quant_matmul_cpu.SCALE_KINDS)
 @pytest.mark.parametrize("bits,with_mins", LAYOUTS)
 @pytest.mark.parametrize("n", [TILE, 3 * TILE + 5])
 def test_product_matches_float64_on_the_rounded_activations(bits, with_mins, n, scales):
-    rows = _rows(n, 96, bits, with_mins, half=scales == "fp16")
-    assert quant_matmul_cpu.scale_kind([rows], integer=True) == scales
+    k = 384 if scales == "super-blocks" else 96  # 3 super-blocks of 4 groups
+    rows = _rows_of_kind(n, k, bits, with_mins, scales)
+    assert quant_matmul_cpu.scale_kind([rows]) == scales
     tiles = quant_matmul_cpu.pack(rows, integer=True, scales=scales)
-    assert tiles.integer and tiles.bits == bits and tiles.in_features == 96
-    assert tiles.scales.element_size() == (2 if scales == "fp16" else 4)
+    assert tiles.integer and tiles.bits == bits and tiles.in_features == k
+    assert tiles.scales.element_size() == {"fp16": 2, "float32": 4, "super-blocks": 1}[scales]
     for m in ROW_COUNTS:
-        x = np.random.default_rng(m).standard_normal((m, 96)).astype(np.float32)
+        x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
         got = quant_matmul_cpu.linear(torch.from_numpy(x), tiles, None).numpy()
         expected = _reference(x, rows)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
@@ -113,10 +139,10 @@ def test_bias_and_accumulate_add_onto_the_output():
     np.testing.assert_allclose(out, 2.0 + bias + _reference(x, rows), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("scales", ["float32", "fp16"])
+@pytest.mark.parametrize("scales", quant_matmul_cpu.SCALE_KINDS)
 @pytest.mark.parametrize("bits,with_mins", LAYOUTS)
 def test_rows_and_dequantize_read_the_quad_layout_exactly(bits, with_mins, scales):
-    rows = _rows(2 * TILE + 3, 64, bits, with_mins, half=scales == "fp16")
+    rows = _rows_of_kind(2 * TILE + 3, 256, bits, with_mins, scales)
     tiles = quant_matmul_cpu.pack(rows, integer=True, scales=scales)
     exact = rows.dequantize()
     np.testing.assert_array_equal(quant_matmul_cpu.dequantize_rows(tiles, 0, torch.empty(exact.shape)).numpy(), exact)
@@ -132,6 +158,11 @@ def test_groups_of_16_keep_the_float_kernel():
     assert not quant_matmul_cpu.pack(rows, integer=True).integer
 
 
-def test_the_quad_layout_refuses_super_block_records():
-    with pytest.raises(ValueError, match="float32 or fp16"):
-        quant_matmul_cpu.pack(_rows(TILE, 64, 4, True), integer=True, scales="super-blocks")
+def test_k_quants_keep_their_file_bytes_in_the_quad_layout():
+    """Q4_K (4 bits, groups of 32 in super-blocks of 256) on integer dot products keeps its two-level scales and
+    mins: 4.625 bits a weight (its file's 4.5, the 6-bit sub-scales and sub-mins held as bytes), where float32
+    products took 6."""
+    rows = _k_quant_rows(TILE, 512, 4, True, size=256)
+    tiles = quant_matmul_cpu.pack(rows, integer=True, scales=quant_matmul_cpu.scale_kind([rows]))
+    assert tiles.integer and tiles.scales.shape == (1, 2, SUPER_HEAD + 8 * TILE)
+    assert tiles.nbytes() * 8 / (TILE * 512) == 4.625

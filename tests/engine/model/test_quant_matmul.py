@@ -126,7 +126,6 @@ def test_scale_kind_is_the_smallest_every_weight_holds_exactly():
     assert quant_matmul_cpu.scale_kind([fp16, fp16]) == "fp16"
     assert quant_matmul_cpu.scale_kind([fp16, two_levels]) == "super-blocks"
     assert quant_matmul_cpu.scale_kind([fp16, _rows(TILE, 64, 4, 32, True)]) == "float32"  # neither
-    assert quant_matmul_cpu.scale_kind([fp16, two_levels], integer=True) == "float32"
     three_groups = _two_level_rows(TILE, 96, 4, 32, True, 96)  # super-blocks of 3 groups: no record layout
     assert quant_matmul_cpu.scale_kind([three_groups]) == "float32"
     with pytest.raises(ValueError, match="super-block records"):

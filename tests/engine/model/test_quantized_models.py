@@ -211,6 +211,22 @@ def test_int8_activations_run_integer_dot_products_and_the_cache_never_changes_t
             assert abs(ours_top[token] - theirs_top[token]) <= 0.05 * abs(theirs_top[token]) + 0.02
 
 
+@pytest.mark.skipif(not quant_dot_cpu.X86, reason="integer dot products are x86 (AVX2) code")
+def test_int8_activations_on_k_quants_read_their_super_block_records(k_quant_llama_dir, tmp_path):
+    """--quantized-activations int8 on a Q4_K_M-like file: the Q4_K weights on integer dot products with their
+    two-level scales as super-block records (the file's bytes, not float32 products), Q6_K's on the float
+    kernel beside them; greedy tokens with cache hits equal those without."""
+    gguf_dir = write_gguf_model(k_quant_llama_dir, tmp_path / "gguf", _q4_k_m)
+    llm = LLM(str(gguf_dir), quantized_activations="int8", **SMALL)
+    first, second = llm.core.model.model.layers
+    assert [first.mlp.down_proj.quant.integer, second.mlp.down_proj.quant.integer] == [False, True]
+    quants = {id(m.quant): m.quant for m in llm.core.model.modules() if getattr(m, "quant", None) is not None}.values()
+    assert all(q.scales.dtype == torch.int8 for q in quants)
+    assert llm.core.runner.compiled_decode is not None
+    _, cached = _greedy_twice(llm, _prompts(llm.core.vocab_size))
+    assert cached == [32, 32, 48]
+
+
 def test_quantized_at_load_the_head_stays_8_bit_beside_4_bit_layers():
     """llama-quantize's rule: the lm_head (the tied embedding) of a Q4_0 file is Q8_0."""
     assert at_load_format("model.layers.0.mlp.down_proj.weight", "q4_0") == QType.Q4_0
