@@ -180,7 +180,7 @@ MUTANTS = [
            "xq[r, k] = np.int8(np.rint(x[r, k] * inverse))", "xq[r, k] = np.int8(x[r, k] * inverse)", DOT_TESTS),
     # fp16 scales and mins read as float32 (their bits taken for other numbers, and twice as far)
     Mutant("dot-half-scales-read-as-float32", "quant_dot_cpu.py",
-           "half = signature.args[4].dtype == types.int16", "half = False", DOT_TESTS),
+           "if scale_kind == types.float32:", "if scale_kind != types.int8:", DOT_TESTS),
     # super-block records on integer dot products: the sub-scales taken for the scales (the fp16 factor dropped)
     Mutant("dot-super-block-factor-dropped", "quant_dot_cpu.py",
            "return builder.fmul(builder.sitofp(subs, _FLOATS), wide)", "return builder.sitofp(subs, _FLOATS)",
