@@ -6,8 +6,9 @@ of the model's shapes, for each kernel the engine has had: the packed-weight mic
 (engine/model/packed_matmul_cpu.py, what the engine uses), oneDNN over its own packed layout (what it used
 before), `F.linear` over the row-major weight (what prefill uses) and, with --quantized, the quantized
 kernels (engine/model/quant_matmul_cpu.py: float arithmetic; quant_dot_cpu.py: int8 activations and integer
-dot products, x86) over the same weights in ggml formats. The kernels take turns within each
-repeat, so that load from other processes shows in all alike; times are medians.
+dot products, x86) over the same weights in ggml formats (the K-quants, which the gguf library cannot quantize
+to: random blocks of the format, read by the loader's decoder). The kernels take turns within each repeat, so
+that load from other processes shows in all alike; times are medians.
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def run(model: str = "default", rows=(1, 8, 16, 32), repeats: int = 15, dtype: s
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     tiles = {}
     for name in quantized:  # each format on both kernels: float arithmetic and integer dot products (x86)
-        rows_of = [quant_formats.quantize(w.float().numpy(), QType[name.upper()]) for w in weights]
+        rows_of = [_in_format(w.float().numpy(), QType[name.upper()], gen) for w in weights]
         kind = quant_matmul_cpu.scale_kind(rows_of)  # as the loader packs them (fp16: the reference quantizer's)
         tiles[f"{name} float"] = [quant_matmul_cpu.pack(r, scales=kind) for r in rows_of]
         if quant_dot_cpu.X86:
@@ -104,17 +105,31 @@ def run(model: str = "default", rows=(1, 8, 16, 32), repeats: int = 15, dtype: s
     return {"rows": results, "threads": torch.get_num_threads()}
 
 
-def _unquantizable(name: str) -> str | None:
-    """Why the reference quantizer cannot make this format (None: it can): the gguf library's has no K-quants,
-    whose timings come from a GGUF file's own tensors (`python -m bench.decode --model FILE`)."""
-    from gguf.quants import quantize as ggml_quantize
+# where each K-quant block keeps its fp16 factors (Q4_K: d, dmin first; Q6_K: d last); its other bytes are any
+K_QUANT_FACTORS = {QType.Q4_K: (0, 2), QType.Q6_K: (208,)}
+
+
+def _in_format(weight: np.ndarray, qtype: QType, gen: torch.Generator) -> quant_formats.QuantRows:
+    """The weight in a ggml format by the gguf library's reference quantizer, or for a K-quant, which it cannot
+    make, random blocks of the weight's shape (small fp16 factors, any sub-scales and integers) decoded as a file's
+    are: the kernels' work depends on the format and the shape, not the values."""
+    if qtype not in K_QUANT_FACTORS:
+        return quant_formats.quantize(weight, qtype)
+    per_block, block_bytes, _ = quant_formats.FORMATS[qtype]
+    n, k = weight.shape
+    blocks = torch.randint(0, 256, (n, k // per_block, block_bytes), generator=gen, dtype=torch.uint8).numpy()
+    for at in K_QUANT_FACTORS[qtype]:
+        blocks[..., at:at + 2] = np.full(blocks.shape[:2], 1e-3, np.float16).view(np.uint8).reshape(n, -1, 2)
+    return quant_formats.decode(blocks.reshape(n, -1), qtype, k)
+
+
+def _unknown(name: str) -> str | None:
+    """Why this cannot be timed (None: it can): not a format the kernels run."""
     qtype = getattr(QType, name.upper(), None)
     if qtype is None:
         return "not a ggml format"
-    try:
-        ggml_quantize(np.zeros((1, 256), np.float32), qtype)
-    except NotImplementedError:
-        return "the gguf library's reference quantizer cannot make it (a GGUF file's: bench.decode --model FILE)"
+    if not quant_formats.supported(qtype):
+        return "not a format the engine runs natively (docs/quantization.md)"
     return None
 
 
@@ -124,13 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,8,16,32")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--quantized", default="", help="also the quantized kernel over the weights in these "
-                        "ggml formats, e.g. q4_1,q8_0 (quantized by the gguf library's reference quantizer)")
+    parser.add_argument("--quantized", default="", help="also the quantized kernels over the weights in these "
+                        "ggml formats: q8_0, q4_0, q4_1 (by the gguf library's reference quantizer), q4_k, q6_k "
+                        "(random blocks)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     formats = tuple(f for f in args.quantized.split(",") if f)
     for name in formats:
-        if (problem := _unquantizable(name)) is not None:
+        if (problem := _unknown(name)) is not None:
             parser.error(f"--quantized {name}: {problem}")
     result = run(args.model, tuple(int(r) for r in args.rows.split(",")), args.repeats, args.dtype, quantized=formats)
     if args.json:

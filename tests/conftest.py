@@ -165,6 +165,15 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def k_quant_llama_dir(tmp_path_factory):
+    """A tiny llama whose every K (hidden, intermediate, heads x dim) is whole 256-weight super-blocks."""
+    from bench.tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-256"), "llama", hidden_size=256,
+                            intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory):
     from bench.tiny_models import build_tiny_model
 

@@ -94,7 +94,7 @@ def test_batch8_steps_are_timed_in_turns_with_a_batch1_engine_over_the_same_weig
     assert partner.kv.pool.num_free_blocks == len(partner.kv.pool.blocks)
 
 
-@pytest.mark.parametrize("name,says", [("q4_k", "reference quantizer cannot make it"), ("q9_9", "not a ggml format")])
+@pytest.mark.parametrize("name,says", [("q5_k", "not a format the engine runs"), ("q9_9", "not a ggml format")])
 def test_matmul_bench_refuses_a_format_it_cannot_make_before_it_starts(name, says, capsys):
     from bench import matmul
     with pytest.raises(SystemExit) as refused:
@@ -122,6 +122,19 @@ def test_matmul_bench_packs_the_quantized_kernels_scales_as_the_loader_does(tiny
     result = matmul.run(str(tiny_llama_dir), rows=(1,), repeats=1, log=lambda _: None, quantized=("q4_1",))
     bytes_mb = result["rows"][0]["bytes_mb"]
     assert bytes_mb["q4_1 int8 (engine)"] == bytes_mb["q4_1 float (engine)"] < bytes_mb["packed (engine)"] / 4
+
+
+def test_matmul_bench_times_the_k_quants_on_random_blocks_with_their_super_block_records(k_quant_llama_dir):
+    """The gguf library cannot quantize to Q4_K or Q6_K: the bench decodes random blocks of them as a file's and
+    packs them as the loader does (super-block records), 4.625 and 6.5625 bits a weight."""
+    from bench import matmul
+    from engine.model.model_config import load_config
+    result = matmul.run(str(k_quant_llama_dir), rows=(1, 3), repeats=1, log=lambda _: None, quantized=("q4_k", "q6_k"))
+    row = result["rows"][0]
+    weights = sum(n * k for n, k in matmul.step_shapes(load_config(k_quant_llama_dir)))
+    assert row["bytes_mb"]["q4_k float (engine)"] * 1e6 * 8 / weights == pytest.approx(4.625, abs=0.01)
+    assert row["bytes_mb"]["q6_k float (engine)"] * 1e6 * 8 / weights == pytest.approx(6.5625, abs=0.01)
+    assert all(ms > 0 for r in result["rows"] for ms in r["ms"].values())
 
 
 def test_attention_bench_runs_the_kernel_over_every_layer_and_counts_a_shared_prefix_once(tiny_llama_dir):

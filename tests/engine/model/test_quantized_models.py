@@ -91,14 +91,6 @@ def test_native_formats_give_the_dequantized_models_tokens(files, tiny_llama_dir
     assert _greedy_twice(LLM(str(gguf_dir), cpu_kernels="eager", **SMALL), prompts)[0] == tokens
 
 
-@pytest.fixture(scope="module")
-def k_quant_llama_dir(tmp_path_factory):
-    """A tiny llama whose every K (hidden, intermediate, heads x dim) is whole 256-weight super-blocks."""
-    from bench.tiny_models import build_tiny_model
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-256"), "llama", hidden_size=256,
-                            intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-
-
 def _q4_k_m(name: str) -> QType:
     """llama-quantize's Q4_K_M mix: Q6_K for the embedding and for v and ffn_down in some layers (here layer 0)."""
     six = name == "token_embd.weight" or name in ("blk.0.attn_v.weight", "blk.0.ffn_down.weight")
