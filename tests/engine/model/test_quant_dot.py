@@ -105,6 +105,18 @@ def test_product_matches_float64_on_the_rounded_activations(bits, with_mins, n, 
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("bits,with_mins", LAYOUTS)
+def test_fp16_scales_as_records_of_one_group_give_the_fp16_products_bit_for_bit(bits, with_mins):
+    """A file that mixes K-quants with Q8_0 / Q4_1 packs every weight as super-block records (one kind a model):
+    the fp16 ones as records of one group, sub-scales of 1, whose products are the fp16 kind's exactly."""
+    rows = _rows(2 * TILE + 3, 96, bits, with_mins, half=True)
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal((3, 96)).astype(np.float32))
+    as_fp16, as_records = (quant_matmul_cpu.pack(rows, integer=True, scales=kind) for kind in ("fp16", "super-blocks"))
+    assert as_records.integer and as_records.scales.dtype == torch.int8
+    np.testing.assert_array_equal(quant_matmul_cpu.linear(x, as_records, None).numpy(),
+                                  quant_matmul_cpu.linear(x, as_fp16, None).numpy())
+
+
 def test_the_rounding_error_stays_within_its_bound_of_the_exact_product():
     """|sum_k w_k (x_k - d xq_k)| <= sum_k |w_k| d / 2: what int8 activations may cost against the float
     kernel."""
