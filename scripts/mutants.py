@@ -124,16 +124,18 @@ MUTANTS = [
     Mutant("quant-half-scale-bits-as-integer", "quant_matmul_cpu.py",
            "return lambda values, tile, g, j: _half_to_float(values[tile, g, j])",
            "return lambda values, tile, g, j: np.float32(values[tile, g, j])", QUANT_TESTS),
-    # the microkernel's second vector of fp16 scales read from the middle of the first
+    # the microkernel's second vector of a group's scales read from the middle of the first
     Mutant("quant-half-scales-second-vector-shifted", "quant_matmul_cpu.py",
-           "builder.gep(pointer, [const(v * LANES)])", "builder.gep(pointer, [const(v * LANES // 2)])", QUANT_TESTS),
+           "quant_dot_cpu.group_columns(builder, kind, pointers, v * LANES, LANES)",
+           "quant_dot_cpu.group_columns(builder, kind, pointers, v * LANES // 2, LANES)", QUANT_TESTS),
     # an embedding row's weights scaled by the next group's scale
     Mutant("quant-row-group-index-shifted", "quant_matmul_cpu.py",
            "scale = _group_value(scales, tile, g, j)",
            "scale = _group_value(scales, tile, (g + 1) % (out.shape[0] // group), j)", QUANT_TESTS),
-    # super-block records: the microkernel takes the int8 sub-scales for the scales (the fp16 factor dropped)
-    Mutant("quant-super-block-factor-dropped", "quant_matmul_cpu.py",
-           "return [builder.fmul(sub, factor) for sub, factor in zip(subs, factors)]", "return subs", QUANT_TESTS),
+    # super-block records: both microkernels take the int8 sub-scales for the scales (the fp16 factor dropped)
+    Mutant("quant-super-block-factor-dropped", "quant_dot_cpu.py",
+           "return builder.fmul(builder.sitofp(run(at, _I8, 1), ir.VectorType(ir.FloatType(), count)), widened(head))",
+           "return builder.sitofp(run(at, _I8, 1), ir.VectorType(ir.FloatType(), count))", QUANT_TESTS + DOT_TESTS),
     # ... every kernel reads a group's sub-scales half a run early (two groups' columns mixed)
     Mutant("quant-super-block-sub-scales-shifted", "quant_dot_cpu.py",
            "builder.add(const(SUPER_HEAD), builder.mul(within, const(TILE)))",
@@ -178,13 +180,9 @@ MUTANTS = [
     # the activations rounded toward zero: errors up to a whole step, not half
     Mutant("dot-activations-truncated", "quant_dot_cpu.py",
            "xq[r, k] = np.int8(np.rint(x[r, k] * inverse))", "xq[r, k] = np.int8(x[r, k] * inverse)", DOT_TESTS),
-    # fp16 scales and mins read as float32 (their bits taken for other numbers, and twice as far)
-    Mutant("dot-half-scales-read-as-float32", "quant_dot_cpu.py",
-           "if scale_kind == types.float32:", "if scale_kind != types.int8:", DOT_TESTS),
-    # super-block records on integer dot products: the sub-scales taken for the scales (the fp16 factor dropped)
-    Mutant("dot-super-block-factor-dropped", "quant_dot_cpu.py",
-           "return builder.fmul(builder.sitofp(subs, _FLOATS), wide)", "return builder.sitofp(subs, _FLOATS)",
-           DOT_TESTS),
+    # both microkernels read fp16 scales and mins as float32 (their bits taken for other numbers, twice as far)
+    Mutant("half-scales-read-as-float32", "quant_dot_cpu.py",
+           "if kind == types.float32:", "if kind != types.int8:", QUANT_TESTS + DOT_TESTS),
     # the group's last quad left out of its integer sums
     Mutant("dot-group-one-quad-short", "quant_dot_cpu.py",
            "for step in range(GROUP // QUAD):", "for step in range(GROUP // QUAD - 1):", DOT_TESTS),

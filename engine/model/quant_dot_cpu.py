@@ -145,6 +145,28 @@ def group_pointers(builder: ir.IRBuilder, kind, ary, tile: ir.Value, g: ir.Value
     return builder.gep(head, [builder.add(const(SUPER_HEAD), builder.mul(within, const(TILE)))]), head
 
 
+def group_columns(builder: ir.IRBuilder, kind, pointers: tuple[ir.Value, ir.Value], first: int,
+                  count: int) -> ir.Value:
+    """Columns first .. first + count - 1 of a group's scales (or mins) of any kind, found by group_pointers, as
+    `count` float32 lanes: fp16 widened, super-block records' int8 sub-scales times their widened fp16 factors
+    (exact in float32)."""
+    at, head = pointers
+
+    def run(pointer, element: ir.Type, align: int) -> ir.Value:  # `count` elements from column `first` on
+        here = builder.gep(builder.bitcast(pointer, element.as_pointer()), [const(first)])
+        return builder.load(builder.bitcast(here, ir.VectorType(element, count).as_pointer()), align=align)
+
+    def widened(pointer) -> ir.Value:  # fp16 bits, as float32
+        return builder.fpext(builder.bitcast(run(pointer, _I16, 2), ir.VectorType(ir.HalfType(), count)),
+                             ir.VectorType(ir.FloatType(), count))
+
+    if kind == types.float32:
+        return run(at, ir.FloatType(), 4)
+    if kind == types.int16:
+        return widened(at)
+    return builder.fmul(builder.sitofp(run(at, _I8, 1), ir.VectorType(ir.FloatType(), count)), widened(head))
+
+
 def _x86(builder: ir.IRBuilder, name: str, result: ir.Type, *args: ir.Value) -> ir.Value:
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, [a.type for a in args]),
                                         f"llvm.x86.avx2.{name}")
@@ -197,21 +219,6 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
 
         scale_kind = signature.args[4].dtype  # float32, fp16 as its bits (int16), or super-block records (int8)
 
-        def eight_columns(pointers, v):  # columns 8v..8v+7 of a group's scales (or mins), as float32
-            at, head = pointers
-            if scale_kind == types.float32:
-                return builder.load(builder.bitcast(builder.gep(at, [const(v * COLUMNS)]), _FLOATS.as_pointer()),
-                                    align=4)
-            halves = builder.bitcast(at if head is None else head, _I16.as_pointer())  # the values, or the factors
-            bits = builder.load(builder.bitcast(builder.gep(halves, [const(v * COLUMNS)]),
-                                                ir.VectorType(_I16, COLUMNS).as_pointer()), align=2)
-            wide = builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), COLUMNS)), _FLOATS)
-            if head is None:
-                return wide
-            subs = builder.load(builder.bitcast(builder.gep(at, [const(v * COLUMNS)]),
-                                                ir.VectorType(_I8, COLUMNS).as_pointer()), align=1)
-            return builder.fmul(builder.sitofp(subs, _FLOATS), wide)  # (exact: quant_matmul_cpu's docstring)
-
         def kind(four_bit, with_min):
             width = BYTES_4BIT if four_bit else BYTES_8BIT
             tile_data = builder.gep(data_ary.data, [builder.mul(args[6], builder.mul(builder.udiv(k_len, const(QUAD)),
@@ -250,8 +257,8 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
                 # each 8 columns' scales and mins widened once for all the rows (the stores to `out` keep LLVM from
                 # reusing what a row before widened: per row, super-block records cost a pass of 2 rows a fifth more)
                 for v in range(4):
-                    scale = eight_columns(scales_at, v)
-                    low = eight_columns(mins_at, v) if with_min else None
+                    scale = group_columns(builder, scale_kind, scales_at, v * COLUMNS, COLUMNS)
+                    low = group_columns(builder, scale_kind, mins_at, v * COLUMNS, COLUMNS) if with_min else None
                     for r in range(num_rows):
                         to = out_at(r, v)
                         total = _fma(builder, builder.fmul(scale, per_row(d_ary, d_row, r, g)),

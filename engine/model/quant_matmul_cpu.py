@@ -46,7 +46,6 @@ SIX_BIT = 3 * TILE // 4  # bytes of a k of 6-bit tiles: HALF of low nibbles, the
 SCALE_KINDS = ("float32", "fp16", "super-blocks")
 _BYTES = ir.VectorType(ir.IntType(8), LANES)
 _WORDS = ir.VectorType(simd.I32, LANES)
-_HALVES = ir.VectorType(ir.HalfType(), LANES)
 
 
 def words(value: int) -> ir.Constant:
@@ -159,7 +158,7 @@ def pack(rows: QuantRows, integer: bool = False, scales: str = "float32") -> Qua
         data = quant_dot_cpu.pack_data(rows)
     else:
         data = _float_layout(columns(rows.q, rows.q.dtype), rows.bits)
-    return QuantTiles(as_tensor(data.astype(np.uint8)), as_tensor(packed_scales), as_tensor(packed_mins),
+    return QuantTiles(as_tensor(data.astype(np.uint8, copy=False)), as_tensor(packed_scales), as_tensor(packed_mins),
                       rows.group, n)
 
 
@@ -549,22 +548,9 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
         with_min = has_min.literal_value
         kind = signature.args[2].dtype
 
-        def halves(pointer):  # 2 vectors of the fp16 bits from `pointer` on, widened
-            return [builder.fpext(builder.load(builder.bitcast(builder.gep(pointer, [const(v * LANES)]),
-                                                               _HALVES.as_pointer()), align=2), simd.FLOATS)
-                    for v in range(2)]
-
         def per_group_vectors(pointers):  # the 32 scales (or mins) of one group as 2 float vectors
-            at, head = pointers
-            if kind == types.int16:
-                return halves(at)
-            if kind == types.float32:
-                return simd.load_pieces(builder, at, 2, False)
-            subs = [builder.sitofp(builder.load(builder.bitcast(builder.gep(at, [const(v * LANES)]),
-                                                                _BYTES.as_pointer()), align=1), simd.FLOATS)
-                    for v in range(2)]
-            factors = halves(builder.bitcast(head, ir.IntType(16).as_pointer()))
-            return [builder.fmul(sub, factor) for sub, factor in zip(subs, factors)]  # (exact: see the docstring)
+            return [quant_dot_cpu.group_columns(builder, kind, pointers, v * LANES, LANES) for v in range(2)]
+
         rows, k_len = cgutils.unpack_tuple(builder, x_ary.shape, 2)
         x_row = builder.udiv(cgutils.unpack_tuple(builder, x_ary.strides, 2)[0], const(4))  # in elements
         out_row = builder.udiv(cgutils.unpack_tuple(builder, out_ary.strides, 2)[0], const(4))
