@@ -144,31 +144,26 @@ MUTANTS = [
     Mutant("quant-super-block-row-factor-low-byte", "quant_matmul_cpu.py",
            "bits = (np.int32(record[2 * j]) & 0xFF) | (np.int32(record[2 * j + 1]) << 8)",
            "bits = np.int32(record[2 * j]) & 0xFF", QUANT_TESTS),
-    # 6 bits: the microkernel takes columns 8-15 and 24-31's top bits from their byte's pair of columns 0-7
-    Mutant("quant-six-bit-top-pairs-unshifted", "quant_matmul_cpu.py",
-           "shifts = [4 * v] * 8 + [4 * v + 2] * 8", "shifts = [4 * v] * 16", QUANT_TESTS, isa="avx512"),
-    # ... its values offset by 31, not 32 (AVX-512's lookup, and AVX2's bytes)
-    Mutant("quant-six-bit-offset-off-by-one", "quant_matmul_cpu.py",
-           "low = _nibble_floats(builder, lanes, -32)", "low = _nibble_floats(builder, lanes, -31)", QUANT_TESTS,
-           isa="avx512"),
-    Mutant("quant-six-bit-bytes-offset-off-by-one", "quant_matmul_cpu.py",
-           "q = builder.sub(builder.or_(lows, tops), splat(32))", "q = builder.sub(builder.or_(lows, tops), splat(31))",
-           QUANT_TESTS, isa="avx2"),
-    # ... AVX2's bytes keep every quarter's first pair of top bits (columns 8-31 take columns 0-7's)
-    Mutant("quant-six-bit-bytes-quarter-mask", "quant_matmul_cpu.py",
-           "[3 << (2 * (c // 8)) for c in range(32)]", "[3 for c in range(32)]", QUANT_TESTS, isa="avx2"),
+    # 6 bits: the microkernel takes lanes 4-7's bytes from the first 16 bytes of the k, as lanes 0-3's
+    Mutant("quant-six-bit-lanes-from-first-half", "quant_matmul_cpu.py",
+           "at = [3 * lane + i if lane < 4 else 16 + 3 * lane + i - 8 for i in range(3)]",
+           "at = [3 * lane + i for i in range(3)]", QUANT_TESTS),
+    # ... columns 8-15 and 24-31 take the field of columns 0-7 and 16-23
+    Mutant("quant-six-bit-field-shift-repeated", "quant_matmul_cpu.py",
+           "[18 - 6 * (2 * v)] * 8 + [18 - 6 * (2 * v + 1)] * 8", "[18 - 6 * (2 * v)] * 16", QUANT_TESTS),
+    # ... the fields shifted down without their sign (-32..-1 read as 32..63)
+    Mutant("quant-six-bit-sign-dropped", "quant_matmul_cpu.py",
+           "builder.ashr(up, words(26))", "builder.lshr(up, words(26))", QUANT_TESTS),
     # super-block records: a group's place in its super-block masked one bit too wide
     Mutant("quant-super-block-within-mask", "quant_dot_cpu.py",
            "within = builder.and_(g, builder.sub(per_super, const(1)))", "within = builder.and_(g, per_super)",
            QUANT_TESTS),
-    # ... prefill's dequantization takes every column's top bits at shift 0
-    Mutant("dequantize-block-six-bit-top-unshifted", "quant_matmul_cpu.py",
-           "builder.lshr(tops[column % 8], words(2 * (column // 8)))", "builder.lshr(tops[column % 8], words(0))",
-           QUANT_TESTS),
-    # ... a row read alone takes its top bits from the wrong byte
-    Mutant("quant-six-bit-row-top-byte", "quant_matmul_cpu.py",
-           "top_byte, top_shift = HALF + j % 8, (j // 8) * 2", "top_byte, top_shift = HALF + j // 4, (j // 8) * 2",
-           QUANT_TESTS),
+    # ... prefill's dequantization reads each lane's word from the bytes at its index, not 3 times it
+    Mutant("dequantize-block-six-bit-lane-bytes", "quant_matmul_cpu.py",
+           "b0, b1, b2 = by_byte[3 * lane:3 * lane + 3]", "b0, b1, b2 = by_byte[lane:lane + 3]", QUANT_TESTS),
+    # ... and a row read alone takes its field 4 bits a step, not 6
+    Mutant("quant-six-bit-row-field", "quant_matmul_cpu.py",
+           "u = (word >> (6 * field)) & 63", "u = (word >> (4 * field)) & 63", QUANT_TESTS),
     # integer dot products: 8-bit weights' signs never reach the activations (every weight read as |w|)
     Mutant("dot-int8-sign-dropped", "quant_dot_cpu.py",
            'signed_x = x_bytes if four_bit else _x86(builder, "psign.b", _BYTES, x_bytes, w[v])',

@@ -4,8 +4,8 @@ min per group of k): the bytes read per decode step are the file's, not fp32's.
 Layout (packed_matmul_cpu's tiles, with integers): a weight [N, K] in QuantRows form becomes
 - data [ceil(N / TILE), K, width] uint8, each thread reading its tiles as one sequential stream; per k of a tile:
   - 4 bits, width TILE / 2: byte j holds column j (low nibble) and column j + 16 (high nibble);
-  - 6 bits (q + 32, 0..63), width 3 TILE / 4: the low 4 bits as the 4-bit layout, then 8 bytes of the top 2
-    bits, byte 16 + b holding columns b, b + 8, b + 16, b + 24 at bits 0, 2, 4, 6;
+  - 6 bits, width 3 TILE / 4: 8 lanes of 3 bytes, lane l (bytes 3l .. 3l + 2, little-endian) holding columns
+    l, l + 8, l + 16, l + 24 at bits 0, 6, 12, 18, each q as 6-bit two's complement;
   - 8 bits, width TILE: column j's int8 in byte j;
 - scales, mins in one of three kinds, the same for a whole model (its compiled step has one signature):
   - float32 [tiles, K / group, TILE];
@@ -42,7 +42,7 @@ from engine.model.quant_formats import QuantRows
 from engine.model.simd import LANES, const
 
 HALF = TILE // 2  # bytes of a k of 4-bit tiles
-SIX_BIT = 3 * TILE // 4  # bytes of a k of 6-bit tiles: HALF of low nibbles, then TILE / 4 of top bit pairs
+SIX_BIT = 3 * TILE // 4  # bytes of a k of 6-bit tiles: 8 lanes of 3 bytes, 4 columns of 6 bits each
 SCALE_KINDS = ("float32", "fp16", "super-blocks")
 _BYTES = ir.VectorType(ir.IntType(8), LANES)
 _WORDS = ir.VectorType(simd.I32, LANES)
@@ -56,9 +56,6 @@ def words(value: int) -> ir.Constant:
 # AVX-512's vpermps looks a float up by the low 4 bits of each 32-bit lane: a nibble's float in one instruction
 # where masking and converting took two (a pass of 8 rows is bound by its vector instructions)
 NIBBLE_LOOKUP = kernel_cache.TARGET_ISA == "avx512"
-# 6-bit weights put together in bytes before they widen (AVX2: a 2048 x 8192 one-row matmul 1.01 -> 0.67 ms,
-# against 32-bit lanes), by the nibble lookup on AVX-512 (0.52-0.54 ms in lanes, 0.64 in bytes, 0.50-0.52 this way)
-SIX_BIT_BY_BYTES = not NIBBLE_LOOKUP
 
 
 def row_group(isa: str) -> int:
@@ -168,11 +165,11 @@ def _float_layout(q: np.ndarray, bits: int) -> np.ndarray:
     if bits == 4:
         return q[..., :HALF] | (q[..., HALF:] << 4)
     if bits == 6:
-        u = (q + np.int8(32)).view(np.uint8)  # -32..31 -> 0..63
-        top = u >> 4
-        return np.concatenate([(u[..., :HALF] & 0x0F) | ((u[..., HALF:] & 0x0F) << 4),
-                               top[..., 0:8] | (top[..., 8:16] << 2) | (top[..., 16:24] << 4) | (top[..., 24:32] << 6)],
-                              axis=2)
+        # each lane's 24 bits put together byte by byte (in wider integers a large embedding took GBs at load)
+        u = (q.astype(np.uint8) & 63).reshape(*q.shape[:-1], 4, 8)  # [.., field f, lane l]: column 8 f + l
+        f = [u[..., i, :] for i in range(4)]
+        lanes = [f[0] | (f[1] << 6), (f[1] >> 2) | (f[2] << 4), (f[2] >> 4) | (f[3] << 2)]
+        return np.stack(lanes, axis=-1).reshape(*q.shape[:-1], SIX_BIT)
     return q.astype(np.int8).view(np.uint8)
 
 
@@ -251,8 +248,8 @@ def _row(data, scales, mins, group, row, out):
     tile, j = row // TILE, row % TILE
     has_min = mins.shape[1] > 0
     quads, width = quant_dot_cpu.is_quads(data), data.shape[2]
-    byte, shift = j % HALF, (j // HALF) * 4  # 4 and 6 bits: column j's low nibble in byte j % 16
-    top_byte, top_shift = HALF + j % 8, (j // 8) * 2  # 6 bits: its top 2 bits
+    byte, shift = j % HALF, (j // HALF) * 4  # 4 bits: column j's nibble in byte j % 16
+    lane, field = j % 8, j // 8  # 6 bits: 3 bytes a lane, a field of 6 bits each of its 4 columns
     for g in range(out.shape[0] // group):
         scale = _group_value(scales, tile, g, j)
         low = _group_value(mins, tile, g, j) if has_min else np.float32(0.0)
@@ -264,8 +261,10 @@ def _row(data, scales, mins, group, row, out):
                 out[k] = _fused(np.float32((data[tile, k, byte] >> shift) & 0x0F), scale, low)
         elif width == SIX_BIT:
             for k in range(g * group, (g + 1) * group):
-                u = ((data[tile, k, byte] >> shift) & 0x0F) | (((data[tile, k, top_byte] >> top_shift) & 0x03) << 4)
-                out[k] = _fused(np.float32(np.int32(u) - 32), scale, low)
+                word = (np.int32(data[tile, k, 3 * lane]) | (np.int32(data[tile, k, 3 * lane + 1]) << 8)
+                        | (np.int32(data[tile, k, 3 * lane + 2]) << 16))
+                u = (word >> (6 * field)) & 63
+                out[k] = _fused(np.float32(u - 64 if u >= 32 else u), scale, low)
         else:
             for k in range(g * group, (g + 1) * group):
                 out[k] = _fused(np.float32(np.int8(data[tile, k, j])), scale, low)
@@ -341,10 +340,9 @@ def _dequantize(data, scales, mins, group, first, threads, out):
 @intrinsic
 def _dequantize_block(typingctx, data, scales, mins, tile, g, k, out, row):
     """out[row + j, k:k + LANES] = W[tile * TILE + j, k:k + LANES] for the tile's TILE rows j, k a multiple of LANES
-    inside group g: the LANES k's of the tile's integers (LANES bytes each, twice for 8 bits, with 8 more of top
-    bits for 6 bits) transposed in
-    registers, so that a row's LANES weights are one store where row by row each weight was a load of its
-    own byte (prefill dequantizes every weight once a step). Each weight is q * scale + min in one rounding,
+    inside group g: the LANES k's of the tile's integers (LANES bytes each, twice for 8 bits, 24 for 6 bits)
+    transposed in registers, so that a row's LANES weights are one store where row by row each weight was a load
+    of its own byte (prefill dequantizes every weight once a step). Each weight is q * scale + min in one rounding,
     as _row computes it."""
     def codegen(context, builder, signature, args):
         data_arg, scales_arg, mins_arg, tile_arg, g_arg, k_arg, out_arg, row_arg = args
@@ -393,14 +391,14 @@ def _dequantize_block(typingctx, data, scales, mins, tile, g, k, out, row):
                 k_rows.append(builder.bitcast(widen(raw, _WORDS), simd.FLOATS))
             return [builder.bitcast(v, _WORDS) for v in simd.transpose(builder, k_rows)]
 
-        def store_six_bit():  # the nibbles as 4 bits do, each with its 2 top bits of byte HALF + j % 8
-            nibbles, tops = transposed(0, builder.zext), transposed(HALF, builder.zext, 8)
-            for j, lanes in enumerate(nibbles):
-                low, high = builder.and_(lanes, words(0x0F)), builder.lshr(lanes, words(4))
-                for column, nibble in ((j, low), (j + HALF, high)):
-                    top = builder.and_(builder.lshr(tops[column % 8], words(2 * (column // 8))), words(3))
-                    q = builder.sub(builder.or_(nibble, builder.shl(top, words(4))), words(32))
-                    store_column(column, builder.sitofp(q, simd.FLOATS))
+        def store_six_bit():  # lane l's 3 bytes as one word, each of its 4 fields shifted up to the top and back
+            by_byte = transposed(0, builder.zext) + transposed(HALF, builder.zext, 8)
+            for lane in range(8):
+                b0, b1, b2 = by_byte[3 * lane:3 * lane + 3]
+                word = builder.or_(b0, builder.or_(builder.shl(b1, words(8)), builder.shl(b2, words(16))))
+                for field in range(4):
+                    q = builder.ashr(builder.shl(word, words(26 - 6 * field)), words(26))
+                    store_column(lane + 8 * field, builder.sitofp(q, simd.FLOATS))
 
         four = builder.icmp_signed("==", width, const(HALF))
         six = builder.icmp_signed("==", width, const(SIX_BIT))
@@ -561,7 +559,7 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
 
         def weights_at(here):  # the tile's 32 weights of one k, at `here`, as 2 float vectors (columns 0-15, 16-31)
             if width == SIX_BIT:
-                return (_six_bit_by_bytes if SIX_BIT_BY_BYTES else _six_bit_by_lookup)(builder, here)
+                return _six_bit_lanes(builder, here)
             if width == HALF:
                 raw = builder.load(builder.bitcast(here, _BYTES.as_pointer()), align=1)
                 wide = builder.zext(raw, _WORDS)
@@ -622,56 +620,35 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
     return types.void(x, data, scales, mins, sums, tile, group, out, bits, has_min), codegen
 
 
-def _six_bit_by_lookup(builder: ir.IRBuilder, here: ir.Value) -> list[ir.Value]:
-    """A 6-bit tile's 32 weights of one k at `here` (uint8*) as 2 float vectors (columns 0-15, 16-31), on
-    AVX-512: a nibble's float less 32 looked up (vpermps, as 4 bits), plus its top pair masked where it sits in
-    its byte and converted, times the power of two that makes it 16 x the pair (every value a small integer:
-    exact)."""
-    nibbles = builder.zext(builder.load(builder.bitcast(here, _BYTES.as_pointer()), align=1), _WORDS)
-    tops = builder.load(builder.bitcast(builder.gep(here, [const(HALF)]), ir.VectorType(ir.IntType(8), 8).as_pointer()),
-                        align=1)
-    tops = builder.zext(builder.shuffle_vector(tops, tops, ir.Constant(ir.VectorType(simd.I32, LANES),
-                                                                       list(range(8)) * 2)), _WORDS)
+def _six_bit_lanes(builder: ir.IRBuilder, here: ir.Value) -> list[ir.Value]:
+    """A 6-bit tile's 32 weights of one k at `here` (uint8*) as 2 float vectors (columns 0-15, 16-31): each lane's
+    3 bytes moved to the top 3 bytes of a 32-bit lane (a byte shuffle within each 128-bit half), then each field
+    shifted up to the lane's top and arithmetically down again, which extends its sign: 10 vector ops for 32
+    weights where 6 bits kept as 4 and 2 took 19 to put together and widen (AVX2, one row from L2: 7.7 -> 3.7 ns a
+    k of a tile, Q8_0's 8-bit tiles 3.4)."""
+    half = ir.VectorType(ir.IntType(8), 16)
+    first = builder.load(builder.bitcast(here, half.as_pointer()), align=1)  # lanes 0-3: bytes 0-11
+    second = builder.load(builder.bitcast(builder.gep(here, [const(8)]), half.as_pointer()), align=1)  # 4-7: 8-23
+    # lane l's bytes 3l .. 3l + 2 at bytes 1-3 of its 32-bit lane (byte 0: any; the shifts drop it)
+    order = []
+    for lane in range(8):
+        at = [3 * lane + i if lane < 4 else 16 + 3 * lane + i - 8 for i in range(3)]
+        order += [at[0]] + at
+    words8 = builder.bitcast(builder.shuffle_vector(first, second, ir.Constant(ir.VectorType(simd.I32, 32), order)),
+                             ir.VectorType(simd.I32, 8))
+    both = builder.shuffle_vector(words8, words8, ir.Constant(ir.VectorType(simd.I32, LANES), list(range(8)) * 2))
     vectors = []
-    for v, lanes in enumerate((nibbles, builder.lshr(nibbles, words(4)))):
-        low = _nibble_floats(builder, lanes, -32)
-        shifts = [4 * v] * 8 + [4 * v + 2] * 8  # where each lane's pair sits in its byte
-        top = builder.sitofp(builder.and_(tops, ir.Constant(_WORDS, [3 << shift for shift in shifts])), simd.FLOATS)
-        vectors.append(simd.fma(builder, top, ir.Constant(simd.FLOATS, [16.0 / (1 << shift) for shift in shifts]),
-                                low))
+    for v in range(2):  # fields 2v (columns 16v ..) and 2v + 1 (columns 16v + 8 ..), at bits 8 + 6 f of the lane
+        up = builder.shl(both, ir.Constant(_WORDS, [18 - 6 * (2 * v)] * 8 + [18 - 6 * (2 * v + 1)] * 8))
+        vectors.append(builder.sitofp(builder.ashr(up, words(26)), simd.FLOATS))
     return vectors
 
 
-def _six_bit_by_bytes(builder: ir.IRBuilder, here: ir.Value) -> list[ir.Value]:
-    """_six_bit_by_lookup's result elsewhere (AVX2): put together as 32 bytes, a vector op per 32 weights where
-    AVX2's byte ops take them all at once, and widened only then. In 32-bit lanes it took 6 ops a lane, twice
-    each on AVX2, and a one-row matmul of 6-bit weights 2.7x the time of 8-bit ones."""
-    byte_vector = lambda n: ir.VectorType(ir.IntType(8), n)  # noqa: E731
-    splat = lambda value, n=32: ir.Constant(byte_vector(n), [value] * n)  # noqa: E731
-    nibbles = builder.load(builder.bitcast(here, _BYTES.as_pointer()), align=1)
-    lows = builder.shuffle_vector(builder.and_(nibbles, splat(0x0F, LANES)), builder.lshr(nibbles, splat(4, LANES)),
-                                  ir.Constant(ir.VectorType(simd.I32, 32), list(range(32))))
-    # the 8 bytes of top pairs in each quarter of 32 bytes: quarter i (columns 8i..8i+7) keeps bits 2i, 2i + 1
-    tops = builder.load(builder.bitcast(builder.gep(here, [const(HALF)]), byte_vector(8).as_pointer()), align=1)
-    tops = builder.shuffle_vector(tops, tops, ir.Constant(ir.VectorType(simd.I32, 32), list(range(8)) * 4))
-    tops = builder.and_(tops, ir.Constant(byte_vector(32), [3 << (2 * (c // 8)) for c in range(32)]))
-    # each quarter as one 64-bit lane moved so its pairs sit at bits 4-5 of their bytes (masked: no byte spills)
-    quarters = builder.bitcast(tops, ir.VectorType(simd.I64, 4))
-    up = builder.shl(quarters, ir.Constant(ir.VectorType(simd.I64, 4), [4, 2, 0, 0]))
-    down = builder.lshr(quarters, ir.Constant(ir.VectorType(simd.I64, 4), [0, 0, 0, 2]))
-    tops = builder.and_(builder.bitcast(builder.or_(up, down), byte_vector(32)), splat(0x30))
-    q = builder.sub(builder.or_(lows, tops), splat(32))  # -32..31
-    return [builder.sitofp(builder.shuffle_vector(q, q, ir.Constant(ir.VectorType(simd.I32, LANES),
-                                                                    list(range(v * LANES, (v + 1) * LANES)))),
-                           simd.FLOATS) for v in range(2)]
-
-
-def _nibble_floats(builder: ir.IRBuilder, lanes: ir.Value, offset: int = 0) -> ir.Value:
-    """The float of each 32-bit lane's low 4 bits, plus `offset` (AVX-512's vpermps over the table offset ..
-    offset + 15)."""
+def _nibble_floats(builder: ir.IRBuilder, lanes: ir.Value) -> ir.Value:
+    """The float of each 32-bit lane's low 4 bits (AVX-512's vpermps over the table 0.0 .. 15.0)."""
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(simd.FLOATS, [simd.FLOATS, _WORDS]),
                                         "llvm.x86.avx512.permvar.sf.512")
-    return builder.call(fn, [ir.Constant(simd.FLOATS, [float(i + offset) for i in range(LANES)]), lanes])
+    return builder.call(fn, [ir.Constant(simd.FLOATS, [float(i) for i in range(LANES)]), lanes])
 
 
 def linear_tiles(x, weight, bias, out, accumulate, first_tile, end_tile):
