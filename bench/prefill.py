@@ -248,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queries", type=int, default=None,
                         help="--kernel-sweep: the row's queries at the end of its context (default: all --tokens); "
                              "fewer time the kernel's split keys, as a cached prompt's last block (16)")
+    parser.add_argument("--quantized-activations", default="float32", choices=("float32", "int8"),
+                        help="CPU, quantized weights: int8 runs their matmuls on integer dot products")
     parser.add_argument("--json", default=None, help="also write the result here")
     args = parser.parse_args(argv)
     if args.kernel_sweep:
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['ms']:8.3f} ms{row['tflops']:8.1f} TFLOP/s  rel error {row.get('rel_error', '-')}")
     else:
         result = run(args.model, args.device, args.dtype, args.tokens, args.repeats, args.gather_too, args.eager_too,
-                     args.profile_host)
+                     args.profile_host, quantized_activations=args.quantized_activations)
         for kind, rows in result.get("host_profile", {}).items():
             print(f"host profile, {kind} prompts: ms a prompt")
             for row in rows:

@@ -382,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="the engine's device, in process and served")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="the engine's batch, in process and served")
+    parser.add_argument("--quantized-activations", default="float32", choices=("float32", "int8"),
+                        help="quantized weights on CPU, in process and served: int8 runs their matmuls on integer "
+                             "dot products (llama.cpp's way; answers change by the activations' rounding)")
     parser.add_argument("--many-chats", type=int, default=0,
                         help="also this many concurrent chats on one shared system prompt, closed loop (0: none)")
     parser.add_argument("--many-prefix-tokens", type=int, default=2000, help="the many chats' system prompt")
@@ -404,11 +407,13 @@ def main(argv: list[str] | None = None) -> int:
     engine = {"device": args.device}
     if args.max_num_seqs:
         engine["max_num_seqs"] = args.max_num_seqs
+    if args.quantized_activations != "float32":
+        engine["quantized_activations"] = args.quantized_activations
     many = {"chats": args.many_chats, "prefix_tokens": args.many_prefix_tokens,
             "turns": args.many_turns} if args.many_chats else {}
     inproc = in_process(args.model, args.tokens, args.turns, args.think_s, engine, many)
     work = inproc.pop("workload")
-    result: dict = {"in_process": inproc}
+    result: dict = {"in_process": inproc, "engine": engine}
     if many:
         result["many_chats_workload"] = work["many_chats"].description
     extra = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()] + args.serve_args.split()

@@ -178,9 +178,20 @@ MUTANTS = [
     # both microkernels read fp16 scales and mins as float32 (their bits taken for other numbers, twice as far)
     Mutant("half-scales-read-as-float32", "quant_dot_cpu.py",
            "if kind == types.float32:", "if kind != types.int8:", QUANT_TESTS + DOT_TESTS),
-    # the group's last quad left out of its integer sums
-    Mutant("dot-group-one-quad-short", "quant_dot_cpu.py",
-           "for step in range(GROUP // QUAD):", "for step in range(GROUP // QUAD - 1):", DOT_TESTS),
+    # a group's integer sums scaled a quad early: its last quad's products counted in the next group's
+    Mutant("dot-group-ends-a-quad-early", "quant_dot_cpu.py",
+           "builder.and_(quad, const(QUADS - 1)), const(QUADS - 1))",
+           "builder.and_(quad, const(QUADS - 1)), const(QUADS - 2))", DOT_TESTS),
+    # ... and never set back to zero: every group's scale multiplies the sums of all the groups before it too
+    Mutant("dot-group-sums-not-reset", "quant_dot_cpu.py",
+           "builder.store(ir.Constant(acc_type, None), acc[r][v])\n", "\n", DOT_TESTS),
+    # large batches' half-tile passes: the second half of a tile reads the first half's weights
+    Mutant("dot-half-tile-weights-of-the-first-half", "quant_dot_cpu.py",
+           "builder.gep(tile_data, [builder.mul(part, const(part_bytes))])", "builder.gep(tile_data, [const(0)])",
+           DOT_TESTS),
+    # ... or the first half's scales and mins
+    Mutant("dot-half-tile-scales-of-the-first-half", "quant_dot_cpu.py",
+           "first_column = builder.mul(part, const(vectors * COLUMNS))", "first_column = const(0)", DOT_TESTS),
     # the online softmax (prefill and decode kernels) does not rescale its running sum of weighted values when a
     # later key tile raises the maximum
     Mutant("prefill-values-not-rescaled", "paged_decode_cuda.py",

@@ -15,9 +15,10 @@ Layout ("quads"): a weight [N, K] in QuantRows form with group 32 becomes
 The product: x[r, k] ~ d[r, g] * xq[r, k] with xq = round(x / d) in -127..127 and d = max |x| over the group
 / 127; each output is sum over groups of scale * d * (integer sum of q * xq) + min * d * (sum of xq), as in
 llama.cpp's Q8_1 activations. The integer sums are exact, so the product is the dequantized weight's times the
-rounded activations (each within d / 2 of x) to float32 summation order; a large batch, whose matmuls run on
-the dequantized weight, multiplies the same rounded activations (round_activations), so a row's answer does
-not depend on the size of its batch.
+rounded activations (each within d / 2 of x) to float32 summation order. Decode's few rows take whole tiles
+(tile()), larger batches half tiles for more rows a pass (half_tile(): prefill, twice as fast as dequantizing the
+weight for a float32 GEMM on AVX2); both compute each output by the same operations, so a row's answer does not
+depend on the size of its batch.
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ X86 = kernel_cache.TARGET_ISA in ("avx2", "avx512")
 # rows one pass over a tile serves: each keeps 4 integer accumulators beside the 4 weight vectors (AVX2: 16
 # registers; AVX-512's 32 ymm registers hold 4 rows)
 ROW_GROUP = 4 if kernel_cache.TARGET_ISA == "avx512" else 2
+# rows a pass over half a tile serves (larger batches, half_tile): 4 x 2 accumulators beside 2 weight vectors
+GEMM_ROWS = 4
+QUADS = GROUP // QUAD  # quads of a group
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _BYTES = ir.VectorType(_I8, 32)
@@ -114,19 +118,6 @@ def quantize_activations(x, xq, d, sums):
             sums[r, g] = scale * np.float32(total)
 
 
-@njit(fastmath=False, nogil=True, cache=kernel_cache.CACHE)
-def round_activations(x, out):
-    """out = the activations integer dot products multiply: d * xq, as float32 (for large batches, whose
-    matmuls run on the dequantized weight)."""
-    xq = np.empty(x.shape, np.int8)
-    d = np.empty((x.shape[0], x.shape[1] // GROUP), np.float32)
-    sums = np.empty_like(d)
-    quantize_activations(x, xq, d, sums)
-    for r in range(x.shape[0]):
-        for k in range(x.shape[1]):
-            out[r, k] = d[r, k // GROUP] * np.float32(xq[r, k])
-
-
 def group_pointers(builder: ir.IRBuilder, kind, ary, tile: ir.Value, g: ir.Value) -> tuple[ir.Value, ir.Value]:
     """(the TILE values of group g of a tile in packed scales or mins of any kind, the TILE fp16 factors of its
     super-block: records only, else None). Both layouts' scales and mins are laid out alike."""
@@ -145,15 +136,17 @@ def group_pointers(builder: ir.IRBuilder, kind, ary, tile: ir.Value, g: ir.Value
     return builder.gep(head, [builder.add(const(SUPER_HEAD), builder.mul(within, const(TILE)))]), head
 
 
-def group_columns(builder: ir.IRBuilder, kind, pointers: tuple[ir.Value, ir.Value], first: int,
+def group_columns(builder: ir.IRBuilder, kind, pointers: tuple[ir.Value, ir.Value], first: int | ir.Value,
                   count: int) -> ir.Value:
     """Columns first .. first + count - 1 of a group's scales (or mins) of any kind, found by group_pointers, as
     `count` float32 lanes: fp16 widened, super-block records' int8 sub-scales times their widened fp16 factors
     (exact in float32)."""
     at, head = pointers
 
+    offset = const(first) if isinstance(first, int) else first
+
     def run(pointer, element: ir.Type, align: int) -> ir.Value:  # `count` elements from column `first` on
-        here = builder.gep(builder.bitcast(pointer, element.as_pointer()), [const(first)])
+        here = builder.gep(builder.bitcast(pointer, element.as_pointer()), [offset])
         return builder.load(builder.bitcast(here, ir.VectorType(element, count).as_pointer()), align=align)
 
     def widened(pointer) -> ir.Value:  # fp16 bits, as float32
@@ -179,13 +172,9 @@ def _splat(builder: ir.IRBuilder, scalar: ir.Value, vector_type: ir.VectorType) 
                                   ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count))
 
 
-@intrinsic
-def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
-    """out[r, :TILE] = xq[r] (as d * xq, sums) @ W[tile `index`].T for each of xq's 1 to ROW_GROUP rows: xq
-    [rows, K] int8 with unit stride along K, d / sums [rows, K / 32] float32, data / scales / mins contiguous as
-    pack() makes them (scales and mins of any of quant_matmul_cpu.SCALE_KINDS), out [>= rows, >= TILE] float32
-    with unit stride along its rows. One unrolled loop per kind of weight (4 or 8 bits, with or without mins) and
-    row count, picked at run time. x86 only (AVX2's integer ops)."""
+def _product(vectors: int, row_counts: range):
+    """The codegen of a pass of 1 to row_counts[-1] rows over `vectors` of a tile's 4 weight vectors: its
+    arguments tile()'s, with the part of the tile (of 4 / vectors) before `out` where vectors < 4."""
 
     def codegen(context, builder, signature, args):
         if not X86:  # pack() never makes quads off x86; this keeps the function compilable there
@@ -193,16 +182,17 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
                                                         "llvm.trap"), [])
             return context.get_dummy_value()
         xq_ary, d_ary, sums_ary, data_ary, scales_ary, mins_ary, out_ary = (
-            context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 5, 7))
+            context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 5, -1))
+        index, part = args[6], args[7] if vectors < 4 else const(0)
         rows, k_len = cgutils.unpack_tuple(builder, xq_ary.shape, 2)
         xq_row = cgutils.unpack_tuple(builder, xq_ary.strides, 2)[0]  # in bytes, as xq's elements
         d_row = builder.udiv(cgutils.unpack_tuple(builder, d_ary.strides, 2)[0], const(4))
         sums_row = builder.udiv(cgutils.unpack_tuple(builder, sums_ary.strides, 2)[0], const(4))
         out_row = builder.udiv(cgutils.unpack_tuple(builder, out_ary.strides, 2)[0], const(4))
-        groups = builder.udiv(k_len, const(GROUP))
         xq_bytes = builder.bitcast(xq_ary.data, _I8.as_pointer())
         ones = ir.Constant(_PAIRS, [1] * 16)
         nibble = ir.Constant(_BYTES, [0x0F] * 32)
+        first_column = builder.mul(part, const(vectors * COLUMNS))
 
         def out_at(r, v):
             at = builder.gep(out_ary.data, [builder.add(builder.mul(const(r), out_row), const(v * COLUMNS))])
@@ -221,14 +211,20 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
 
         def kind(four_bit, with_min):
             width = BYTES_4BIT if four_bit else BYTES_8BIT
-            tile_data = builder.gep(data_ary.data, [builder.mul(args[6], builder.mul(builder.udiv(k_len, const(QUAD)),
-                                                                                    const(width)))])
+            tile_data = builder.gep(data_ary.data, [builder.mul(index, builder.mul(builder.udiv(k_len, const(QUAD)),
+                                                                                  const(width)))])
+            # a part's vectors lie together: 4 bits, a byte of each pair of vectors (0 low and 1 high nibble, 2 and 3)
+            part_bytes = width * vectors // 4
+            part_data = builder.gep(tile_data, [builder.mul(part, const(part_bytes))])
+            # 4 bits: 8 quads' pair sums of up to 2 * 15 * 127 each fit in 16 bits, so a group sums its pairs in
+            # 16 bits and widens them once; 8 bits (up to 2 * 128 * 127 a pair): each quad widens its own
+            acc_type = _PAIRS if four_bit else _SUMS
 
-            def vectors_at(quad):  # the tile's 4 weight vectors of a quad (unsigned bytes; 8 bits: as signed)
-                here = builder.gep(tile_data, [builder.mul(quad, const(width))])
-                simd.prefetch_lines(builder, here, PREFETCH_BYTES, width)
+            def vectors_at(quad):  # the part's weight vectors of a quad (unsigned bytes; 8 bits: as signed)
+                here = builder.gep(part_data, [builder.mul(quad, const(width))])
+                simd.prefetch_lines(builder, here, PREFETCH_BYTES, part_bytes)
                 loaded = [builder.load(builder.bitcast(builder.gep(here, [const(32 * v)]), _BYTES.as_pointer()),
-                                       align=1) for v in range(width // 32)]
+                                       align=1) for v in range(part_bytes // 32)]
                 if not four_bit:
                     return loaded
                 out = []
@@ -237,44 +233,52 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
                     out += [builder.and_(raw, nibble), builder.and_(builder.bitcast(high, _BYTES), nibble)]
                 return out
 
-            def group_step(num_rows, g):
-                scales_at, mins_at = [group_pointers(builder, scale_kind, ary, args[6], g)
+            def group_end(num_rows, acc, g):  # the group's integer sums times its scales (and mins) into `out`
+                scales_at, mins_at = [group_pointers(builder, scale_kind, ary, index, g)
                                       for ary in (scales_ary, mins_ary)]
                 for ahead in (scales_at, mins_at) if with_min else (scales_at,):
                     simd.prefetch_lines(builder, ahead[0], SCALES_AHEAD, TILE * (scale_kind.bitwidth // 8))
-                sums_of = [[ir.Constant(_SUMS, None)] * 4 for _ in range(num_rows)]
-                for step in range(GROUP // QUAD):
-                    quad = builder.add(builder.mul(g, const(GROUP // QUAD)), const(step))
+                # each 8 columns' scales and mins widened once for all the rows (the stores to `out` keep LLVM from
+                # reusing what a row before widened: per row, super-block records cost a pass of 2 rows a fifth more)
+                for v in range(vectors):
+                    column = builder.add(first_column, const(v * COLUMNS))
+                    scale = group_columns(builder, scale_kind, scales_at, column, COLUMNS)
+                    low = group_columns(builder, scale_kind, mins_at, column, COLUMNS) if with_min else None
+                    for r in range(num_rows):
+                        to, held = out_at(r, v), builder.load(acc[r][v])
+                        sums = _x86(builder, "pmadd.wd", _SUMS, held, ones) if four_bit else held
+                        total = _fma(builder, builder.fmul(scale, per_row(d_ary, d_row, r, g)),
+                                     builder.sitofp(sums, _FLOATS), builder.load(to, align=4))
+                        if with_min:
+                            total = _fma(builder, low, per_row(sums_ary, sums_row, r, g), total)
+                        builder.store(total, to, align=4)
+                        builder.store(ir.Constant(acc_type, None), acc[r][v])
+
+            def product(num_rows):
+                for r in range(num_rows):
+                    for v in range(vectors):
+                        builder.store(ir.Constant(_FLOATS, None), out_at(r, v), align=4)
+                acc = [[cgutils.alloca_once_value(builder, ir.Constant(acc_type, None)) for _ in range(vectors)]
+                       for _ in range(num_rows)]
+                # one quad an iteration, a group's end behind a branch: a group's 8 quads unrolled had LLVM load
+                # every activation of the group up front and spill most of them (a 4-row pass at half the speed)
+                with cgutils.for_range(builder, builder.udiv(k_len, const(QUAD))) as loop:
+                    quad = loop.index
                     w = vectors_at(quad)
                     # vpmaddubsw takes unsigned weights: 8-bit ones give their magnitude, their sign moves to x
                     magnitude = w if four_bit else [_x86(builder, "psign.b", _BYTES, wv, wv) for wv in w]
                     for r in range(num_rows):
                         x_bytes = x_at(r, quad)
-                        for v in range(4):
+                        for v in range(vectors):
                             signed_x = x_bytes if four_bit else _x86(builder, "psign.b", _BYTES, x_bytes, w[v])
                             pairs = _x86(builder, "pmadd.ub.sw", _PAIRS, magnitude[v], signed_x)
-                            sums_of[r][v] = builder.add(sums_of[r][v], _x86(builder, "pmadd.wd", _SUMS, pairs, ones))
-                # each 8 columns' scales and mins widened once for all the rows (the stores to `out` keep LLVM from
-                # reusing what a row before widened: per row, super-block records cost a pass of 2 rows a fifth more)
-                for v in range(4):
-                    scale = group_columns(builder, scale_kind, scales_at, v * COLUMNS, COLUMNS)
-                    low = group_columns(builder, scale_kind, mins_at, v * COLUMNS, COLUMNS) if with_min else None
-                    for r in range(num_rows):
-                        to = out_at(r, v)
-                        total = _fma(builder, builder.fmul(scale, per_row(d_ary, d_row, r, g)),
-                                     builder.sitofp(sums_of[r][v], _FLOATS), builder.load(to, align=4))
-                        if with_min:
-                            total = _fma(builder, low, per_row(sums_ary, sums_row, r, g), total)
-                        builder.store(total, to, align=4)
+                            step = pairs if four_bit else _x86(builder, "pmadd.wd", _SUMS, pairs, ones)
+                            builder.store(builder.add(builder.load(acc[r][v]), step), acc[r][v])
+                    group_last = builder.icmp_unsigned("==", builder.and_(quad, const(QUADS - 1)), const(QUADS - 1))
+                    with builder.if_then(group_last, likely=False):
+                        group_end(num_rows, acc, builder.udiv(quad, const(QUADS)))
 
-            def product(num_rows):
-                for r in range(num_rows):
-                    for v in range(4):
-                        builder.store(ir.Constant(_FLOATS, None), out_at(r, v), align=4)
-                with cgutils.for_range(builder, groups) as loop:
-                    group_step(num_rows, loop.index)
-
-            simd.cases(builder, rows, range(1, ROW_GROUP + 1), product)
+            simd.cases(builder, rows, row_counts, product)
 
         kinds = [(four_bit, with_min) for four_bit in (False, True) for with_min in (False, True)]
         four_bit = builder.icmp_unsigned("==", cgutils.unpack_tuple(builder, data_ary.shape, 3)[2], const(BYTES_4BIT))
@@ -283,7 +287,25 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
         simd.cases(builder, which, range(len(kinds)), lambda k: kind(*kinds[k]))
         return context.get_dummy_value()
 
-    return types.void(xq, d, sums, data, scales, mins, index, out), codegen
+    return codegen
+
+
+@intrinsic
+def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
+    """out[r, :TILE] = xq[r] (as d * xq, sums) @ W[tile `index`].T for each of xq's 1 to ROW_GROUP rows: xq
+    [rows, K] int8 with unit stride along K, d / sums [rows, K / 32] float32, data / scales / mins contiguous as
+    pack() makes them (scales and mins of any of quant_matmul_cpu.SCALE_KINDS), out [>= rows, >= TILE] float32
+    with unit stride along its rows. One loop per kind of weight (4 or 8 bits, with or without mins) and row
+    count, picked at run time. x86 only (AVX2's integer ops)."""
+    return types.void(xq, d, sums, data, scales, mins, index, out), _product(4, range(1, ROW_GROUP + 1))
+
+
+@intrinsic
+def half_tile(typingctx, xq, d, sums, data, scales, mins, index, half, out):
+    """out[r, :TILE / 2] = xq[r] @ W[columns of half `half` (0 or 1) of tile `index`].T for each of xq's 1 to
+    GEMM_ROWS rows: tile()'s product, the same operations for each output (so the same floats), on half the
+    columns for more rows a pass (large batches: each weight vector multiplies more rows while in a register)."""
+    return types.void(xq, d, sums, data, scales, mins, index, half, out), _product(2, range(1, GEMM_ROWS + 1))
 
 
 def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:

@@ -183,16 +183,6 @@ def linear(x: torch.Tensor, weight: QuantTiles, bias: torch.Tensor | None) -> to
     return out.to(x.dtype)
 
 
-def activations_of(x: torch.Tensor, weight: QuantTiles) -> torch.Tensor:
-    """x as the weight's kernel multiplies it (float32 [rows, K]): rounded to int8 steps for integer dot products
-    (each value d * round(x / d) of its group), else as it is."""
-    if not weight.integer:
-        return x
-    out = torch.empty(x.shape)
-    quant_dot_cpu.round_activations(x.contiguous().numpy(), out.numpy())
-    return out
-
-
 def dequantize_rows(weight: QuantTiles, first: int, out: torch.Tensor) -> torch.Tensor:
     """out[r] = W[first + r] in float32, for every row of out [rows, K]."""
     with launch_lock:
@@ -487,16 +477,27 @@ def _quantized_activations(x):
     return xq, d, sums
 
 
-@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+@njit(fastmath=False, nogil=True, cache=kernel_cache.CACHE)
 def _integer_run(xq, d, sums, data, scales, mins, bias, out, accumulate, first_tile, end_tile):
-    """_integer_matmul's product for the output columns of tiles first_tile to end_tile - 1."""
-    step = quant_dot_cpu.ROW_GROUP
+    """_integer_matmul's product for the output columns of tiles first_tile to end_tile - 1: whole tiles for up to
+    ROW_GROUP rows (a decode step's: each byte of the weight read once), half tiles GEMM_ROWS rows at a time for
+    more (compute-bound: more rows for each weight vector in a register). Not fastmath: numba would mark the
+    kernels' float operations reassociable, and the two passes then round a super-block's scale times d apart."""
+    rows = xq.shape[0]
+    if rows <= quant_dot_cpu.ROW_GROUP:
+        scratch = np.empty((rows, TILE), np.float32)
+        for tile in range(first_tile, end_tile):
+            quant_dot_cpu.tile(xq, d, sums, data, scales, mins, tile, scratch)
+            _add_out(scratch, rows, bias, out, 0, tile * TILE, accumulate)
+        return
+    step = quant_dot_cpu.GEMM_ROWS
     scratch = np.empty((step, TILE), np.float32)
     for tile in range(first_tile, end_tile):
-        for first in range(0, xq.shape[0], step):
-            quant_dot_cpu.tile(xq[first:first + step], d[first:first + step], sums[first:first + step],
-                               data, scales, mins, tile, scratch)
-            _add_out(scratch, min(step, xq.shape[0] - first), bias, out, first, tile * TILE, accumulate)
+        for first in range(0, rows, step):
+            for half in range(2):
+                quant_dot_cpu.half_tile(xq[first:first + step], d[first:first + step], sums[first:first + step], data,
+                                        scales, mins, tile, half, scratch[:, half * TILE // 2:])
+            _add_out(scratch, min(step, rows - first), bias, out, first, tile * TILE, accumulate)
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)

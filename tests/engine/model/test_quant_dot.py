@@ -15,7 +15,9 @@ pytestmark = pytest.mark.skipif(not quant_dot_cpu.X86, reason="integer dot produ
 
 # (bits, with mins): Q4_1 / Q4_K / Q4_0 (min = -8 scale), Q8_0, an 8-bit stack with mins (Q4_1 beside Q8_0)
 LAYOUTS = [(4, True), (8, False), (8, True)]
-ROW_COUNTS = sorted({1, 2, 3, quant_dot_cpu.ROW_GROUP, quant_dot_cpu.ROW_GROUP + 1, 9})
+# whole-tile passes up to ROW_GROUP rows, half-tile passes of GEMM_ROWS beyond (a last one partly filled)
+ROW_COUNTS = sorted({1, 2, 3, quant_dot_cpu.ROW_GROUP, quant_dot_cpu.ROW_GROUP + 1, quant_dot_cpu.GEMM_ROWS,
+                     2 * quant_dot_cpu.GEMM_ROWS + 1, 40})
 
 
 def _rows(n: int, k: int, bits: int, with_mins: bool, seed: int = 0, half: bool = False) -> QuantRows:
@@ -83,9 +85,6 @@ def test_activations_round_to_int8_within_half_a_step():
     assert np.all(np.abs(xq * step - x) <= step / 2 * (1 + 1e-6))
     # the mins multiply the rounded activations' sum
     np.testing.assert_array_equal(sums, d * xq.astype(np.int32).reshape(3, 3, 32).sum(axis=2).astype(np.float32))
-    rounded = torch.empty(3, 96)
-    quant_dot_cpu.round_activations(x, rounded.numpy())
-    np.testing.assert_array_equal(rounded.numpy(), xq * step)
 
 
 @pytest.mark.parametrize("scales", quant_matmul_cpu.SCALE_KINDS)
@@ -129,16 +128,21 @@ def test_the_rounding_error_stays_within_its_bound_of_the_exact_product():
     assert np.all(np.abs(got - exact) <= bound + 1e-4)
 
 
-def test_a_large_batch_multiplies_the_same_rounded_activations():
-    """Steps of more than 32 rows run on the dequantized weight: over the rounded activations, so that a row's
-    product is the small-batch kernel's whatever its batch."""
-    from engine.model.linear import Linear
-    rows = _rows(2 * TILE, 64, 4, True)
-    layer = Linear(64, 2 * TILE, bias=False)
-    layer.quant, layer.weight = quant_matmul_cpu.pack(rows, integer=True), None
-    x = torch.from_numpy(np.random.default_rng(2).standard_normal((40, 64)).astype(np.float32))
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(40)])
-    np.testing.assert_allclose(layer(x).numpy(), alone.numpy(), rtol=1e-5, atol=1e-5 * alone.abs().max().item())
+@pytest.mark.parametrize("scales", quant_matmul_cpu.SCALE_KINDS)
+@pytest.mark.parametrize("bits,with_mins", LAYOUTS)
+def test_a_row_gets_the_same_floats_in_a_batch_of_any_size(bits, with_mins, scales):
+    """Whole-tile passes (a few rows) and half-tile passes (more) compute each output by the same operations: a
+    row's product in a prefill-sized batch is its product alone, bit for bit, through Linear as the model runs it."""
+    from engine.model.linear import MAX_PACKED_ROWS, Linear
+    rows = _rows_of_kind(3 * TILE + 5, 256, bits, with_mins, scales)
+    layer = Linear(256, 3 * TILE + 5, bias=True)
+    layer.quant, layer.weight = quant_matmul_cpu.pack(rows, integer=True, scales=scales), None
+    m = MAX_PACKED_ROWS + quant_dot_cpu.GEMM_ROWS + 1
+    x = torch.from_numpy(np.random.default_rng(2).standard_normal((m, 256)).astype(np.float32))
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(m)])
+    np.testing.assert_array_equal(layer(x).detach().numpy(), alone.detach().numpy())
+    np.testing.assert_array_equal(layer(x[:quant_dot_cpu.GEMM_ROWS + 1]).detach().numpy(),
+                                  alone[:quant_dot_cpu.GEMM_ROWS + 1].detach().numpy())
 
 
 def test_bias_and_accumulate_add_onto_the_output():
