@@ -484,6 +484,8 @@ def _integer_run(xq, d, sums, data, scales, mins, bias, out, accumulate, first_t
     more (compute-bound: more rows for each weight vector in a register). Not fastmath: numba would mark the
     kernels' float operations reassociable, and the two passes then round a super-block's scale times d apart."""
     rows = xq.shape[0]
+    if rows == 0:  # (the kernels take a row count outside their cases for their largest)
+        return
     if rows <= quant_dot_cpu.ROW_GROUP:
         scratch = np.empty((rows, TILE), np.float32)
         for tile in range(first_tile, end_tile):

@@ -145,6 +145,11 @@ def test_a_row_gets_the_same_floats_in_a_batch_of_any_size(bits, with_mins, scal
                                   alone[:quant_dot_cpu.GEMM_ROWS + 1].detach().numpy())
 
 
+def test_no_rows_give_an_empty_product():
+    tiles = quant_matmul_cpu.pack(_rows(TILE, 64, 8, False), integer=True)
+    assert quant_matmul_cpu.linear(torch.empty(0, 64), tiles, None).shape == (0, TILE)
+
+
 def test_bias_and_accumulate_add_onto_the_output():
     rows = _rows(TILE + 7, 64, 4, True)
     tiles = quant_matmul_cpu.pack(rows, integer=True)
