@@ -172,122 +172,117 @@ def _splat(builder: ir.IRBuilder, scalar: ir.Value, vector_type: ir.VectorType) 
                                   ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count))
 
 
-def _product(vectors: int, row_counts: range):
-    """The codegen of a pass of 1 to row_counts[-1] rows over `vectors` of a tile's 4 weight vectors: its
-    arguments tile()'s, with the part of the tile (of 4 / vectors) before `out` where vectors < 4."""
+def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_counts: range) -> None:
+    """The code of a pass of 1 to row_counts[-1] rows over `vectors` of a tile's 4 weight vectors, for an intrinsic
+    whose arguments are tile()'s, with the part of the tile (of 4 / vectors) before `out` where vectors < 4."""
+    if not X86:  # pack() never makes quads off x86; this keeps the function compilable there
+        builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                    "llvm.trap"), [])
+        return
+    xq_ary, d_ary, sums_ary, data_ary, scales_ary, mins_ary, out_ary = (
+        context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 5, -1))
+    index, part = args[6], args[7] if vectors < 4 else const(0)
+    rows, k_len = cgutils.unpack_tuple(builder, xq_ary.shape, 2)
+    xq_row = cgutils.unpack_tuple(builder, xq_ary.strides, 2)[0]  # in bytes, as xq's elements
+    d_row = builder.udiv(cgutils.unpack_tuple(builder, d_ary.strides, 2)[0], const(4))
+    sums_row = builder.udiv(cgutils.unpack_tuple(builder, sums_ary.strides, 2)[0], const(4))
+    out_row = builder.udiv(cgutils.unpack_tuple(builder, out_ary.strides, 2)[0], const(4))
+    xq_bytes = builder.bitcast(xq_ary.data, _I8.as_pointer())
+    ones = ir.Constant(_PAIRS, [1] * 16)
+    nibble = ir.Constant(_BYTES, [0x0F] * 32)
+    first_column = builder.mul(part, const(vectors * COLUMNS))
 
-    def codegen(context, builder, signature, args):
-        if not X86:  # pack() never makes quads off x86; this keeps the function compilable there
-            builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
-                                                        "llvm.trap"), [])
-            return context.get_dummy_value()
-        xq_ary, d_ary, sums_ary, data_ary, scales_ary, mins_ary, out_ary = (
-            context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 5, -1))
-        index, part = args[6], args[7] if vectors < 4 else const(0)
-        rows, k_len = cgutils.unpack_tuple(builder, xq_ary.shape, 2)
-        xq_row = cgutils.unpack_tuple(builder, xq_ary.strides, 2)[0]  # in bytes, as xq's elements
-        d_row = builder.udiv(cgutils.unpack_tuple(builder, d_ary.strides, 2)[0], const(4))
-        sums_row = builder.udiv(cgutils.unpack_tuple(builder, sums_ary.strides, 2)[0], const(4))
-        out_row = builder.udiv(cgutils.unpack_tuple(builder, out_ary.strides, 2)[0], const(4))
-        xq_bytes = builder.bitcast(xq_ary.data, _I8.as_pointer())
-        ones = ir.Constant(_PAIRS, [1] * 16)
-        nibble = ir.Constant(_BYTES, [0x0F] * 32)
-        first_column = builder.mul(part, const(vectors * COLUMNS))
+    def out_at(r, v):
+        at = builder.gep(out_ary.data, [builder.add(builder.mul(const(r), out_row), const(v * COLUMNS))])
+        return builder.bitcast(at, _FLOATS.as_pointer())
 
-        def out_at(r, v):
-            at = builder.gep(out_ary.data, [builder.add(builder.mul(const(r), out_row), const(v * COLUMNS))])
-            return builder.bitcast(at, _FLOATS.as_pointer())
+    def x_at(r, quad):  # xq[r, 4 quad .. 4 quad + 3] in every 32-bit lane
+        at = builder.gep(xq_bytes, [builder.add(builder.mul(const(r), xq_row), builder.mul(quad, const(QUAD)))])
+        x4 = builder.load(builder.bitcast(at, _I32.as_pointer()), align=1)
+        return builder.bitcast(_splat(builder, x4, _SUMS), _BYTES)
 
-        def x_at(r, quad):  # xq[r, 4 quad .. 4 quad + 3] in every 32-bit lane
-            at = builder.gep(xq_bytes, [builder.add(builder.mul(const(r), xq_row), builder.mul(quad, const(QUAD)))])
-            x4 = builder.load(builder.bitcast(at, _I32.as_pointer()), align=1)
-            return builder.bitcast(_splat(builder, x4, _SUMS), _BYTES)
+    def per_row(array, row_stride, r, g):  # array[r, g] of a [rows, K / 32] float32 array, in 8 lanes
+        at = builder.gep(array.data, [builder.add(builder.mul(const(r), row_stride), g)])
+        return _splat(builder, builder.load(at), _FLOATS)
 
-        def per_row(array, row_stride, r, g):  # array[r, g] of a [rows, K / 32] float32 array, in 8 lanes
-            at = builder.gep(array.data, [builder.add(builder.mul(const(r), row_stride), g)])
-            return _splat(builder, builder.load(at), _FLOATS)
+    scale_kind = signature.args[4].dtype  # float32, fp16 as its bits (int16), or super-block records (int8)
 
-        scale_kind = signature.args[4].dtype  # float32, fp16 as its bits (int16), or super-block records (int8)
+    def kind(four_bit, with_min):
+        width = BYTES_4BIT if four_bit else BYTES_8BIT
+        tile_data = builder.gep(data_ary.data, [builder.mul(index, builder.mul(builder.udiv(k_len, const(QUAD)),
+                                                                              const(width)))])
+        # a part's vectors lie together: 4 bits, a byte of each pair of vectors (0 low and 1 high nibble, 2 and 3)
+        part_bytes = width * vectors // 4
+        part_data = builder.gep(tile_data, [builder.mul(part, const(part_bytes))])
+        # 4 bits: 8 quads' pair sums of up to 2 * 15 * 127 each fit in 16 bits, so a group sums its pairs in
+        # 16 bits and widens them once; 8 bits (up to 2 * 128 * 127 a pair): each quad widens its own
+        acc_type = _PAIRS if four_bit else _SUMS
 
-        def kind(four_bit, with_min):
-            width = BYTES_4BIT if four_bit else BYTES_8BIT
-            tile_data = builder.gep(data_ary.data, [builder.mul(index, builder.mul(builder.udiv(k_len, const(QUAD)),
-                                                                                  const(width)))])
-            # a part's vectors lie together: 4 bits, a byte of each pair of vectors (0 low and 1 high nibble, 2 and 3)
-            part_bytes = width * vectors // 4
-            part_data = builder.gep(tile_data, [builder.mul(part, const(part_bytes))])
-            # 4 bits: 8 quads' pair sums of up to 2 * 15 * 127 each fit in 16 bits, so a group sums its pairs in
-            # 16 bits and widens them once; 8 bits (up to 2 * 128 * 127 a pair): each quad widens its own
-            acc_type = _PAIRS if four_bit else _SUMS
+        def vectors_at(quad):  # the part's weight vectors of a quad (unsigned bytes; 8 bits: as signed)
+            here = builder.gep(part_data, [builder.mul(quad, const(width))])
+            simd.prefetch_lines(builder, here, PREFETCH_BYTES, part_bytes)
+            loaded = [builder.load(builder.bitcast(builder.gep(here, [const(32 * v)]), _BYTES.as_pointer()),
+                                   align=1) for v in range(part_bytes // 32)]
+            if not four_bit:
+                return loaded
+            out = []
+            for raw in loaded:
+                high = builder.lshr(builder.bitcast(raw, _PAIRS), ir.Constant(_PAIRS, [4] * 16))
+                out += [builder.and_(raw, nibble), builder.and_(builder.bitcast(high, _BYTES), nibble)]
+            return out
 
-            def vectors_at(quad):  # the part's weight vectors of a quad (unsigned bytes; 8 bits: as signed)
-                here = builder.gep(part_data, [builder.mul(quad, const(width))])
-                simd.prefetch_lines(builder, here, PREFETCH_BYTES, part_bytes)
-                loaded = [builder.load(builder.bitcast(builder.gep(here, [const(32 * v)]), _BYTES.as_pointer()),
-                                       align=1) for v in range(part_bytes // 32)]
-                if not four_bit:
-                    return loaded
-                out = []
-                for raw in loaded:
-                    high = builder.lshr(builder.bitcast(raw, _PAIRS), ir.Constant(_PAIRS, [4] * 16))
-                    out += [builder.and_(raw, nibble), builder.and_(builder.bitcast(high, _BYTES), nibble)]
-                return out
-
-            def group_end(num_rows, acc, g):  # the group's integer sums times its scales (and mins) into `out`
-                scales_at, mins_at = [group_pointers(builder, scale_kind, ary, index, g)
-                                      for ary in (scales_ary, mins_ary)]
-                for ahead in (scales_at, mins_at) if with_min else (scales_at,):
-                    simd.prefetch_lines(builder, ahead[0], SCALES_AHEAD, TILE * (scale_kind.bitwidth // 8))
-                # each 8 columns' scales and mins widened once for all the rows (the stores to `out` keep LLVM from
-                # reusing what a row before widened: per row, super-block records cost a pass of 2 rows a fifth more)
-                for v in range(vectors):
-                    column = builder.add(first_column, const(v * COLUMNS))
-                    scale = group_columns(builder, scale_kind, scales_at, column, COLUMNS)
-                    low = group_columns(builder, scale_kind, mins_at, column, COLUMNS) if with_min else None
-                    for r in range(num_rows):
-                        to, held = out_at(r, v), builder.load(acc[r][v])
-                        sums = _x86(builder, "pmadd.wd", _SUMS, held, ones) if four_bit else held
-                        total = _fma(builder, builder.fmul(scale, per_row(d_ary, d_row, r, g)),
-                                     builder.sitofp(sums, _FLOATS), builder.load(to, align=4))
-                        if with_min:
-                            total = _fma(builder, low, per_row(sums_ary, sums_row, r, g), total)
-                        builder.store(total, to, align=4)
-                        builder.store(ir.Constant(acc_type, None), acc[r][v])
-
-            def product(num_rows):
+        def group_end(num_rows, acc, g):  # the group's integer sums times its scales (and mins) into `out`
+            scales_at, mins_at = [group_pointers(builder, scale_kind, ary, index, g)
+                                  for ary in (scales_ary, mins_ary)]
+            for ahead in (scales_at, mins_at) if with_min else (scales_at,):
+                simd.prefetch_lines(builder, ahead[0], SCALES_AHEAD, TILE * (scale_kind.bitwidth // 8))
+            # each 8 columns' scales and mins widened once for all the rows (the stores to `out` keep LLVM from
+            # reusing what a row before widened: per row, super-block records cost a pass of 2 rows a fifth more)
+            for v in range(vectors):
+                column = builder.add(first_column, const(v * COLUMNS))
+                scale = group_columns(builder, scale_kind, scales_at, column, COLUMNS)
+                low = group_columns(builder, scale_kind, mins_at, column, COLUMNS) if with_min else None
                 for r in range(num_rows):
+                    to, held = out_at(r, v), builder.load(acc[r][v])
+                    sums = _x86(builder, "pmadd.wd", _SUMS, held, ones) if four_bit else held
+                    total = _fma(builder, builder.fmul(scale, per_row(d_ary, d_row, r, g)),
+                                 builder.sitofp(sums, _FLOATS), builder.load(to, align=4))
+                    if with_min:
+                        total = _fma(builder, low, per_row(sums_ary, sums_row, r, g), total)
+                    builder.store(total, to, align=4)
+                    builder.store(ir.Constant(acc_type, None), acc[r][v])
+
+        def product(num_rows):
+            for r in range(num_rows):
+                for v in range(vectors):
+                    builder.store(ir.Constant(_FLOATS, None), out_at(r, v), align=4)
+            acc = [[cgutils.alloca_once_value(builder, ir.Constant(acc_type, None)) for _ in range(vectors)]
+                   for _ in range(num_rows)]
+            # one quad an iteration, a group's end behind a branch: a group's 8 quads unrolled had LLVM load
+            # every activation of the group up front and spill most of them (a 4-row pass at half the speed)
+            with cgutils.for_range(builder, builder.udiv(k_len, const(QUAD))) as loop:
+                quad = loop.index
+                w = vectors_at(quad)
+                # vpmaddubsw takes unsigned weights: 8-bit ones give their magnitude, their sign moves to x
+                magnitude = w if four_bit else [_x86(builder, "psign.b", _BYTES, wv, wv) for wv in w]
+                for r in range(num_rows):
+                    x_bytes = x_at(r, quad)
                     for v in range(vectors):
-                        builder.store(ir.Constant(_FLOATS, None), out_at(r, v), align=4)
-                acc = [[cgutils.alloca_once_value(builder, ir.Constant(acc_type, None)) for _ in range(vectors)]
-                       for _ in range(num_rows)]
-                # one quad an iteration, a group's end behind a branch: a group's 8 quads unrolled had LLVM load
-                # every activation of the group up front and spill most of them (a 4-row pass at half the speed)
-                with cgutils.for_range(builder, builder.udiv(k_len, const(QUAD))) as loop:
-                    quad = loop.index
-                    w = vectors_at(quad)
-                    # vpmaddubsw takes unsigned weights: 8-bit ones give their magnitude, their sign moves to x
-                    magnitude = w if four_bit else [_x86(builder, "psign.b", _BYTES, wv, wv) for wv in w]
-                    for r in range(num_rows):
-                        x_bytes = x_at(r, quad)
-                        for v in range(vectors):
-                            signed_x = x_bytes if four_bit else _x86(builder, "psign.b", _BYTES, x_bytes, w[v])
-                            pairs = _x86(builder, "pmadd.ub.sw", _PAIRS, magnitude[v], signed_x)
-                            step = pairs if four_bit else _x86(builder, "pmadd.wd", _SUMS, pairs, ones)
-                            builder.store(builder.add(builder.load(acc[r][v]), step), acc[r][v])
-                    group_last = builder.icmp_unsigned("==", builder.and_(quad, const(QUADS - 1)), const(QUADS - 1))
-                    with builder.if_then(group_last, likely=False):
-                        group_end(num_rows, acc, builder.udiv(quad, const(QUADS)))
+                        signed_x = x_bytes if four_bit else _x86(builder, "psign.b", _BYTES, x_bytes, w[v])
+                        pairs = _x86(builder, "pmadd.ub.sw", _PAIRS, magnitude[v], signed_x)
+                        step = pairs if four_bit else _x86(builder, "pmadd.wd", _SUMS, pairs, ones)
+                        builder.store(builder.add(builder.load(acc[r][v]), step), acc[r][v])
+                group_last = builder.icmp_unsigned("==", builder.and_(quad, const(QUADS - 1)), const(QUADS - 1))
+                with builder.if_then(group_last, likely=False):
+                    group_end(num_rows, acc, builder.udiv(quad, const(QUADS)))
 
-            simd.cases(builder, rows, row_counts, product)
+        simd.cases(builder, rows, row_counts, product)
 
-        kinds = [(four_bit, with_min) for four_bit in (False, True) for with_min in (False, True)]
-        four_bit = builder.icmp_unsigned("==", cgutils.unpack_tuple(builder, data_ary.shape, 3)[2], const(BYTES_4BIT))
-        with_min = builder.icmp_unsigned("!=", cgutils.unpack_tuple(builder, mins_ary.shape, 3)[1], const(0))
-        which = builder.add(builder.mul(builder.zext(four_bit, simd.I64), const(2)), builder.zext(with_min, simd.I64))
-        simd.cases(builder, which, range(len(kinds)), lambda k: kind(*kinds[k]))
-        return context.get_dummy_value()
-
-    return codegen
+    kinds = [(four_bit, with_min) for four_bit in (False, True) for with_min in (False, True)]
+    four_bit = builder.icmp_unsigned("==", cgutils.unpack_tuple(builder, data_ary.shape, 3)[2], const(BYTES_4BIT))
+    with_min = builder.icmp_unsigned("!=", cgutils.unpack_tuple(builder, mins_ary.shape, 3)[1], const(0))
+    which = builder.add(builder.mul(builder.zext(four_bit, simd.I64), const(2)), builder.zext(with_min, simd.I64))
+    simd.cases(builder, which, range(len(kinds)), lambda k: kind(*kinds[k]))
 
 
 @intrinsic
@@ -297,7 +292,12 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
     pack() makes them (scales and mins of any of quant_matmul_cpu.SCALE_KINDS), out [>= rows, >= TILE] float32
     with unit stride along its rows. One loop per kind of weight (4 or 8 bits, with or without mins) and row
     count, picked at run time. x86 only (AVX2's integer ops)."""
-    return types.void(xq, d, sums, data, scales, mins, index, out), _product(4, range(1, ROW_GROUP + 1))
+
+    def codegen(context, builder, signature, args):
+        _product(builder, context, signature, args, 4, range(1, ROW_GROUP + 1))
+        return context.get_dummy_value()
+
+    return types.void(xq, d, sums, data, scales, mins, index, out), codegen
 
 
 @intrinsic
@@ -305,7 +305,12 @@ def half_tile(typingctx, xq, d, sums, data, scales, mins, index, half, out):
     """out[r, :TILE / 2] = xq[r] @ W[columns of half `half` (0 or 1) of tile `index`].T for each of xq's 1 to
     GEMM_ROWS rows: tile()'s product, the same operations for each output (so the same floats), on half the
     columns for more rows a pass (large batches: each weight vector multiplies more rows while in a register)."""
-    return types.void(xq, d, sums, data, scales, mins, index, half, out), _product(2, range(1, GEMM_ROWS + 1))
+
+    def codegen(context, builder, signature, args):
+        _product(builder, context, signature, args, 2, range(1, GEMM_ROWS + 1))
+        return context.get_dummy_value()
+
+    return types.void(xq, d, sums, data, scales, mins, index, half, out), codegen
 
 
 def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
