@@ -146,6 +146,8 @@ def test_a_row_gets_the_same_floats_in_a_batch_of_any_size(bits, with_mins, scal
 
 
 def test_no_rows_give_an_empty_product():
+    """A prefill chunk that ends inside a prompt samples no token: the lm_head multiplies no rows (the kernels,
+    given a row count outside their cases, would take it for their largest and write past the scratch)."""
     tiles = quant_matmul_cpu.pack(_rows(TILE, 64, 8, False), integer=True)
     assert quant_matmul_cpu.linear(torch.empty(0, 64), tiles, None).shape == (0, TILE)
 
