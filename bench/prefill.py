@@ -121,7 +121,7 @@ class _TimedReplays:
 
 def run(model: str = "default", device: str = "cuda", dtype: str = "bfloat16", tokens: int = 4096,
         repeats: int = 3, gather_too: bool = False, eager_too: bool = False, profile_host: bool = False,
-        **overrides) -> dict:
+        gemm_too: bool = False, **overrides) -> dict:
     llm = LLM(model, device=device, dtype=dtype, max_num_batched_tokens=tokens, max_num_seqs=1, **overrides)
     gen = torch.Generator().manual_seed(0)
 
@@ -155,11 +155,32 @@ def run(model: str = "default", device: str = "cuda", dtype: str = "bfloat16", t
         llm.core.runner.graph_prefill = None
         eager_cached = _uncached_and_cached(llm, fresh())[1]
         result["eager_cached_ttft_s"] = round(statistics.median(eager_cached), 4)
+    if gemm_too and llm.core.device.type == "cpu":
+        result |= _each_gemm(llm, list(zip(fresh(), fresh())))
     if gather_too and llm.core.runner.prefill_kernel:
         llm.core.runner.prefill_kernel, llm.core.runner.graph_prefill = False, None
         gather = [ttft(llm, prompt)[0] for prompt in fresh()][1:]
         result["gather_uncached_ttft_s"] = round(statistics.median(gather), 4)
     return result
+
+
+def _each_gemm(llm: LLM, pairs: list[tuple[list[int], list[int]]]) -> dict:
+    """Uncached TTFTs on each float GEMM of quantized weights' prefill (cpu_gemm: OpenBLAS, oneMKL), taking turns
+    prompt by prompt (a pair's prompts differ: no cache hits); the first pair a warm-up."""
+    from engine.model import cpu_gemm
+    default, times = cpu_gemm.OPENBLAS, {True: [], False: []}
+    try:
+        for i, pair in enumerate(pairs):
+            for openblas, prompt in zip((default, not default), pair):
+                cpu_gemm.OPENBLAS = openblas
+                seconds = ttft(llm, prompt)[0]
+                if i > 0:
+                    times[openblas].append(seconds)
+    finally:
+        cpu_gemm.OPENBLAS = default
+    return {"gemm": "openblas" if default else "mkl",
+            "openblas_uncached_ttft_s": round(statistics.median(times[True]), 4),
+            "mkl_uncached_ttft_s": round(statistics.median(times[False]), 4)}
 
 
 SWEEP = ((64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 1), (64, 64, 8, 2), (64, 32, 4, 2), (64, 128, 4, 2),
@@ -250,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                              "fewer time the kernel's split keys, as a cached prompt's last block (16)")
     parser.add_argument("--quantized-activations", default="float32", choices=("float32", "int8"),
                         help="CPU, quantized weights: int8 runs their matmuls on integer dot products")
+    parser.add_argument("--gemm-too", action="store_true",
+                        help="CPU, quantized weights: also time uncached prompts on OpenBLAS's and oneMKL's GEMM in turns")
     parser.add_argument("--json", default=None, help="also write the result here")
     args = parser.parse_args(argv)
     if args.kernel_sweep:
@@ -263,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['ms']:8.3f} ms{row['tflops']:8.1f} TFLOP/s  rel error {row.get('rel_error', '-')}")
     else:
         result = run(args.model, args.device, args.dtype, args.tokens, args.repeats, args.gather_too, args.eager_too,
-                     args.profile_host, quantized_activations=args.quantized_activations)
+                     args.profile_host, args.gemm_too, quantized_activations=args.quantized_activations)
         for kind, rows in result.get("host_profile", {}).items():
             print(f"host profile, {kind} prompts: ms a prompt")
             for row in rows:

@@ -33,7 +33,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from engine.model import kernel_cache  # numba's cache folder, set before any @njit below
-from engine.model import quant_dot_cpu, simd
+from engine.model import cpu_gemm, quant_dot_cpu, simd
 from engine.model.bfloat16_bits import as_float32
 from engine.model.cpu_threads import launch_lock, use_threads
 from engine.model.packed_matmul_cpu import PREFETCH_BYTES, REGISTERS, TILE, tile_run
@@ -192,16 +192,17 @@ def dequantize_rows(weight: QuantTiles, first: int, out: torch.Tensor) -> torch.
 
 def prefill_linear(x: torch.Tensor, weight: QuantTiles, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T + bias for many rows of float32 x (prefill: compute-bound): W dequantized a block of its rows at a
-    time into one reused scratch, each block multiplied by oneDNN's GEMM. A fresh float32 copy of the whole W per
-    call spent much of its time in page faults, and a large model's copy is hundreds of MB."""
+    time into one reused scratch, each block multiplied by a float GEMM (cpu_gemm: OpenBLAS on AMD, else oneMKL).
+    A fresh float32 copy of the whole W per call spent much of its time in page faults, and a large model's copy
+    is hundreds of MB."""
     n, k = weight.out_features, weight.in_features
     block_rows = max(TILE, PREFILL_BLOCK_BYTES // (4 * k) // TILE * TILE)
     scratch = _prefill_scratch(min(block_rows, n) * k)
-    out = torch.empty(x.shape[0], n)
+    out, x = torch.empty(x.shape[0], n), x.contiguous()
     for first in range(0, n, block_rows):
         rows = min(block_rows, n - first)
         block = dequantize_rows(weight, first, scratch[:rows * k].view(rows, k))
-        out[:, first:first + rows] = torch.mm(x, block.T)
+        cpu_gemm.matmul_nt(x, block, out[:, first:first + rows])
     return out.add_(bias) if bias is not None else out  # (in place: out is this call's own)
 
 

@@ -77,3 +77,20 @@ def test_the_kernel_sweep_of_a_cached_block_splits_its_keys_every_way_it_is_aske
     assert result["queries"] == 16
     # at 1e-9 ms a run, "TFLOP/s" is the FLOPs themselves: query i of 16 sees 81 + i keys
     assert {r["tflops"] for r in result["rows"]} == {2 * 2 * 4 * 16 * sum(range(81, 97))}
+
+
+def test_gemm_too_times_each_prefill_gemm_in_turns_then_restores_the_default(tiny_llama_dir, monkeypatch):
+    """Quantized weights' prefill on OpenBLAS and on oneMKL (cpu_gemm), each timed; the default kept after."""
+    from engine.model import cpu_gemm
+    default, used, real = cpu_gemm.OPENBLAS, [], cpu_gemm.matmul_nt
+
+    def matmul_nt(x, w, out):
+        used.append(cpu_gemm.OPENBLAS)
+        real(x, w, out)
+
+    monkeypatch.setattr(cpu_gemm, "matmul_nt", matmul_nt)
+    result = prefill.run(str(tiny_llama_dir), device="cpu", dtype="float32", tokens=64, repeats=2, gemm_too=True,
+                         quantization="q8_0", block_size=16, num_kv_blocks=32)
+    assert result["gemm"] == ("openblas" if default else "mkl")
+    assert result["openblas_uncached_ttft_s"] > 0 and result["mkl_uncached_ttft_s"] > 0
+    assert set(used) == {True, False} and cpu_gemm.OPENBLAS is default

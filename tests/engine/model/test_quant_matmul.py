@@ -7,7 +7,7 @@ import pytest
 import torch
 from numba import njit
 
-from engine.model import quant_matmul_cpu
+from engine.model import cpu_gemm, quant_matmul_cpu
 from engine.model.quant_formats import QuantRows, SuperBlocks
 from engine.model.quant_matmul_cpu import ROW_GROUP, SIX_BIT, SUPER_HEAD, TILE
 
@@ -142,11 +142,14 @@ def test_bias_and_accumulate_add_onto_the_output():
     np.testing.assert_allclose(out, 2.0 + bias + _reference(x, rows), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("openblas", [True, False])
 @pytest.mark.parametrize("bits,group,with_mins", LAYOUTS)
-def test_prefill_products_dequantize_the_weight_a_block_of_rows_at_a_time(bits, group, with_mins, monkeypatch):
+def test_prefill_products_dequantize_the_weight_a_block_of_rows_at_a_time(bits, group, with_mins, openblas,
+                                                                          monkeypatch):
     """Many rows (prefill) against a weight dequantized 32 rows at a time into one reused scratch, its last
-    block partial, with a bias: the float64 product to float32 summation."""
+    block partial, with a bias, on either GEMM (cpu_gemm): the float64 product to float32 summation."""
     monkeypatch.setattr(quant_matmul_cpu, "PREFILL_BLOCK_BYTES", TILE * 64 * 4)
+    monkeypatch.setattr(cpu_gemm, "OPENBLAS", openblas)
     rows = _rows(3 * TILE + 5, 64, bits, group, with_mins)
     rng = np.random.default_rng(2)
     x, bias = rng.standard_normal((40, 64)).astype(np.float32), rng.standard_normal(3 * TILE + 5).astype(np.float32)
