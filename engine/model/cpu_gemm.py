@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from threadpoolctl import ThreadpoolController
 
+from engine.threads import usable_cores
+
 MIN_PART_COLUMNS = 64  # narrower column parts leave OpenBLAS's kernel too little work a call
 
 
@@ -35,22 +37,18 @@ OPENBLAS = cpu_vendor() == "AuthenticAMD"
 
 _lock = threading.Lock()
 _workers: ThreadPoolExecutor | None = None
-_worker_count = 0  # (0: OpenBLAS not yet set to one thread)
 
 
-def _pool(parts: int) -> ThreadPoolExecutor:
-    """Threads for all parts but the caller's (made once, grown when a larger thread count asks); the first call
-    sets numpy's OpenBLAS to one thread a call."""
-    global _workers, _worker_count
+def _pool() -> ThreadPoolExecutor:
+    """Threads for all parts but the caller's, one for each other usable core (never resized: two engines in one
+    process may multiply at once; parts beyond them wait their turn); the first call sets numpy's OpenBLAS to one
+    thread a call, process-wide."""
+    global _workers
     with _lock:
-        if _worker_count == 0:
+        if _workers is None:
             for library in ThreadpoolController().select(internal_api="openblas").lib_controllers:
                 library.set_num_threads(1)
-        if _worker_count < max(parts - 1, 1):
-            if _workers is not None:
-                _workers.shutdown(wait=False)
-            _worker_count = max(parts - 1, 1)
-            _workers = ThreadPoolExecutor(_worker_count, thread_name_prefix="prefill-gemm")
+            _workers = ThreadPoolExecutor(max(usable_cores() - 1, 1), thread_name_prefix="prefill-gemm")
         return _workers
 
 
@@ -68,7 +66,7 @@ def matmul_nt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     def part(p: int) -> None:
         outs[:, bounds[p]:bounds[p + 1]] = xs @ ws[bounds[p]:bounds[p + 1]].T
 
-    workers = _pool(parts)
+    workers = _pool()
     others = [workers.submit(part, p) for p in range(1, parts)]
     part(0)
     for future in others:
