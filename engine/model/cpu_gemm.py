@@ -48,7 +48,7 @@ def _pool() -> ThreadPoolExecutor:
         if _workers is None:
             for library in ThreadpoolController().select(internal_api="openblas").lib_controllers:
                 library.set_num_threads(1)
-            _workers = ThreadPoolExecutor(max(usable_cores() - 1, 1), thread_name_prefix="prefill-gemm")
+            _workers = ThreadPoolExecutor(max(usable_cores() - 1, 1), thread_name_prefix="prefixgate-gemm")
         return _workers
 
 
