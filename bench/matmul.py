@@ -7,8 +7,10 @@ of the model's shapes, for each kernel the engine has had: the packed-weight mic
 before), `F.linear` over the row-major weight (what prefill uses) and, with --quantized, the quantized
 kernels (engine/model/quant_matmul_cpu.py: float arithmetic; quant_dot_cpu.py: int8 activations and integer
 dot products, x86) over the same weights in ggml formats (the K-quants, which the gguf library cannot quantize
-to: random blocks of the format, read by the loader's decoder). The kernels take turns within each repeat, so
-that load from other processes shows in all alike; times are medians.
+to: random blocks of the format, read by the loader's decoder), and beside the float kernel the way larger
+steps go (`prefill_linear`: each weight dequantized into a scratch, then a float GEMM), so that `--rows
+33,48,64,96,128` shows where one overtakes the other (linear.QUANT_KERNEL_ROWS). The kernels take turns within
+each repeat, so that load from other processes shows in all alike; times are medians.
 """
 from __future__ import annotations
 
@@ -84,6 +86,12 @@ def run(model: str = "default", rows=(1, 8, 16, 32), repeats: int = 15, dtype: s
                 for (_, k), w, out in zip(shapes, weight_tiles, outs):
                     quant_matmul_cpu.quant_matmul(floats[k], *w.arrays(), no_bias, out, False, threads)
             kernels[f"{name} (engine)"] = quant
+            if name.endswith("float"):
+                def dequantized(weight_tiles=weight_tiles):
+                    for (_, k), w in zip(shapes, weight_tiles):
+                        quant_matmul_cpu.prefill_linear(torch.from_numpy(floats[k]), w, None)
+                kernels[f"{name} dequantized + GEMM"] = dequantized
+                bytes_read[f"{name} dequantized + GEMM"] = bytes_read[f"{name} (engine)"]
         if onednn is not None:
             def dnnl():
                 for (_, k), w in zip(shapes, onednn):

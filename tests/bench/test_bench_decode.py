@@ -124,6 +124,18 @@ def test_matmul_bench_packs_the_quantized_kernels_scales_as_the_loader_does(tiny
     assert bytes_mb["q4_1 int8 (engine)"] == bytes_mb["q4_1 float (engine)"] < bytes_mb["packed (engine)"] / 4
 
 
+def test_matmul_bench_times_the_float_kernel_beside_the_dequantized_gemm_of_larger_steps(tiny_llama_dir):
+    """Each quantized format's float kernel has the path of steps past linear.QUANT_KERNEL_ROWS beside it, over
+    the same tiles: where one overtakes the other."""
+    from bench import matmul
+    result = matmul.run(str(tiny_llama_dir), rows=(1, 40), repeats=1, log=lambda _: None, quantized=("q8_0", "q4_1"))
+    for row in result["rows"]:
+        for name in ("q8_0 float", "q4_1 float"):
+            assert row["ms"][f"{name} dequantized + GEMM"] > 0
+            assert row["bytes_mb"][f"{name} dequantized + GEMM"] == row["bytes_mb"][f"{name} (engine)"]
+        assert not any(name.endswith("int8 dequantized + GEMM") for name in row["ms"])
+
+
 def test_matmul_bench_times_the_k_quants_on_random_blocks_with_their_super_block_records(k_quant_llama_dir):
     """The gguf library cannot quantize to Q4_K or Q6_K: the bench decodes random blocks of them as a file's and
     packs them as the loader does (super-block records), 4.625 and 6.5625 bits a weight."""

@@ -158,6 +158,23 @@ def test_prefill_products_dequantize_the_weight_a_block_of_rows_at_a_time(bits, 
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("bits,group,with_mins", [(4, 32, True), (6, 16, False), (8, 32, False)])
+def test_linear_runs_the_float_kernel_up_to_its_rows_and_a_gemm_beyond(bits, group, with_mins):
+    """A quantized Linear's steps of up to QUANT_KERNEL_ROWS[bits] rows are the float kernel's products, bit for
+    bit, and larger ones prefill_linear's; both the float64 product to float32 summation."""
+    from engine.model.linear import QUANT_KERNEL_ROWS, Linear
+    rows = _rows(3 * TILE + 5, 64, bits, group, with_mins)
+    layer = Linear(64, 3 * TILE + 5, bias=False)
+    layer.quant, layer.weight = quant_matmul_cpu.pack(rows), None
+    limit = QUANT_KERNEL_ROWS[bits]
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal((limit + 1, 64)).astype(np.float32))
+    for m, path in ((limit, quant_matmul_cpu.linear), (limit + 1, quant_matmul_cpu.prefill_linear)):
+        got = layer(x[:m]).detach()
+        np.testing.assert_array_equal(got.numpy(), path(x[:m], layer.quant, None).numpy())
+        expected = _reference(x[:m].numpy(), rows)
+        np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
 @pytest.mark.parametrize("bits,group,with_mins", LAYOUTS)
 def test_dequantize_and_embedding_rows_are_exact(bits, group, with_mins):
     rows = _rows(2 * TILE + 3, 64, bits, group, with_mins)
