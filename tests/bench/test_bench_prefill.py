@@ -89,8 +89,9 @@ def test_gemm_too_times_each_prefill_gemm_in_turns_then_restores_the_default(tin
         real(x, w, out)
 
     monkeypatch.setattr(cpu_gemm, "matmul_nt", matmul_nt)
-    result = prefill.run(str(tiny_llama_dir), device="cpu", dtype="float32", tokens=64, repeats=2, gemm_too=True,
-                         quantization="q8_0", block_size=16, num_kv_blocks=32)
+    # (more tokens than linear.QUANT_KERNEL_ROWS[8]: steps of fewer rows run the quantized kernel, no GEMM)
+    result = prefill.run(str(tiny_llama_dir), device="cpu", dtype="float32", tokens=144, repeats=2, gemm_too=True,
+                         quantization="q8_0", block_size=16, num_kv_blocks=64)
     assert result["gemm"] == ("openblas" if default else "mkl")
     assert result["openblas_uncached_ttft_s"] > 0 and result["mkl_uncached_ttft_s"] > 0
     assert set(used) == {True, False} and cpu_gemm.OPENBLAS is default

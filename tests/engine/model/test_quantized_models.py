@@ -23,12 +23,14 @@ NEW_TOKENS = 24
 # min_tokens masks EOS as transformers' min_new_tokens does, so both pick the same token where EOS leads
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
 # fp32 K/V: the dequantized model's own (quantized weights default to bf16 K/V: test_quantized_weights_keep_...)
-SMALL = dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=64, kv_cache_dtype="float32")
+SMALL = dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=160, kv_cache_dtype="float32")
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(3)
-    shared = torch.randint(3, vocab_size, (36,), generator=gen).tolist()  # two whole blocks shared
+    # eight whole blocks shared; each prompt longer than the float kernel's largest step (linear.QUANT_KERNEL_ROWS),
+    # so a prompt alone runs the dequantized GEMM and its cache hit's last block the kernel
+    shared = torch.randint(3, vocab_size, (132,), generator=gen).tolist()
     return [shared + torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in (5, 1, 20)]
 
 
@@ -86,7 +88,7 @@ def test_native_formats_give_the_dequantized_models_tokens(files, tiny_llama_dir
     assert dequantized.core.model.lm_head.quant is None
     prompts = _prompts(native.core.vocab_size)
     tokens, cached = _greedy_twice(native, prompts)
-    assert cached == [32, 32, 48]  # every whole block of each prompt but its last token
+    assert cached == [128, 128, 144]  # every whole block of each prompt but its last token
     assert _greedy_twice(dequantized, prompts)[0] == tokens
     assert _greedy_twice(LLM(str(gguf_dir), cpu_kernels="eager", **SMALL), prompts)[0] == tokens
 
@@ -115,7 +117,7 @@ def test_k_quants_give_the_dequantized_models_tokens_from_super_block_records(k_
     assert native.core.runner.compiled_decode is not None
     prompts = _prompts(native.core.vocab_size)
     tokens, cached = _greedy_twice(native, prompts)
-    assert cached == [32, 32, 48]
+    assert cached == [128, 128, 144]
     assert _greedy_twice(LLM(str(gguf_dir), quantization="none", **SMALL), prompts)[0] == tokens
     assert _greedy_twice(LLM(str(gguf_dir), cpu_kernels="eager", **SMALL), prompts)[0] == tokens
 
@@ -146,7 +148,7 @@ def test_quantized_at_load_gives_transformers_tokens_on_the_dequantized_weights(
     assert llm.core.weights_format == quantization and llm.core.runner.compiled_decode is not None
     prompts = _prompts(llm.core.vocab_size)
     tokens, cached = _greedy_twice(llm, prompts)
-    assert cached == [32, 32, 48]  # every whole block of each prompt but its last token
+    assert cached == [128, 128, 144]  # every whole block of each prompt but its last token
     assert tokens == _transformers_greedy(twin, prompts)
 
 
@@ -160,7 +162,7 @@ def test_quantized_weights_keep_kv_in_bfloat16_by_default(tiny_llama_dir, tmp_pa
     assert quantized.core.num_blocks == 2 * dequantized.core.num_blocks
     assert LLM(str(gguf_dir), kv_cache_memory_mb=1, kv_cache_dtype="float32").core.runner.kv_slots.dtype == torch.float32
     prompts = _prompts(quantized.core.vocab_size)
-    assert _greedy_twice(quantized, prompts)[1] == [32, 32, 48]  # cached == uncached on bf16 K/V too
+    assert _greedy_twice(quantized, prompts)[1] == [128, 128, 144]  # cached == uncached on bf16 K/V too
 
 
 def test_weights_format_follows_dtype_and_kernels(tiny_llama_dir, tmp_path):
@@ -188,7 +190,7 @@ def test_int8_activations_run_integer_dot_products_and_the_cache_never_changes_t
     assert all(m.quant.integer for m in llm.core.model.modules() if getattr(m, "quant", None) is not None)
     prompts = _prompts(llm.core.vocab_size)
     _, cached = _greedy_twice(llm, prompts)
-    assert cached == [32, 32, 48]
+    assert cached == [128, 128, 144]
     exact = LLM(str(gguf_dir), **SMALL)
     assert not exact.core.integer_activations and not exact.core.model.lm_head.quant.integer
     # the first token's distribution (prefill): the five likeliest tokens of each model, with their logprobs,
@@ -216,7 +218,7 @@ def test_int8_activations_on_k_quants_read_their_super_block_records(k_quant_lla
     assert all(q.scales.dtype == torch.int8 for q in quants)
     assert llm.core.runner.compiled_decode is not None
     _, cached = _greedy_twice(llm, _prompts(llm.core.vocab_size))
-    assert cached == [32, 32, 48]
+    assert cached == [128, 128, 144]
 
 
 def test_quantized_at_load_the_head_stays_8_bit_beside_4_bit_layers():
