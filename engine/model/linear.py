@@ -46,7 +46,7 @@ class Linear(nn.Linear):
             from engine.model import quant_matmul_cpu
             # integer dot products run every batch (large ones 1.6-2x as fast on AVX2 as a float GEMM over dequantized
             # rows, each output the same floats as in a batch of one); float arithmetic up to QUANT_KERNEL_ROWS
-            if self.quant.integer or x.shape[0] <= QUANT_KERNEL_ROWS[self.quant.bits]:
+            if x.shape[0] <= QUANT_KERNEL_ROWS[self.quant.bits] or self.quant.integer:
                 return quant_matmul_cpu.linear(x, self.quant, self.bias)
             return quant_matmul_cpu.prefill_linear(x.float(), self.quant, self.bias).to(x.dtype)
         if self.packed is None:
