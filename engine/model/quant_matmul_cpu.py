@@ -17,8 +17,11 @@ Layout (packed_matmul_cpu's tiles, with integers): a weight [N, K] in QuantRows 
 
 The microkernel keeps, for each of up to ROW_GROUP rows, two 16-float accumulators of the group's
 sum of x[k] * q[k] (q widened to float in registers); at each group's end it adds scale * group sum and
-min * (the group's sum of x) to the row's product, which waits in `out` (L1) between groups. So the arithmetic is float32 throughout, and the
-integer products never round: the result is the dequantized weight's product to fp32 summation order.
+min * (the group's sum of x) to the row's product, which waits in `out` (L1) between groups. So the arithmetic
+is float32 throughout, and the integer products never round: the result is the dequantized weight's product to
+fp32 summation order. Where registers hold twice the rows for half a tile (AVX2: 4 against 2), steps with more rows
+than ROW_GROUP take 6- and 8-bit tiles by halves: each group's passes, one for each half and block of rows, read
+its bytes from memory once and from L1 after, and widen each weight once for 4 rows.
 """
 from __future__ import annotations
 
@@ -67,6 +70,19 @@ def row_group(isa: str) -> int:
 
 
 ROW_GROUP = row_group(kernel_cache.TARGET_ISA)
+
+
+def half_rows(isa: str) -> int:
+    """Rows one pass over half a tile serves, for steps with more rows than row_group(isa): each row keeps one
+    group-sum vector beside the half's weight vector and a broadcast, so each weight is widened once for twice
+    the rows; 0 where that is no more than a whole tile's pass serves (AVX-512). At most 4: a vector set that
+    fits more runs whole tiles."""
+    registers, per_vector = REGISTERS[isa]
+    rows = min(4, registers // per_vector - 2)
+    return rows if rows > row_group(isa) else 0
+
+
+HALF_ROWS = half_rows(kernel_cache.TARGET_ISA)
 
 
 @dataclass(frozen=True)
@@ -448,12 +464,17 @@ def quant_matmul(x, data, scales, mins, group, bias, out, accumulate, threads):
 def _tile_run(x, sums, data, scales, mins, group, bias, out, accumulate, first_tile, end_tile):
     """quant_matmul's product for the output columns of tiles first_tile to end_tile - 1 (sums: _group_sums of
     x), on the calling thread."""
-    scratch = np.empty((ROW_GROUP, TILE), np.float32)
+    # 4-bit tiles stay whole: by halves they came out no faster (bench.matmul's 65 matmuls of the 1B shapes at 4
+    # rows, AVX2: Q4_0 118 ms twice against 106 and 127 whole), where a Q8_0 file's batch-4 decode step went
+    # from 122-133 to 95-101 ms (bench.decode)
+    by_halves = HALF_ROWS > 0 and x.shape[0] > ROW_GROUP and data.shape[2] != HALF
+    step = 2 * HALF_ROWS if by_halves else ROW_GROUP
+    scratch = np.empty((step, TILE), np.float32)
     for tile in range(first_tile, end_tile):
-        for first in range(0, x.shape[0], ROW_GROUP):
-            _tile_rows(x[first:first + ROW_GROUP], data, scales, mins, sums[first:first + ROW_GROUP], tile, group,
-                       scratch)
-            _add_out(scratch, min(ROW_GROUP, x.shape[0] - first), bias, out, first, tile * TILE, accumulate)
+        for first in range(0, x.shape[0], step):
+            _tile_rows(x[first:first + step], data, scales, mins, sums[first:first + step], tile, group, scratch,
+                       by_halves)
+            _add_out(scratch, min(step, x.shape[0] - first), bias, out, first, tile * TILE, accumulate)
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, parallel=True)
@@ -504,22 +525,31 @@ def _integer_run(xq, d, sums, data, scales, mins, bias, out, accumulate, first_t
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
-def _tile_rows(x, data, scales, mins, sums, tile, group, out):
-    """_tile with the literal bits and has_min of this weight (each pair its own compiled loop)."""
+def _tile_rows(x, data, scales, mins, sums, tile, group, out, by_halves):
+    """_tile with the literal bits, has_min and by_halves of this weight and call (each its own compiled loop;
+    4-bit tiles always whole)."""
+    if by_halves:
+        _tile_kind(x, data, scales, mins, sums, tile, group, out, True)
+    else:
+        _tile_kind(x, data, scales, mins, sums, tile, group, out, False)
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+def _tile_kind(x, data, scales, mins, sums, tile, group, out, by_halves):
     if data.shape[2] == HALF:
         if mins.shape[1]:
-            _tile(x, data, scales, mins, sums, tile, group, out, 4, True)
+            _tile(x, data, scales, mins, sums, tile, group, out, 4, True, False)
         else:
-            _tile(x, data, scales, mins, sums, tile, group, out, 4, False)
+            _tile(x, data, scales, mins, sums, tile, group, out, 4, False, False)
     elif data.shape[2] == SIX_BIT:
         if mins.shape[1]:
-            _tile(x, data, scales, mins, sums, tile, group, out, 6, True)
+            _tile(x, data, scales, mins, sums, tile, group, out, 6, True, by_halves)
         else:
-            _tile(x, data, scales, mins, sums, tile, group, out, 6, False)
+            _tile(x, data, scales, mins, sums, tile, group, out, 6, False, by_halves)
     elif mins.shape[1]:
-        _tile(x, data, scales, mins, sums, tile, group, out, 8, True)
+        _tile(x, data, scales, mins, sums, tile, group, out, 8, True, by_halves)
     else:
-        _tile(x, data, scales, mins, sums, tile, group, out, 8, False)
+        _tile(x, data, scales, mins, sums, tile, group, out, 8, False, by_halves)
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
@@ -535,16 +565,18 @@ def _add_out(scratch, rows, bias, out, first, start, accumulate):
 
 
 @intrinsic
-def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_min):
-    """out[r, :TILE] = x[r, :] @ W[tile].T for each of x's 1 to ROW_GROUP rows (the literal `bits` and
-    `has_min` pick the code): x [rows, K] float32 with unit stride along K, data / scales / mins contiguous
+def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_min, by_halves):
+    """out[r, :TILE] = x[r, :] @ W[tile].T for each of x's 1 to ROW_GROUP rows, or with by_halves 1 to HALF_ROWS
+    rows in two passes over K, one for each half of the tile's columns (the literal `bits`, `has_min` and
+    `by_halves` pick the code): x [rows, K] float32 with unit stride along K, data / scales / mins contiguous
     as pack() makes them (scales and mins of any of SCALE_KINDS), sums [rows, K / group] the group sums of x
     (read only with mins), out [>= rows, >= TILE] float32 with unit stride along its rows."""
-    if not isinstance(bits, types.IntegerLiteral) or not isinstance(has_min, types.BooleanLiteral):
+    if not all(isinstance(flag, types.BooleanLiteral) for flag in (has_min, by_halves)) \
+            or not isinstance(bits, types.IntegerLiteral):
         return None  # numba then retries with the literal values of the constants the caller passes
 
     def codegen(context, builder, signature, args):
-        x_arg, data_arg, scales_arg, mins_arg, sums_arg, tile_arg, group_arg, out_arg, _, _ = args
+        x_arg, data_arg, scales_arg, mins_arg, sums_arg, tile_arg, group_arg, out_arg, _, _, _ = args
         arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 7)]
         x_ary, data_ary, scales_ary, mins_ary, sums_ary, out_ary = arrays
         with_min = has_min.literal_value
@@ -579,7 +611,10 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
         def out_at(r, v):
             return builder.gep(out_ary.data, [builder.add(builder.mul(const(r), out_row), const(v * LANES))])
 
-        def product(num_rows):
+        def product(num_rows, passes):
+            """The tile's product for num_rows rows, each group of K in `passes` (rows, halves) one after the
+            other (halves of 0: columns 0-15, 1: 16-31), each pass's group sums in registers: a group's bytes
+            come from memory in the first pass and from L1 in the others, while the prefetches run ahead."""
             zero = ir.Constant(simd.FLOATS, None)
             for r in range(num_rows):
                 for v in range(2):
@@ -591,37 +626,44 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
                                       for ary in (scales_ary, mins_ary)]
                 for ahead in (scales_at, mins_at) if with_min else (scales_at,):
                     simd.prefetch_lines(builder, ahead[0], SCALES_AHEAD, TILE * (kind.bitwidth // 8))
-
-                def k_step(i, partial):  # partial[r * 2 + v] += x[r, k] * q[k, v-th half of the tile]
-                    k = builder.add(first_k, i)
-                    here = builder.gep(tile_data, [builder.mul(k, const(width))])
-                    simd.prefetch(builder, here, PREFETCH_BYTES)  # (a line holds 2 or 4 k's: asked as often)
-                    w = weights_at(here)
-                    summed = []
-                    for r in range(num_rows):
-                        x_rk = simd.broadcast(builder, builder.load(
-                            builder.gep(x_ary.data, [builder.add(builder.mul(const(r), x_row), k)])))
-                        summed += [simd.fma(builder, w[v], x_rk, partial[r * 2 + v]) for v in range(2)]
-                    return summed
-
-                partial = simd.accumulate(builder, group_arg, num_rows * 2, k_step)
                 scale = per_group_vectors(scales_at)
                 low = per_group_vectors(mins_at) if with_min else None
-                for r in range(num_rows):
-                    x_sum = simd.broadcast(builder, builder.load(builder.gep(
-                        sums_ary.data, [builder.add(builder.mul(const(r), sums_row), g)]))) if with_min else None
-                    for v in range(2):
+                for number, (pass_rows, halves) in enumerate(passes):
+                    pairs = [(r, v) for r in pass_rows for v in halves]
+
+                    def k_step(i, partial):  # partial[p] += x[r, k] * q[k, half v] for (r, v) = pairs[p]
+                        k = builder.add(first_k, i)
+                        here = builder.gep(tile_data, [builder.mul(k, const(width))])
+                        if number == 0:  # (a line holds 2 or 4 k's: asked as often)
+                            simd.prefetch(builder, here, PREFETCH_BYTES)
+                        w = weights_at(here)  # (a half's pass drops the other half's widening)
+                        x_rk = {r: simd.broadcast(builder, builder.load(
+                            builder.gep(x_ary.data, [builder.add(builder.mul(const(r), x_row), k)])))
+                            for r in pass_rows}
+                        return [simd.fma(builder, w[v], x_rk[r], partial[p]) for p, (r, v) in enumerate(pairs)]
+
+                    partial = simd.accumulate(builder, group_arg, len(pairs), k_step)
+                    for p, (r, v) in enumerate(pairs):
                         to = out_at(r, v)
-                        total = simd.fma(builder, scale[v], partial[r * 2 + v], simd.load(builder, to, False))
-                        simd.store(builder, simd.fma(builder, low[v], x_sum, total) if with_min else total, to)
+                        total = simd.fma(builder, scale[v], partial[p], simd.load(builder, to, False))
+                        if with_min:
+                            x_sum = simd.broadcast(builder, builder.load(builder.gep(
+                                sums_ary.data, [builder.add(builder.mul(const(r), sums_row), g)])))
+                            total = simd.fma(builder, low[v], x_sum, total)
+                        simd.store(builder, total, to)
                 return []
 
             simd.accumulate(builder, groups, 0, group_step)
 
-        simd.cases(builder, rows, range(1, ROW_GROUP + 1), product)
+        if by_halves.literal_value:  # up to 2 blocks of HALF_ROWS rows, a pass over each half for each block
+            per_pass = max(1, HALF_ROWS)  # (compiled, never run, where HALF_ROWS is 0)
+            simd.cases(builder, rows, range(1, 2 * per_pass + 1), lambda n: product(n, [
+                (range(first, min(n, first + per_pass)), (v,)) for first in range(0, n, per_pass) for v in range(2)]))
+        else:
+            simd.cases(builder, rows, range(1, ROW_GROUP + 1), lambda n: product(n, [(range(n), (0, 1))]))
         return context.get_dummy_value()
 
-    return types.void(x, data, scales, mins, sums, tile, group, out, bits, has_min), codegen
+    return types.void(x, data, scales, mins, sums, tile, group, out, bits, has_min, by_halves), codegen
 
 
 def _six_bit_lanes(builder: ir.IRBuilder, here: ir.Value) -> list[ir.Value]:

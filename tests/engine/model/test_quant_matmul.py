@@ -9,12 +9,15 @@ from numba import njit
 
 from engine.model import cpu_gemm, quant_matmul_cpu
 from engine.model.quant_formats import QuantRows, SuperBlocks
-from engine.model.quant_matmul_cpu import ROW_GROUP, SIX_BIT, SUPER_HEAD, TILE
+from engine.model.quant_matmul_cpu import HALF_ROWS, ROW_GROUP, SIX_BIT, SUPER_HEAD, TILE
 
 # (bits, group, with mins): Q4_0 / Q4_1 / Q4_K, Q8_0, Q6_K, a 6-bit stack with mins (Q4_K's q and k over Q6_K's
 # v), 8-bit stacks of 16-weight groups
 LAYOUTS = [(4, 32, True), (8, 32, False), (6, 16, False), (6, 16, True), (8, 16, False), (8, 16, True)]
-ROW_COUNTS = sorted({1, 2, 8, ROW_GROUP, ROW_GROUP + 1})
+# a whole tile's pass and one row past it; where passes go by halves, blocks of rows full and partial, a call and
+# one row past it
+ROW_COUNTS = sorted({1, 2, 8, ROW_GROUP, ROW_GROUP + 1}
+                    | ({HALF_ROWS, HALF_ROWS + 1, 2 * HALF_ROWS + 1} if HALF_ROWS else set()))
 
 
 def _integers(rng: np.random.Generator, n: int, k: int, bits: int) -> np.ndarray:
