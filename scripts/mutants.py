@@ -90,8 +90,11 @@ MUTANTS = [
            "group = x[first:first + ROW_GROUP]", "group = x[first:first + ROW_GROUP - 1]", STEP_TESTS),
     # the quantized kernel drops the min * (group sum of x) term: right only where mins are zero
     Mutant("quant-min-term-dropped", "quant_matmul_cpu.py",
-           "simd.store(builder, simd.fma(builder, low[v], x_sum, total) if with_min else total, to)",
-           "simd.store(builder, total, to)", QUANT_TESTS),
+           "total = simd.fma(builder, low[v], x_sum, total)", "total = total", QUANT_TESTS),
+    # a step by halves passes over the tile's first half only: columns 16-31 of its rows stay zero
+    Mutant("quant-halves-second-half-skipped", "quant_matmul_cpu.py",
+           "for first in range(0, n, per_pass) for v in range(2)]",
+           "for first in range(0, n, per_pass) for v in range(1)]", QUANT_TESTS),
     # a group's sum of x skips its last weight
     Mutant("quant-group-sum-one-short", "quant_matmul_cpu.py",
            "total += x[r, k]", "total += x[r, k] if k % group != group - 1 else np.float32(0.0)", QUANT_TESTS),

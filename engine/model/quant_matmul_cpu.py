@@ -75,8 +75,9 @@ ROW_GROUP = row_group(kernel_cache.TARGET_ISA)
 def half_rows(isa: str) -> int:
     """Rows one pass over half a tile serves, for steps with more rows than row_group(isa): each row keeps one
     group-sum vector beside the half's weight vector and a broadcast, so each weight is widened once for twice
-    the rows; 0 where that is no more than a whole tile's pass serves (AVX-512). At most 4: a vector set that
-    fits more runs whole tiles."""
+    the rows; 0 where that is no more than a whole tile's pass serves (AVX-512). At most 4: on AVX2 the 4 rows'
+    sums take 8 of the 16 registers (8 FMA chains, as many as both FMA pipes need at their latency), the half's
+    weights 2, the broadcast 1, the widening the rest."""
     registers, per_vector = REGISTERS[isa]
     rows = min(4, registers // per_vector - 2)
     return rows if rows > row_group(isa) else 0
@@ -466,7 +467,7 @@ def _tile_run(x, sums, data, scales, mins, group, bias, out, accumulate, first_t
     x), on the calling thread."""
     # 4-bit tiles stay whole: by halves they came out no faster (bench.matmul's 65 matmuls of the 1B shapes at 4
     # rows, AVX2: Q4_0 118 ms twice against 106 and 127 whole), where a Q8_0 file's batch-4 decode step went
-    # from 122-133 to 95-101 ms (bench.decode)
+    # from 113-133 to 95-101 ms (bench.decode)
     by_halves = HALF_ROWS > 0 and x.shape[0] > ROW_GROUP and data.shape[2] != HALF
     step = 2 * HALF_ROWS if by_halves else ROW_GROUP
     scratch = np.empty((step, TILE), np.float32)
@@ -566,11 +567,12 @@ def _add_out(scratch, rows, bias, out, first, start, accumulate):
 
 @intrinsic
 def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_min, by_halves):
-    """out[r, :TILE] = x[r, :] @ W[tile].T for each of x's 1 to ROW_GROUP rows, or with by_halves 1 to HALF_ROWS
-    rows in two passes over K, one for each half of the tile's columns (the literal `bits`, `has_min` and
-    `by_halves` pick the code): x [rows, K] float32 with unit stride along K, data / scales / mins contiguous
-    as pack() makes them (scales and mins of any of SCALE_KINDS), sums [rows, K / group] the group sums of x
-    (read only with mins), out [>= rows, >= TILE] float32 with unit stride along its rows."""
+    """out[r, :TILE] = x[r, :] @ W[tile].T for each of x's 1 to ROW_GROUP rows, or with by_halves 1 to
+    2 * HALF_ROWS rows, each group of K in a pass for each half of the tile's columns and each block of HALF_ROWS
+    rows (the literal `bits`, `has_min` and `by_halves` pick the code): x [rows, K] float32 with unit stride
+    along K, data / scales / mins contiguous as pack() makes them (scales and mins of any of SCALE_KINDS), sums
+    [rows, K / group] the group sums of x (read only with mins), out [>= rows, >= TILE] float32 with unit stride
+    along its rows."""
     if not all(isinstance(flag, types.BooleanLiteral) for flag in (has_min, by_halves)) \
             or not isinstance(bits, types.IntegerLiteral):
         return None  # numba then retries with the literal values of the constants the caller passes
