@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.model import quant_dot_cpu, quant_formats
+from engine.model.linear import QUANT_KERNEL_ROWS
 from engine.model.loader import at_load_format, weights_format
 from tests.support.tiny_gguf import write_gguf_model
 
@@ -31,7 +32,9 @@ def _prompts(vocab_size: int) -> list[list[int]]:
     # eight whole blocks shared; each prompt longer than the float kernel's largest step (linear.QUANT_KERNEL_ROWS),
     # so a prompt alone runs the dequantized GEMM and its cache hit's last block the kernel
     shared = torch.randint(3, vocab_size, (132,), generator=gen).tolist()
-    return [shared + torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in (5, 1, 20)]
+    prompts = [shared + torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in (5, 1, 20)]
+    assert min(map(len, prompts)) > max(QUANT_KERNEL_ROWS.values())  # (a raised limit needs longer prompts)
+    return prompts
 
 
 def _transformers_greedy(model_dir, prompts) -> list[list[int]]:
