@@ -84,6 +84,11 @@ def half_rows(isa: str) -> int:
 
 
 HALF_ROWS = half_rows(kernel_cache.TARGET_ISA)
+# each group's even and odd k's summed apart, then added: two FMA chains a sum, on AVX-512, where a tile's pass at
+# 1 row has 2 sums and both FMA pipes waited on their latency (Q4_1 from L2, 1 row: 0.78 -> 0.67 ns a k of a tile;
+# the default model's batch-1 step 6% faster). AVX2's passes are bound by widening the weights: 5% faster at 1 row,
+# 5% slower at 2, where the two runs' sums do not fit in its registers together (docs/speed.md#split-k-sums)
+SPLIT_K = kernel_cache.TARGET_ISA == "avx512"
 
 
 @dataclass(frozen=True)
@@ -583,6 +588,7 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
         x_ary, data_ary, scales_ary, mins_ary, sums_ary, out_ary = arrays
         with_min = has_min.literal_value
         kind = signature.args[2].dtype
+        registers, per_vector = REGISTERS[kernel_cache.TARGET_ISA]
 
         def per_group_vectors(pointers):  # the 32 scales (or mins) of one group as 2 float vectors
             return [quant_dot_cpu.group_columns(builder, kind, pointers, v * LANES, LANES) for v in range(2)]
@@ -633,8 +639,9 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
                 for number, (pass_rows, halves) in enumerate(passes):
                     pairs = [(r, v) for r in pass_rows for v in halves]
 
-                    def k_step(i, partial):  # partial[p] += x[r, k] * q[k, half v] for (r, v) = pairs[p]
-                        k = builder.add(first_k, i)
+                    def k_step(i, partial, stride=1, parity=0):  # partial[p] += x[r, k] * q[k, half v] for
+                        # (r, v) = pairs[p], k the group's k number stride * i + parity
+                        k = builder.add(first_k, builder.add(builder.mul(i, const(stride)), const(parity)))
                         here = builder.gep(tile_data, [builder.mul(k, const(width))])
                         if number == 0:  # (a line holds 2 or 4 k's: asked as often)
                             simd.prefetch(builder, here, PREFETCH_BYTES)
@@ -644,10 +651,22 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
                             for r in pass_rows}
                         return [simd.fma(builder, w[v], x_rk[r], partial[p]) for p, (r, v) in enumerate(pairs)]
 
-                    partial = simd.accumulate(builder, group_arg, len(pairs), k_step)
+                    if SPLIT_K:  # even k's and odd k's apart: in one loop where registers hold both sums, else
+                        # the even k's and then the odd ones from L1 (every row count's sums alike)
+                        pairs_of_k = builder.udiv(group_arg, const(2))  # (every format's groups are even)
+                        if 2 * len(pairs) * per_vector <= registers // 2:
+                            both = simd.accumulate(builder, pairs_of_k, 2 * len(pairs), lambda i, partial: k_step(
+                                i, partial[:len(pairs)], 2) + k_step(i, partial[len(pairs):], 2, 1))
+                            runs = [both[:len(pairs)], both[len(pairs):]]
+                        else:
+                            runs = [simd.accumulate(builder, pairs_of_k, len(pairs), lambda i, partial, parity=parity: k_step(
+                                i, partial, 2, parity)) for parity in (0, 1)]
+                        group_sums = [builder.fadd(even, odd) for even, odd in zip(*runs)]  # (an FADD pipe's)
+                    else:
+                        group_sums = simd.accumulate(builder, group_arg, len(pairs), k_step)
                     for p, (r, v) in enumerate(pairs):
                         to = out_at(r, v)
-                        total = simd.fma(builder, scale[v], partial[p], simd.load(builder, to, False))
+                        total = simd.fma(builder, scale[v], group_sums[p], simd.load(builder, to, False))
                         if with_min:
                             x_sum = simd.broadcast(builder, builder.load(builder.gep(
                                 sums_ary.data, [builder.add(builder.mul(const(r), sums_row), g)])))

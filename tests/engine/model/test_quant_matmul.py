@@ -58,6 +58,19 @@ def test_product_matches_float64(bits, group, with_mins, n):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("bits,group,with_mins", LAYOUTS)
+def test_a_rows_product_is_the_same_bits_at_every_row_count(bits, group, with_mins):
+    """Each row's product alone and in a step of any row count the kernel serves, bit for bit: every pass sums a
+    group in the same order (on AVX-512 its even and odd k's apart, in one loop for a few rows, in two for more),
+    so an answer does not hang on how many requests share its step."""
+    k = 96 if group == 32 else 80
+    tiles = quant_matmul_cpu.pack(_rows(3 * TILE + 5, k, bits, group, with_mins))
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal((max(ROW_COUNTS), k)).astype(np.float32))
+    alone = torch.cat([quant_matmul_cpu.linear(x[r:r + 1], tiles, None) for r in range(len(x))])
+    for m in ROW_COUNTS:
+        assert torch.equal(quant_matmul_cpu.linear(x[:m], tiles, None), alone[:m]), m
+
+
 @njit(fastmath=True)
 def _sums_under_fastmath(x, group):
     return quant_matmul_cpu._group_sums(x, group, True)  # compiled here: x's layout 'A' is a new signature
