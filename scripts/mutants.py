@@ -100,8 +100,7 @@ MUTANTS = [
            "+ k_step(i, partial[len(pairs):], 2, 1))", "+ list(partial[len(pairs):]))", QUANT_TESTS, isa="avx512"),
     # ... and its two-loop passes (5 to 8 rows) read the even k's twice
     Mutant("quant-split-k-even-run-twice", "quant_matmul_cpu.py",
-           "i, partial, 2, parity)) for parity in (0, 1)]", "i, partial, 2, parity)) for parity in (0, 0)]",
-           QUANT_TESTS, isa="avx512"),
+           "for parity in (0, 1)]", "for parity in (0, 0)]", QUANT_TESTS, isa="avx512"),
     # a group's sum of x skips its last weight
     Mutant("quant-group-sum-one-short", "quant_matmul_cpu.py",
            "total += x[r, k]", "total += x[r, k] if k % group != group - 1 else np.float32(0.0)", QUANT_TESTS),

@@ -85,9 +85,10 @@ def half_rows(isa: str) -> int:
 
 HALF_ROWS = half_rows(kernel_cache.TARGET_ISA)
 # each group's even and odd k's summed apart, then added: two FMA chains a sum, on AVX-512, where a tile's pass at
-# 1 row has 2 sums and both FMA pipes waited on their latency (Q4_1 from L2, 1 row: 0.78 -> 0.67 ns a k of a tile;
-# the default model's batch-1 step 6% faster). AVX2's passes are bound by widening the weights: 5% faster at 1 row,
-# 5% slower at 2, where the two runs' sums do not fit in its registers together (docs/speed.md#split-k-sums)
+# 1 row has 2 sums and both FMA pipes waited on their latency (Q4_1, 1 row, from memory: 0.78-0.83 -> 0.71 ns a k
+# of a tile; the default model's batch-1 step 6% faster). AVX2's passes are bound by widening the weights: 5%
+# faster at 1 row, 5% slower at 2, where the two runs' sums do not fit in its registers together
+# (docs/speed.md#split-k-sums)
 SPLIT_K = kernel_cache.TARGET_ISA == "avx512"
 
 
@@ -659,8 +660,9 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
                                 i, partial[:len(pairs)], 2) + k_step(i, partial[len(pairs):], 2, 1))
                             runs = [both[:len(pairs)], both[len(pairs):]]
                         else:
-                            runs = [simd.accumulate(builder, pairs_of_k, len(pairs), lambda i, partial, parity=parity: k_step(
-                                i, partial, 2, parity)) for parity in (0, 1)]
+                            runs = [simd.accumulate(builder, pairs_of_k, len(pairs),
+                                                    lambda i, partial, parity=parity: k_step(i, partial, 2, parity))
+                                    for parity in (0, 1)]
                         group_sums = [builder.fadd(even, odd) for even, odd in zip(*runs)]  # (an FADD pipe's)
                     else:
                         group_sums = simd.accumulate(builder, group_arg, len(pairs), k_step)
