@@ -16,7 +16,8 @@ Layout (packed_matmul_cpu's tiles, with integers): a weight [N, K] in QuantRows 
   mins [tiles, 0, ..] when the format has none.
 
 The microkernel keeps, for each of up to ROW_GROUP rows, two 16-float accumulators of the group's
-sum of x[k] * q[k] (q widened to float in registers); at each group's end it adds scale * group sum and
+sum of x[k] * q[k] (q widened to float in registers; on AVX-512 the even k's and the odd ones apart, then added:
+SPLIT_K); at each group's end it adds scale * group sum and
 min * (the group's sum of x) to the row's product, which waits in `out` (L1) between groups. So the arithmetic
 is float32 throughout, and the integer products never round: the result is the dequantized weight's product to
 fp32 summation order. Where registers hold twice the rows for half a tile (AVX2: 4 against 2), steps with more rows
