@@ -4,9 +4,9 @@
 # hub) measured four ways: a 4,096-token prompt's prefill against the bf16 peak and its cached TTFT (1B shapes),
 # decode steps against the roofline with plain transformers beside them, and the server on the GPU through HTTP
 # (`bench serving`: one stream, 4 chats, 64 chats on a shared 2,000-token system prompt) against the same engine in
-# process; then the CPU kernels' decode step on the host's CPU (Q4_0 at load). Each stage has its own time limit
-# (seconds, from the environment) and its own log, so one that fails or runs long leaves the others' figures;
-# STAGES (names, space-separated) runs some of them only.
+# process; then the CPU kernels' decode step on the host's CPU (Q4_0 at load), on all its cores and on two. Each
+# stage has its own time limit (seconds, from the environment) and its own log, so one that fails or runs long
+# leaves the others' figures; STAGES (names, space-separated) runs some of them only.
 # usage: scripts/cuda_check.sh [SOURCE_DIR] [OUT_DIR]
 #   SOURCE_DIR: a model directory whose config.json and tokenizer the random models take (default: the default
 #   model's, downloaded here); OUT_DIR: where the logs, JSON and plots go (default bench/results/cuda).
@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 [ -n "$source_dir" ] || source_dir=$($py -c "from engine.model.loader import resolve_model_path; print(resolve_model_path('default'))")
 
-stages=" ${STAGES:-tests prefill sweep sweep_cached profile decode_1b decode_small serving cpu_decode} "
+stages=" ${STAGES:-tests prefill sweep sweep_cached profile decode_1b decode_small serving cpu_decode cpu_decode_2} "
 stage() {  # stage NAME SECONDS COMMAND...: runs it under its limit, its output to NAME.log and the screen
   local name=$1 limit=$2
   shift 2
@@ -74,4 +74,7 @@ stage serving "${SERVING_S:-170}" $py -m bench serving --model "$small" --device
 # reads; numba compiles the kernels for this CPU first (minutes)
 stage cpu_decode "${CPU_S:-300}" $py -m bench.decode --device cpu --model "$small" --quantization q4_0 --batches 1,8 \
   --steps 16 --context 968 --json "$out/cpu_decode_q4_0.json"
+# the same on two of its cores (the kernels compiled above), as on the 2-core machines the CPU targets are set on
+stage cpu_decode_2 "${CPU_S:-300}" taskset -c 0,1 $py -m bench.decode --device cpu --model "$small" \
+  --quantization q4_0 --batches 1,8 --steps 16 --context 968 --json "$out/cpu_decode_q4_0_2cores.json"
 cat "$out/summary.txt"
