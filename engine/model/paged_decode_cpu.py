@@ -156,7 +156,7 @@ def run_bin(plan, b, scaled, k_cache, v_cache, slots, shared_slots, partials):
               member_partial[member_first[task]:member_first[task + 1]], dim, acc, top, total)
 
 
-@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, error_model="numpy")  # (its division vectorizes)
 def merge_row(plan, partials, m, out):
     """Row m's attention output [heads, dim] from its partial softmaxes, merged by their maxima (0 for a row
     with no slots)."""
