@@ -30,7 +30,6 @@ class ModelRunner:
         self.kv = kv
         self.block_size = block_size
         self.device = device
-        self._offsets = np.arange(block_size)
         self.compiled_decode = None
         self.graph_decode = None  # decode steps as CUDA graphs (capture_cuda_graphs)
         self.graph_prefill = None  # steps with a prefill chunk, up to a token bucket, as CUDA graphs
@@ -59,27 +58,27 @@ class ModelRunner:
         positions: list[int] = []
         slot_mapping: list[int] = []
         prefills: list[PrefillSeq] = []
-        decodes: list[tuple[int, list[int], int]] = []  # (position in the batch, block ids, context length)
+        decodes: list[tuple[int, str, int]] = []  # (position in the batch, request id, context length)
         logits_idx: list[int] = []
         sampled: list[ScheduledChunk] = []
         sampled_rows: list[int] = []  # their rows' places among the step's rows
-        rows: list[tuple[int, list[int], int]] = []  # (queries, block ids, context end) of every chunk
+        rows: list[tuple[int, str, int]] = []  # (queries, request id, context end) of every chunk
         for chunk in chunks:
             request = chunk.request
             start, end = request.num_computed_tokens, request.num_computed_tokens + chunk.num_tokens
-            block_ids = self.kv.block_ids(request.request_id)
+            slots = self.kv.slots(request.request_id)
             q_start = len(input_ids)
             input_ids += request.all_token_ids[start:end]
             positions += range(start, end)
             if chunk.num_tokens == 1:
-                slot_mapping.append(block_ids[start // self.block_size] * self.block_size + start % self.block_size)
-            else:  # (numpy: a Python loop over a long chunk's slots costs more than the step's launches)
-                slot_mapping += self._slot_array(block_ids, start, end).tolist()
-            rows.append((chunk.num_tokens, block_ids, end))
+                slot_mapping.append(int(slots[start]))
+            else:
+                slot_mapping += slots[start:end].tolist()
+            rows.append((chunk.num_tokens, request.request_id, end))
             if _is_decode(request, start, end):
-                decodes.append((q_start, block_ids, end))
+                decodes.append((q_start, request.request_id, end))
             elif not self.prefill_kernel:  # (the kernel reads block tables: no slot lists or masks to build)
-                prefills.append(PrefillSeq(q_start, chunk.num_tokens, self._slots(block_ids, 0, end),
+                prefills.append(PrefillSeq(q_start, chunk.num_tokens, self._tensor_of(slots[:end]),
                                            _chunk_mask(start, end, self.device)))
             if end == request.num_tokens:
                 logits_idx.append(len(input_ids) - 1)
@@ -94,17 +93,18 @@ class ModelRunner:
                                           self._tensor(logits_idx), batch.shared)
             return logits, sampled
         if self.graph_decode is not None and decode_only and len(decodes) <= self.graph_decode.max_rows:
-            logits = self.graph_decode(input_ids, positions, slot_mapping, [ids for _, ids, _ in decodes],
+            logits = self.graph_decode(input_ids, positions, slot_mapping,
+                                       [self.kv.block_ids(request_id) for _, request_id, _ in decodes],
                                        [end for _, _, end in decodes])
             return logits, sampled
         pooling = any(c.request.params.pooling for c in sampled)
         if (self.graph_prefill is not None and not decode_only and not pooling
                 and self.graph_prefill.holds(len(input_ids), len(rows))):
-            logits = self.graph_prefill(input_ids, positions, slot_mapping, rows)
+            logits = self.graph_prefill(input_ids, positions, slot_mapping, self._block_tables(rows))
             return (logits if len(sampled) == len(rows) else logits[self._tensor(sampled_rows)]), sampled
         if self.prefill_kernel and not decode_only:
             meta = AttentionMetadata(self._tensor(slot_mapping), [], None,
-                                     BlockTableBatch.build(rows, self.block_size, self.device))
+                                     BlockTableBatch.build(self._block_tables(rows), self.block_size, self.device))
         else:
             meta = AttentionMetadata(self._tensor(slot_mapping), prefills, self._decode_batch(decodes))
         if pooling:  # an embedding request's prompt ends in this step
@@ -177,28 +177,24 @@ class ModelRunner:
         # (np.fromiter: torch.tensor of a long list of ints is several times slower)
         return torch.from_numpy(np.fromiter(values, np.int64, len(values))).to(self.device)
 
-    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
-        """Slots of token positions [start, end). Slot = block id * block size + offset."""
-        return torch.from_numpy(self._slot_array(block_ids, start, end)).to(self.device)
+    def _block_tables(self, rows: list[tuple[int, str, int]]) -> list[tuple[int, list[int], int]]:
+        """(queries, block ids, context end) of each row given as (queries, request id, context end)."""
+        return [(queries, self.kv.block_ids(request_id), end) for queries, request_id, end in rows]
 
-    def _slot_array(self, block_ids: list[int], start: int, end: int) -> np.ndarray:
-        """Slots of token positions [start, end), start anywhere in its block."""
-        # (numpy: measured faster than a few small torch ops per row, and a decode step makes one per row)
-        bs = self.block_size
-        first = start // bs
-        blocks = np.array(block_ids[first:-(-end // bs)], dtype=np.int64)
-        skipped = start - first * bs
-        return (blocks[:, None] * bs + self._offsets).ravel()[skipped:skipped + end - start]
+    def _tensor_of(self, slots: np.ndarray) -> torch.Tensor:
+        """A tensor of slots on the device (a copy: on CPU, torch.from_numpy would share the slot table)."""
+        return torch.from_numpy(slots.copy()).to(self.device)
 
-    def _decode_batch(self, decodes: list[tuple[int, list[int], int]]) -> DecodeBatch | None:
+    def _decode_batch(self, decodes: list[tuple[int, str, int]]) -> DecodeBatch | None:
         if not decodes:
             return None
-        shared, rest_starts = self._shared_prefixes([(ids, end) for _, ids, end in decodes])
-        lengths = np.array([end - rest_start for (_, _, end), rest_start in zip(decodes, rest_starts)])
+        contexts = [self.kv.slots(request_id)[:end] for _, request_id, end in decodes]
+        shared, rest_starts = self._shared_prefixes(contexts)
+        lengths = np.array([len(context) - rest_start for context, rest_start in zip(contexts, rest_starts)])
         # one [rows, longest] matrix: padding reads slot 0 and is never counted
         slots = np.zeros((len(decodes), lengths.max()), np.int64)
-        for row, ((_, ids, end), rest_start) in enumerate(zip(decodes, rest_starts)):
-            slots[row, :lengths[row]] = self._slot_array(ids, rest_start, end)
+        for row, (context, rest_start) in enumerate(zip(contexts, rest_starts)):
+            slots[row, :lengths[row]] = context[rest_start:]
         bias = None
         if lengths.min() < slots.shape[1] and not self.paged_kernel:
             padding = torch.from_numpy(np.arange(slots.shape[1])[None, :] >= lengths[:, None]).to(self.device)
@@ -207,24 +203,25 @@ class ModelRunner:
         return DecodeBatch(self._tensor([i for i, _, _ in decodes]), torch.from_numpy(slots).to(self.device),
                            torch.from_numpy(lengths).to(self.device), bias, shared, self.paged_kernel)
 
-    def _shared_prefixes(self, seqs: list[tuple[list[int], int]]) -> tuple[list[SharedPrefix], list[int]]:
-        """Groups decodes by their first block; returns each group's shared leading blocks (cascade
-        attention) and where each sequence's own rest starts. A sequence alone in its group shares nothing."""
+    def _shared_prefixes(self, contexts: list[np.ndarray]) -> tuple[list[SharedPrefix], list[int]]:
+        """Groups decodes (each its context's slots) by their first block; returns each group's shared leading
+        blocks (cascade attention) and where each sequence's own rest starts. A sequence alone in its group
+        shares nothing."""
         bs = self.block_size
         groups: dict[int, list[int]] = {}
-        for row, (ids, end) in enumerate(seqs):
-            if end - 1 >= bs:  # each sequence keeps at least its newest token outside the shared part
-                groups.setdefault(ids[0], []).append(row)
+        for row, context in enumerate(contexts):
+            if len(context) - 1 >= bs:  # each sequence keeps at least its newest token outside the shared part
+                groups.setdefault(int(context[0]), []).append(row)
         shared: list[SharedPrefix] = []
-        rest_starts = [0] * len(seqs)
+        rest_starts = [0] * len(contexts)
         for rows in groups.values():
             if len(rows) < 2:
                 continue
-            limit = min((seqs[r][1] - 1) // bs for r in rows)
-            tables = np.array([seqs[r][0][:limit] for r in rows])
+            limit = min((len(contexts[r]) - 1) // bs for r in rows)
+            tables = np.array([contexts[r][:limit * bs:bs] for r in rows])  # each block's first slot
             differs = (tables != tables[0]).any(axis=0)  # the blocks where some table leaves the first one
             num = int(differs.argmax()) if differs.any() else limit
-            shared.append(SharedPrefix(self._tensor(rows), self._slots(seqs[rows[0]][0], 0, num * bs)))
+            shared.append(SharedPrefix(self._tensor(rows), self._tensor_of(contexts[rows[0]][:num * bs])))
             for r in rows:
                 rest_starts[r] = num * bs
         return shared, rest_starts

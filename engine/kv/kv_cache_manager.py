@@ -4,12 +4,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.config import EvictionPolicy, HashAlgo
 from engine.kv.block_pool import BlockPool, KVCacheBlock
 from engine.kv.disk_tier import DiskTier
 from engine.kv.hashing import BlockHash
 from engine.kv.kv_io import KVBlockIO
 from engine.kv.pins import REFUSED_NOT_CACHED, Pin, PinTable
+from engine.kv.slot_table import SlotTable
 from engine.messages import CacheErased
 from engine.request import Request
 
@@ -47,6 +50,7 @@ class KVCacheManager:
         self.num_disk_hit_tokens = 0
         # NOTE: block tables are append-only while a request runs
         self.block_tables: dict[str, list[KVCacheBlock]] = {}
+        self._slot_tables: dict[str, SlotTable] = {}  # the same tables as slots (slot_table.py)
         self._num_registered: dict[str, int] = {}  # leading blocks of a table already in the hash map
         self._hits: dict[str, _Hit] = {}  # request id -> its longest hit so far (waiting requests)
         self.num_queried_tokens = 0
@@ -135,11 +139,15 @@ class KVCacheManager:
         self.pool.touch(hit_blocks)
         if hit_blocks and self.pins.pins:  # every hit renews the pins it covers
             self._note_pin(request, self.pins.renew_hits(request.block_hashes[:len(hit_blocks)]))
+        first_new = len(table)
         table += hit_blocks
         self._num_registered.setdefault(request.request_id, 0)
         self._num_registered[request.request_id] += len(hit_blocks)
         if num_needed > 0:
             table += self.pool.allocate(num_needed)
+        if len(table) > first_new:
+            slot_table = self._slot_tables.setdefault(request.request_id, SlotTable(self.block_size))
+            slot_table.append_blocks(b.block_id for b in table[first_new:])
         if prefix and prefix.num_disk_blocks:
             self._load_from_disk(request, prefix, table)
         return True
@@ -223,6 +231,7 @@ class KVCacheManager:
 
     def free(self, request: Request, preempted: bool = False) -> None:
         table = self.block_tables.pop(request.request_id, [])
+        self._slot_tables.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
         if preempted:
@@ -236,6 +245,12 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         """The block table of a running request, as block ids (position p lives in block p // block_size)."""
         return [b.block_id for b in self.block_tables[request_id]]
+
+    def slots(self, request_id: str) -> np.ndarray:
+        """The slots of a running request's blocks: position p lives in slots(request_id)[p] (a view: read only,
+        and unchanged by later allocations)."""
+        table = self._slot_tables.get(request_id)
+        return table.slots if table is not None else np.empty(0, np.int64)
 
     # ---- pins (engine/kv/pins.py)
 

@@ -100,6 +100,10 @@ def check_invariants(engine: MiniEngine) -> None:
         assert block.ref_cnt == expected, f"block {block.block_id}: ref {block.ref_cnt}, holders {expected}"
         assert (block in pool.free_queue) == (block.ref_cnt == 0)
     assert pool.num_free_blocks == sum(1 for b in pool.blocks if b.ref_cnt == 0)
+    bs = kv.block_size
+    for request_id, table in kv.block_tables.items():  # the slot tables follow the block tables
+        assert kv.slots(request_id).tolist() == [b.block_id * bs + offset for b in table for offset in range(bs)]
+    assert set(kv._slot_tables) <= set(kv.block_tables)
     for block_hash, block in pool.cached.items():
         assert block.block_hash == block_hash
     for pin in pins.pins.values():

@@ -75,7 +75,7 @@ def test_a_padded_step_gives_the_eager_steps_logits_and_kv(tiny_llama_dir, monke
             block_ids = runner.kv.block_ids(request.request_id)
             ids += request.all_token_ids[start:end]
             positions += range(start, end)
-            slots += runner._slot_array(block_ids, start, end).tolist()
+            slots += runner.kv.slots(request.request_id)[start:end].tolist()
             rows.append((chunk.num_tokens, block_ids, end))
             if end == request.num_tokens:
                 sampled_rows.append(i)
