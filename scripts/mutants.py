@@ -57,14 +57,13 @@ MUTANTS = [
     Mutant("partial-last-block-off-by-one", "paged_decode_cpu.py",
            "chunk_end[task] = min((c + 1) * own_chunk[m], lengths[m])",
            "chunk_end[task] = min((c + 1) * own_chunk[m], lengths[m] - 1)", ATTENTION_TESTS),
-    # a short context's halves rounded down: an odd length's last slot is read by neither
-    Mutant("short-context-halves-short", "paged_decode_cpu.py",
-           "own_chunk = np.where(halves, (lengths + 1) // 2, CHUNK)", "own_chunk = np.where(halves, lengths // 2, CHUNK)",
-           ATTENTION_TESTS),
-    # a row's last chunk is dropped when it holds a single slot
-    Mutant("one-slot-last-chunk-dropped", "paged_decode_cpu.py",
-           "own = (lengths + own_chunk - 1) // own_chunk", "own = (lengths + own_chunk - 2) // own_chunk",
-           ATTENTION_TESTS),
+    # a row's equal chunks rounded down: a length they do not divide loses its last slots
+    Mutant("equal-chunks-short", "paged_decode_cpu.py",
+           "own_chunk = (lengths + np.maximum(own, 1) - 1) // np.maximum(own, 1)",
+           "own_chunk = lengths // np.maximum(own, 1)", ATTENTION_TESTS),
+    # a row's last chunk is never made into a task
+    Mutant("last-chunk-dropped", "paged_decode_cpu.py",
+           "for c in range(own[m]):", "for c in range(own[m] - 1):", ATTENTION_TESTS),
     # a cascade group's shared prefix ends one slot early
     Mutant("cascade-boundary-off-by-one", "paged_decode_cpu.py",
            "chunk_end[task] = min((c + 1) * shared_chunk[g], shared_lengths[g])",

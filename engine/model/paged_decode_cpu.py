@@ -7,8 +7,8 @@ runs torch's SDPA over the copy: at a 1,000-token context that copy costs more t
 itself. This kernel walks each row's slots in place. The compiled decode step (decode_step_cpu.py) and
 the per-layer eager path both call it.
 
-Work is split flash-decoding style: each row's context is cut into chunks of CHUNK slots, the chunks
-are spread over numba's threads, and each row's partial softmaxes are merged at the end by their
+Work is split flash-decoding style: each row's context is cut into equal chunks of at most CHUNK slots, the
+chunks are spread over numba's threads, and each row's partial softmaxes are merged at the end by their
 maxima. Rows whose block tables start with the same blocks (a shared system prompt) form a cascade
 group: a task takes a chunk of that shared prefix for all of the group's rows, so the chunk comes from
 memory once and from the cache for the other rows, which turns the prefix's K/V traffic of a batch
@@ -186,8 +186,10 @@ def plan(lengths, group, shared_lengths, threads, per_kv, dim):
     each of these small array operations as a parallel loop, which measured costly)."""
     rows = len(lengths)
     halves = (lengths < CHUNK) & (lengths >= 2 * MIN_OWN_CHUNK)
-    own_chunk = np.where(halves, (lengths + 1) // 2, CHUNK)  # slots of each own chunk but the last
-    own = (lengths + own_chunk - 1) // own_chunk
+    own = np.where(halves, 2, (lengths + CHUNK - 1) // CHUNK)  # each row's own chunks (none for no slots)
+    # of equal size (the last up to `own` slots shorter): 968 slots as 4 x 242, not 3 x 256 and 200, which kept
+    # one thread waiting at batch 1 for the other's 56 slots more
+    own_chunk = (lengths + np.maximum(own, 1) - 1) // np.maximum(own, 1)
     # a shared chunk serves every row of its group: 1/size of CHUNK each, so that a cascade task costs
     # about what a row's own chunk does and the tasks can be dealt evenly (below), but at least
     # MIN_SHARED_CHUNK slots, which bounds the partials of a large group

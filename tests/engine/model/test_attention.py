@@ -178,9 +178,9 @@ def test_paged_kernel_cascade_over_long_shared_prefixes(dtype, dim):
 @pytest.mark.parametrize("dim", [DIM, 64, 128])
 def test_a_spike_anywhere_in_a_rows_context_is_its_output(dim, dtype):
     """Contexts of 37 slots (one chunk with a tail past its last 16 keys), 2 * MIN_OWN_CHUNK + 37 (shorter than a
-    chunk, split in two halves of 83 and 82), CHUNK + 1 (a last chunk of one slot) and 2 * CHUNK + 37 (a first, a
-    middle and a partial last chunk), one row for every position of each, whose key there scores SPIKE. Each
-    row's spike has a value of its own, so rows that swap outputs differ too."""
+    chunk, split in two halves of 83 and 82), CHUNK + 1 (two chunks, 129 + 128) and 2 * CHUNK + 37 (a first, a
+    middle and a last chunk of 183, each with a tail), one row for every position of each, whose key there scores
+    SPIKE. Each row's spike has a value of its own, so rows that swap outputs differ too."""
     gen = torch.Generator().manual_seed(10)
     lengths = [37, 2 * paged_decode_cpu.MIN_OWN_CHUNK + 37, CHUNK + 1, 2 * CHUNK + 37]
     pool, rows = sum(lengths), sum(lengths)  # base slots (each length its own), then one spike slot per row
@@ -372,12 +372,14 @@ def test_tasks_are_dealt_so_both_threads_get_own_chunks_beside_the_cascade():
     (2 * paged_decode_cpu.MIN_OWN_CHUNK - 1, [(0, 127)]),
     (2 * paged_decode_cpu.MIN_OWN_CHUNK, [(0, 64), (64, 128)]),
     (201, [(0, 101), (101, 201)]),
-    (CHUNK + 1, [(0, CHUNK), (CHUNK, CHUNK + 1)]),
+    (CHUNK + 1, [(0, 129), (129, 257)]),
+    (968, [(0, 242), (242, 484), (484, 726), (726, 968)]),
+    (4 * CHUNK - 1, [(0, 256), (256, 512), (512, 768), (768, 1023)]),
 ])
 def test_a_short_context_is_attended_in_two_halves(length, chunks):
     """A batch-1 row's own context shorter than a chunk, from 2 * MIN_OWN_CHUNK slots on, makes two tasks, one
-    for each thread; longer contexts keep their CHUNK-slot chunks. The split depends on the length alone: the
-    same with one thread or a batch beside it."""
+    for each thread; longer contexts make as many tasks as chunks of CHUNK slots would, of equal size. The split
+    depends on the length alone: the same with one thread or a batch beside it."""
     for rows, threads in [(1, 2), (1, 1), (3, 2)]:
         plan = paged_decode_cpu.plan(np.full(rows, length, np.int64), np.full(rows, -1, np.int64),
                                      np.zeros(0, np.int64), threads, 3, 64)
