@@ -61,9 +61,10 @@ MUTANTS = [
     Mutant("equal-chunks-short", "paged_decode_cpu.py",
            "own_chunk = (lengths + np.maximum(own, 1) - 1) // np.maximum(own, 1)",
            "own_chunk = lengths // np.maximum(own, 1)", ATTENTION_TESTS),
-    # a row's last chunk is never made into a task
-    Mutant("last-chunk-dropped", "paged_decode_cpu.py",
-           "for c in range(own[m]):", "for c in range(own[m] - 1):", ATTENTION_TESTS),
+    # each of a row's chunks starts one slot late: the slot before it is read by no task
+    Mutant("chunk-start-one-late", "paged_decode_cpu.py",
+           "source[task], chunk_start[task], member_first[task] = m, c * own_chunk[m], member",
+           "source[task], chunk_start[task], member_first[task] = m, c * own_chunk[m] + 1, member", ATTENTION_TESTS),
     # a cascade group's shared prefix ends one slot early
     Mutant("cascade-boundary-off-by-one", "paged_decode_cpu.py",
            "chunk_end[task] = min((c + 1) * shared_chunk[g], shared_lengths[g])",
