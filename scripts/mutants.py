@@ -39,7 +39,8 @@ class Mutant:
     old: str  # must occur exactly once in the file
     new: str
     tests: tuple[str, ...]
-    isa: str = ""  # the code it mutates: "avx2" (compiled for AVX2 on any host that has it), "avx512" (the host's)
+    # the code it mutates: "avx2" (compiled for AVX2 on any host that has it), "avx512" or "vnni" (the host's)
+    isa: str = ""
 
 
 MUTANTS = [
@@ -194,6 +195,11 @@ MUTANTS = [
     # ... and never set back to zero: every group's scale multiplies the sums of all the groups before it too
     Mutant("dot-group-sums-not-reset", "quant_dot_cpu.py",
            "builder.store(ir.Constant(acc_type, None), acc[r][v])\n", "\n", DOT_TESTS),
+    # VNNI's quad sums start afresh at every quad: a group counts its last quad's products only
+    Mutant("dot-vnni-sums-restarted", "quant_dot_cpu.py",
+           "builder.store(_dot_quads(builder, builder.load(acc[r][v]), magnitude[v], signed_x),",
+           "builder.store(_dot_quads(builder, ir.Constant(_SUMS, None), magnitude[v], signed_x),", DOT_TESTS,
+           isa="vnni"),
     # large batches' half-tile passes: the second half of a tile reads the first half's weights
     Mutant("dot-half-tile-weights-of-the-first-half", "quant_dot_cpu.py",
            "builder.gep(tile_data, [builder.mul(part, const(part_bytes))])", "builder.gep(tile_data, [const(0)])",
@@ -252,6 +258,9 @@ def isa_env(isa: str) -> dict[str, str] | None:
     from llvmlite import binding
 
     features = binding.get_host_cpu_features().flatten().split(",")
+    if isa == "vnni":
+        from engine.model.kernel_cache import has_vnni
+        return {} if has_vnni(",".join(features)) else None
     if "+" + {"avx2": "avx2", "avx512": "avx512f"}[isa] not in features:
         return None
     if isa == "avx512":

@@ -55,6 +55,13 @@ def vector_isa(features: str) -> str:
                  if feature in enabled), "generic")
 
 
+def has_vnni(features: str) -> bool:
+    """Whether an LLVM feature string has byte dot products into 32-bit sums on 256-bit vectors (`vpdpbusd`): AVX-VNNI,
+    or AVX512-VNNI with AVX512-VL."""
+    enabled = {f[1:] for f in features.split(",") if f.startswith("+")}
+    return "avxvnni" in enabled or {"avx512vnni", "avx512vl"} <= enabled
+
+
 def folder() -> Path:
     base = os.environ.get("NUMBA_CACHE_DIR") or Path(
         os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prefixgate" / "numba"
@@ -108,6 +115,7 @@ class _KernelLocator(caching.UserProvidedCacheLocator):
 
 
 TARGET_ISA = vector_isa(target_cpu()[1])
+TARGET_VNNI = has_vnni(target_cpu()[1])
 FOLDER = folder()
 CACHE = writable(FOLDER)
 if CACHE:

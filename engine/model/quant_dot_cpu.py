@@ -49,6 +49,10 @@ ROW_GROUP = 4 if kernel_cache.TARGET_ISA == "avx512" else 2
 # rows a pass over half a tile serves (larger batches, half_tile): 4 x 2 accumulators beside 2 weight vectors
 GEMM_ROWS = 4
 QUADS = GROUP // QUAD  # quads of a group
+# `vpdpbusd` (AVX-VNNI, or AVX512-VNNI on 256-bit vectors) multiplies the same bytes and adds each quad's 4
+# products to a 32-bit sum in one instruction, where AVX2 takes `vpmaddubsw`, `vpmaddwd` and an add: the same
+# exact integer sums (AVX2's pairs never saturate here, below), so the same answers
+VNNI = kernel_cache.TARGET_VNNI
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _BYTES = ir.VectorType(_I8, 32)
@@ -166,6 +170,14 @@ def _x86(builder: ir.IRBuilder, name: str, result: ir.Type, *args: ir.Value) -> 
     return builder.call(fn, list(args))
 
 
+def _dot_quads(builder: ir.IRBuilder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
+    """acc + the sum of each 32-bit lane's 4 products of unsigned by signed bytes (`vpdpbusd`; its operands as
+    32-bit lanes, the form every LLVM version takes)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_SUMS, [_SUMS, _SUMS, _SUMS]),
+                                        "llvm.x86.avx512.vpdpbusd.256")
+    return builder.call(fn, [acc, builder.bitcast(unsigned, _SUMS), builder.bitcast(signed, _SUMS)])
+
+
 def _splat(builder: ir.IRBuilder, scalar: ir.Value, vector_type: ir.VectorType) -> ir.Value:
     lane0 = builder.insert_element(ir.Constant(vector_type, ir.Undefined), scalar, ir.Constant(_I32, 0))
     return builder.shuffle_vector(lane0, ir.Constant(vector_type, ir.Undefined),
@@ -215,8 +227,9 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
         part_bytes = width * vectors // 4
         part_data = builder.gep(tile_data, [builder.mul(part, const(part_bytes))])
         # 4 bits: 8 quads' pair sums of up to 2 * 15 * 127 each fit in 16 bits, so a group sums its pairs in
-        # 16 bits and widens them once; 8 bits (up to 2 * 128 * 127 a pair): each quad widens its own
-        acc_type = _PAIRS if four_bit else _SUMS
+        # 16 bits and widens them once; 8 bits (up to 2 * 128 * 127 a pair): each quad widens its own. VNNI sums
+        # quads in 32 bits
+        acc_type = _PAIRS if four_bit and not VNNI else _SUMS
 
         def vectors_at(quad):  # the part's weight vectors of a quad (unsigned bytes; 8 bits: as signed)
             here = builder.gep(part_data, [builder.mul(quad, const(width))])
@@ -244,7 +257,7 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
                 low = group_columns(builder, scale_kind, mins_at, column, COLUMNS) if with_min else None
                 for r in range(num_rows):
                     to, held = out_at(r, v), builder.load(acc[r][v])
-                    sums = _x86(builder, "pmadd.wd", _SUMS, held, ones) if four_bit else held
+                    sums = _x86(builder, "pmadd.wd", _SUMS, held, ones) if acc_type is _PAIRS else held
                     total = _fma(builder, builder.fmul(scale, per_row(d_ary, d_row, r, g)),
                                  builder.sitofp(sums, _FLOATS), builder.load(to, align=4))
                     if with_min:
@@ -263,12 +276,17 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
             with cgutils.for_range(builder, builder.udiv(k_len, const(QUAD))) as loop:
                 quad = loop.index
                 w = vectors_at(quad)
-                # vpmaddubsw takes unsigned weights: 8-bit ones give their magnitude, their sign moves to x
+                # vpmaddubsw and vpdpbusd take unsigned weights: 8-bit ones give their magnitude, their sign
+                # moves to x
                 magnitude = w if four_bit else [_x86(builder, "psign.b", _BYTES, wv, wv) for wv in w]
                 for r in range(num_rows):
                     x_bytes = x_at(r, quad)
                     for v in range(vectors):
                         signed_x = x_bytes if four_bit else _x86(builder, "psign.b", _BYTES, x_bytes, w[v])
+                        if VNNI:
+                            builder.store(_dot_quads(builder, builder.load(acc[r][v]), magnitude[v], signed_x),
+                                          acc[r][v])
+                            continue
                         pairs = _x86(builder, "pmadd.ub.sw", _PAIRS, magnitude[v], signed_x)
                         step = pairs if four_bit else _x86(builder, "pmadd.wd", _SUMS, pairs, ones)
                         builder.store(builder.add(builder.load(acc[r][v]), step), acc[r][v])

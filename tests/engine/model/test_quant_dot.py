@@ -3,15 +3,23 @@ against a float64 reference computed on the rounded activations, for every layou
 groups of 1, 2 and more, widths that are not whole tiles and planted outliers in scales and mins."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from llvmlite import binding
 
-from engine.model import quant_dot_cpu, quant_matmul_cpu
+from engine.model import kernel_cache, quant_dot_cpu, quant_matmul_cpu
 from engine.model.quant_formats import QuantRows, SuperBlocks
 from engine.model.quant_matmul_cpu import SUPER_HEAD, TILE
 
 pytestmark = pytest.mark.skipif(not quant_dot_cpu.X86, reason="integer dot products are x86 (AVX2) code")
+REPO = Path(__file__).resolve().parents[3]
+HOST_FEATURES = binding.get_host_cpu_features().flatten()
 
 # (bits, with mins): Q4_1 / Q4_K / Q4_0 (min = -8 scale), Q8_0, an 8-bit stack with mins (Q4_1 beside Q8_0)
 LAYOUTS = [(4, True), (8, False), (8, True)]
@@ -189,3 +197,37 @@ def test_k_quants_keep_their_file_bytes_in_the_quad_layout():
     tiles = quant_matmul_cpu.pack(rows, integer=True, scales=quant_matmul_cpu.scale_kind([rows]))
     assert tiles.integer and tiles.scales.shape == (1, 2, SUPER_HEAD + 8 * TILE)
     assert tiles.nbytes() * 8 / (TILE * 512) == 4.625
+
+
+VNNI_CHECK = """
+import sys
+import numpy as np
+import torch
+from engine.model import kernel_cache, quant_dot_cpu, quant_matmul_cpu
+from tests.engine.model.test_quant_dot import LAYOUTS, _rows
+assert quant_dot_cpu.VNNI == (sys.argv[1] == "on"), kernel_cache.target_cpu()
+x = torch.from_numpy(np.random.default_rng(5).standard_normal((40, 96)).astype(np.float32))
+products = [quant_matmul_cpu.linear(x[:count], quant_matmul_cpu.pack(_rows(70, 96, bits, with_mins), integer=True),
+                                    None).numpy() for bits, with_mins in LAYOUTS for count in (1, 5, 40)]
+np.save(sys.argv[2], np.concatenate([p.ravel() for p in products]))
+asm = "".join(quant_matmul_cpu._integer_matmul.inspect_asm().values())
+print("vpdpbusd" in asm)
+"""
+
+
+@pytest.mark.slow  # two fresh processes, each compiling the integer kernels
+@pytest.mark.skipif(not kernel_cache.has_vnni(HOST_FEATURES), reason="the host has no VNNI to compare AVX2's code with")
+def test_vnni_gives_the_same_bits_as_avx2s_pairs(tmp_path):
+    """The integer kernels with `vpdpbusd` (the host's VNNI) and without it (AVX2's `vpmaddubsw` and `vpmaddwd`)
+    give every layout's product bit for bit, at whole-tile and half-tile row counts."""
+    without = ",".join("-" + f[1:] if f[1:] in ("avxvnni", "avx512vnni") else f for f in HOST_FEATURES.split(","))
+    runs = {}
+    for name, features in (("on", HOST_FEATURES), ("off", without)):
+        env = {**os.environ, "NUMBA_CPU_FEATURES": features, "NUMBA_CACHE_DIR": str(tmp_path / name)}
+        # (numba shows no machine code of a kernel loaded from its cache: each run compiles into an empty one)
+        check = subprocess.run([sys.executable, "-c", VNNI_CHECK, name, str(tmp_path / f"{name}.npy")], cwd=REPO,
+                               env=env, capture_output=True, text=True, timeout=600)
+        assert check.returncode == 0, check.stderr[-3000:]
+        runs[name] = check.stdout.strip()
+    assert runs == {"on": "True", "off": "False"}  # the instruction is in the one code and not in the other
+    assert np.array_equal(np.load(tmp_path / "on.npy"), np.load(tmp_path / "off.npy"))
