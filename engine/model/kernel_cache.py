@@ -48,9 +48,14 @@ def target_cpu() -> tuple[str, str]:
     return name, binding.get_host_cpu_features().flatten() if features is None else features
 
 
+def _enabled(features: str) -> set[str]:
+    """The features an LLVM feature string turns on ("+avx2,-avx512f" -> {"avx2"})."""
+    return {f[1:] for f in features.split(",") if f.startswith("+")}
+
+
 def vector_isa(features: str) -> str:
     """The widest vector instruction set in an LLVM feature string: avx512, avx2, neon or generic."""
-    enabled = {f[1:] for f in features.split(",") if f.startswith("+")}
+    enabled = _enabled(features)
     return next((isa for isa, feature in (("avx512", "avx512f"), ("avx2", "avx2"), ("neon", "neon"))
                  if feature in enabled), "generic")
 
@@ -58,7 +63,7 @@ def vector_isa(features: str) -> str:
 def has_vnni(features: str) -> bool:
     """Whether an LLVM feature string has byte dot products into 32-bit sums on 256-bit vectors (`vpdpbusd`): AVX-VNNI,
     or AVX512-VNNI with AVX512-VL."""
-    enabled = {f[1:] for f in features.split(",") if f.startswith("+")}
+    enabled = _enabled(features)
     return "avxvnni" in enabled or {"avx512vnni", "avx512vl"} <= enabled
 
 
@@ -114,8 +119,9 @@ class _KernelLocator(caching.UserProvidedCacheLocator):
         return "kernels"
 
 
-TARGET_ISA = vector_isa(target_cpu()[1])
-TARGET_VNNI = has_vnni(target_cpu()[1])
+_FEATURES = target_cpu()[1]
+TARGET_ISA = vector_isa(_FEATURES)
+TARGET_VNNI = has_vnni(_FEATURES)
 FOLDER = folder()
 CACHE = writable(FOLDER)
 if CACHE:
