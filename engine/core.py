@@ -202,10 +202,12 @@ class EngineCore:
         if self.thread_budget is not None:
             self.thread_budget.observe(time.perf_counter() - started)
         pooled = [(c, self.runner.hidden[i]) for i, c in enumerate(sampled) if c.request.params.pooling]
+        greedy_ids = self.runner.greedy_ids
         if pooled:  # embedding requests take their hidden state, not a token
             keep = [i for i, c in enumerate(sampled) if not c.request.params.pooling]
             logits, sampled = logits[keep], [sampled[i] for i in keep]
-        tokens = self._sample(logits, sampled) if sampled else []
+            greedy_ids = None
+        tokens = self._sample(logits, sampled, greedy_ids) if sampled else []
         if self.step_target is not None:
             self._observe_step_time(sched.chunks, time.perf_counter() - started)
         now = time.monotonic()
@@ -244,11 +246,14 @@ class EngineCore:
             return self._fail([request], "engine step failed", exc)
         return [output] if output is not None else []
 
-    def _sample(self, logits: torch.Tensor, sampled: list[ScheduledChunk]) -> list[SampledToken | Exception]:
-        """One token per sampled chunk, or the exception that sampling its row raised."""
+    def _sample(self, logits: torch.Tensor, sampled: list[ScheduledChunk],
+                greedy_ids=None) -> list[SampledToken | Exception]:
+        """One token per sampled chunk, or the exception that sampling its row raised. greedy_ids: each row's
+        argmax where the step found them already."""
         try:
             return self.sampler(logits, [c.request.params for c in sampled],
-                                [c.request.generator(logits.device) for c in sampled], [c.request for c in sampled])
+                                [c.request.generator(logits.device) for c in sampled], [c.request for c in sampled],
+                                greedy_ids)
         except Exception:  # one bad row must not fail the batch: sample row by row to find it
             return [self._sample_row(logits[i:i + 1], c.request) for i, c in enumerate(sampled)]
 

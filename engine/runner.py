@@ -43,6 +43,8 @@ class ModelRunner:
             self.prefill_kernel = paged_prefill_cuda.supports(head_dim)
         # final hidden states of the sampled rows of the last step that had a pooling request (else stale)
         self.hidden: torch.Tensor | None = None
+        # the last step's greedy token of each logits row, where its path found them (the compiled CPU step)
+        self.greedy_ids: np.ndarray | None = None
         if compiled_kernels and device.type == "cpu":
             from engine.model import decode_step_cpu, paged_decode_cpu
             self.paged_kernel = paged_decode_cpu.supports(kv_cache.dtype, device)
@@ -54,6 +56,11 @@ class ModelRunner:
 
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Returns logits [num_sampled, vocab] and the chunks they belong to (those that reach the end)."""
+        self.greedy_ids = None
+        if (self.compiled_decode is not None and len(chunks) <= self.max_compiled_rows
+                and all(c.num_tokens == 1 and _is_decode(c.request, c.request.num_computed_tokens,
+                                                         c.request.num_computed_tokens + 1) for c in chunks)):
+            return self._compiled_decode_step([c.request for c in chunks]), chunks
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -85,13 +92,6 @@ class ModelRunner:
                 sampled.append(chunk)
                 sampled_rows.append(len(rows) - 1)
         decode_only = len(decodes) == len(chunks)
-        if (self.compiled_decode is not None and decode_only
-                and len(decodes) <= self.max_compiled_rows):  # every row a decode, in order
-            batch = self._decode_batch(decodes)
-            logits = self.compiled_decode(self._tensor(input_ids), self._tensor(positions), self.kv_slots,
-                                          self._tensor(slot_mapping), batch.slots, batch.lengths,
-                                          self._tensor(logits_idx), batch.shared)
-            return logits, sampled
         if self.graph_decode is not None and decode_only and len(decodes) <= self.graph_decode.max_rows:
             logits = self.graph_decode(input_ids, positions, slot_mapping,
                                        [self.kv.block_ids(request_id) for _, request_id, _ in decodes],
@@ -185,16 +185,35 @@ class ModelRunner:
         """A tensor of slots on the device (a copy: on CPU, torch.from_numpy would share the slot table)."""
         return torch.from_numpy(slots.copy()).to(self.device)
 
+    def _compiled_decode_step(self, requests: list[Request]) -> torch.Tensor:
+        """A decode-only step on the compiled CPU step, its arrays built in numpy from the slot tables (the
+        general path's lists and tensors cost 0.1 ms of Python right after a step: docs/speed.md#the-decode-step)."""
+        rows = len(requests)
+        contexts = [self.kv.slots(r.request_id)[:r.num_tokens] for r in requests]
+        slots, lengths, shared = self._attended_slots(contexts)
+        input_ids = np.fromiter((r.all_token_ids[-1] for r in requests), np.int64, rows)
+        positions = np.fromiter((len(c) - 1 for c in contexts), np.int64, rows)
+        slot_mapping = np.fromiter((c[-1] for c in contexts), np.int64, rows)
+        logits, self.greedy_ids = self.compiled_decode.run(input_ids, positions, self.kv_slots, slot_mapping, slots,
+                                                           lengths, np.arange(rows), shared)
+        return logits
+
+    def _attended_slots(self, contexts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, list[SharedPrefix]]:
+        """The slots each decode attends ([rows, longest], padded with slot 0, never counted), how many, and the
+        cascade groups whose shared slots come before them."""
+        if len(contexts) == 1:  # nothing to share: the slot table itself, no copy
+            return contexts[0][None, :], np.array([len(contexts[0])]), []
+        shared, rest_starts = self._shared_prefixes(contexts)
+        lengths = np.array([len(context) - rest_start for context, rest_start in zip(contexts, rest_starts)])
+        slots = np.zeros((len(contexts), lengths.max()), np.int64)
+        for row, (context, rest_start) in enumerate(zip(contexts, rest_starts)):
+            slots[row, :lengths[row]] = context[rest_start:]
+        return slots, lengths, shared
+
     def _decode_batch(self, decodes: list[tuple[int, str, int]]) -> DecodeBatch | None:
         if not decodes:
             return None
-        contexts = [self.kv.slots(request_id)[:end] for _, request_id, end in decodes]
-        shared, rest_starts = self._shared_prefixes(contexts)
-        lengths = np.array([len(context) - rest_start for context, rest_start in zip(contexts, rest_starts)])
-        # one [rows, longest] matrix: padding reads slot 0 and is never counted
-        slots = np.zeros((len(decodes), lengths.max()), np.int64)
-        for row, (context, rest_start) in enumerate(zip(contexts, rest_starts)):
-            slots[row, :lengths[row]] = context[rest_start:]
+        slots, lengths, shared = self._attended_slots([self.kv.slots(rid)[:end] for _, rid, end in decodes])
         bias = None
         if lengths.min() < slots.shape[1] and not self.paged_kernel:
             padding = torch.from_numpy(np.arange(slots.shape[1])[None, :] >= lengths[:, None]).to(self.device)

@@ -17,12 +17,14 @@ class Sampler:
         self.eos_token_ids = frozenset(eos_token_ids)  # masked before a request's min_tokens
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None],
-                 history: Sequence[TokenHistory] | None = None) -> list[SampledToken]:
-        """`history` (the requests, in row order) is needed when a row has penalties, min_tokens or a grammar."""
+                 generators: list[torch.Generator | None], history: Sequence[TokenHistory] | None = None,
+                 greedy_ids: np.ndarray | None = None) -> list[SampledToken]:
+        """`history` (the requests, in row order) is needed when a row has penalties, min_tokens or a grammar.
+        greedy_ids: each row's argmax of `logits` as the step found it (the compiled CPU step), used where no
+        processor changed the logits."""
         logits = logits.float()
         processed = logits if history is None else process_logits(logits, params, history, self.eos_token_ids)
-        token_ids = self._pick(processed, params, generators)
+        token_ids = self._pick(processed, params, generators, greedy_ids if processed is logits else None)
         want_logprobs = [p.logprobs is not None for p in params]
         logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         out = []
@@ -36,11 +38,13 @@ class Sampler:
             out.append(sampled)
         return out
 
-    def _pick(self, logits: torch.Tensor, params: list[SamplingParams],
-              generators: list[torch.Generator | None]) -> list[int]:
-        # numpy's argmax on CPU: measured several times faster than torch's (docs/speed.md#the-decode-step)
-        greedy_ids = (np.argmax(logits.numpy(), axis=1) if logits.device.type == "cpu"
-                      else logits.argmax(dim=-1)).tolist()
+    def _pick(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+              greedy_ids: np.ndarray | None) -> list[int]:
+        if greedy_ids is None:
+            # numpy's argmax on CPU: measured several times faster than torch's (docs/speed.md#the-decode-step)
+            greedy_ids = (np.argmax(logits.numpy(), axis=1) if logits.device.type == "cpu"
+                          else logits.argmax(dim=-1))
+        greedy_ids = greedy_ids.tolist()
         picked = []
         for row, p in enumerate(params):
             if p.greedy:

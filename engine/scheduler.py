@@ -103,6 +103,8 @@ class Scheduler:
                 budget.take(request, num_tokens)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: _StepBudget) -> None:
+        if not self.waiting:  # (the usual decode step: no hashes to gather, no queue to order)
+            return
         pending = self._pending_block_hashes()
         admitted = []
         now = self.clock()

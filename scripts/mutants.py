@@ -86,6 +86,18 @@ MUTANTS = [
     Mutant("step-matmul-last-tile-unclaimed", "decode_step_cpu.py",
            "c * tiles // chunks, (c + 1) * tiles // chunks)",
            "c * tiles // chunks, (c + 1) * tiles // chunks - (c == chunks - 1))", STEP_TESTS),
+    # the greedy token: a later run of the lm_head's columns wins a tie with an earlier one
+    Mutant("greedy-tie-to-later-run", "decode_step_cpu.py",
+           "if logits[r, best[c, r]] > logits[r, column]:", "if logits[r, best[c, r]] >= logits[r, column]:",
+           STEP_TESTS),
+    # a run's largest logit is looked for short of its last vector's tail
+    Mutant("greedy-tail-skipped", "decode_step_cpu.py",
+           "for j in range(start + vectors * simd.LANES, end):",
+           "for j in range(start + vectors * simd.LANES, end - 1):", STEP_TESTS),
+    # only the first row of a step finds its largest logits: the other rows' greedy tokens are garbage
+    Mutant("greedy-first-row-only", "decode_step_cpu.py",
+           "        for r in range(logits.shape[0]):\n            best[c, r]",
+           "        for r in range(1):\n            best[c, r]", STEP_TESTS),
     # the matmuls' row groups one row short: every 8th row of a step's batch is never computed
     Mutant("matmul-row-group-one-short", "packed_matmul_cpu.py",
            "group = x[first:first + ROW_GROUP]", "group = x[first:first + ROW_GROUP - 1]", STEP_TESTS),

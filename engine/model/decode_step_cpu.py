@@ -25,7 +25,7 @@ from numba import njit, prange
 from numba.typed import List
 
 from engine.model import kernel_cache  # numba's cache folder, set before any @njit below
-from engine.model import paged_decode_cpu, work_phases
+from engine.model import paged_decode_cpu, simd, work_phases
 from engine.model.attention import SharedPrefix
 from engine.model.bfloat16_bits import as_float32, numpy_view, to_element
 from engine.model.cpu_threads import launch_lock, use_threads
@@ -33,7 +33,9 @@ from engine.model.linear import MAX_PACKED_ROWS, matmul_weight
 from engine.model.llama import LlamaForCausalLM
 from engine.model.quant_matmul_cpu import embed_row, linear_tiles, tile_count
 from engine.model.paged_decode_cpu import cascade_groups
+from engine.model.packed_matmul_cpu import TILE
 from engine.model.paged_decode_loops import fast_exp
+from engine.model.paged_decode_vectors import _largest
 
 # decode-only steps of up to this many rows take the compiled step: as many as the packed weights serve
 # (linear.MAX_PACKED_ROWS); measured faster than eager there (docs/speed.md#the-decode-step)
@@ -54,13 +56,15 @@ class CompiledDecode:
         layers = model.model.layers
         attn = layers[0].self_attn
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
-        self.scale = attn.scale
-        self.eps = config.rms_norm_eps
+        self.scale = np.float32(attn.scale)
+        self.eps = np.float32(config.rms_norm_eps)
         self.qk_norm = attn.qk_norm
         embed = model.model.embed_tokens
         self.embed = embed.quant.arrays() if embed.quant is not None else numpy_view(embed.row_tiles())
         self.rotary = model.model.rotary_emb
         self._cos = self._sin = np.zeros((0, 0), np.float32)  # the rotary table of every position so far
+        self._kv_slots: torch.Tensor | None = None  # the K/V pool of the last step, and its numpy view
+        self._kv_view: np.ndarray | None = None
         self.vocab_size = model.lm_head.out_features
 
         def weights(get) -> List:
@@ -92,7 +96,6 @@ class CompiledDecode:
             np.zeros(0, np.float32),
         )
 
-    @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_slots: torch.Tensor,
                  slot_mapping: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                  logits_indices: torch.Tensor, shared: Sequence[SharedPrefix] = ()) -> torch.Tensor:
@@ -100,26 +103,39 @@ class CompiledDecode:
         slots[i, :lengths[i]], after its cascade group's shared slots if it is in one of `shared`; its K/V go
         to slot_mapping[i]. kv_slots: [2, layers, num_slots, KVH, D]. Returns the logits
         [len(logits_indices), vocab] of the rows in logits_indices."""
-        cos, sin = self._rotary_rows(positions.numpy())
-        logits = torch.empty(len(logits_indices), self.vocab_size)
+        return self.run(input_ids.numpy(), positions.numpy(), kv_slots, slot_mapping.numpy(), slots.numpy(),
+                        lengths.numpy(), logits_indices.numpy(), shared)[0]
+
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, kv_slots: torch.Tensor, slot_mapping: np.ndarray,
+            slots: np.ndarray, lengths: np.ndarray, logits_indices: np.ndarray,
+            shared: Sequence[SharedPrefix] = ()) -> tuple[torch.Tensor, np.ndarray]:
+        """__call__ with its index arguments as int64 numpy arrays (the runner builds them so; slots C-ordered):
+        no tensor is made only to be taken apart again, each a few microseconds right after a step. Returns the
+        logits and each row's greedy token (its largest logit's column, the first of equals, as np.argmax)."""
+        cos, sin = self._rotary_rows(positions)
+        logits = np.empty((len(logits_indices), self.vocab_size), np.float32)
+        greedy = np.empty(len(logits_indices), np.int64)
         group, shared_slots, shared_lengths = cascade_groups(shared, len(input_ids))
+        if kv_slots is not self._kv_slots:  # (the same pool every step: its view is made once)
+            self._kv_slots, self._kv_view = kv_slots, numpy_view(kv_slots)
         with launch_lock:
             threads = use_threads()
-            _step(input_ids.numpy(), self.embed, cos, sin, numpy_view(kv_slots),
-                  slot_mapping.numpy(), slots.numpy(), lengths.numpy(), group, shared_slots, shared_lengths,
-                  logits_indices.numpy(), *self.weights, *self.out_features,
-                  self.num_heads, self.num_kv_heads, np.float32(self.eps), np.float32(self.scale), self.qk_norm,
-                  threads, logits.numpy())
-        return logits
+            _step(input_ids, self.embed, cos, sin, self._kv_view, slot_mapping, slots, lengths, group, shared_slots,
+                  shared_lengths, logits_indices, *self.weights, *self.out_features,
+                  self.num_heads, self.num_kv_heads, self.eps, self.scale, self.qk_norm, threads, logits, greedy)
+        return torch.from_numpy(logits), greedy
 
     def _rotary_rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin [rows, head_dim] of `positions`, rows of a table of the rotary module's own output (grown
         by doubling): a table lookup, where the module's half-dozen small torch ops cost far more a step."""
-        needed = int(positions.max()) + 1
+        needed = int(positions[0] if len(positions) == 1 else positions.max()) + 1  # (numpy's max: 5-10 us cold)
         if needed > len(self._cos):
             size = max(needed, 2 * len(self._cos), 1024)
-            cos, sin = self.rotary(torch.arange(size))
+            with torch.inference_mode():
+                cos, sin = self.rotary(torch.arange(size))
             self._cos, self._sin = cos.float().contiguous().numpy(), sin.float().contiguous().numpy()
+        if len(positions) == 1:  # a view, not fancy indexing's copy
+            return self._cos[needed - 1:needed], self._sin[needed - 1:needed]
         return self._cos[positions], self._sin[positions]
 
 
@@ -221,9 +237,10 @@ LAYER_PHASES = 6
 def _step(input_ids, embed, cos, sin, kv, slot_mapping, slots, lengths, group, shared_slots, shared_lengths,
           logits_indices, input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
           down_w, down_b, final_norm, lm_head, lm_head_b, qkv_size, gate_up_size, heads, kv_heads, eps, scale,
-          qk_norm, threads, logits):
+          qk_norm, threads, logits, greedy):
     """The step in one parallel region: each of `threads` threads walks every layer's phases (_thread), the
-    work of each phase shared by claims (work_phases); the buffers all threads read and write are made here."""
+    work of each phase shared by claims (work_phases); the buffers all threads read and write are made here.
+    greedy[r]: the column of logits row r's largest value (the first of equals)."""
     rows, hidden = len(input_ids), final_norm.shape[0]
     x = np.empty((rows, hidden), np.float32)  # the step computes in float32 whatever the weights
     for m in range(rows):
@@ -235,17 +252,20 @@ def _step(input_ids, embed, cos, sin, kv, slot_mapping, slots, lengths, group, s
     plan = paged_decode_cpu.plan(lengths, group, shared_lengths, threads, heads // kv_heads, dim)
     partials = paged_decode_cpu.new_partials(plan, heads, dim)
     counters = work_phases.new_counters(len(qkv_w) * LAYER_PHASES + 1)
+    best = np.empty((threads, len(logits_indices)), np.int64)  # each lm_head run's largest logit, per row
     for _ in prange(threads):
         _thread(x, qkv, scaled, gate_up, plan, partials, counters, cos, sin, kv, slot_mapping, slots, shared_slots,
                 logits_indices, input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
                 down_w, down_b, final_norm, lm_head, lm_head_b, heads, kv_heads, eps, scale, qk_norm, threads,
-                logits)
+                logits, best)
+    _greedy_of_runs(logits, best, min(tile_count(lm_head), threads), greedy)
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
 def _thread(x, qkv, scaled, gate_up, plan, partials, counters, cos, sin, kv, slot_mapping, slots, shared_slots,
             logits_indices, input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
-            down_w, down_b, final_norm, lm_head, lm_head_b, heads, kv_heads, eps, scale, qk_norm, threads, logits):
+            down_w, down_b, final_norm, lm_head, lm_head_b, heads, kv_heads, eps, scale, qk_norm, threads, logits,
+            best):
     """One thread's walk through the step. The small ops whose output every thread reads in full (the norms,
     the merge of the attention's partials, silu-and-mul) each thread does for itself into its own buffers, which
     costs no wait; the matmuls, the rows' rotary and cache writes and the attention's bins are claimed."""
@@ -286,7 +306,48 @@ def _thread(x, qkv, scaled, gate_up, plan, partials, counters, cos, sin, kv, slo
     for r in range(len(logits_indices)):
         last[r] = x[logits_indices[r]]
     _rms_norm(last, final_norm, eps, last)
-    _matmul_phase(last, lm_head, lm_head_b, logits, False, counters, phase, threads)
+    _lm_head_phase(last, lm_head, lm_head_b, logits, counters, phase, threads, best)
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+def _lm_head_phase(x, weight, bias, logits, counters, phase, threads, best):
+    """_matmul_phase for the lm_head, where the thread that computes a run of columns also finds each row's
+    largest logit among them (best[run, row]) while they are in its cache: the sampler's argmax over the whole
+    row took 31 us right after a step against 3.5 us warm (half the row in the other core's cache)."""
+    tiles = tile_count(weight)
+    runs = min(tiles, threads)
+    for c in work_phases.claimed(counters, phase, runs):
+        first, end = c * tiles // runs, (c + 1) * tiles // runs
+        linear_tiles(x, weight, bias, logits, False, first, end)
+        for r in range(logits.shape[0]):
+            best[c, r] = _first_largest(logits[r], first * TILE, min(end * TILE, logits.shape[1]))
+
+
+@njit(nogil=True, cache=kernel_cache.CACHE)
+def _greedy_of_runs(logits, best, runs, greedy):
+    """greedy[r] = the first column of logits[r]'s largest value, from the largest of each of the `runs` runs of
+    columns (best[c, r], runs in column order: a later run wins by a larger value only)."""
+    for r in range(logits.shape[0]):
+        column = best[0, r]
+        for c in range(1, runs):
+            if logits[r, best[c, r]] > logits[r, column]:
+                column = best[c, r]
+        greedy[r] = column
+
+
+@njit(nogil=True, cache=kernel_cache.CACHE)  # (no fastmath: an infinite logit compares as it is)
+def _first_largest(row, start, end):
+    """The first column of row[start:end] (start < end) that holds its largest value: that value by vectors
+    (_largest), then a scan for it (a loop keeping the index does not vectorize). Logits are finite or
+    infinite; a NaN row's pick is unspecified (np.argmax would take its first NaN)."""
+    vectors = (end - start) // simd.LANES
+    top = _largest(row[start:], vectors) if vectors else row[start]
+    for j in range(start + vectors * simd.LANES, end):
+        top = max(top, row[j])
+    for j in range(start, end):
+        if row[j] == top:
+            return j
+    return start
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,6 +12,13 @@ from bench.tiny_models import build_llama3_tiktoken_model
 from engine import LLM, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling import Sampler, _filtered_probs
+
+
+@dataclass
+class History:
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    matcher: None = None
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +63,21 @@ def test_greedy_rows_pick_the_first_of_equal_maxima_as_torch_does():
         picked = Sampler()(rows, [SamplingParams(temperature=0.0)] * 6, [None] * 6)
         assert [t.token_id for t in picked] == rows.float().argmax(dim=-1).tolist()
         assert picked[1].token_id == 7 and picked[2].token_id == 9 and picked[3].token_id == 0
+
+
+def test_greedy_ids_of_the_step_are_taken_where_no_processor_changed_the_logits():
+    """The compiled step hands its rows' argmax along: greedy rows take it as it is, but not where a logits
+    processor (here a logit bias) made new logits, nor for a sampled row."""
+    logits = torch.zeros(3, 10)
+    logits[:, 4] = 1.0
+    given = np.array([7, 7, 7])  # not the argmax (4): which rows took them shows
+    params = [SamplingParams(temperature=0.0)] * 2 + [SamplingParams(temperature=1.0, top_k=1)]
+    history = [History(), History(), History()]
+    picked = Sampler()(logits, params, [None] * 3, history, greedy_ids=given)
+    assert [t.token_id for t in picked] == [7, 7, 4]
+    biased = [SamplingParams(temperature=0.0, logit_bias={2: 0.5})] + params[1:]
+    picked = Sampler()(logits, biased, [None] * 3, history, greedy_ids=given)
+    assert [t.token_id for t in picked] == [4, 4, 4]
 
 
 def test_logprobs_are_those_of_the_chosen_tokens():

@@ -52,6 +52,7 @@ def _record_both_paths(llm: LLM, path) -> list[tuple[torch.Tensor, torch.Tensor,
         runner.kv_slots.copy_(before)
         reference, _ = plain.execute(chunks)
         calls.append((logits, reference, after_compiled, runner.kv_slots.clone()))
+        runner.greedy_ids = None  # (the compiled step's, not the reference logits')
         return reference, sampled
 
     runner.execute = both
@@ -62,9 +63,10 @@ class _Spy:
     def __init__(self, inner, hits: list) -> None:
         self.inner, self.hits = inner, hits
 
-    def __call__(self, *args):
+    def run(self, *args):
+        """The runner's entry (numpy index arrays): counts the step's rows."""
         self.hits.append(len(args[0]))
-        return self.inner(*args)
+        return self.inner.run(*args)
 
 
 @pytest.mark.parametrize("arch_dir", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
@@ -120,10 +122,58 @@ def test_warm_up_leaves_the_kv_pool_as_it_was(tiny_llama_dir):
     assert torch.equal(runner.kv_slots, before)
 
 
+def test_the_steps_greedy_tokens_are_its_logits_argmax(tiny_llama_dir):
+    """The lm_head's threads find each row's largest logit among their columns: batch 1 to 4, the runner's
+    greedy ids are numpy's argmax of the step's logits."""
+    llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=64)
+    runner = llm.core.runner
+    execute, rows = runner.execute, []
+
+    def check(chunks):
+        logits, sampled = execute(chunks)
+        if runner.greedy_ids is not None:
+            rows.append(len(sampled))
+            assert np.array_equal(runner.greedy_ids, np.argmax(logits.numpy(), axis=1))
+        return logits, sampled
+
+    runner.execute = check
+    llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert {1, len(PROMPTS)} <= set(rows)
+
+
+@pytest.mark.parametrize("start,end", [(0, 100), (5, 100), (3, 20), (7, 8), (0, 64)])
+def test_first_largest_is_the_first_of_equal_maxima(start, end):
+    """Within vectors and in the tail past them, from an unaligned start, an infinity included: numpy's
+    argmax of the range."""
+    rng = np.random.default_rng(start * 100 + end)
+    for plant in ([], [end - 1], [start, end - 1], [(start + end) // 2, end - 1], [start + 1, (start + end) // 2]):
+        row = rng.standard_normal(100).astype(np.float32)
+        row[[j for j in plant if start <= j < end]] = 9.0
+        assert decode_step_cpu._first_largest(row, start, end) == start + np.argmax(row[start:end])
+        row[end - 1] = np.inf
+        assert decode_step_cpu._first_largest(row, start, end) == end - 1
+
+
+def test_greedy_of_runs_takes_an_earlier_run_on_a_tie():
+    logits = np.zeros((3, 64), np.float32)
+    logits[0, [10, 40]] = 5.0  # a tie across the runs [0, 32) and [32, 64): the first
+    logits[1, [10, 40]] = 5.0, 6.0  # the later run's larger value
+    logits[2, 50] = 1.0
+    best = np.array([[np.argmax(logits[r, :32]) for r in range(3)],
+                     [32 + np.argmax(logits[r, 32:]) for r in range(3)]])
+    greedy = np.empty(3, np.int64)
+    decode_step_cpu._greedy_of_runs(logits, best, 2, greedy)
+    assert greedy.tolist() == [10, 40, 50] == np.argmax(logits, axis=1).tolist()
+    decode_step_cpu._greedy_of_runs(logits, best, 1, greedy)  # one run: its own largest only
+    assert greedy.tolist() == [10, 10, 0]
+
+
 def test_rotary_rows_are_the_rotary_modules_own_output_as_the_table_grows(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=64)
     step = llm.core.runner.compiled_decode
-    for positions in ([0, 7], [1023, 5], [4000, 1024, 2]):  # the last two grow the table past 1,024 rows
+    # the third grows the table past 1,024 rows; one position is a view of the table's row
+    for positions in ([0, 7], [1023, 5], [4000, 1024, 2], [4000], [3]):
         got_cos, got_sin = step._rotary_rows(np.array(positions))
         want_cos, want_sin = step.rotary(torch.tensor(positions))
         assert np.array_equal(got_cos, want_cos.numpy()) and np.array_equal(got_sin, want_sin.numpy())
@@ -251,13 +301,13 @@ def test_smollm2_shaped_model_gives_transformers_greedy_tokens_and_logits(smollm
     recorded = _record_logits(llm)
     steps: list[tuple[int, list[int]]] = []  # the compiled steps' rows and cascade groups' sizes
     if cpu_kernels == "compiled":
-        step = llm.core.runner.compiled_decode
+        run = llm.core.runner.compiled_decode.run
 
         def spy(input_ids, *args):
             steps.append((len(input_ids), sorted(len(group.rows) for group in args[-1])))
-            return step(input_ids, *args)
+            return run(input_ids, *args)
 
-        llm.core.runner.compiled_decode = spy
+        llm.core.runner.compiled_decode.run = spy
     outputs = llm.generate(batch, greedy) + llm.generate(alone, greedy)
     for out in outputs:
         tokens, logits = expected[tuple(out.prompt_token_ids)]
