@@ -67,6 +67,12 @@ def has_vnni(features: str) -> bool:
     return "avxvnni" in enabled or {"avx512vnni", "avx512vl"} <= enabled
 
 
+def has_wide_vnni(features: str) -> bool:
+    """Whether an LLVM feature string has `vpdpbusd` on 512-bit vectors and AVX-512's byte operations
+    (AVX512-VNNI with AVX512-BW)."""
+    return {"avx512vnni", "avx512bw"} <= _enabled(features)
+
+
 def folder() -> Path:
     base = os.environ.get("NUMBA_CACHE_DIR") or Path(
         os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prefixgate" / "numba"
@@ -122,6 +128,7 @@ class _KernelLocator(caching.UserProvidedCacheLocator):
 _FEATURES = target_cpu()[1]
 TARGET_ISA = vector_isa(_FEATURES)
 TARGET_VNNI = has_vnni(_FEATURES)
+TARGET_WIDE_VNNI = has_wide_vnni(_FEATURES)
 FOLDER = folder()
 CACHE = writable(FOLDER)
 if CACHE:

@@ -55,12 +55,21 @@ QUADS = GROUP // QUAD  # quads of a group
 # products to a 32-bit sum in one instruction, where AVX2 takes `vpmaddubsw`, `vpmaddwd` and an add: the same
 # exact integer sums (AVX2's pairs never saturate here, below), so the same answers
 VNNI = kernel_cache.TARGET_VNNI
+# with AVX512-VNNI, 4-bit weights take their two nibble vectors of 32 bytes as one 512-bit vector: one `vpdpbusd`
+# for 16 columns where 256-bit vectors take two (the same integer sums, so the same answers)
+WIDE = kernel_cache.TARGET_WIDE_VNNI
+# rows a whole-tile pass serves for 4-bit weights with WIDE, at any batch: 2 accumulators a row (a 512-bit one for
+# each pair of vectors) beside 2 weight registers, of 32. The 1B shapes' Q4_K matmuls at 128 rows on Zen 5: 8
+# rows 348-353 ms, 12 rows 337-339, 14 rows 340-341 (half tiles of 8 rows on 256-bit vectors: 468-472)
+WIDE_ROWS = 12
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _BYTES = ir.VectorType(_I8, 32)
 _PAIRS = ir.VectorType(_I16, 16)
 _SUMS = ir.VectorType(_I32, COLUMNS)
 _FLOATS = ir.VectorType(ir.FloatType(), COLUMNS)
+_WIDE_BYTES = ir.VectorType(_I8, 64)
+_WIDE_SUMS = ir.VectorType(_I32, 2 * COLUMNS)
 
 
 def fits(rows: QuantRows) -> bool:
@@ -89,6 +98,13 @@ def is_quads(data) -> bool:
     """Whether packed data (numpy, or its numba view) is in the quad layout (quant_matmul_cpu's own tiles are
     16 or 32 bytes a k)."""
     return data.shape[2] == BYTES_4BIT or data.shape[2] == BYTES_8BIT
+
+
+@njit(nogil=True, cache=kernel_cache.CACHE)
+def tile_rows(data) -> int:
+    """Rows one pass of tile() serves for this weight: WIDE_ROWS for 4 bits with WIDE (whole tiles at any
+    batch), else ROW_GROUP (larger batches take half tiles)."""
+    return WIDE_ROWS if WIDE and data.shape[2] == BYTES_4BIT else ROW_GROUP
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
@@ -173,11 +189,18 @@ def _x86(builder: ir.IRBuilder, name: str, result: ir.Type, *args: ir.Value) -> 
 
 
 def _dot_quads(builder: ir.IRBuilder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
-    """acc + the sum of each 32-bit lane's 4 products of unsigned by signed bytes (`vpdpbusd`; its operands as
-    32-bit lanes, the form every LLVM version takes)."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_SUMS, [_SUMS, _SUMS, _SUMS]),
-                                        "llvm.x86.avx512.vpdpbusd.256")
-    return builder.call(fn, [acc, builder.bitcast(unsigned, _SUMS), builder.bitcast(signed, _SUMS)])
+    """acc + the sum of each 32-bit lane's 4 products of unsigned by signed bytes (`vpdpbusd` on 256 or 512 bits,
+    as acc's type; its operands as 32-bit lanes, the form every LLVM version takes)."""
+    sums = acc.type
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(sums, [sums, sums, sums]),
+                                        f"llvm.x86.avx512.vpdpbusd.{sums.count * 32}")
+    return builder.call(fn, [acc, builder.bitcast(unsigned, sums), builder.bitcast(signed, sums)])
+
+
+def _lanes(builder: ir.IRBuilder, vector: ir.Value, first: int, count: int) -> ir.Value:
+    """Lanes first .. first + count - 1 of a vector, as a vector of their own."""
+    return builder.shuffle_vector(vector, ir.Constant(vector.type, ir.Undefined),
+                                  ir.Constant(ir.VectorType(_I32, count), list(range(first, first + count))))
 
 
 def _splat(builder: ir.IRBuilder, scalar: ir.Value, vector_type: ir.VectorType) -> ir.Value:
@@ -186,9 +209,11 @@ def _splat(builder: ir.IRBuilder, scalar: ir.Value, vector_type: ir.VectorType) 
                                   ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count))
 
 
-def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_counts: range) -> None:
-    """The code of a pass of 1 to row_counts[-1] rows over `vectors` of a tile's 4 weight vectors, for an intrinsic
-    whose arguments are tile()'s, with the part of the tile (of 4 / vectors) before `out` where vectors < 4."""
+def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_counts: range,
+             wide_row_counts: range) -> None:
+    """The code of a pass of 1 to row_counts[-1] rows (wide_row_counts[-1] for 4-bit weights with WIDE) over
+    `vectors` of a tile's 4 weight vectors, for an intrinsic whose arguments are tile()'s, with the part of the
+    tile (of 4 / vectors) before `out` where vectors < 4."""
     if not X86:  # pack() never makes quads off x86; this keeps the function compilable there
         builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
                                                     "llvm.trap"), [])
@@ -210,10 +235,10 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
         at = builder.gep(out_ary.data, [builder.add(builder.mul(const(r), out_row), const(v * COLUMNS))])
         return builder.bitcast(at, _FLOATS.as_pointer())
 
-    def x_at(r, quad):  # xq[r, 4 quad .. 4 quad + 3] in every 32-bit lane
+    def x_at(r, quad, lanes=_SUMS):  # xq[r, 4 quad .. 4 quad + 3] in every 32-bit lane (of 8, or of `lanes`)
         at = builder.gep(xq_bytes, [builder.add(builder.mul(const(r), xq_row), builder.mul(quad, const(QUAD)))])
         x4 = builder.load(builder.bitcast(at, _I32.as_pointer()), align=1)
-        return builder.bitcast(_splat(builder, x4, _SUMS), _BYTES)
+        return builder.bitcast(_splat(builder, x4, lanes), ir.VectorType(_I8, 4 * lanes.count))
 
     def per_row(array, row_stride, r, g):  # array[r, g] of a [rows, K / 32] float32 array, in 8 lanes
         at = builder.gep(array.data, [builder.add(builder.mul(const(r), row_stride), g)])
@@ -230,8 +255,10 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
         part_data = builder.gep(tile_data, [builder.mul(part, const(part_bytes))])
         # 4 bits: 8 quads' pair sums of up to 2 * 15 * 127 each fit in 16 bits, so a group sums its pairs in
         # 16 bits and widens them once; 8 bits (up to 2 * 128 * 127 a pair): each quad widens its own. VNNI sums
-        # quads in 32 bits
-        acc_type = _PAIRS if four_bit and not VNNI else _SUMS
+        # quads in 32 bits, and with WIDE a 4-bit weight's pair of vectors (a byte's two nibbles) in one register
+        wide = four_bit and WIDE
+        acc_type = _WIDE_SUMS if wide else _PAIRS if four_bit and not VNNI else _SUMS
+        registers = vectors // 2 if wide else vectors  # accumulators a row
 
         def vectors_at(quad):  # the part's weight vectors of a quad (unsigned bytes; 8 bits: as signed)
             here = builder.gep(part_data, [builder.mul(quad, const(width))])
@@ -242,9 +269,20 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
                 return loaded
             out = []
             for raw in loaded:
-                high = builder.lshr(builder.bitcast(raw, _PAIRS), ir.Constant(_PAIRS, [4] * 16))
-                out += [builder.and_(raw, nibble), builder.and_(builder.bitcast(high, _BYTES), nibble)]
+                high = builder.bitcast(builder.lshr(builder.bitcast(raw, _PAIRS), ir.Constant(_PAIRS, [4] * 16)),
+                                       _BYTES)
+                if wide:  # [low nibbles | high nibbles]: vector 2i in lanes 0-7, 2i + 1 in 8-15
+                    both = builder.shuffle_vector(raw, high, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+                    out.append(builder.and_(both, ir.Constant(_WIDE_BYTES, [0x0F] * 64)))
+                else:
+                    out += [builder.and_(raw, nibble), builder.and_(high, nibble)]
             return out
+
+        def sums_of(acc, r, v):  # row r's 8 integer sums of weight vector v
+            if wide:
+                return _lanes(builder, builder.load(acc[r][v // 2]), (v % 2) * COLUMNS, COLUMNS)
+            held = builder.load(acc[r][v])
+            return _x86(builder, "pmadd.wd", _SUMS, held, ones) if acc_type is _PAIRS else held
 
         def group_end(num_rows, acc, g):  # the group's integer sums times its scales (and mins) into `out`
             scales_at, mins_at = [group_pointers(builder, scale_kind, ary, index, g)
@@ -258,20 +296,21 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
                 scale = group_columns(builder, scale_kind, scales_at, column, COLUMNS)
                 low = group_columns(builder, scale_kind, mins_at, column, COLUMNS) if with_min else None
                 for r in range(num_rows):
-                    to, held = out_at(r, v), builder.load(acc[r][v])
-                    sums = _x86(builder, "pmadd.wd", _SUMS, held, ones) if acc_type is _PAIRS else held
+                    to = out_at(r, v)
                     total = _fma(builder, builder.fmul(scale, per_row(d_ary, d_row, r, g)),
-                                 builder.sitofp(sums, _FLOATS), builder.load(to, align=4))
+                                 builder.sitofp(sums_of(acc, r, v), _FLOATS), builder.load(to, align=4))
                     if with_min:
                         total = _fma(builder, low, per_row(sums_ary, sums_row, r, g), total)
                     builder.store(total, to, align=4)
-                    builder.store(ir.Constant(acc_type, None), acc[r][v])
+            for row in acc[:num_rows]:
+                for register in row:
+                    builder.store(ir.Constant(acc_type, None), register)
 
         def product(num_rows):
             for r in range(num_rows):
                 for v in range(vectors):
                     builder.store(ir.Constant(_FLOATS, None), out_at(r, v), align=4)
-            acc = [[cgutils.alloca_once_value(builder, ir.Constant(acc_type, None)) for _ in range(vectors)]
+            acc = [[cgutils.alloca_once_value(builder, ir.Constant(acc_type, None)) for _ in range(registers)]
                    for _ in range(num_rows)]
             # one quad an iteration, a group's end behind a branch: a group's 8 quads unrolled had LLVM load
             # every activation of the group up front and spill most of them (a 4-row pass at half the speed)
@@ -282,6 +321,11 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
                 # moves to x
                 magnitude = w if four_bit else [_x86(builder, "psign.b", _BYTES, wv, wv) for wv in w]
                 for r in range(num_rows):
+                    if wide:
+                        x_wide = x_at(r, quad, _WIDE_SUMS)
+                        for i in range(registers):
+                            builder.store(_dot_quads(builder, builder.load(acc[r][i]), w[i], x_wide), acc[r][i])
+                        continue
                     x_bytes = x_at(r, quad)
                     for v in range(vectors):
                         signed_x = x_bytes if four_bit else _x86(builder, "psign.b", _BYTES, x_bytes, w[v])
@@ -296,7 +340,7 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
                 with builder.if_then(group_last, likely=False):
                     group_end(num_rows, acc, builder.udiv(quad, const(QUADS)))
 
-        simd.cases(builder, rows, row_counts, product)
+        simd.cases(builder, rows, wide_row_counts if wide else row_counts, product)
 
     kinds = [(four_bit, with_min) for four_bit in (False, True) for with_min in (False, True)]
     four_bit = builder.icmp_unsigned("==", cgutils.unpack_tuple(builder, data_ary.shape, 3)[2], const(BYTES_4BIT))
@@ -307,14 +351,14 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
 
 @intrinsic
 def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
-    """out[r, :TILE] = xq[r] (as d * xq, sums) @ W[tile `index`].T for each of xq's 1 to ROW_GROUP rows: xq
+    """out[r, :TILE] = xq[r] (as d * xq, sums) @ W[tile `index`].T for each of xq's 1 to tile_rows() rows: xq
     [rows, K] int8 with unit stride along K, d / sums [rows, K / 32] float32, data / scales / mins contiguous as
     pack() makes them (scales and mins of any of quant_matmul_cpu.SCALE_KINDS), out [>= rows, >= TILE] float32
     with unit stride along its rows. One loop per kind of weight (4 or 8 bits, with or without mins) and row
     count, picked at run time. x86 only (AVX2's integer ops)."""
 
     def codegen(context, builder, signature, args):
-        _product(builder, context, signature, args, 4, range(1, ROW_GROUP + 1))
+        _product(builder, context, signature, args, 4, range(1, ROW_GROUP + 1), range(1, WIDE_ROWS + 1))
         return context.get_dummy_value()
 
     return types.void(xq, d, sums, data, scales, mins, index, out), codegen
@@ -327,7 +371,7 @@ def half_tile(typingctx, xq, d, sums, data, scales, mins, index, half, out):
     columns for more rows a pass (large batches: each weight vector multiplies more rows while in a register)."""
 
     def codegen(context, builder, signature, args):
-        _product(builder, context, signature, args, 2, range(1, GEMM_ROWS + 1))
+        _product(builder, context, signature, args, 2, range(1, GEMM_ROWS + 1), range(1, GEMM_ROWS + 1))
         return context.get_dummy_value()
 
     return types.void(xq, d, sums, data, scales, mins, index, half, out), codegen

@@ -511,16 +511,20 @@ def _quantized_activations(x):
 def _integer_run(xq, d, sums, data, scales, mins, bias, out, accumulate, first_tile, end_tile):
     """_integer_matmul's product for the output columns of tiles first_tile to end_tile - 1: whole tiles for up to
     ROW_GROUP rows (a decode step's: each byte of the weight read once), half tiles GEMM_ROWS rows at a time for
-    more (compute-bound: more rows for each weight vector in a register). Not fastmath: numba would mark the
-    kernels' float operations reassociable, and the two passes then round a super-block's scale times d apart."""
+    more (compute-bound: more rows for each weight vector in a register); 4-bit weights on 512-bit VNNI whole tiles
+    WIDE_ROWS rows at a time at any batch. Not fastmath: numba would mark the kernels' float operations
+    reassociable, and the two passes then round a super-block's scale times d apart."""
     rows = xq.shape[0]
     if rows == 0:  # (the kernels take a row count outside their cases for their largest)
         return
-    if rows <= quant_dot_cpu.ROW_GROUP:
-        scratch = np.empty((rows, TILE), np.float32)
+    step = quant_dot_cpu.tile_rows(data)
+    if rows <= quant_dot_cpu.ROW_GROUP or step > quant_dot_cpu.ROW_GROUP:
+        scratch = np.empty((min(rows, step), TILE), np.float32)
         for tile in range(first_tile, end_tile):
-            quant_dot_cpu.tile(xq, d, sums, data, scales, mins, tile, scratch)
-            _add_out(scratch, rows, bias, out, 0, tile * TILE, accumulate)
+            for first in range(0, rows, step):
+                quant_dot_cpu.tile(xq[first:first + step], d[first:first + step], sums[first:first + step], data,
+                                   scales, mins, tile, scratch)
+                _add_out(scratch, min(step, rows - first), bias, out, first, tile * TILE, accumulate)
         return
     step = quant_dot_cpu.GEMM_ROWS
     scratch = np.empty((step, TILE), np.float32)

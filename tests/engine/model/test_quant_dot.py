@@ -23,9 +23,11 @@ HOST_FEATURES = binding.get_host_cpu_features().flatten()
 
 # (bits, with mins): Q4_1 / Q4_K / Q4_0 (min = -8 scale), Q8_0, an 8-bit stack with mins (Q4_1 beside Q8_0)
 LAYOUTS = [(4, True), (8, False), (8, True)]
-# whole-tile passes up to ROW_GROUP rows, half-tile passes of GEMM_ROWS beyond (a last one partly filled)
+# whole-tile passes up to ROW_GROUP rows, half-tile passes of GEMM_ROWS beyond (a last one partly filled); 4-bit
+# weights with 512-bit VNNI: whole-tile passes of WIDE_ROWS
 ROW_COUNTS = sorted({1, 2, 3, quant_dot_cpu.ROW_GROUP, quant_dot_cpu.ROW_GROUP + 1, quant_dot_cpu.GEMM_ROWS,
-                     2 * quant_dot_cpu.GEMM_ROWS + 1, 40})
+                     2 * quant_dot_cpu.GEMM_ROWS + 1, quant_dot_cpu.WIDE_ROWS, quant_dot_cpu.WIDE_ROWS + 1,
+                     2 * quant_dot_cpu.WIDE_ROWS + 1, 40})
 
 
 def _rows(n: int, k: int, bits: int, with_mins: bool, seed: int = 0, half: bool = False) -> QuantRows:
@@ -205,29 +207,38 @@ import numpy as np
 import torch
 from engine.model import kernel_cache, quant_dot_cpu, quant_matmul_cpu
 from tests.engine.model.test_quant_dot import LAYOUTS, _rows
-assert quant_dot_cpu.VNNI == (sys.argv[1] == "on"), kernel_cache.target_cpu()
+assert quant_dot_cpu.VNNI == (sys.argv[1] != "off"), kernel_cache.target_cpu()
 x = torch.from_numpy(np.random.default_rng(5).standard_normal((40, 96)).astype(np.float32))
 products = [quant_matmul_cpu.linear(x[:count], quant_matmul_cpu.pack(_rows(70, 96, bits, with_mins), integer=True),
                                     None).numpy() for bits, with_mins in LAYOUTS for count in (1, 5, 40)]
 np.save(sys.argv[2], np.concatenate([p.ravel() for p in products]))
-asm = "".join(quant_matmul_cpu._integer_matmul.inspect_asm().values())
-print("vpdpbusd" in asm)
+asm = "".join(quant_matmul_cpu._integer_matmul.inspect_asm().values()).splitlines()
+print(any("vpdpbusd" in line for line in asm), any("vpdpbusd" in line and "zmm" in line for line in asm))
 """
 
 
-@pytest.mark.slow  # two fresh processes, each compiling the integer kernels
+def _without(features: str, *names: str) -> str:
+    return ",".join("-" + f[1:] if f[1:] in names else f for f in features.split(","))
+
+
+@pytest.mark.slow  # fresh processes, each compiling the integer kernels
 @pytest.mark.skipif(not kernel_cache.has_vnni(HOST_FEATURES), reason="the host has no VNNI to compare AVX2's code with")
 def test_vnni_gives_the_same_bits_as_avx2s_pairs(tmp_path):
-    """The integer kernels with `vpdpbusd` (the host's VNNI) and without it (AVX2's `vpmaddubsw` and `vpmaddwd`)
-    give every layout's product bit for bit, at whole-tile and half-tile row counts."""
-    without = ",".join("-" + f[1:] if f[1:] in ("avxvnni", "avx512vnni") else f for f in HOST_FEATURES.split(","))
-    runs = {}
-    for name, features in (("on", HOST_FEATURES), ("off", without)):
+    """The integer kernels with `vpdpbusd` (the host's VNNI: on 512-bit vectors for 4-bit weights where it has
+    AVX512-VNNI), with it on 256-bit vectors only (where the host also has AVX-VNNI), and without it (AVX2's
+    `vpmaddubsw` and `vpmaddwd`) give every layout's product bit for bit, at whole-tile and half-tile row
+    counts."""
+    wide = kernel_cache.has_wide_vnni(HOST_FEATURES)
+    variants = {"on": (HOST_FEATURES, f"True {wide}"),
+                "off": (_without(HOST_FEATURES, "avxvnni", "avx512vnni"), "False False")}
+    if wide and kernel_cache.has_vnni(_without(HOST_FEATURES, "avx512vnni")):
+        variants["narrow"] = (_without(HOST_FEATURES, "avx512vnni"), "True False")
+    for name, (features, expected) in variants.items():
         env = {**os.environ, "NUMBA_CPU_FEATURES": features, "NUMBA_CACHE_DIR": str(tmp_path / name)}
         # (numba shows no machine code of a kernel loaded from its cache: each run compiles into an empty one)
         check = subprocess.run([sys.executable, "-c", VNNI_CHECK, name, str(tmp_path / f"{name}.npy")], cwd=REPO,
                                env=env, capture_output=True, text=True, timeout=600)
         assert check.returncode == 0, check.stderr[-3000:]
-        runs[name] = check.stdout.strip()
-    assert runs == {"on": "True", "off": "False"}  # the instruction is in the one code and not in the other
-    assert np.array_equal(np.load(tmp_path / "on.npy"), np.load(tmp_path / "off.npy"))
+        assert check.stdout.strip() == expected, name  # which instructions the code has
+    for name in variants:
+        assert np.array_equal(np.load(tmp_path / "on.npy"), np.load(tmp_path / f"{name}.npy")), name
