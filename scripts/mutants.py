@@ -39,7 +39,8 @@ class Mutant:
     old: str  # must occur exactly once in the file
     new: str
     tests: tuple[str, ...]
-    # the code it mutates: "avx2" (compiled for AVX2 on any host that has it), "avx512" or "vnni" (the host's)
+    # the code it mutates: "avx2" (compiled for AVX2 on any host that has it), or the host's "avx512", "vnni" or
+    # "wide" (VNNI on 512-bit vectors)
     isa: str = ""
 
 
@@ -192,8 +193,21 @@ MUTANTS = [
            "signed_x = x_bytes", DOT_TESTS),
     # the high nibbles (columns 8-15 and 24-31 of a tile) read as the low ones
     Mutant("dot-high-nibble-as-low", "quant_dot_cpu.py",
-           "out += [builder.and_(raw, nibble), builder.and_(builder.bitcast(high, _BYTES), nibble)]",
-           "out += [builder.and_(raw, nibble), builder.and_(raw, nibble)]", DOT_TESTS),
+           "out += [builder.and_(raw, nibble), builder.and_(high, nibble)]",
+           "out += [builder.and_(raw, nibble), builder.and_(raw, nibble)]", DOT_TESTS, isa="avx2"),
+    # ... and in the 512-bit register of both nibble vectors (AVX512-VNNI)
+    Mutant("dot-wide-high-nibbles-as-low", "quant_dot_cpu.py",
+           "both = builder.shuffle_vector(raw, high,", "both = builder.shuffle_vector(raw, raw,", DOT_TESTS,
+           isa="wide"),
+    # the two vectors' sums in a 512-bit register taken the wrong way round: columns 0-7 get 8-15's sums
+    Mutant("dot-wide-halves-swapped", "quant_dot_cpu.py",
+           "builder.load(acc[r][v // 2]), (v % 2) * COLUMNS, COLUMNS)",
+           "builder.load(acc[r][v // 2]), (1 - v % 2) * COLUMNS, COLUMNS)", DOT_TESTS, isa="wide"),
+    # an integer pass's last row is not written out: every ROW_GROUP-th (or WIDE_ROWS-th) row of a batch stays empty
+    Mutant("integer-pass-row-dropped", "quant_matmul_cpu.py",
+           "_add_out(scratch, min(step, rows - first), bias, out, first, tile * TILE, accumulate)\n        return",
+           "_add_out(scratch, min(step - 1, rows - first), bias, out, first, tile * TILE, accumulate)\n        return",
+           DOT_TESTS),
     # the activations rounded toward zero: errors up to a whole step, not half
     Mutant("dot-activations-truncated", "quant_dot_cpu.py",
            "xq[r, k] = np.int8(np.rint(x[r, k] * inverse))", "xq[r, k] = np.int8(x[r, k] * inverse)", DOT_TESTS),
@@ -206,7 +220,7 @@ MUTANTS = [
            "builder.and_(quad, const(QUADS - 1)), const(QUADS - 2))", DOT_TESTS),
     # ... and never set back to zero: every group's scale multiplies the sums of all the groups before it too
     Mutant("dot-group-sums-not-reset", "quant_dot_cpu.py",
-           "builder.store(ir.Constant(acc_type, None), acc[r][v])\n", "\n", DOT_TESTS),
+           "builder.store(ir.Constant(acc_type, None), register)\n", "pass\n", DOT_TESTS),
     # VNNI's quad sums start afresh at every quad: a group counts its last quad's products only
     Mutant("dot-vnni-sums-restarted", "quant_dot_cpu.py",
            "builder.store(_dot_quads(builder, builder.load(acc[r][v]), magnitude[v], signed_x),",
@@ -270,9 +284,9 @@ def isa_env(isa: str) -> dict[str, str] | None:
     from llvmlite import binding
 
     features = binding.get_host_cpu_features().flatten().split(",")
-    if isa == "vnni":
-        from engine.model.kernel_cache import has_vnni
-        return {} if has_vnni(",".join(features)) else None
+    if isa in ("vnni", "wide"):
+        from engine.model.kernel_cache import has_vnni, has_wide_vnni
+        return {} if (has_vnni if isa == "vnni" else has_wide_vnni)(",".join(features)) else None
     if "+" + {"avx2": "avx2", "avx512": "avx512f"}[isa] not in features:
         return None
     if isa == "avx512":
