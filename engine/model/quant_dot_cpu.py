@@ -210,10 +210,10 @@ def _splat(builder: ir.IRBuilder, scalar: ir.Value, vector_type: ir.VectorType) 
 
 
 def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_counts: range,
-             wide_row_counts: range) -> None:
-    """The code of a pass of 1 to row_counts[-1] rows (wide_row_counts[-1] for 4-bit weights with WIDE) over
-    `vectors` of a tile's 4 weight vectors, for an intrinsic whose arguments are tile()'s, with the part of the
-    tile (of 4 / vectors) before `out` where vectors < 4."""
+             wide_row_counts: range | None) -> None:
+    """The code of a pass of 1 to row_counts[-1] rows over `vectors` of a tile's 4 weight vectors, for an intrinsic
+    whose arguments are tile()'s, with the part of the tile (of 4 / vectors) before `out` where vectors < 4. With
+    WIDE and wide_row_counts, 4-bit weights take 512-bit vectors and 1 to wide_row_counts[-1] rows."""
     if not X86:  # pack() never makes quads off x86; this keeps the function compilable there
         builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
                                                     "llvm.trap"), [])
@@ -256,7 +256,7 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
         # 4 bits: 8 quads' pair sums of up to 2 * 15 * 127 each fit in 16 bits, so a group sums its pairs in
         # 16 bits and widens them once; 8 bits (up to 2 * 128 * 127 a pair): each quad widens its own. VNNI sums
         # quads in 32 bits, and with WIDE a 4-bit weight's pair of vectors (a byte's two nibbles) in one register
-        wide = four_bit and WIDE
+        wide = four_bit and WIDE and wide_row_counts is not None
         acc_type = _WIDE_SUMS if wide else _PAIRS if four_bit and not VNNI else _SUMS
         registers = vectors // 2 if wide else vectors  # accumulators a row
 
@@ -371,7 +371,8 @@ def half_tile(typingctx, xq, d, sums, data, scales, mins, index, half, out):
     columns for more rows a pass (large batches: each weight vector multiplies more rows while in a register)."""
 
     def codegen(context, builder, signature, args):
-        _product(builder, context, signature, args, 2, range(1, GEMM_ROWS + 1), range(1, GEMM_ROWS + 1))
+        # (4-bit weights with WIDE take whole tiles at any batch: _integer_run)
+        _product(builder, context, signature, args, 2, range(1, GEMM_ROWS + 1), None)
         return context.get_dummy_value()
 
     return types.void(xq, d, sums, data, scales, mins, index, half, out), codegen
