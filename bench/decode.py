@@ -141,8 +141,8 @@ def transformers_step_ms(model_path: str, batch: int, context: int, steps: int, 
                          device: torch.device, shared: int = 0) -> float:
     """Median ms of one plain `transformers` decode step (a forward of each row's newest token over its own
     KV cache, then greedy argmax) after prefilling `batch` prompts of `context` tokens."""
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+    from bench.hf_baseline import hf_model
+    hf = hf_model(model_path, getattr(torch, dtype)).to(device)
     prompts = torch.tensor([prompt(b, context, shared, hf.config.vocab_size) for b in range(batch)], device=device)
     times = []
     with torch.inference_mode():

@@ -198,10 +198,11 @@ class _TokenClock:
 
 @functools.cache
 def load_hf(path: str):
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
+
+    from bench.hf_baseline import hf_model
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = hf_model(path)
     _hf_generate(model, [list(range(1, 200))], 4, 0)  # warm-up, like the engine's
     return model
 
