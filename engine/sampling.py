@@ -10,6 +10,9 @@ from engine.logits_processors import TokenHistory, process_logits
 from engine.sampling_params import SampledToken, SamplingParams
 
 
+TOP_P_FIRST_CANDIDATES = 64  # the largest tokens top-p looks among first (then 4x as many, until the mass is there)
+
+
 class Sampler:
     """Picks one token per row of logits; each row has its own params and generator."""
 
@@ -51,8 +54,15 @@ class Sampler:
                 picked.append(greedy_ids[row])
                 continue
             probs = _filtered_probs(logits[row] / p.temperature, p.top_k, p.top_p, p.min_p)
-            picked.append(int(torch.multinomial(probs, 1, generator=generators[row]).item()))
+            picked.append(_draw(probs, generators[row]))
         return picked
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """A token drawn from probs (zero outside the tokens the filters kept), among the kept ones only: multinomial
+    walks all the probabilities it is given (0.72 ms for 49,152 tokens)."""
+    kept = probs.nonzero().squeeze(1)
+    return int(kept[torch.multinomial(probs[kept], 1, generator=generator)].item())
 
 
 def _filtered_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
@@ -61,12 +71,27 @@ def _filtered_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # keep the smallest head whose mass reaches top_p (the first token always stays)
-        drop = sorted_probs.cumsum(0) - sorted_probs >= top_p
-        drop[0] = False  # a top_p that rounds to 0 in float32 still keeps the most likely token
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        probs = _top_p(probs, top_p)
     if min_p > 0.0:  # vLLM: relative to the top token's probability, after temperature
         probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
     return probs
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs with all but the smallest head of tokens whose mass reaches top_p set to 0 (the first token always
+    stays). The head is found among the largest 64, 256, ... tokens (topk, sorted), as far as it takes: sorting
+    all of SmolLM2's 49,152 took 2.8 ms a token, most of a sampled token's cost."""
+    count = len(probs)
+    k = min(TOP_P_FIRST_CANDIDATES, count)
+    while True:
+        values, ids = probs.topk(k)
+        mass = values.cumsum(0)
+        if mass[-1] >= top_p or k == count:  # the head ends among these: every later token comes after top_p
+            break
+        k = min(4 * k, count)
+    drop = mass - values >= top_p
+    drop[0] = False  # a top_p that rounds to 0 in float32 still keeps the most likely token
+    kept = ids[~drop]
+    out = torch.zeros_like(probs)
+    out[kept] = probs[kept]
+    return out

@@ -11,7 +11,7 @@ import torch
 from bench.tiny_models import build_llama3_tiktoken_model
 from engine import LLM, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling import Sampler, _filtered_probs
+from engine.sampling import Sampler, _draw, _filtered_probs, _top_p
 
 
 @dataclass
@@ -49,6 +49,33 @@ def test_filtered_probs_top_p_keeps_smallest_head():
     probs = _filtered_probs(logits, top_k=0, top_p=0.8)
     assert probs.tolist() == pytest.approx([0.5, 0.3, 0.0, 0.0])
     assert _filtered_probs(logits, top_k=2, top_p=1.0).tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0])
+
+
+def _top_p_by_sorting(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The definition: the whole vocabulary sorted, the smallest head whose mass reaches top_p kept."""
+    sorted_probs, order = probs.sort(descending=True)
+    drop = sorted_probs.cumsum(0) - sorted_probs >= top_p
+    drop[0] = False
+    sorted_probs[drop] = 0.0
+    return torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 5.0, 40.0])  # flat (the candidates grow to all) to one-token peaked
+@pytest.mark.parametrize("top_p", [0.0, 0.1, 0.5, 0.9, 0.99, 0.9999])
+def test_top_p_keeps_the_head_that_sorting_keeps(scale, top_p):
+    generator = torch.Generator().manual_seed(int(scale * 100) + int(top_p * 10000))
+    probs = torch.softmax(torch.randn(5000, generator=generator) * scale, dim=-1)
+    assert torch.equal(_top_p(probs, top_p), _top_p_by_sorting(probs, top_p))
+
+
+def test_a_draw_takes_only_kept_tokens_and_a_lone_one_always():
+    probs = torch.zeros(1000)
+    probs[[3, 500, 999]] = torch.tensor([0.2, 0.5, 0.3])
+    generator = torch.Generator().manual_seed(0)
+    assert {_draw(probs, generator) for _ in range(200)} == {3, 500, 999}
+    probs = torch.zeros(1000)
+    probs[777] = 1.0
+    assert _draw(probs, generator) == 777
 
 
 def test_greedy_rows_pick_the_first_of_equal_maxima_as_torch_does():
