@@ -40,8 +40,11 @@ def test_cache_hit_gives_the_same_answer(llm):
 def test_a_plain_sdk_call_samples_with_the_model_cards_defaults():
     """The SDK sends no temperature: the server samples at the converted model's recommended 0.2 / top_p 0.9.
     At temperature 1 (the old default) most answers were word salad ("Estèle_is_la_lande, or in French, ...").
-    NOTE: this Q4_1-derived model's first token is nearly flat (The 15 %, L 14 %, La 10 %), so at 0.2 seeds 0-9
-    gave 6 answers naming Paris and 4 French lists ("L'Étoile, la Cité, ..."): 9 of 10 needs near-greedy."""
+    NOTE: this Q4_1-derived model's first token is nearly flat (The 15 %, L 14 %, La 10 %), so at 0.2 about 60% of
+    seeds give the clean answer and the rest French lists ("L'Étoile, la Cité, ..."); at temperature 1 about 10%.
+    Since 2026-11-30 (a token drawn among the kept ones only, other draws for a seed) seeds 0-19 give 15 answers
+    naming Paris and 13 clean ones at 0.2, 4 clean at 1 (seeds 0-39: 27, 24 and 4): the bounds below leave a
+    margin of about two standard deviations, so another draw of the same distribution passes too."""
     import openai
 
     from tests.support.gateway_helpers import served
@@ -57,11 +60,11 @@ def test_a_plain_sdk_call_samples_with_the_model_cards_defaults():
 
         def answers(**fields) -> list[str]:
             return [client.chat.completions.create(model=model, messages=question, max_tokens=32, seed=seed,
-                                                   **fields).choices[0].message.content for seed in range(10)]
+                                                   **fields).choices[0].message.content for seed in range(20)]
         plain, hot = answers(), answers(temperature=1.0, top_p=1.0)  # a request's own fields win
-    assert sum("Paris" in a for a in plain) >= 6, plain
+    assert sum("Paris" in a for a in plain) >= 10, plain
     clean = "The capital of France is Paris."
-    assert sum(a == clean for a in plain) >= 5 and sum(a == clean for a in hot) <= 2, (plain, hot)
+    assert sum(a == clean for a in plain) >= 8 and sum(a == clean for a in hot) <= 6, (plain, hot)
 
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?",
