@@ -59,10 +59,18 @@ class Sampler:
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """A token drawn from probs (zero outside the tokens the filters kept), among the kept ones only: multinomial
-    walks all the probabilities it is given (0.72 ms for 49,152 tokens)."""
+    """A token drawn from probs (zero outside the tokens the filters kept) by the inverse of their cumulative sum at
+    one uniform number: torch.multinomial draws an exponential for every probability it is given (0.72 ms for
+    49,152 tokens). ValueError where the probabilities are not finite (that row fails alone)."""
     kept = probs.nonzero().squeeze(1)
-    return int(kept[torch.multinomial(probs[kept], 1, generator=generator)].item())
+    cumulative = probs[kept].cumsum(0)
+    total = cumulative[-1:]
+    if not bool(torch.isfinite(total).all() and (total > 0).all()):
+        raise ValueError(f"cannot sample: the probabilities sum to {total.item()}")
+    u = torch.rand(1, generator=generator, device=probs.device) * total
+    # token i owns [cumulative[i - 1], cumulative[i]); u * total may round up to total itself
+    at = torch.searchsorted(cumulative, u, right=True).clamp_(max=len(kept) - 1)
+    return int(kept[at].item())
 
 
 def _filtered_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:

@@ -68,14 +68,24 @@ def test_top_p_keeps_the_head_that_sorting_keeps(scale, top_p):
     assert torch.equal(_top_p(probs, top_p), _top_p_by_sorting(probs, top_p))
 
 
-def test_a_draw_takes_only_kept_tokens_and_a_lone_one_always():
+def test_a_draw_takes_only_kept_tokens_at_their_rates_and_a_lone_one_always():
     probs = torch.zeros(1000)
     probs[[3, 500, 999]] = torch.tensor([0.2, 0.5, 0.3])
     generator = torch.Generator().manual_seed(0)
-    assert {_draw(probs, generator) for _ in range(200)} == {3, 500, 999}
+    draws = [_draw(probs, generator) for _ in range(6000)]
+    assert set(draws) == {3, 500, 999}
+    for token, rate in ((3, 0.2), (500, 0.5), (999, 0.3)):  # within 4 standard deviations (about 0.025)
+        assert abs(draws.count(token) / len(draws) - rate) < 0.025
     probs = torch.zeros(1000)
     probs[777] = 1.0
     assert _draw(probs, generator) == 777
+    again = torch.Generator().manual_seed(0)
+    assert [_draw(probs, again) for _ in range(3)] == [777] * 3
+
+
+def test_a_draw_of_probabilities_that_are_not_finite_raises():
+    with pytest.raises(ValueError, match="cannot sample"):
+        _draw(torch.full((10,), math.nan), None)
 
 
 def test_greedy_rows_pick_the_first_of_equal_maxima_as_torch_does():

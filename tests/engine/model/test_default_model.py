@@ -41,10 +41,11 @@ def test_a_plain_sdk_call_samples_with_the_model_cards_defaults():
     """The SDK sends no temperature: the server samples at the converted model's recommended 0.2 / top_p 0.9.
     At temperature 1 (the old default) most answers were word salad ("Estèle_is_la_lande, or in French, ...").
     NOTE: this Q4_1-derived model's first token is nearly flat (The 15 %, L 14 %, La 10 %), so at 0.2 about 60% of
-    seeds give the clean answer and the rest French lists ("L'Étoile, la Cité, ..."); at temperature 1 about 10%.
-    Since 2026-11-30 (a token drawn among the kept ones only, other draws for a seed) seeds 0-19 give 15 answers
-    naming Paris and 13 clean ones at 0.2, 4 clean at 1 (seeds 0-39: 27, 24 and 4): the bounds below leave a
-    margin of about two standard deviations, so another draw of the same distribution passes too."""
+    seeds give the clean answer and the rest French lists ("L'Étoile, la Cité, ..."); at temperature 1 about 5-10%.
+    Since 2026-11-30 (a token drawn by the inverse of the kept tokens' cumulative probabilities: other draws for a
+    seed) seeds 0-19 give 15 answers naming Paris and 13 clean ones at 0.2, 1 clean at 1 (seeds 0-39: 32, 27 and
+    2): the bounds below leave a margin of about two standard deviations, so another draw of the same
+    distribution passes too."""
     import openai
 
     from tests.support.gateway_helpers import served
