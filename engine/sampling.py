@@ -1,6 +1,7 @@
 """The batched sampler: one token per row of logits, each row with its own params and generator."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,11 +44,11 @@ class Sampler:
 
     def _pick(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
               greedy_ids: np.ndarray | None) -> list[int]:
-        if greedy_ids is None:
+        if greedy_ids is None and any(p.greedy for p in params):
             # numpy's argmax on CPU: measured several times faster than torch's (docs/speed.md#the-decode-step)
             greedy_ids = (np.argmax(logits.numpy(), axis=1) if logits.device.type == "cpu"
                           else logits.argmax(dim=-1))
-        greedy_ids = greedy_ids.tolist()
+        greedy_ids = greedy_ids.tolist() if greedy_ids is not None else []
         picked = []
         for row, p in enumerate(params):
             if p.greedy:
@@ -64,9 +65,9 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     49,152 tokens). ValueError where the probabilities are not finite (that row fails alone)."""
     kept = probs.nonzero().squeeze(1)
     cumulative = probs[kept].cumsum(0)
-    total = cumulative[-1:]
-    if not bool(torch.isfinite(total).all() and (total > 0).all()):
-        raise ValueError(f"cannot sample: the probabilities sum to {total.item()}")
+    total = float(cumulative[-1]) if len(kept) else 0.0
+    if not (math.isfinite(total) and total > 0):
+        raise ValueError(f"cannot sample: the probabilities sum to {total}")
     u = torch.rand(1, generator=generator, device=probs.device) * total
     # token i owns [cumulative[i - 1], cumulative[i]); u * total may round up to total itself
     at = torch.searchsorted(cumulative, u, right=True).clamp_(max=len(kept) - 1)

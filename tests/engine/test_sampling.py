@@ -83,9 +83,10 @@ def test_a_draw_takes_only_kept_tokens_at_their_rates_and_a_lone_one_always():
     assert [_draw(probs, again) for _ in range(3)] == [777] * 3
 
 
-def test_a_draw_of_probabilities_that_are_not_finite_raises():
-    with pytest.raises(ValueError, match="cannot sample"):
-        _draw(torch.full((10,), math.nan), None)
+def test_a_draw_of_probabilities_that_are_not_finite_or_all_zero_raises():
+    for probs in (torch.full((10,), math.nan), torch.zeros(10)):
+        with pytest.raises(ValueError, match="cannot sample"):
+            _draw(probs, None)
 
 
 def test_greedy_rows_pick_the_first_of_equal_maxima_as_torch_does():
