@@ -155,7 +155,7 @@ def run_bin(plan, b, scaled, k_cache, v_cache, slots, shared_slots, partials):
     rows, dim = scaled.shape[0], scaled.shape[2]
     for k in range(bin_first[b], bin_first[b + 1]):
         task = by_bin[k]
-        # the slots of the bin's next task (none after the last), which a cascade task asks for while it computes
+        # the slots of the bin's next task (none after the last), which a task asks for while it computes
         last = k + 1 == bin_first[b + 1]
         after = by_bin[k if last else k + 1]
         following = _context(slots, shared_slots, rows, source[after], chunk_start[after],

@@ -39,7 +39,7 @@ def _task(q, k_cache, v_cache, context, following, members, partials, dim, acc, 
     if _matmul_form(len(members), q.shape[1] // k_cache.shape[1], dim):
         _cascade(q, members, partials, k_cache, v_cache, context, following, dim, acc, top, total)
     else:
-        _chunk(q, members, partials, k_cache, v_cache, context, dim, acc, top, total)
+        _chunk(q, members, partials, k_cache, v_cache, context, following, dim, acc, top, total)
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")
@@ -49,10 +49,11 @@ def _matmul_form(members, per_kv, dim):
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")
-def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
+def _chunk(q, members, partials, k_cache, v_cache, slots, following, dim, acc, top, total):
     """One chunk of slots for the rows `members` (q [rows, heads, dim], already scaled), one row after the
     other (rows innermost, every key serving all rows at once, measured slower). Fills acc[p]
-    [heads, dim], top[p] and total[p] [heads] of each row's partial p."""
+    [heads, dim], top[p] and total[p] [heads] of each row's partial p; asks for the K/V of `following` (the
+    slots of the thread's next task) in its last row's value passes."""
     heads = q.shape[1]
     kv_heads = k_cache.shape[1]
     per_kv = heads // kv_heads  # query heads per kv head (GQA)
@@ -80,12 +81,17 @@ def _chunk(q, members, partials, k_cache, v_cache, slots, dim, acc, top, total):
                 scores[h, t] = score
         for h in range(heads):
             top[p, h], total[p, h] = _exponentials(scores[h])
+        # the value passes work from the cache: while they run, the last row's ask for the thread's next task's K/V,
+        # a share each (from memory a chunk's time was its arithmetic plus its wait, apart; docs/speed.md)
+        share = (len(following) + kv_heads - 1) // kv_heads if i == len(members) - 1 else 0
         for kvh in range(kv_heads):
             last = (kvh + 1) * per_kv
+            ahead = following[kvh * share:(kvh + 1) * share]
             if _vector_head_size(dim):  # the group's heads, as many a pass as their sums fit the registers
                 per_pass = VALUE_VECTORS * simd.LANES // dim
                 for h in range(kvh * per_kv, last, per_pass):
-                    _weighted_values(scores, h, min(per_pass, last - h), v_cache, kvh, slots, dim, acc, p)
+                    _weighted_values(scores, h, min(per_pass, last - h), k_cache, v_cache, kvh, slots, dim, acc, p,
+                                     ahead if h == kvh * per_kv else following[:0])
             else:
                 for h in range(kvh * per_kv, last):
                     acc[p, h] = 0.0

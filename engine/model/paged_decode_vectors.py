@@ -40,20 +40,23 @@ def _largest(typingctx, row, vectors):
     return types.float32(row, vectors), codegen
 
 
+def _prefetch_row_code(context, builder, cache_ty, cache_arg, slot) -> None:
+    """The IR that asks for cache[slot] (every kv head's) into every cache level, a prefetch a cache line."""
+    row = simd.element_pointer(context, builder, cache_ty, cache_arg, [slot, simd.const(0), simd.const(0)])
+    shape = cgutils.unpack_tuple(builder, context.make_array(cache_ty)(context, builder, cache_arg).shape, 3)
+    size = builder.mul(builder.mul(shape[1], shape[2]), simd.const(context.get_abi_sizeof(
+        context.get_data_type(cache_ty.dtype))))
+    lines = builder.udiv(builder.add(size, simd.const(simd.CACHE_LINE - 1)), simd.const(simd.CACHE_LINE))
+    with cgutils.for_range(builder, lines) as loop:
+        simd.prefetch(builder, row, builder.mul(loop.index, simd.const(simd.CACHE_LINE)))
+
+
 @intrinsic
 def _prefetch_row(typingctx, cache, slot):
     """Asks for cache[slot] (every kv head's) into every cache level, ahead of its use (measured faster than
     from L2 outward: docs/speed.md#paged-attention)."""
     def codegen(context, builder, signature, args):
-        cache_ty = signature.args[0]
-        cache_arg, slot_arg = args
-        row = simd.element_pointer(context, builder, cache_ty, cache_arg, [slot_arg, simd.const(0), simd.const(0)])
-        shape = cgutils.unpack_tuple(builder, context.make_array(cache_ty)(context, builder, cache_arg).shape, 3)
-        size = builder.mul(builder.mul(shape[1], shape[2]), simd.const(context.get_abi_sizeof(
-            context.get_data_type(cache_ty.dtype))))
-        lines = builder.udiv(builder.add(size, simd.const(simd.CACHE_LINE - 1)), simd.const(simd.CACHE_LINE))
-        with cgutils.for_range(builder, lines) as loop:
-            simd.prefetch(builder, row, builder.mul(loop.index, simd.const(simd.CACHE_LINE)))
+        _prefetch_row_code(context, builder, signature.args[0], *args)
         return context.get_dummy_value()
 
     return types.void(cache, slot), codegen
@@ -150,26 +153,34 @@ def _key_scores(typingctx, q, m, h, group, k_cache, kvh, slots, t, dim, scores):
 
 
 @intrinsic
-def _weighted_values(typingctx, weights, h, group, v_cache, kvh, slots, dim, acc, p):
+def _weighted_values(typingctx, weights, h, group, k_cache, v_cache, kvh, slots, dim, acc, p, ahead):
     """acc[p, h + i] = sum over t of weights[h + i, t] * v_cache[slots[t], kvh] for i < group: `group` query
     heads of one kv head (up to VALUE_VECTORS vectors of sums: 4 heads at head size 64, 2 at 128), each value
     read once for all of them; dim: 64 or 128 (HEAD_SIZES). The sums stay in registers across the keys,
-    each weight broadcast against its value's vectors."""
+    each weight broadcast against its value's vectors. At key t < len(ahead) it asks for the K and V rows of
+    slot ahead[t] (a share of the thread's next task), so that memory streams while it computes from cache."""
     bits = v_cache.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
-        w_arg, h_arg, group_arg, v_arg, kvh_arg, slots_arg, dim_arg, acc_arg, p_arg = args
-        w_ty, _, _, v_ty, _, slots_ty, _, acc_ty, _ = signature.args
+        w_arg, h_arg, group_arg, k_arg, v_arg, kvh_arg, slots_arg, dim_arg, acc_arg, p_arg, ahead_arg = args
+        w_ty, _, _, k_ty, v_ty, _, slots_ty, _, acc_ty, _, ahead_ty = signature.args
 
         at = functools.partial(simd.element_pointer, context, builder)  # at(array type, array, indices)
 
         def head(i):
             return builder.add(h_arg, simd.const(i))
 
-        count = cgutils.unpack_tuple(builder, context.make_array(slots_ty)(context, builder, slots_arg).shape, 1)[0]
+        def length(ty, arg):
+            return cgutils.unpack_tuple(builder, context.make_array(ty)(context, builder, arg).shape, 1)[0]
+
+        count, ahead_count = length(slots_ty, slots_arg), length(ahead_ty, ahead_arg)
 
         def weighted_values_of(heads, pieces):
             def step(t, sums):  # sums[i] += weights[h + i, t] * v_cache[slots[t], kvh]
+                with builder.if_then(builder.icmp_signed("<", t, ahead_count)):
+                    slot = builder.load(at(ahead_ty, ahead_arg, [t]))
+                    _prefetch_row_code(context, builder, k_ty, k_arg, slot)
+                    _prefetch_row_code(context, builder, v_ty, v_arg, slot)
                 value = at(v_ty, v_arg, [builder.load(at(slots_ty, slots_arg, [t])), kvh_arg, simd.const(0)])
                 v_pieces = simd.load_pieces(builder, value, pieces, bits)
                 added = []
@@ -190,4 +201,4 @@ def _weighted_values(typingctx, weights, h, group, v_cache, kvh, slots, dim, acc
             lambda heads: weighted_values_of(heads, dim // simd.LANES)))
         return context.get_dummy_value()
 
-    return types.void(weights, h, group, v_cache, kvh, slots, dim, acc, p), codegen
+    return types.void(weights, h, group, k_cache, v_cache, kvh, slots, dim, acc, p, ahead), codegen
