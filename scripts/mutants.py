@@ -39,8 +39,8 @@ class Mutant:
     old: str  # must occur exactly once in the file
     new: str
     tests: tuple[str, ...]
-    # the code it mutates: "avx2" (compiled for AVX2 on any host that has it), or the host's "avx512", "vnni" or
-    # "wide" (VNNI on 512-bit vectors)
+    # the code it mutates: "avx2" (compiled for AVX2 on any host that has it), "narrow-vnni" (VNNI on 256-bit vectors
+    # only, on any host with AVX-VNNI), or the host's "avx512", "vnni" or "wide" (VNNI on 512-bit vectors)
     isa: str = ""
 
 
@@ -190,7 +190,7 @@ MUTANTS = [
     # integer dot products: 8-bit weights' signs never reach the activations (every weight read as |w|)
     Mutant("dot-int8-sign-dropped", "quant_dot_cpu.py",
            'signed_x = x_bytes if four_bit else _x86(builder, "psign.b", _BYTES, x_bytes, w[v])',
-           "signed_x = x_bytes", DOT_TESTS),
+           "signed_x = x_bytes", DOT_TESTS, isa="avx2"),
     # the high nibbles (columns 8-15 and 24-31 of a tile) read as the low ones
     Mutant("dot-high-nibble-as-low", "quant_dot_cpu.py",
            "out += [builder.and_(raw, nibble), builder.and_(high, nibble)]",
@@ -203,6 +203,13 @@ MUTANTS = [
     Mutant("dot-wide-halves-swapped", "quant_dot_cpu.py",
            "builder.load(acc[r][v // 2]), (v % 2) * COLUMNS, COLUMNS)",
            "builder.load(acc[r][v // 2]), (1 - v % 2) * COLUMNS, COLUMNS)", DOT_TESTS, isa="wide"),
+    # 8-bit weights on 512-bit vectors: the + 128 that makes them unsigned never taken off their sums
+    Mutant("dot-wide-8bit-offset-kept", "quant_dot_cpu.py",
+           "return builder.sub(sums, offsets[r]) if offsets else sums", "return sums", DOT_TESTS, isa="wide"),
+    # ... or never added: negative weights read as 128..255
+    Mutant("dot-wide-8bit-not-offset", "quant_dot_cpu.py",
+           "ir.Constant(_WIDE_BYTES, [-128] * 64)) for i", "ir.Constant(_WIDE_BYTES, [0] * 64)) for i", DOT_TESTS,
+           isa="wide"),
     # an integer pass's last row is not written out: every ROW_GROUP-th (or WIDE_ROWS-th) row of a batch stays empty
     Mutant("integer-pass-row-dropped", "quant_matmul_cpu.py",
            "_add_out(scratch, min(step, rows - first), bias, out, first, tile * TILE, accumulate)\n        return",
@@ -225,14 +232,15 @@ MUTANTS = [
     Mutant("dot-vnni-sums-restarted", "quant_dot_cpu.py",
            "builder.store(_dot_quads(builder, builder.load(acc[r][v]), magnitude[v], signed_x),",
            "builder.store(_dot_quads(builder, ir.Constant(_SUMS, None), magnitude[v], signed_x),", DOT_TESTS,
-           isa="vnni"),
+           isa="narrow-vnni"),
     # large batches' half-tile passes: the second half of a tile reads the first half's weights
     Mutant("dot-half-tile-weights-of-the-first-half", "quant_dot_cpu.py",
            "builder.gep(tile_data, [builder.mul(part, const(part_bytes))])", "builder.gep(tile_data, [const(0)])",
-           DOT_TESTS),
+           DOT_TESTS, isa="avx2"),
     # ... or the first half's scales and mins
     Mutant("dot-half-tile-scales-of-the-first-half", "quant_dot_cpu.py",
-           "first_column = builder.mul(part, const(vectors * COLUMNS))", "first_column = const(0)", DOT_TESTS),
+           "first_column = builder.mul(part, const(vectors * COLUMNS))", "first_column = const(0)", DOT_TESTS,
+           isa="avx2"),
     # the online softmax (prefill and decode kernels) does not rescale its running sum of weighted values when a
     # later key tile raises the maximum
     Mutant("prefill-values-not-rescaled", "paged_decode_cuda.py",
@@ -287,6 +295,10 @@ def isa_env(isa: str) -> dict[str, str] | None:
     if isa in ("vnni", "wide"):
         from engine.model.kernel_cache import has_vnni, has_wide_vnni
         return {} if (has_vnni if isa == "vnni" else has_wide_vnni)(",".join(features)) else None
+    if isa == "narrow-vnni":
+        from engine.model.kernel_cache import has_vnni
+        narrow = ",".join("-avx512vnni" if f == "+avx512vnni" else f for f in features)
+        return {"NUMBA_CPU_FEATURES": narrow} if has_vnni(narrow) else None
     if "+" + {"avx2": "avx2", "avx512": "avx512f"}[isa] not in features:
         return None
     if isa == "avx512":

@@ -55,12 +55,13 @@ QUADS = GROUP // QUAD  # quads of a group
 # products to a 32-bit sum in one instruction, where AVX2 takes `vpmaddubsw`, `vpmaddwd` and an add: the same
 # exact integer sums (AVX2's pairs never saturate here, below), so the same answers
 VNNI = kernel_cache.TARGET_VNNI
-# with AVX512-VNNI, 4-bit weights take their two nibble vectors of 32 bytes as one 512-bit vector: one `vpdpbusd`
-# for 16 columns where 256-bit vectors take two (the same integer sums, so the same answers)
+# with AVX512-VNNI, weights take two of their vectors of 32 bytes as one 512-bit vector (4 bits: a byte's two
+# nibbles; 8 bits: two vectors side by side, each byte + 128 as AVX-512 has no `vpsignb` to pass a sign on): one
+# `vpdpbusd` for 16 columns where 256-bit vectors take two (the same integer sums, so the same answers)
 WIDE = kernel_cache.TARGET_WIDE_VNNI
-# rows a whole-tile pass serves for 4-bit weights with WIDE, at any batch: 2 accumulators a row (a 512-bit one for
-# each pair of vectors) beside 2 weight registers, of 32. The 1B shapes' Q4_K matmuls at 128 rows on Zen 5: 8
-# rows 348-353 ms, 12 rows 337-339, 14 rows 340-341 (half tiles of 8 rows on 256-bit vectors: 468-472)
+# rows a whole-tile pass serves with WIDE, at any batch: 2 accumulators a row (a 512-bit one for each pair of
+# vectors) beside 2 weight registers, of 32. The 1B shapes' Q4_K matmuls at 128 rows on Zen 5: 8 rows 348-353 ms,
+# 12 rows 337-339, 14 rows 340-341 (half tiles of 8 rows on 256-bit vectors: 468-472)
 WIDE_ROWS = 12
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
@@ -102,9 +103,9 @@ def is_quads(data) -> bool:
 
 @njit(nogil=True, cache=kernel_cache.CACHE)
 def tile_rows(data) -> int:
-    """Rows one pass of tile() serves for this weight: WIDE_ROWS for 4 bits with WIDE (whole tiles at any
-    batch), else ROW_GROUP (larger batches take half tiles)."""
-    return WIDE_ROWS if WIDE and data.shape[2] == BYTES_4BIT else ROW_GROUP
+    """Rows one pass of tile() serves for this weight: WIDE_ROWS with WIDE (whole tiles at any batch), else
+    ROW_GROUP (larger batches take half tiles)."""
+    return WIDE_ROWS if WIDE else ROW_GROUP
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
@@ -213,7 +214,7 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
              wide_row_counts: range | None) -> None:
     """The code of a pass of 1 to row_counts[-1] rows over `vectors` of a tile's 4 weight vectors, for an intrinsic
     whose arguments are tile()'s, with the part of the tile (of 4 / vectors) before `out` where vectors < 4. With
-    WIDE and wide_row_counts, 4-bit weights take 512-bit vectors and 1 to wide_row_counts[-1] rows."""
+    WIDE and wide_row_counts, the weights take 512-bit vectors and 1 to wide_row_counts[-1] rows."""
     if not X86:  # pack() never makes quads off x86; this keeps the function compilable there
         builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
                                                     "llvm.trap"), [])
@@ -228,6 +229,7 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
     out_row = builder.udiv(cgutils.unpack_tuple(builder, out_ary.strides, 2)[0], const(4))
     xq_bytes = builder.bitcast(xq_ary.data, _I8.as_pointer())
     ones = ir.Constant(_PAIRS, [1] * 16)
+    byte_ones = ir.Constant(_BYTES, [1] * 32)
     nibble = ir.Constant(_BYTES, [0x0F] * 32)
     first_column = builder.mul(part, const(vectors * COLUMNS))
 
@@ -255,14 +257,18 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
         part_data = builder.gep(tile_data, [builder.mul(part, const(part_bytes))])
         # 4 bits: 8 quads' pair sums of up to 2 * 15 * 127 each fit in 16 bits, so a group sums its pairs in
         # 16 bits and widens them once; 8 bits (up to 2 * 128 * 127 a pair): each quad widens its own. VNNI sums
-        # quads in 32 bits, and with WIDE a 4-bit weight's pair of vectors (a byte's two nibbles) in one register
-        wide = four_bit and WIDE and wide_row_counts is not None
+        # quads in 32 bits, and with WIDE a pair of vectors in one register (4 bits: a byte's two nibbles)
+        wide = WIDE and wide_row_counts is not None
         acc_type = _WIDE_SUMS if wide else _PAIRS if four_bit and not VNNI else _SUMS
         registers = vectors // 2 if wide else vectors  # accumulators a row
 
-        def vectors_at(quad):  # the part's weight vectors of a quad (unsigned bytes; 8 bits: as signed)
+        def vectors_at(quad):  # the part's weight vectors of a quad (unsigned bytes; 8 bits: as signed, or + 128 wide)
             here = builder.gep(part_data, [builder.mul(quad, const(width))])
             simd.prefetch_lines(builder, here, PREFETCH_BYTES, part_bytes)
+            if wide and not four_bit:  # vectors 2i and 2i + 1 side by side: lanes 0-7 and 8-15
+                return [builder.xor(builder.load(builder.bitcast(builder.gep(here, [const(64 * i)]),
+                                                                 _WIDE_BYTES.as_pointer()), align=1),
+                                    ir.Constant(_WIDE_BYTES, [-128] * 64)) for i in range(part_bytes // 64)]
             loaded = [builder.load(builder.bitcast(builder.gep(here, [const(32 * v)]), _BYTES.as_pointer()),
                                    align=1) for v in range(part_bytes // 32)]
             if not four_bit:
@@ -278,15 +284,25 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
                     out += [builder.and_(raw, nibble), builder.and_(high, nibble)]
             return out
 
-        def sums_of(acc, r, v):  # row r's 8 integer sums of weight vector v
+        def sums_of(acc, r, v, offsets):  # row r's 8 integer sums of weight vector v
             if wide:
-                return _lanes(builder, builder.load(acc[r][v // 2]), (v % 2) * COLUMNS, COLUMNS)
+                sums = _lanes(builder, builder.load(acc[r][v // 2]), (v % 2) * COLUMNS, COLUMNS)
+                return builder.sub(sums, offsets[r]) if offsets else sums
             held = builder.load(acc[r][v])
             return _x86(builder, "pmadd.wd", _SUMS, held, ones) if acc_type is _PAIRS else held
+
+        def offset(r, g):  # what 8-bit weights + 128 added to each of row r's sums of group g: 128 x its xq's sum
+            at = builder.gep(xq_bytes, [builder.add(builder.mul(const(r), xq_row), builder.mul(g, const(GROUP)))])
+            quads = _dot_quads(builder, ir.Constant(_SUMS, None), byte_ones,
+                               builder.load(builder.bitcast(at, _BYTES.as_pointer()), align=1))
+            total = builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [_SUMS]),
+                                                                "llvm.vector.reduce.add.v8i32"), [quads])
+            return _splat(builder, builder.shl(total, ir.Constant(_I32, 7)), _SUMS)
 
         def group_end(num_rows, acc, g):  # the group's integer sums times its scales (and mins) into `out`
             scales_at, mins_at = [group_pointers(builder, scale_kind, ary, index, g)
                                   for ary in (scales_ary, mins_ary)]
+            offsets = [offset(r, g) for r in range(num_rows)] if wide and not four_bit else None
             for ahead in (scales_at, mins_at) if with_min else (scales_at,):
                 simd.prefetch_lines(builder, ahead[0], SCALES_AHEAD, TILE * (scale_kind.bitwidth // 8))
             # each 8 columns' scales and mins widened once for all the rows (the stores to `out` keep LLVM from
@@ -298,7 +314,7 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
                 for r in range(num_rows):
                     to = out_at(r, v)
                     total = _fma(builder, builder.fmul(scale, per_row(d_ary, d_row, r, g)),
-                                 builder.sitofp(sums_of(acc, r, v), _FLOATS), builder.load(to, align=4))
+                                 builder.sitofp(sums_of(acc, r, v, offsets), _FLOATS), builder.load(to, align=4))
                     if with_min:
                         total = _fma(builder, low, per_row(sums_ary, sums_row, r, g), total)
                     builder.store(total, to, align=4)
@@ -319,7 +335,7 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
                 w = vectors_at(quad)
                 # vpmaddubsw and vpdpbusd take unsigned weights: 8-bit ones give their magnitude, their sign
                 # moves to x
-                magnitude = w if four_bit else [_x86(builder, "psign.b", _BYTES, wv, wv) for wv in w]
+                magnitude = w if four_bit or wide else [_x86(builder, "psign.b", _BYTES, wv, wv) for wv in w]
                 for r in range(num_rows):
                     if wide:
                         x_wide = x_at(r, quad, _WIDE_SUMS)
@@ -371,7 +387,7 @@ def half_tile(typingctx, xq, d, sums, data, scales, mins, index, half, out):
     columns for more rows a pass (large batches: each weight vector multiplies more rows while in a register)."""
 
     def codegen(context, builder, signature, args):
-        # (4-bit weights with WIDE take whole tiles at any batch: _integer_run)
+        # (with WIDE every weight takes whole tiles at any batch: _integer_run)
         _product(builder, context, signature, args, 2, range(1, GEMM_ROWS + 1), None)
         return context.get_dummy_value()
 

@@ -511,8 +511,8 @@ def _quantized_activations(x):
 def _integer_run(xq, d, sums, data, scales, mins, bias, out, accumulate, first_tile, end_tile):
     """_integer_matmul's product for the output columns of tiles first_tile to end_tile - 1: whole tiles for up to
     ROW_GROUP rows (a decode step's: each byte of the weight read once), half tiles GEMM_ROWS rows at a time for
-    more (compute-bound: more rows for each weight vector in a register); 4-bit weights on 512-bit VNNI whole tiles
-    WIDE_ROWS rows at a time at any batch. Not fastmath: numba would mark the kernels' float operations
+    more (compute-bound: more rows for each weight vector in a register); on 512-bit VNNI whole tiles WIDE_ROWS
+    rows at a time at any batch. Not fastmath: numba would mark the kernels' float operations
     reassociable, and the two passes then round a super-block's scale times d apart."""
     rows = xq.shape[0]
     if rows == 0:  # (the kernels take a row count outside their cases for their largest)

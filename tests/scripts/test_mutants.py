@@ -13,10 +13,25 @@ MUTANTS = load_script("mutants")
 def test_each_mutant_edits_one_place_of_its_kernel(mutant):
     source = (MUTANTS.KERNELS / mutant.file).read_text()
     assert source.count(mutant.old) == 1, f"{mutant.old!r} occurs {source.count(mutant.old)} times in {mutant.file}"
-    assert mutant.new != mutant.old and mutant.isa in ("", "avx2", "avx512", "vnni", "wide")
+    assert mutant.new != mutant.old and mutant.isa in ("", "avx2", "avx512", "vnni", "narrow-vnni", "wide")
     assert all((MUTANTS.REPO / test).is_file() for test in mutant.tests)
 
 
 def test_mutant_names_are_unique():
     names = [m.name for m in MUTANTS.MUTANTS]
     assert len(names) == len(set(names))
+
+
+def test_narrow_vnni_compiles_without_avx512_vnni():
+    """Narrow VNNI's code (256-bit vpdpbusd), which a host with AVX512-VNNI no longer runs for any weight, is
+    compiled for the host less AVX512-VNNI where it has AVX-VNNI, and nowhere else."""
+    from llvmlite import binding
+
+    from engine.model.kernel_cache import has_vnni
+    features = binding.get_host_cpu_features().flatten()
+    env = MUTANTS.isa_env("narrow-vnni")
+    if not has_vnni(features.replace("+avx512vnni", "-avx512vnni")):
+        assert env is None
+        return
+    assert "+avx512vnni" not in env["NUMBA_CPU_FEATURES"].split(",")
+    assert has_vnni(env["NUMBA_CPU_FEATURES"])
