@@ -334,7 +334,7 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
                 quad = loop.index
                 w = vectors_at(quad)
                 # vpmaddubsw and vpdpbusd take unsigned weights: 8-bit ones give their magnitude, their sign
-                # moves to x
+                # moves to x (on 512-bit vectors they come + 128 instead: vectors_at, offset)
                 magnitude = w if four_bit or wide else [_x86(builder, "psign.b", _BYTES, wv, wv) for wv in w]
                 for r in range(num_rows):
                     if wide:
