@@ -9,7 +9,7 @@ kernels (engine/model/quant_matmul_cpu.py: float arithmetic; quant_dot_cpu.py: i
 dot products, x86) over the same weights in ggml formats (the K-quants, which the gguf library cannot quantize
 to: random blocks of the format, read by the loader's decoder), and beside the float kernel the way larger
 steps go (`prefill_linear`: each weight dequantized into a scratch, then a float GEMM), so that `--rows
-33,48,64,96,128` shows where one overtakes the other (linear.QUANT_KERNEL_ROWS). The kernels take turns within
+33,48,64,96,128` shows where one overtakes the other (quant_matmul_cpu.KERNEL_ROWS). The kernels take turns within
 each repeat, so that load from other processes shows in all alike; times are medians.
 """
 from __future__ import annotations

@@ -27,11 +27,6 @@ if TYPE_CHECKING:
 # steps of up to this many rows use the packed weight: the default max_num_seqs, and faster than F.linear up to
 # there (docs/speed.md#packed-matmul)
 MAX_PACKED_ROWS = 32
-# a quantized weight's float kernel (in-register dequantization) serves steps of up to this many rows, by bits a
-# weight; larger ones dequantize it for a GEMM. On the 2-core AVX2 EPYC the kernel took 0.5-0.8x the GEMM's time
-# for a layer's matmuls at 33-64 rows on 4- and 6-bit files and 0.4-0.9x at 33-128 on Q8_0, and more beyond
-# (docs/speed.md#rows-per-quantized-kernel)
-QUANT_KERNEL_ROWS = {4: 64, 6: 64, 8: 128}
 
 
 class Linear(nn.Linear):
@@ -45,8 +40,8 @@ class Linear(nn.Linear):
         if self.quant is not None:
             from engine.model import quant_matmul_cpu
             # integer dot products run every batch (large ones 1.6-2x as fast on AVX2 as a float GEMM over dequantized
-            # rows, each output the same floats as in a batch of one); float arithmetic up to QUANT_KERNEL_ROWS
-            if x.shape[0] <= QUANT_KERNEL_ROWS[self.quant.bits] or self.quant.integer:
+            # rows, each output the same floats as in a batch of one); float arithmetic up to its KERNEL_ROWS
+            if x.shape[0] <= quant_matmul_cpu.KERNEL_ROWS[self.quant.bits] or self.quant.integer:
                 return quant_matmul_cpu.linear(x, self.quant, self.bias)
             return quant_matmul_cpu.prefill_linear(x.float(), self.quant, self.bias).to(x.dtype)
         if self.packed is None:

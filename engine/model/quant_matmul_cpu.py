@@ -85,6 +85,12 @@ def half_rows(isa: str) -> int:
 
 
 HALF_ROWS = half_rows(kernel_cache.TARGET_ISA)
+# steps of up to this many rows run this kernel, by a weight's bits (linear.Linear); larger ones dequantize the
+# weight for a GEMM (prefill_linear). On the 2-core AVX2 EPYC (2 rows a pass) the kernel took 0.5-0.8x the GEMM's
+# time for a layer's matmuls at 33-64 rows on 4- and 6-bit files and 0.4-0.9x at 33-128 on Q8_0, and more beyond;
+# on the Zen 5 EPYC (AVX-512: 8 rows a pass) 0.6-0.8x at 128 rows on every format, at 256 0.9x on 4 bits, 0.8-0.9x
+# on Q8_0 and 1.07x on Q6_K, at 512 1.1-1.2x (docs/speed.md#rows-per-quantized-kernel)
+KERNEL_ROWS = {4: 256, 6: 128, 8: 256} if kernel_cache.TARGET_ISA == "avx512" else {4: 64, 6: 64, 8: 128}
 # each group's even and odd k's summed apart, then added: two FMA chains a sum, on AVX-512, where a tile's pass at
 # 1 row has 2 sums and both FMA pipes waited on their latency (Q4_1, 1 row, from memory: 0.78-0.83 -> 0.71 ns a k
 # of a tile; the default model's batch-1 step 6% faster). AVX2's passes are bound by widening the weights: 5%

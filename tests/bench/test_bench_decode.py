@@ -125,7 +125,7 @@ def test_matmul_bench_packs_the_quantized_kernels_scales_as_the_loader_does(tiny
 
 
 def test_matmul_bench_times_the_float_kernel_beside_the_dequantized_gemm_of_larger_steps(tiny_llama_dir):
-    """Each quantized format's float kernel has the path of steps past linear.QUANT_KERNEL_ROWS beside it, over
+    """Each quantized format's float kernel has the path of steps past quant_matmul_cpu.KERNEL_ROWS beside it, over
     the same tiles: where one overtakes the other."""
     from bench import matmul
     result = matmul.run(str(tiny_llama_dir), rows=(1, 40), repeats=1, log=lambda _: None, quantized=("q8_0", "q4_1"))

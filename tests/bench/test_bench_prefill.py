@@ -7,7 +7,7 @@ import pytest
 
 from bench import prefill
 from engine import LLM
-from engine.model.linear import QUANT_KERNEL_ROWS
+from engine.model.quant_matmul_cpu import KERNEL_ROWS
 from tests.support.machine import triton_module
 
 
@@ -90,8 +90,7 @@ def test_gemm_too_times_each_prefill_gemm_in_turns_then_restores_the_default(tin
         real(x, w, out)
 
     monkeypatch.setattr(cpu_gemm, "matmul_nt", matmul_nt)
-    tokens = 144  # (steps of up to QUANT_KERNEL_ROWS[8] rows run the quantized kernel, no GEMM)
-    assert tokens > QUANT_KERNEL_ROWS[8]
+    tokens = KERNEL_ROWS[8] + 16  # (steps of up to KERNEL_ROWS[8] rows run the quantized kernel, no GEMM)
     result = prefill.run(str(tiny_llama_dir), device="cpu", dtype="float32", tokens=tokens, repeats=2, gemm_too=True,
                          quantization="q8_0", block_size=16, num_kv_blocks=64)
     assert result["gemm"] == ("openblas" if default else "mkl")

@@ -176,13 +176,13 @@ def test_prefill_products_dequantize_the_weight_a_block_of_rows_at_a_time(bits, 
 
 @pytest.mark.parametrize("bits,group,with_mins", [(4, 32, True), (6, 16, False), (8, 32, False)])
 def test_linear_runs_the_float_kernel_up_to_its_rows_and_a_gemm_beyond(bits, group, with_mins):
-    """A quantized Linear's steps of up to QUANT_KERNEL_ROWS[bits] rows are the float kernel's products, bit for
+    """A quantized Linear's steps of up to KERNEL_ROWS[bits] rows are the float kernel's products, bit for
     bit, and larger ones prefill_linear's; both the float64 product to float32 summation."""
-    from engine.model.linear import QUANT_KERNEL_ROWS, Linear
+    from engine.model.linear import Linear
     rows = _rows(3 * TILE + 5, 64, bits, group, with_mins)
     layer = Linear(64, 3 * TILE + 5, bias=False)
     layer.quant, layer.weight = quant_matmul_cpu.pack(rows), None
-    limit = QUANT_KERNEL_ROWS[bits]
+    limit = quant_matmul_cpu.KERNEL_ROWS[bits]
     x = torch.from_numpy(np.random.default_rng(3).standard_normal((limit + 1, 64)).astype(np.float32))
     for m, path in ((limit, quant_matmul_cpu.linear), (limit + 1, quant_matmul_cpu.prefill_linear)):
         got = layer(x[:m]).detach()

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.model import quant_dot_cpu, quant_formats
-from engine.model.linear import QUANT_KERNEL_ROWS
+from engine.model.quant_matmul_cpu import KERNEL_ROWS
 from engine.model.loader import at_load_format, weights_format
 from tests.support.tiny_gguf import write_gguf_model
 
@@ -24,17 +24,24 @@ NEW_TOKENS = 24
 # min_tokens masks EOS as transformers' min_new_tokens does, so both pick the same token where EOS leads
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
 # fp32 K/V: the dequantized model's own (quantized weights default to bf16 K/V: test_quantized_weights_keep_...)
-SMALL = dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=160, kv_cache_dtype="float32")
+# a chunk may hold a whole prompt (below), which is longer than the float kernel's largest step (its KERNEL_ROWS)
+LIMIT = max(KERNEL_ROWS.values())
+SMALL = dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=LIMIT + 32, kv_cache_dtype="float32")
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(3)
-    # eight whole blocks shared; each prompt longer than the float kernel's largest step (linear.QUANT_KERNEL_ROWS),
-    # so a prompt alone runs the dequantized GEMM and its cache hit's last block the kernel
-    shared = torch.randint(3, vocab_size, (132,), generator=gen).tolist()
+    # whole blocks shared (LIMIT of them on AVX2, 16 on AVX-512) and 4 tokens more; each prompt longer than the
+    # float kernel's largest step, so a prompt alone runs the dequantized GEMM and its cache hit's last block the kernel
+    shared = torch.randint(3, vocab_size, (LIMIT + 4,), generator=gen).tolist()
     prompts = [shared + torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in (5, 1, 20)]
-    assert min(map(len, prompts)) > max(QUANT_KERNEL_ROWS.values())  # (a raised limit needs longer prompts)
+    assert min(map(len, prompts)) > LIMIT and max(map(len, prompts)) <= SMALL["max_num_batched_tokens"]
     return prompts
+
+
+def _whole_blocks(prompts) -> list[int]:
+    """The cached tokens of each prompt asked again: every whole block of it but its last token."""
+    return [(len(p) - 1) // SMALL["block_size"] * SMALL["block_size"] for p in prompts]
 
 
 def _transformers_greedy(model_dir, prompts) -> list[list[int]]:
@@ -91,7 +98,7 @@ def test_native_formats_give_the_dequantized_models_tokens(files, tiny_llama_dir
     assert dequantized.core.model.lm_head.quant is None
     prompts = _prompts(native.core.vocab_size)
     tokens, cached = _greedy_twice(native, prompts)
-    assert cached == [128, 128, 144]  # every whole block of each prompt but its last token
+    assert cached == _whole_blocks(prompts)  # every whole block of each prompt but its last token
     assert _greedy_twice(dequantized, prompts)[0] == tokens
     assert _greedy_twice(LLM(str(gguf_dir), cpu_kernels="eager", **SMALL), prompts)[0] == tokens
 
@@ -120,7 +127,7 @@ def test_k_quants_give_the_dequantized_models_tokens_from_super_block_records(k_
     assert native.core.runner.compiled_decode is not None
     prompts = _prompts(native.core.vocab_size)
     tokens, cached = _greedy_twice(native, prompts)
-    assert cached == [128, 128, 144]
+    assert cached == _whole_blocks(prompts)
     assert _greedy_twice(LLM(str(gguf_dir), quantization="none", **SMALL), prompts)[0] == tokens
     assert _greedy_twice(LLM(str(gguf_dir), cpu_kernels="eager", **SMALL), prompts)[0] == tokens
 
@@ -151,7 +158,7 @@ def test_quantized_at_load_gives_transformers_tokens_on_the_dequantized_weights(
     assert llm.core.weights_format == quantization and llm.core.runner.compiled_decode is not None
     prompts = _prompts(llm.core.vocab_size)
     tokens, cached = _greedy_twice(llm, prompts)
-    assert cached == [128, 128, 144]  # every whole block of each prompt but its last token
+    assert cached == _whole_blocks(prompts)  # every whole block of each prompt but its last token
     assert tokens == _transformers_greedy(twin, prompts)
 
 
@@ -165,7 +172,7 @@ def test_quantized_weights_keep_kv_in_bfloat16_by_default(tiny_llama_dir, tmp_pa
     assert quantized.core.num_blocks == 2 * dequantized.core.num_blocks
     assert LLM(str(gguf_dir), kv_cache_memory_mb=1, kv_cache_dtype="float32").core.runner.kv_slots.dtype == torch.float32
     prompts = _prompts(quantized.core.vocab_size)
-    assert _greedy_twice(quantized, prompts)[1] == [128, 128, 144]  # cached == uncached on bf16 K/V too
+    assert _greedy_twice(quantized, prompts)[1] == _whole_blocks(prompts)  # cached == uncached on bf16 K/V too
 
 
 def test_weights_format_follows_dtype_and_kernels(tiny_llama_dir, tmp_path):
@@ -193,19 +200,20 @@ def test_int8_activations_run_integer_dot_products_and_the_cache_never_changes_t
     assert all(m.quant.integer for m in llm.core.model.modules() if getattr(m, "quant", None) is not None)
     prompts = _prompts(llm.core.vocab_size)
     _, cached = _greedy_twice(llm, prompts)
-    assert cached == [128, 128, 144]
+    assert cached == _whole_blocks(prompts)
     exact = LLM(str(gguf_dir), **SMALL)
     assert not exact.core.integer_activations and not exact.core.model.lm_head.quant.integer
     # the first token's distribution (prefill): the five likeliest tokens of each model, with their logprobs,
-    # within the activations' rounding of the other's (measured here: a few percent of a logprob after 2 layers
-    # of random weights, whose near-ties may swap neighbours; a wrong kernel moves them by whole units)
+    # within the activations' rounding of the other's (measured here: up to 7% of a logprob after 2 layers of
+    # random weights and 270-token prompts, whose near-ties may swap neighbours; a wrong kernel moves them by whole
+    # units)
     first = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
     for ours, theirs in zip(llm.generate(prompts, first), exact.generate(prompts, first)):
         ours_top, theirs_top = dict(ours.logprobs[0].top_logprobs), dict(theirs.logprobs[0].top_logprobs)
         shared = ours_top.keys() & theirs_top.keys()
         assert len(shared) >= 4
         for token in shared:
-            assert abs(ours_top[token] - theirs_top[token]) <= 0.05 * abs(theirs_top[token]) + 0.02
+            assert abs(ours_top[token] - theirs_top[token]) <= 0.1 * abs(theirs_top[token]) + 0.02
 
 
 @pytest.mark.skipif(not quant_dot_cpu.X86, reason="integer dot products are x86 (AVX2) code")
@@ -220,8 +228,9 @@ def test_int8_activations_on_k_quants_read_their_super_block_records(k_quant_lla
     quants = {id(m.quant): m.quant for m in llm.core.model.modules() if getattr(m, "quant", None) is not None}.values()
     assert all(q.scales.dtype == torch.int8 for q in quants)
     assert llm.core.runner.compiled_decode is not None
-    _, cached = _greedy_twice(llm, _prompts(llm.core.vocab_size))
-    assert cached == [128, 128, 144]
+    prompts = _prompts(llm.core.vocab_size)
+    _, cached = _greedy_twice(llm, prompts)
+    assert cached == _whole_blocks(prompts)
 
 
 def test_quantized_at_load_the_head_stays_8_bit_beside_4_bit_layers():
