@@ -28,7 +28,10 @@ logger = logging.getLogger("prefixgate.engine")
 
 NEAR_BEST = 1.05  # a smaller thread count within 5 % of the fastest is chosen
 DECODE_PROBES = 5
-PREFILL_PROBES = 2
+# a prefill count is chosen by its fastest of 3 probes: other work only ever slows a step, and the median of 2 (the
+# rule before) let one slowed probe of 2 threads hand a 2-core server 1 prefill thread, its TTFT 1.5x (128-token
+# probes on the default model run only 1.25-1.35x faster on 2 threads there); prefill counts get no live re-check
+PREFILL_PROBES = 3
 RECHECK_EVERY = 200  # decode-only steps at the chosen count between two re-check pairs (one step in 200 at
 # another count: a slower one costs a fraction of a percent)
 RECHECK_PAIRS = 5  # the latest pairs of each other count whose median ratio decides
@@ -132,16 +135,18 @@ def choose(threads: int | None, threads_batch: int | None, decode_step: Callable
         best = min(budget.decode_ms.values())
         budget.recheck([n for n in candidates if budget.decode_ms[n] <= RECHECK_WITHIN * best])
     if threads_batch is None:
-        budget.prefill_ms = _time_each(candidates, prefill_chunk, PREFILL_PROBES)
+        budget.prefill_ms = _time_each(candidates, prefill_chunk, PREFILL_PROBES, min)
         budget.threads_batch = _fastest(budget.prefill_ms)
     logger.info("threads: %d for decode steps %s, %d for steps with a prefill %s", budget.threads,
                 _describe(budget.decode_ms), budget.threads_batch, _describe(budget.prefill_ms))
     return budget
 
 
-def _time_each(candidates: range, step: Callable[[], None], probes: int) -> dict[int, float]:
-    """Median time at each count; the counts take turns probe by probe, so a burst of other work on a shared
-    machine slows every count alike instead of deciding the choice against the count it hit."""
+def _time_each(candidates: range, step: Callable[[], None], probes: int,
+               summary: Callable[[list[float]], float] = statistics.median) -> dict[int, float]:
+    """Each count's time, the summary (median, or min) of its probes; the counts take turns probe by probe, so a
+    burst of other work on a shared machine slows every count alike instead of deciding the choice against the
+    count it hit."""
     samples: dict[int, list[float]] = {n: [] for n in candidates}
     for n in candidates:
         torch.set_num_threads(n)
@@ -152,7 +157,7 @@ def _time_each(candidates: range, step: Callable[[], None], probes: int) -> dict
             start = time.perf_counter()
             step()
             samples[n].append((time.perf_counter() - start) * 1e3)
-    return {n: statistics.median(ms) for n, ms in samples.items()}
+    return {n: summary(ms) for n, ms in samples.items()}
 
 
 def _fastest(timings: dict[int, float]) -> int:

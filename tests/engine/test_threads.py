@@ -168,3 +168,15 @@ def test_each_step_reports_the_engines_counts(tiny_llama_dir):
     core.add_request(Request("r", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0)))
     reported = [core.step()[1].threads for _ in range(2)]
     assert reported == [(1, 2), (1, 2)] == [core.thread_budget.counts()] * 2
+
+
+def test_a_prefill_count_goes_by_its_fastest_probe(clock):
+    """Other work only slows a step: two of 2 threads' three prefill probes slowed by bursts (their median, 46 ms,
+    would hand the choice to 1 thread's 30) leave the choice to the count's own speed."""
+    burst = iter([0.0] * 3 + [0.0, 30.0, 0.0] * 2 + [0.0] * 100)  # warm-ups, then 1 / 2 / 3 in turns, three probes
+
+    def prefill() -> None:
+        clock.now += (PREFILL_MS[torch.get_num_threads()] + next(burst)) / 1e3
+    budget = threads.choose(1, None, clock.step(DECODE_MS), prefill)
+    assert budget.prefill_ms == pytest.approx(PREFILL_MS) and budget.threads_batch == 2
+    assert threads.PREFILL_PROBES == 3
