@@ -121,10 +121,11 @@ def integer_at(data, row, k):
 
 
 @njit(fastmath=False, nogil=True, cache=kernel_cache.CACHE)
-def quantize_activations(x, xq, d, sums):
-    """xq[r, k] = round(x[r, k] / d[r, g]) with d[r, g] = max |x| over group g / 127 (0 for a zero group), and
-    sums[r, g] = d[r, g] * the group's sum of xq (what the mins multiply: the rounded activations' sum, so that
-    the product is exactly the dequantized weight's times the rounded activations). Not fastmath: the rounding
+def quantize_activations(x, xq, d, sums, totals):
+    """xq[r, k] = round(x[r, k] / d[r, g]) with d[r, g] = max |x| over group g / 127 (0 for a zero group),
+    totals[r, g] = the group's sum of xq (int32: what 8-bit weights read + 128 on 512-bit vectors added 128 times
+    to each sum) and sums[r, g] = d[r, g] * totals[r, g] (what the mins multiply: the rounded activations' sum, so
+    that the product is exactly the dequantized weight's times the rounded activations). Not fastmath: the rounding
     must be the same wherever it runs."""
     for r in range(x.shape[0]):
         for g in range(x.shape[1] // GROUP):
@@ -138,6 +139,7 @@ def quantize_activations(x, xq, d, sums):
                 xq[r, k] = np.int8(np.rint(x[r, k] * inverse))
                 total += xq[r, k]
             d[r, g] = scale
+            totals[r, g] = total
             sums[r, g] = scale * np.float32(total)
 
 
@@ -219,17 +221,17 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
         builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
                                                     "llvm.trap"), [])
         return
-    xq_ary, d_ary, sums_ary, data_ary, scales_ary, mins_ary, out_ary = (
-        context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 5, -1))
-    index, part = args[6], args[7] if vectors < 4 else const(0)
+    xq_ary, d_ary, sums_ary, totals_ary, data_ary, scales_ary, mins_ary, out_ary = (
+        context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 5, 6, -1))
+    index, part = args[7], args[8] if vectors < 4 else const(0)
     rows, k_len = cgutils.unpack_tuple(builder, xq_ary.shape, 2)
     xq_row = cgutils.unpack_tuple(builder, xq_ary.strides, 2)[0]  # in bytes, as xq's elements
     d_row = builder.udiv(cgutils.unpack_tuple(builder, d_ary.strides, 2)[0], const(4))
     sums_row = builder.udiv(cgutils.unpack_tuple(builder, sums_ary.strides, 2)[0], const(4))
+    totals_row = builder.udiv(cgutils.unpack_tuple(builder, totals_ary.strides, 2)[0], const(4))
     out_row = builder.udiv(cgutils.unpack_tuple(builder, out_ary.strides, 2)[0], const(4))
     xq_bytes = builder.bitcast(xq_ary.data, _I8.as_pointer())
     ones = ir.Constant(_PAIRS, [1] * 16)
-    byte_ones = ir.Constant(_BYTES, [1] * 32)
     nibble = ir.Constant(_BYTES, [0x0F] * 32)
     first_column = builder.mul(part, const(vectors * COLUMNS))
 
@@ -246,7 +248,7 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
         at = builder.gep(array.data, [builder.add(builder.mul(const(r), row_stride), g)])
         return _splat(builder, builder.load(at), _FLOATS)
 
-    scale_kind = signature.args[4].dtype  # float32, fp16 as its bits (int16), or super-block records (int8)
+    scale_kind = signature.args[5].dtype  # float32, fp16 as its bits (int16), or super-block records (int8)
 
     def kind(four_bit, with_min):
         width = BYTES_4BIT if four_bit else BYTES_8BIT
@@ -292,11 +294,7 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
             return _x86(builder, "pmadd.wd", _SUMS, held, ones) if acc_type is _PAIRS else held
 
         def offset(r, g):  # what 8-bit weights + 128 added to each of row r's sums of group g: 128 x its xq's sum
-            at = builder.gep(xq_bytes, [builder.add(builder.mul(const(r), xq_row), builder.mul(g, const(GROUP)))])
-            quads = _dot_quads(builder, ir.Constant(_SUMS, None), byte_ones,
-                               builder.load(builder.bitcast(at, _BYTES.as_pointer()), align=1))
-            total = builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [_SUMS]),
-                                                                "llvm.vector.reduce.add.v8i32"), [quads])
+            total = builder.load(builder.gep(totals_ary.data, [builder.add(builder.mul(const(r), totals_row), g)]))
             return _splat(builder, builder.shl(total, ir.Constant(_I32, 7)), _SUMS)
 
         def group_end(num_rows, acc, g):  # the group's integer sums times its scales (and mins) into `out`
@@ -366,9 +364,10 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
 
 
 @intrinsic
-def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
-    """out[r, :TILE] = xq[r] (as d * xq, sums) @ W[tile `index`].T for each of xq's 1 to tile_rows() rows: xq
-    [rows, K] int8 with unit stride along K, d / sums [rows, K / 32] float32, data / scales / mins contiguous as
+def tile(typingctx, xq, d, sums, totals, data, scales, mins, index, out):
+    """out[r, :TILE] = xq[r] (as d * xq, sums, totals) @ W[tile `index`].T for each of xq's 1 to tile_rows() rows:
+    xq [rows, K] int8 with unit stride along K, d / sums [rows, K / 32] float32 and totals int32 (as
+    quantize_activations makes them), data / scales / mins contiguous as
     pack() makes them (scales and mins of any of quant_matmul_cpu.SCALE_KINDS), out [>= rows, >= TILE] float32
     with unit stride along its rows. One loop per kind of weight (4 or 8 bits, with or without mins) and row
     count, picked at run time. x86 only (AVX2's integer ops)."""
@@ -377,11 +376,11 @@ def tile(typingctx, xq, d, sums, data, scales, mins, index, out):
         _product(builder, context, signature, args, 4, range(1, ROW_GROUP + 1), range(1, WIDE_ROWS + 1))
         return context.get_dummy_value()
 
-    return types.void(xq, d, sums, data, scales, mins, index, out), codegen
+    return types.void(xq, d, sums, totals, data, scales, mins, index, out), codegen
 
 
 @intrinsic
-def half_tile(typingctx, xq, d, sums, data, scales, mins, index, half, out):
+def half_tile(typingctx, xq, d, sums, totals, data, scales, mins, index, half, out):
     """out[r, :TILE / 2] = xq[r] @ W[columns of half `half` (0 or 1) of tile `index`].T for each of xq's 1 to
     GEMM_ROWS rows: tile()'s product, the same operations for each output (so the same floats), on half the
     columns for more rows a pass (large batches: each weight vector multiplies more rows while in a register)."""
@@ -391,7 +390,7 @@ def half_tile(typingctx, xq, d, sums, data, scales, mins, index, half, out):
         _product(builder, context, signature, args, 2, range(1, GEMM_ROWS + 1), None)
         return context.get_dummy_value()
 
-    return types.void(xq, d, sums, data, scales, mins, index, half, out), codegen
+    return types.void(xq, d, sums, totals, data, scales, mins, index, half, out), codegen
 
 
 def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:

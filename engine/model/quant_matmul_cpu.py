@@ -494,27 +494,28 @@ def _tile_run(x, sums, data, scales, mins, group, bias, out, accumulate, first_t
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, parallel=True)
 def _integer_matmul(x, data, scales, mins, bias, out, accumulate, threads):
     """quant_matmul on integer dot products: x quantized to int8 per group of 32 once, then the tiles as there."""
-    xq, d, sums = _quantized_activations(x)
+    xq, d, sums, totals = _quantized_activations(x)
     tiles = data.shape[0]
     parts = min(threads, tiles)
     for part in prange(parts):
-        _integer_run(xq, d, sums, data, scales, mins, bias, out, accumulate, part * tiles // parts,
+        _integer_run(xq, d, sums, totals, data, scales, mins, bias, out, accumulate, part * tiles // parts,
                      (part + 1) * tiles // parts)
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
 def _quantized_activations(x):
-    """x rounded to int8 per group of quant_dot_cpu.GROUP: (the integers, each group's step, the sums of each
-    group's integers), as quant_dot_cpu.quantize_activations makes them."""
+    """x rounded to int8 per group of quant_dot_cpu.GROUP: (the integers, each group's step, its step times the sum
+    of its integers, that sum), as quant_dot_cpu.quantize_activations makes them."""
     rows, groups = x.shape[0], x.shape[1] // quant_dot_cpu.GROUP
     xq = np.empty(x.shape, np.int8)
     d, sums = np.empty((rows, groups), np.float32), np.empty((rows, groups), np.float32)
-    quant_dot_cpu.quantize_activations(x, xq, d, sums)
-    return xq, d, sums
+    totals = np.empty((rows, groups), np.int32)
+    quant_dot_cpu.quantize_activations(x, xq, d, sums, totals)
+    return xq, d, sums, totals
 
 
 @njit(fastmath=False, nogil=True, cache=kernel_cache.CACHE)
-def _integer_run(xq, d, sums, data, scales, mins, bias, out, accumulate, first_tile, end_tile):
+def _integer_run(xq, d, sums, totals, data, scales, mins, bias, out, accumulate, first_tile, end_tile):
     """_integer_matmul's product for the output columns of tiles first_tile to end_tile - 1: whole tiles for up to
     ROW_GROUP rows (a decode step's: each byte of the weight read once), half tiles GEMM_ROWS rows at a time for
     more (compute-bound: more rows for each weight vector in a register); on 512-bit VNNI whole tiles WIDE_ROWS
@@ -528,8 +529,8 @@ def _integer_run(xq, d, sums, data, scales, mins, bias, out, accumulate, first_t
         scratch = np.empty((min(rows, step), TILE), np.float32)
         for tile in range(first_tile, end_tile):
             for first in range(0, rows, step):
-                quant_dot_cpu.tile(xq[first:first + step], d[first:first + step], sums[first:first + step], data,
-                                   scales, mins, tile, scratch)
+                quant_dot_cpu.tile(xq[first:first + step], d[first:first + step], sums[first:first + step],
+                                   totals[first:first + step], data, scales, mins, tile, scratch)
                 _add_out(scratch, min(step, rows - first), bias, out, first, tile * TILE, accumulate)
         return
     step = quant_dot_cpu.GEMM_ROWS
@@ -537,8 +538,9 @@ def _integer_run(xq, d, sums, data, scales, mins, bias, out, accumulate, first_t
     for tile in range(first_tile, end_tile):
         for first in range(0, rows, step):
             for half in range(2):
-                quant_dot_cpu.half_tile(xq[first:first + step], d[first:first + step], sums[first:first + step], data,
-                                        scales, mins, tile, half, scratch[:, half * TILE // 2:])
+                quant_dot_cpu.half_tile(xq[first:first + step], d[first:first + step], sums[first:first + step],
+                                        totals[first:first + step], data, scales, mins, tile, half,
+                                        scratch[:, half * TILE // 2:])
             _add_out(scratch, min(step, rows - first), bias, out, first, tile * TILE, accumulate)
 
 
@@ -747,8 +749,8 @@ def _linear_tiles(x, weight, bias, out, accumulate, first_tile, end_tile):
     def quantized(x, weight, bias, out, accumulate, first_tile, end_tile):
         data, scales, mins, group = weight
         if quant_dot_cpu.is_quads(data):
-            xq, d, sums = _quantized_activations(x)
-            _integer_run(xq, d, sums, data, scales, mins, bias, out, accumulate, first_tile, end_tile)
+            xq, d, sums, totals = _quantized_activations(x)
+            _integer_run(xq, d, sums, totals, data, scales, mins, bias, out, accumulate, first_tile, end_tile)
         else:
             _tile_run(x, _group_sums(x, group, mins.shape[1] > 0), data, scales, mins, group, bias, out,
                       accumulate, first_tile, end_tile)

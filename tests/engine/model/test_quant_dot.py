@@ -70,17 +70,17 @@ def _rows_of_kind(n: int, k: int, bits: int, with_mins: bool, scales: str) -> Qu
     return _rows(n, k, bits, with_mins, half=scales == "fp16")
 
 
-def _quantized(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _quantized(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     xq = np.empty(x.shape, np.int8)
     d = np.empty((x.shape[0], x.shape[1] // 32), np.float32)
-    sums = np.empty_like(d)
-    quant_dot_cpu.quantize_activations(x, xq, d, sums)
-    return xq, d, sums
+    sums, totals = np.empty_like(d), np.empty(d.shape, np.int32)
+    quant_dot_cpu.quantize_activations(x, xq, d, sums, totals)
+    return xq, d, sums, totals
 
 
 def _reference(x: np.ndarray, rows: QuantRows) -> np.ndarray:
     """The product the kernel computes: the dequantized weight times the rounded activations, in float64."""
-    xq, d, _ = _quantized(x)
+    xq, d, _, _ = _quantized(x)
     rounded = xq.astype(np.float64) * np.repeat(d.astype(np.float64), 32, axis=1)
     return rounded @ rows.dequantize().astype(np.float64).T
 
@@ -89,12 +89,13 @@ def test_activations_round_to_int8_within_half_a_step():
     x = np.random.default_rng(0).standard_normal((3, 96)).astype(np.float32)
     x[1, 32:64] = 0.0  # a zero group: scale 0, every byte 0
     x[2, 70] = 1e4  # an outlier takes its group's scale
-    xq, d, sums = _quantized(x)
+    xq, d, sums, totals = _quantized(x)
     assert np.abs(xq.astype(np.int32)).max() == 127 and d[1, 1] == 0 and not xq[1, 32:64].any()
     step = np.repeat(d, 32, axis=1)
     assert np.all(np.abs(xq * step - x) <= step / 2 * (1 + 1e-6))
-    # the mins multiply the rounded activations' sum
-    np.testing.assert_array_equal(sums, d * xq.astype(np.int32).reshape(3, 3, 32).sum(axis=2).astype(np.float32))
+    # the mins multiply the rounded activations' sum; 8-bit weights on 512-bit vectors take off 128 times it
+    np.testing.assert_array_equal(totals, xq.astype(np.int32).reshape(3, 3, 32).sum(axis=2))
+    np.testing.assert_array_equal(sums, d * totals.astype(np.float32))
 
 
 @pytest.mark.parametrize("scales", quant_matmul_cpu.SCALE_KINDS)
@@ -133,7 +134,7 @@ def test_the_rounding_error_stays_within_its_bound_of_the_exact_product():
     x = np.random.default_rng(5).standard_normal((2, 128)).astype(np.float32)
     got = quant_matmul_cpu.linear(torch.from_numpy(x), quant_matmul_cpu.pack(rows, integer=True), None).numpy()
     exact = x.astype(np.float64) @ rows.dequantize().astype(np.float64).T
-    _, d, _ = _quantized(x)
+    _, d, _, _ = _quantized(x)
     bound = (np.repeat(d, 32, axis=1) / 2) @ np.abs(rows.dequantize().astype(np.float64)).T
     assert np.all(np.abs(got - exact) <= bound + 1e-4)
 
