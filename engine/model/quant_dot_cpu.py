@@ -63,6 +63,9 @@ WIDE = kernel_cache.TARGET_WIDE_VNNI
 # vectors) beside 2 weight registers, of 32. The 1B shapes' Q4_K matmuls at 128 rows on Zen 5: 8 rows 348-353 ms,
 # 12 rows 337-339, 14 rows 340-341 (half tiles of 8 rows on 256-bit vectors: 468-472)
 WIDE_ROWS = 12
+# rows one pass of tile() serves: WIDE_ROWS with WIDE (whole tiles at any batch), else ROW_GROUP (larger batches
+# take half tiles)
+TILE_ROWS = WIDE_ROWS if WIDE else ROW_GROUP
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _BYTES = ir.VectorType(_I8, 32)
@@ -99,13 +102,6 @@ def is_quads(data) -> bool:
     """Whether packed data (numpy, or its numba view) is in the quad layout (quant_matmul_cpu's own tiles are
     16 or 32 bytes a k)."""
     return data.shape[2] == BYTES_4BIT or data.shape[2] == BYTES_8BIT
-
-
-@njit(nogil=True, cache=kernel_cache.CACHE)
-def tile_rows(data) -> int:
-    """Rows one pass of tile() serves for this weight: WIDE_ROWS with WIDE (whole tiles at any batch), else
-    ROW_GROUP (larger batches take half tiles)."""
-    return WIDE_ROWS if WIDE else ROW_GROUP
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
@@ -365,7 +361,7 @@ def _product(builder: ir.IRBuilder, context, signature, args, vectors: int, row_
 
 @intrinsic
 def tile(typingctx, xq, d, sums, totals, data, scales, mins, index, out):
-    """out[r, :TILE] = xq[r] (as d * xq, sums, totals) @ W[tile `index`].T for each of xq's 1 to tile_rows() rows:
+    """out[r, :TILE] = xq[r] (as d * xq, sums, totals) @ W[tile `index`].T for each of xq's 1 to TILE_ROWS rows:
     xq [rows, K] int8 with unit stride along K, d / sums [rows, K / 32] float32 and totals int32 (as
     quantize_activations makes them), data / scales / mins contiguous as
     pack() makes them (scales and mins of any of quant_matmul_cpu.SCALE_KINDS), out [>= rows, >= TILE] float32

@@ -524,7 +524,7 @@ def _integer_run(xq, d, sums, totals, data, scales, mins, bias, out, accumulate,
     rows = xq.shape[0]
     if rows == 0:  # (the kernels take a row count outside their cases for their largest)
         return
-    step = quant_dot_cpu.tile_rows(data)
+    step = quant_dot_cpu.TILE_ROWS
     if rows <= quant_dot_cpu.ROW_GROUP or step > quant_dot_cpu.ROW_GROUP:
         scratch = np.empty((min(rows, step), TILE), np.float32)
         for tile in range(first_tile, end_tile):
