@@ -189,12 +189,12 @@ MUTANTS = [
            "u = (word >> (6 * field)) & 63", "u = (word >> (4 * field)) & 63", QUANT_TESTS),
     # integer dot products: 8-bit weights' signs never reach the activations (every weight read as |w|)
     Mutant("dot-int8-sign-dropped", "quant_dot_cpu.py",
-           'signed_x = x_bytes if four_bit else _x86(builder, "psign.b", _BYTES, x_bytes, w[v])',
+           'signed_x = x_bytes if bits != 8 else _x86(builder, "psign.b", _BYTES, x_bytes, w[v])',
            "signed_x = x_bytes", DOT_TESTS, isa="avx2"),
     # the high nibbles (columns 8-15 and 24-31 of a tile) read as the low ones
     Mutant("dot-high-nibble-as-low", "quant_dot_cpu.py",
-           "out += [builder.and_(raw, nibble), builder.and_(high, nibble)]",
-           "out += [builder.and_(raw, nibble), builder.and_(raw, nibble)]", DOT_TESTS, isa="avx2"),
+           "low, high = builder.and_(raw, nibble), builder.and_(high, nibble)",
+           "low, high = builder.and_(raw, nibble), builder.and_(raw, nibble)", DOT_TESTS, isa="avx2"),
     # ... and in the 512-bit register of both nibble vectors (AVX512-VNNI)
     Mutant("dot-wide-high-nibbles-as-low", "quant_dot_cpu.py",
            "both = builder.shuffle_vector(raw, high,", "both = builder.shuffle_vector(raw, raw,", DOT_TESTS,
@@ -203,9 +203,10 @@ MUTANTS = [
     Mutant("dot-wide-halves-swapped", "quant_dot_cpu.py",
            "builder.load(acc[r][v // 2]), (v % 2) * COLUMNS, COLUMNS)",
            "builder.load(acc[r][v // 2]), (1 - v % 2) * COLUMNS, COLUMNS)", DOT_TESTS, isa="wide"),
-    # 8-bit weights on 512-bit vectors: the + 128 that makes them unsigned never taken off their sums
-    Mutant("dot-wide-8bit-offset-kept", "quant_dot_cpu.py",
-           "return builder.sub(sums, offsets[r]) if offsets else sums", "return sums", DOT_TESTS, isa="wide"),
+    # 8-bit weights on 512-bit vectors and 6-bit ones: the + 128 or + 32 that makes them unsigned never taken off
+    # their sums
+    Mutant("dot-offset-kept", "quant_dot_cpu.py",
+           "sums = builder.sub(sums, offsets[r])", "sums = sums", DOT_TESTS, isa="wide"),
     # ... or never added: negative weights read as 128..255
     Mutant("dot-wide-8bit-not-offset", "quant_dot_cpu.py",
            "ir.Constant(_WIDE_BYTES, [-128] * 64)) for i", "ir.Constant(_WIDE_BYTES, [0] * 64)) for i", DOT_TESTS,
@@ -223,8 +224,7 @@ MUTANTS = [
            "if kind == types.float32:", "if kind != types.int8:", QUANT_TESTS + DOT_TESTS),
     # a group's integer sums scaled a quad early: its last quad's products counted in the next group's
     Mutant("dot-group-ends-a-quad-early", "quant_dot_cpu.py",
-           "builder.and_(quad, const(QUADS - 1)), const(QUADS - 1))",
-           "builder.and_(quad, const(QUADS - 1)), const(QUADS - 2))", DOT_TESTS),
+           "builder.and_(quad, last), last)", "builder.and_(quad, last), builder.sub(last, const(1)))", DOT_TESTS),
     # ... and never set back to zero: every group's scale multiplies the sums of all the groups before it too
     Mutant("dot-group-sums-not-reset", "quant_dot_cpu.py",
            "builder.store(ir.Constant(acc_type, None), register)\n", "pass\n", DOT_TESTS),
@@ -233,6 +233,26 @@ MUTANTS = [
            "builder.store(_dot_quads(builder, builder.load(acc[r][v]), magnitude[v], signed_x),",
            "builder.store(_dot_quads(builder, ir.Constant(_SUMS, None), magnitude[v], signed_x),", DOT_TESTS,
            isa="narrow-vnni"),
+    # 6-bit weights: a vector's top bit pairs read from its neighbour's bits (AVX2's and 256-bit VNNI's code) ...
+    Mutant("dot-6bit-top-bits-of-the-neighbour", "quant_dot_cpu.py",
+           "low = builder.or_(low, top_bits(top, pairs[i], [4] * 16))",
+           "low = builder.or_(low, top_bits(top, pairs[i], [2] * 16))", DOT_TESTS, isa="avx2"),
+    # ... or the two vectors of a 512-bit register swapping theirs
+    Mutant("dot-6bit-wide-top-bits-swapped", "quant_dot_cpu.py",
+           "top_bits(twice, pairs[i], [4] * 16 + [2] * 16)", "top_bits(twice, pairs[i], [2] * 16 + [4] * 16)",
+           DOT_TESTS, isa="wide"),
+    # ... or a half tile's second half reading the first half's
+    Mutant("dot-6bit-half-tile-top-bits-of-the-first-half", "quant_dot_cpu.py",
+           "builder.trunc(builder.mul(pair, const(4)), _I16)", "builder.trunc(builder.mul(pair, const(0)), _I16)",
+           DOT_TESTS, isa="avx2"),
+    # ... the + 32 taken off 16 times the activations' sum, not 32
+    Mutant("dot-6bit-offset-halved", "quant_dot_cpu.py",
+           "return builder.shl(total_at(r, g), ir.Constant(_I32, 5))",
+           "return builder.shl(total_at(r, g), ir.Constant(_I32, 4))", DOT_TESTS),
+    # ... and their mins multiplying the sum over the first 16 activations of the group of 32, whichever half
+    Mutant("dot-6bit-mins-of-the-first-half", "quant_dot_cpu.py",
+           "builder.sitofp(total_at(r, g), ir.FloatType())",
+           "builder.sitofp(total_at(r, builder.shl(g_x, const(1))), ir.FloatType())", DOT_TESTS),
     # large batches' half-tile passes: the second half of a tile reads the first half's weights
     Mutant("dot-half-tile-weights-of-the-first-half", "quant_dot_cpu.py",
            "builder.gep(tile_data, [builder.mul(part, const(part_bytes))])", "builder.gep(tile_data, [const(0)])",

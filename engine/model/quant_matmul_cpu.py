@@ -112,7 +112,9 @@ class QuantTiles:
     @property
     def bits(self) -> int:
         width = self.data.shape[2]
-        return 4 if width in (HALF, quant_dot_cpu.BYTES_4BIT) else 6 if width == SIX_BIT else 8
+        if width in (HALF, quant_dot_cpu.BYTES_4BIT):
+            return 4
+        return 6 if width in (SIX_BIT, quant_dot_cpu.BYTES_6BIT) else 8
 
     @property
     def integer(self) -> bool:
@@ -274,7 +276,12 @@ def _row(data, scales, mins, group, row, out):
     for g in range(out.shape[0] // group):
         scale = _group_value(scales, tile, g, j)
         low = _group_value(mins, tile, g, j) if has_min else np.float32(0.0)
-        if quads:  # (groups of quant_dot_cpu.GROUP, a constant: with `group` this loop took twice as long)
+        # (quads: groups of a constant size, GROUP or 6 bits' SIX_BIT_GROUP: with `group` this loop took twice as
+        # long)
+        if quads and width == quant_dot_cpu.BYTES_6BIT:
+            for k in range(g * quant_dot_cpu.SIX_BIT_GROUP, (g + 1) * quant_dot_cpu.SIX_BIT_GROUP):
+                out[k] = _fused(quant_dot_cpu.integer_at(data, row, k), scale, low)
+        elif quads:
             for k in range(g * quant_dot_cpu.GROUP, (g + 1) * quant_dot_cpu.GROUP):
                 out[k] = _fused(quant_dot_cpu.integer_at(data, row, k), scale, low)
         elif width == HALF:
@@ -505,11 +512,11 @@ def _integer_matmul(x, data, scales, mins, bias, out, accumulate, threads):
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
 def _quantized_activations(x):
     """x rounded to int8 per group of quant_dot_cpu.GROUP: (the integers, each group's step, its step times the sum
-    of its integers, that sum), as quant_dot_cpu.quantize_activations makes them."""
+    of its integers, their sums per SIX_BIT_GROUP), as quant_dot_cpu.quantize_activations makes them."""
     rows, groups = x.shape[0], x.shape[1] // quant_dot_cpu.GROUP
     xq = np.empty(x.shape, np.int8)
     d, sums = np.empty((rows, groups), np.float32), np.empty((rows, groups), np.float32)
-    totals = np.empty((rows, groups), np.int32)
+    totals = np.empty((rows, x.shape[1] // quant_dot_cpu.SIX_BIT_GROUP), np.int32)
     quant_dot_cpu.quantize_activations(x, xq, d, sums, totals)
     return xq, d, sums, totals
 

@@ -1,6 +1,7 @@
 """Integer dot products (quant_dot_cpu): the activations' int8 rounding against its bound, and the kernel
-against a float64 reference computed on the rounded activations, for every layout with groups of 32, row
-groups of 1, 2 and more, widths that are not whole tiles and planted outliers in scales and mins."""
+against a float64 reference computed on the rounded activations, for every layout (4 and 8 bits in groups of 32,
+6 bits in groups of 16), row groups of 1, 2 and more, widths that are not whole tiles and planted outliers in
+scales and mins."""
 from __future__ import annotations
 
 import os
@@ -21,8 +22,9 @@ pytestmark = pytest.mark.skipif(not quant_dot_cpu.X86, reason="integer dot produ
 REPO = Path(__file__).resolve().parents[3]
 HOST_FEATURES = binding.get_host_cpu_features().flatten()
 
-# (bits, with mins): Q4_1 / Q4_K / Q4_0 (min = -8 scale), Q8_0, an 8-bit stack with mins (Q4_1 beside Q8_0)
-LAYOUTS = [(4, True), (8, False), (8, True)]
+# (bits, with mins): Q4_1 / Q4_K / Q4_0 (min = -8 scale), Q8_0, an 8-bit stack with mins (Q4_1 beside Q8_0),
+# Q6_K, a 6-bit stack with mins (Q4_K beside Q6_K)
+LAYOUTS = [(4, True), (8, False), (8, True), (6, False), (6, True)]
 # whole-tile passes up to ROW_GROUP rows, half-tile passes of GEMM_ROWS beyond (a last one partly filled); 4-bit
 # weights with 512-bit VNNI: whole-tile passes of WIDE_ROWS
 ROW_COUNTS = sorted({1, 2, 3, quant_dot_cpu.ROW_GROUP, quant_dot_cpu.ROW_GROUP + 1, quant_dot_cpu.GEMM_ROWS,
@@ -30,37 +32,44 @@ ROW_COUNTS = sorted({1, 2, 3, quant_dot_cpu.ROW_GROUP, quant_dot_cpu.ROW_GROUP +
                      2 * quant_dot_cpu.WIDE_ROWS + 1, 40})
 
 
+def _group(bits: int) -> int:
+    return quant_dot_cpu.SIX_BIT_GROUP if bits == 6 else 32
+
+
 def _rows(n: int, k: int, bits: int, with_mins: bool, seed: int = 0, half: bool = False) -> QuantRows:
     """Random rows; `half`: their scales and mins fp16 values, as Q8_0's, Q4_0's and Q4_1's are."""
     rng = np.random.default_rng(seed)
-    q = rng.integers(0, 16, (n, k), dtype=np.uint8) if bits == 4 else rng.integers(-128, 128, (n, k), dtype=np.int8)
-    q[1, :32] = 15 if bits == 4 else -128  # the largest products the 16-bit pair sums must hold
-    scales = rng.uniform(0.001, 0.02, (n, k // 32)).astype(np.float32)
+    low, high = {4: (0, 16), 6: (-32, 32), 8: (-128, 128)}[bits]
+    q = rng.integers(low, high, (n, k), dtype=np.uint8 if bits == 4 else np.int8)
+    q[1, :32] = {4: 15, 6: 31, 8: -128}[bits]  # the largest products the 16-bit pair sums must hold
+    q[2, :16] = low  # (6 bits: read + 32 as 0)
+    group = _group(bits)
+    scales = rng.uniform(0.001, 0.02, (n, k // group)).astype(np.float32)
     scales[n // 2, 0] = 3.0  # planted outliers: one group's scale, one group's min
-    mins = rng.uniform(-0.1, 0.1, (n, k // 32)).astype(np.float32) if with_mins else None
+    mins = rng.uniform(-0.1, 0.1, (n, k // group)).astype(np.float32) if with_mins else None
     if mins is not None:
         mins[0, -1] = -40.0
     if half:
         scales, mins = (None if v is None else v.astype(np.float16).astype(np.float32) for v in (scales, mins))
-    return QuantRows(q, scales, mins, 32, bits)
+    return QuantRows(q, scales, mins, group, bits)
 
 
 def _k_quant_rows(n: int, k: int, bits: int, with_mins: bool, size: int = 128) -> QuantRows:
     """Random rows whose scales and mins have a K-quant's two levels: an fp16 factor per super-block of `size`
-    weights times an int8 per group of 32 (planted outliers among both)."""
+    weights times an int8 per group of 32 (16 for 6 bits; planted outliers among both)."""
     rng = np.random.default_rng(3)
-    q = _rows(n, k, bits, False).q
+    q, group = _rows(n, k, bits, False).q, _group(bits)
 
     def levels(low: float, high: float):
         d = rng.uniform(low, high, (n, k // size)).astype(np.float16).astype(np.float32)
         d[n // 2, -1] = 2.0
-        sub = rng.integers(-128, 128, (n, k // 32), dtype=np.int8)
+        sub = rng.integers(-128, 128, (n, k // group), dtype=np.int8)
         sub[0, -1], sub[-1, 0] = -128, 127
-        return d, sub, np.repeat(d, size // 32, axis=1) * sub.astype(np.float32)
+        return d, sub, np.repeat(d, size // group, axis=1) * sub.astype(np.float32)
 
     d, sub_scales, scales = levels(1e-4, 1e-3)
     dmin, sub_mins, mins = levels(-1e-3, 1e-3) if with_mins else (None, None, None)
-    return QuantRows(q, scales, mins, 32, bits, SuperBlocks(size, d, sub_scales, dmin, sub_mins))
+    return QuantRows(q, scales, mins, group, bits, SuperBlocks(size, d, sub_scales, dmin, sub_mins))
 
 
 def _rows_of_kind(n: int, k: int, bits: int, with_mins: bool, scales: str) -> QuantRows:
@@ -73,7 +82,7 @@ def _rows_of_kind(n: int, k: int, bits: int, with_mins: bool, scales: str) -> Qu
 def _quantized(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     xq = np.empty(x.shape, np.int8)
     d = np.empty((x.shape[0], x.shape[1] // 32), np.float32)
-    sums, totals = np.empty_like(d), np.empty(d.shape, np.int32)
+    sums, totals = np.empty_like(d), np.empty((x.shape[0], x.shape[1] // 16), np.int32)
     quant_dot_cpu.quantize_activations(x, xq, d, sums, totals)
     return xq, d, sums, totals
 
@@ -93,9 +102,10 @@ def test_activations_round_to_int8_within_half_a_step():
     assert np.abs(xq.astype(np.int32)).max() == 127 and d[1, 1] == 0 and not xq[1, 32:64].any()
     step = np.repeat(d, 32, axis=1)
     assert np.all(np.abs(xq * step - x) <= step / 2 * (1 + 1e-6))
-    # the mins multiply the rounded activations' sum; 8-bit weights on 512-bit vectors take off 128 times it
-    np.testing.assert_array_equal(totals, xq.astype(np.int32).reshape(3, 3, 32).sum(axis=2))
-    np.testing.assert_array_equal(sums, d * totals.astype(np.float32))
+    # the mins multiply the rounded activations' sum; 8-bit weights on 512-bit vectors take off 128 times it, 6-bit
+    # weights 32 times its share of their group of 16
+    np.testing.assert_array_equal(totals, xq.astype(np.int32).reshape(3, 6, 16).sum(axis=2))
+    np.testing.assert_array_equal(sums, d * totals.reshape(3, 3, 2).sum(axis=2).astype(np.float32))
 
 
 @pytest.mark.parametrize("scales", quant_matmul_cpu.SCALE_KINDS)
@@ -184,22 +194,28 @@ def test_rows_and_dequantize_read_the_quad_layout_exactly(bits, with_mins, scale
     np.testing.assert_array_equal(quant_matmul_cpu.embedding_rows(tiles, ids).numpy(), exact[ids.numpy()])
 
 
-def test_groups_of_16_keep_the_float_kernel():
-    """Q6_K's 16-weight groups have no int8 layout here: the weight packs for the float kernel."""
+def test_8_bit_groups_of_16_keep_the_float_kernel():
+    """8-bit weights in groups of 16 (a Q8_0 stacked beside a Q6_K) have no int8 layout here: the weight packs for
+    the float kernel; 6-bit ones (Q6_K's) take the 6-bit quads."""
     rng = np.random.default_rng(0)
-    rows = QuantRows(rng.integers(-32, 32, (TILE, 64), dtype=np.int8),
-                     rng.uniform(0.01, 0.02, (TILE, 4)).astype(np.float32), None, 16, 8)
-    assert not quant_matmul_cpu.pack(rows, integer=True).integer
+    q, scales = rng.integers(-32, 32, (TILE, 64), dtype=np.int8), rng.uniform(0.01, 0.02, (TILE, 4)).astype(np.float32)
+    assert not quant_matmul_cpu.pack(QuantRows(q, scales, None, 16, 8), integer=True).integer
+    assert quant_matmul_cpu.pack(QuantRows(q, scales, None, 16, 6), integer=True).integer
 
 
 def test_k_quants_keep_their_file_bytes_in_the_quad_layout():
     """Q4_K (4 bits, groups of 32 in super-blocks of 256) on integer dot products keeps its two-level scales and
     mins: 4.625 bits a weight (its file's 4.5, the 6-bit sub-scales and sub-mins held as bytes), where float32
-    products took 6."""
+    products took 6; Q6_K its file's bytes exactly."""
     rows = _k_quant_rows(TILE, 512, 4, True, size=256)
     tiles = quant_matmul_cpu.pack(rows, integer=True, scales=quant_matmul_cpu.scale_kind([rows]))
     assert tiles.integer and tiles.scales.shape == (1, 2, SUPER_HEAD + 8 * TILE)
     assert tiles.nbytes() * 8 / (TILE * 512) == 4.625
+    # Q6_K: 6 bits a weight and an int8 sub-scale per 16 under an fp16 factor per 256, its file's 6.5625
+    rows = _k_quant_rows(TILE, 512, 6, False, size=256)
+    tiles = quant_matmul_cpu.pack(rows, integer=True, scales=quant_matmul_cpu.scale_kind([rows]))
+    assert tiles.integer and tiles.bits == 6 and tiles.scales.shape == (1, 2, SUPER_HEAD + 16 * TILE)
+    assert tiles.nbytes() * 8 / (TILE * 512) == 6.5625
 
 
 VNNI_CHECK = """
