@@ -3,7 +3,7 @@ group of 32, and AVX2's `vpmaddubsw` / `vpmaddwd` multiply 32 weight bytes by 32
 pairs and quads: about a quarter of the instructions per weight of the float kernel (quant_matmul_cpu), which
 widens every weight to float. Opt-in (--quantized-activations int8): the rounding changes answers slightly.
 
-Layout ("quads"): a weight [N, K] in QuantRows form with group 32 becomes
+Layout ("quads"): a weight [N, K] in QuantRows form with group 32 (6 bits: 16) becomes
 - data [ceil(N / TILE), K / 4, 128] uint8 for 8 bits: for each run of 4 k, 4 vectors of 32 bytes, vector v
   holding columns 8v..8v+7 of the tile, each as its 4 consecutive k (the operand order of vpmaddubsw then
   vpmaddwd); for 4 bits [.., K / 4, 64]: vectors 0 and 1 share bytes 0-31 (0 low, 1 high nibble), 2 and 3
@@ -18,11 +18,10 @@ The product: x[r, k] ~ d[r, g] * xq[r, k] with xq = round(x / d) in -127..127 an
 / 127; each output is sum over groups of scale * d * (integer sum of q * xq) + min * d * (sum of xq), as in
 llama.cpp's Q8_1 activations; 6-bit weights, read + 32, lose 32 x the sum of xq over their group of 16 from each
 integer sum (`totals`, kept per 16 by quantize_activations), as ggml's Q6_K dot product does. The integer sums are
-exact, so the product is the dequantized weight's times the
-rounded activations (each within d / 2 of x) to float32 summation order. Decode's few rows take whole tiles
-(tile()), larger batches half tiles for more rows a pass (half_tile(): prefill, twice as fast as dequantizing the
-weight for a float32 GEMM on AVX2); both compute each output by the same operations, so a row's answer does not
-depend on the size of its batch.
+exact, so the product is the dequantized weight's times the rounded activations (each within d / 2 of x) to
+float32 summation order. Decode's few rows take whole tiles (tile()), larger batches half tiles for more rows a
+pass (half_tile(): prefill, twice as fast as dequantizing the weight for a float32 GEMM on AVX2); both compute
+each output by the same operations, so a row's answer does not depend on the size of its batch.
 """
 from __future__ import annotations
 
@@ -114,7 +113,7 @@ def pack_data(rows: QuantRows) -> np.ndarray:
 @njit(nogil=True, cache=kernel_cache.CACHE)
 def is_quads(data) -> bool:
     """Whether packed data (numpy, or its numba view) is in the quad layout (quant_matmul_cpu's own tiles are
-    16 or 32 bytes a k)."""
+    16, 24 or 32 bytes a k)."""
     return data.shape[2] == BYTES_4BIT or data.shape[2] == BYTES_6BIT or data.shape[2] == BYTES_8BIT
 
 
