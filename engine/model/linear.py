@@ -102,12 +102,14 @@ def pack_linears(model: nn.Module) -> None:
 
 def uniform_linears(model: nn.Module) -> bool:
     """Whether the compiled decode step can run the model: every Linear packed or quantized, and each
-    projection the same kind in every layer (the step keeps one typed list of them per projection)."""
+    projection the same kind in every layer (the step keeps one typed list of them per projection; quantized
+    weights in the quad layout are a type of their own)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if any(m.packed is None and m.quant is None for m in linears):
         return False
-    kinds: dict[str, set[bool]] = {}
+    kinds: dict[str, set[tuple[bool, bool]]] = {}
     for name, module in model.named_modules():
         if isinstance(module, Linear):
-            kinds.setdefault(name.rsplit(".", 1)[-1], set()).add(module.quant is not None)
+            kind = (module.quant is not None, module.quant is not None and module.quant.integer)
+            kinds.setdefault(name.rsplit(".", 1)[-1], set()).add(kind)
     return all(len(kind) == 1 for kind in kinds.values())

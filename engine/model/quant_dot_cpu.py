@@ -4,7 +4,8 @@ pairs and quads: about a quarter of the instructions per weight of the float ker
 widens every weight to float. Opt-in (--quantized-activations int8): the rounding changes answers slightly.
 
 Layout ("quads"): a weight [N, K] in QuantRows form with group 32 (6 bits: 16) becomes
-- data [ceil(N / TILE), K / 4, 128] uint8 for 8 bits: for each run of 4 k, 4 vectors of 32 bytes, vector v
+- data [ceil(N / TILE), K / 4, 128] int8 for 8 bits (the bytes, as int8 for every width: the dtype the float
+  kernel's tiles do not have, so compiled code that takes a weight picks its path by type and compiles that one): for each run of 4 k, 4 vectors of 32 bytes, vector v
   holding columns 8v..8v+7 of the tile, each as its 4 consecutive k (the operand order of vpmaddubsw then
   vpmaddwd); for 4 bits [.., K / 4, 64]: vectors 0 and 1 share bytes 0-31 (0 low, 1 high nibble), 2 and 3
   bytes 32-63; for 6 bits (groups of 16, Q6_K's) [.., K / 4, 96]: each weight + 32 (0..63), its low 4 bits as
@@ -103,11 +104,11 @@ def pack_data(rows: QuantRows) -> np.ndarray:
         top = sum((q[:, :, v] >> 4) << (2 * v) for v in range(4))  # [tiles, K / 4, 32]: vector v's at bits 2v
         low = q & 0x0F
         data = np.concatenate([low[:, :, 0] | (low[:, :, 1] << 4), low[:, :, 2] | (low[:, :, 3] << 4), top], axis=2)
-        return np.ascontiguousarray(data.astype(np.uint8))
+        return np.ascontiguousarray(data.astype(np.uint8).view(np.int8))
     if rows.bits == 4:
         data = np.concatenate([q[:, :, 0] | (q[:, :, 1] << 4), q[:, :, 2] | (q[:, :, 3] << 4)], axis=2)
-        return np.ascontiguousarray(data.astype(np.uint8))
-    return np.ascontiguousarray(q.reshape(tiles, k // QUAD, BYTES_8BIT).astype(np.int8).view(np.uint8))
+        return np.ascontiguousarray(data.astype(np.uint8).view(np.int8))
+    return np.ascontiguousarray(q.reshape(tiles, k // QUAD, BYTES_8BIT).astype(np.int8))
 
 
 @njit(nogil=True, cache=kernel_cache.CACHE)
@@ -124,11 +125,11 @@ def integer_at(data, row, k):
     vector, within = column // COLUMNS, column % COLUMNS
     j, i = k // QUAD, k % QUAD
     if data.shape[2] == BYTES_4BIT or data.shape[2] == BYTES_6BIT:
-        byte = np.int32(data[tile, j, (vector // 2) * 32 + within * QUAD + i])
+        byte = np.int32(data[tile, j, (vector // 2) * 32 + within * QUAD + i]) & 0xFF
         low = byte & 0x0F if vector % 2 == 0 else byte >> 4
         if data.shape[2] == BYTES_4BIT:
             return np.float32(low)
-        top = (np.int32(data[tile, j, BYTES_4BIT + within * QUAD + i]) >> (2 * vector)) & 3
+        top = ((np.int32(data[tile, j, BYTES_4BIT + within * QUAD + i]) & 0xFF) >> (2 * vector)) & 3
         return np.float32((low | (top << 4)) - SIX_BIT_OFFSET)
     return np.float32(np.int8(data[tile, j, vector * 32 + within * QUAD + i]))
 

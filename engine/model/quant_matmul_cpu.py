@@ -184,11 +184,10 @@ def pack(rows: QuantRows, integer: bool = False, scales: str = "float32") -> Qua
     else:
         packed_scales, packed_mins = per_group(rows.scales), per_group(rows.mins)
     if integer and quant_dot_cpu.X86 and quant_dot_cpu.fits(rows):
-        data = quant_dot_cpu.pack_data(rows)
+        data = quant_dot_cpu.pack_data(rows)  # (int8: the quad layout's type)
     else:
-        data = _float_layout(columns(rows.q, rows.q.dtype), rows.bits)
-    return QuantTiles(as_tensor(data.astype(np.uint8, copy=False)), as_tensor(packed_scales), as_tensor(packed_mins),
-                      rows.group, n)
+        data = _float_layout(columns(rows.q, rows.q.dtype), rows.bits).astype(np.uint8, copy=False)
+    return QuantTiles(as_tensor(data), as_tensor(packed_scales), as_tensor(packed_mins), rows.group, n)
 
 
 def _float_layout(q: np.ndarray, bits: int) -> np.ndarray:
@@ -466,13 +465,18 @@ def _group_sums(x, group, has_min):
     return sums
 
 
-@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, parallel=True)
 def quant_matmul(x, data, scales, mins, group, bias, out, accumulate, threads):
-    """out (+)= x @ W.T + bias (none if empty) for x [rows, K] float32 and W packed by pack(). Each of the
-    `threads` takes an equal run of tiles: one sequential stream of the weight."""
-    if quant_dot_cpu.is_quads(data):
+    """out (+)= x @ W.T + bias (none if empty) for x [rows, K] float32 and W packed by pack(): on integer dot
+    products for the quad layout (int8 data), else on the float kernel. Each of the `threads` takes an equal run
+    of tiles: one sequential stream of the weight."""
+    if data.dtype == np.int8:
         _integer_matmul(x, data, scales, mins, bias, out, accumulate, threads)
-        return
+    else:
+        _float_matmul(x, data, scales, mins, group, bias, out, accumulate, threads)
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, parallel=True)
+def _float_matmul(x, data, scales, mins, group, bias, out, accumulate, threads):
     tiles = data.shape[0]
     parts = min(threads, tiles)
     sums = _group_sums(x, group, mins.shape[1] > 0)
@@ -753,15 +757,17 @@ def _linear_tiles(x, weight, bias, out, accumulate, first_tile, end_tile):
         return lambda x, weight, bias, out, accumulate, first_tile, end_tile: tile_run(
             x, weight, bias, out, accumulate, first_tile, end_tile)
 
-    def quantized(x, weight, bias, out, accumulate, first_tile, end_tile):
+    def integer(x, weight, bias, out, accumulate, first_tile, end_tile):
+        data, scales, mins, _ = weight
+        xq, d, sums, totals = _quantized_activations(x)
+        _integer_run(xq, d, sums, totals, data, scales, mins, bias, out, accumulate, first_tile, end_tile)
+
+    def float_tiles(x, weight, bias, out, accumulate, first_tile, end_tile):
         data, scales, mins, group = weight
-        if quant_dot_cpu.is_quads(data):
-            xq, d, sums, totals = _quantized_activations(x)
-            _integer_run(xq, d, sums, totals, data, scales, mins, bias, out, accumulate, first_tile, end_tile)
-        else:
-            _tile_run(x, _group_sums(x, group, mins.shape[1] > 0), data, scales, mins, group, bias, out,
-                      accumulate, first_tile, end_tile)
-    return quantized
+        _tile_run(x, _group_sums(x, group, mins.shape[1] > 0), data, scales, mins, group, bias, out,
+                  accumulate, first_tile, end_tile)
+    # the layout by type (quads: int8 data): a step compiles only the path its weights take
+    return integer if weight[0].dtype == types.int8 else float_tiles
 
 
 def tile_count(weight):

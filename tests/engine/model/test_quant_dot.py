@@ -259,3 +259,30 @@ def test_vnni_gives_the_same_bits_as_avx2s_pairs(tmp_path):
         assert check.stdout.strip() == expected, name  # which instructions the code has
     for name in variants:
         assert np.array_equal(np.load(tmp_path / "on.npy"), np.load(tmp_path / f"{name}.npy")), name
+
+
+def test_the_quad_layout_is_a_type_of_its_own_for_the_compiled_step():
+    """Quads hold int8 bytes where the float kernel's tiles hold uint8: compiled code picks its path by type, so a
+    step compiles only the path its weights take, and a projection whose layers mix the two keeps the module
+    path (the step holds one typed list per projection)."""
+    from torch import nn
+
+    from engine.model.linear import Linear, uniform_linears
+    rows = _rows(TILE, 64, 4, True)
+    quads, floats = quant_matmul_cpu.pack(rows, integer=True), quant_matmul_cpu.pack(rows)
+    assert (quads.data.dtype, floats.data.dtype) == (torch.int8, torch.uint8)
+    x = torch.from_numpy(np.random.default_rng(6).standard_normal((2, 64)).astype(np.float32))
+    np.testing.assert_allclose(quant_matmul_cpu.linear(x, quads, None).numpy(), _reference(x.numpy(), rows),
+                               rtol=1e-5, atol=1e-5)
+
+    def model_of(*tiles) -> nn.Module:
+        layers = nn.ModuleList()
+        for t in tiles:
+            layer = nn.Module()
+            layer.down_proj = Linear(64, TILE)
+            layer.down_proj.quant, layer.down_proj.weight = t, None
+            layers.append(layer)
+        return layers
+
+    assert uniform_linears(model_of(quads, quads)) and uniform_linears(model_of(floats, floats))
+    assert not uniform_linears(model_of(quads, floats))
