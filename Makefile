@@ -66,8 +66,11 @@ test: $(STAMP) $(CLUSTER_STAMP) $(COMPAT_STAMP)
 	# server a test starts would spend its start-up timeout compiling, and a pytest worker compiling holds its
 	# files back. Every signature of the decode step the suite runs but Qwen3's in bfloat16 (whose test is that
 	# kernel's): what serve runs (Q4_1 weights, bf16 K/V), Q4_1 over fp32 K/V (the quantized models' tests), the
-	# tiny models' fp32 over fp32 or bf16 K/V, and bf16 weights. Two processes at once: numba compiles on one core
-	$(PY) -m engine.model.compile --kv-cache-dtype auto float32 & quantized=$$!; \
+	# tiny models' fp32 over fp32 or bf16 K/V, and bf16 weights, and Q4_1 on integer dot products over fp32 K/V
+	# (the int8 tests': quads are a type of their own, compiled apart). Two processes at once: numba compiles on
+	# one core
+	$(PY) -m engine.model.compile --kv-cache-dtype auto float32 && \
+	  $(PY) -m engine.model.compile --kv-cache-dtype float32 --quantized-activations int8 & quantized=$$!; \
 	  $(PY) -m engine.model.compile --dtype float32 --kv-cache-dtype auto bfloat16 && \
 	  $(PY) -m engine.model.compile --dtype bfloat16; status=$$?; wait $$quantized && exit $$status
 	$(PY) -m pytest $(XDIST) $(COVERAGE) $(ARGS)

@@ -3,8 +3,10 @@
 runs this), does not wait for the compiler.
 
 It runs the engine once on a few short prompts, a batch of them and one alone, with and without a shared
-prefix, which reaches every kernel signature serving uses for the model's dtype. numba keys cached code by
-the CPU as well: a machine of another kind compiles again on its first request.
+prefix, which reaches every kernel signature serving uses for the model's dtype (and, for quantized weights,
+its activations: `--quantized-activations int8` compiles the integer kernels' path, which a float-path server
+never compiles). numba keys cached code by the CPU as well: a machine of another kind compiles again on its
+first request.
 """
 from __future__ import annotations
 
@@ -13,15 +15,16 @@ import sys
 import time
 
 
-def compile_kernels(model: str = "default", dtype: str = "auto", kv_cache_dtype: str = "auto") -> float:
+def compile_kernels(model: str = "default", dtype: str = "auto", kv_cache_dtype: str = "auto",
+                    quantized_activations: str = "float32") -> float:
     """Seconds it took (compiling, or loading what an earlier run compiled)."""
     from engine.llm import LLM
     from engine.model.kernel_cache import folder
     from engine.sampling_params import SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=16, num_kv_blocks=64, max_model_len=512,
-              threads=1, threads_batch=1)
+    llm = LLM(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantized_activations=quantized_activations,
+              block_size=16, num_kv_blocks=64, max_model_len=512, threads=1, threads_batch=1)
     shared = list(range(100, 140))
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm.generate([shared + [7, 8], shared + [9, 10, 11], [5, 6, 7]], greedy)  # a batch: cascade attention
@@ -37,10 +40,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto: as `serve` runs the model (a GGUF file's own formats, bf16 K/V beside them)")
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
                         help="the K/V cache's dtypes to compile for, one engine each (auto: as `serve` runs it)")
+    parser.add_argument("--quantized-activations", default="float32", choices=["float32", "int8"],
+                        help="as `serve --quantized-activations`: int8 compiles the integer dot products' path")
     args = parser.parse_args(argv)
     for kv_cache_dtype in args.kv_cache_dtype:
-        seconds = compile_kernels(args.model, args.dtype, kv_cache_dtype)
-        print(f"compiled in {seconds:.1f} s (--dtype {args.dtype} --kv-cache-dtype {kv_cache_dtype})", file=sys.stderr)
+        seconds = compile_kernels(args.model, args.dtype, kv_cache_dtype, args.quantized_activations)
+        print(f"compiled in {seconds:.1f} s (--dtype {args.dtype} --kv-cache-dtype {kv_cache_dtype} "
+              f"--quantized-activations {args.quantized_activations})", file=sys.stderr)
     return 0
 
 
