@@ -5,12 +5,13 @@ widens every weight to float. Opt-in (--quantized-activations int8): the roundin
 
 Layout ("quads"): a weight [N, K] in QuantRows form with group 32 (6 bits: 16) becomes
 - data [ceil(N / TILE), K / 4, 128] int8 for 8 bits (the bytes, as int8 for every width: the dtype the float
-  kernel's tiles do not have, so compiled code that takes a weight picks its path by type and compiles that one): for each run of 4 k, 4 vectors of 32 bytes, vector v
-  holding columns 8v..8v+7 of the tile, each as its 4 consecutive k (the operand order of vpmaddubsw then
-  vpmaddwd); for 4 bits [.., K / 4, 64]: vectors 0 and 1 share bytes 0-31 (0 low, 1 high nibble), 2 and 3
-  bytes 32-63; for 6 bits (groups of 16, Q6_K's) [.., K / 4, 96]: each weight + 32 (0..63), its low 4 bits as
-  the 4-bit layout's and its top 2 in bytes 64-95, byte j holding those of byte j of vectors 0-3 at bits 0, 2, 4
-  and 6 (0.75 bytes a weight, as the float kernel's 6-bit tiles);
+  kernel's tiles do not have, so compiled code that takes a weight picks its path by type and compiles that one):
+  for each run of 4 k, 4 vectors of 32 bytes, vector v holding columns 8v..8v+7 of the tile, each as its 4
+  consecutive k (the operand order of vpmaddubsw then vpmaddwd); for 4 bits [.., K / 4, 64]: vectors 0 and 1
+  share bytes 0-31 (0 low, 1 high nibble), 2 and 3 bytes 32-63; for 6 bits (groups of 16, Q6_K's)
+  [.., K / 4, 96]: each weight + 32 (0..63), its low 4 bits as the 4-bit layout's and its top 2 in bytes 64-95,
+  byte j holding those of byte j of vectors 0-3 at bits 0, 2, 4 and 6 (0.75 bytes a weight, as the float
+  kernel's 6-bit tiles);
 - scales, mins as quant_matmul_cpu's, of the same kinds: [tiles, K / 32, TILE] float32, or their fp16 bits as int16
   where every one is an fp16 value (half the bytes: the format's own, for Q8_0, Q4_0 and Q4_1), or the K-quants'
   super-block records (an fp16 factor per column and super-block, an int8 per group: Q4_K's own bytes).
