@@ -31,7 +31,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from engine.model import kernel_cache  # numba's cache folder, set before any @njit below
 from engine.model import simd
@@ -112,11 +112,21 @@ def pack_data(rows: QuantRows) -> np.ndarray:
     return np.ascontiguousarray(q.reshape(tiles, k // QUAD, BYTES_8BIT).astype(np.int8))
 
 
-@njit(nogil=True, cache=kernel_cache.CACHE)
 def is_quads(data) -> bool:
-    """Whether packed data (numpy, or its numba view) is in the quad layout (quant_matmul_cpu's own tiles are
-    16, 24 or 32 bytes a k)."""
-    return data.shape[2] == BYTES_4BIT or data.shape[2] == BYTES_6BIT or data.shape[2] == BYTES_8BIT
+    """Whether packed data (numpy) is in the quad layout: its bytes are int8, quant_matmul_cpu's own tiles'
+    uint8. In compiled code a constant of data's type (quads_type)."""
+    return data.dtype == np.int8
+
+
+def quads_type(data) -> bool:
+    """is_quads for data's numba type: what compiled code that takes a weight picks its path by."""
+    return data.dtype == types.int8
+
+
+@overload(is_quads)
+def _is_quads(data):
+    quads = quads_type(data)
+    return lambda data: quads
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)

@@ -469,7 +469,7 @@ def quant_matmul(x, data, scales, mins, group, bias, out, accumulate, threads):
     """out (+)= x @ W.T + bias (none if empty) for x [rows, K] float32 and W packed by pack(): on integer dot
     products for the quad layout (int8 data), else on the float kernel. Each of the `threads` takes an equal run
     of tiles: one sequential stream of the weight."""
-    if data.dtype == np.int8:
+    if quant_dot_cpu.is_quads(data):
         _integer_matmul(x, data, scales, mins, bias, out, accumulate, threads)
     else:
         _float_matmul(x, data, scales, mins, group, bias, out, accumulate, threads)
@@ -767,7 +767,7 @@ def _linear_tiles(x, weight, bias, out, accumulate, first_tile, end_tile):
         _tile_run(x, _group_sums(x, group, mins.shape[1] > 0), data, scales, mins, group, bias, out,
                   accumulate, first_tile, end_tile)
     # the layout by type (quads: int8 data): a step compiles only the path its weights take
-    return integer if weight[0].dtype == types.int8 else float_tiles
+    return integer if quant_dot_cpu.quads_type(weight[0]) else float_tiles
 
 
 def tile_count(weight):
