@@ -278,7 +278,7 @@ def _thread(x, qkv, scaled, gate_up, plan, partials, counters, cos, sin, kv, slo
     by_head = qkv.reshape(rows, heads + 2 * kv_heads, dim)
     merged = attn.reshape(rows, heads, dim)
     bins = paged_decode_cpu.bins(plan)
-    phase = 0
+    phase = np.int64(0)  # (a literal 0 gives the inlined phases' first claims a type of their own)
     for layer in range(len(qkv_w)):
         k_cache, v_cache = kv[0, layer], kv[1, layer]
         _rms_norm(x, input_norm[layer], eps, normed)
@@ -309,7 +309,9 @@ def _thread(x, qkv, scaled, gate_up, plan, partials, counters, cos, sin, kv, slo
     _lm_head_phase(last, lm_head, lm_head_b, logits, counters, phase, threads, best)
 
 
-@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+# the phases are inlined into _thread: numba links a callee's code into each caller's module and optimizes and
+# compiles it there again, so every function between the step and the kernels costs a compile of all of them
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")
 def _lm_head_phase(x, weight, bias, logits, counters, phase, threads, best):
     """_matmul_phase for the lm_head, where the thread that computes a run of columns also finds each row's
     largest logit among them (best[run, row]) while they are in its cache: the sampler's argmax over the whole
@@ -350,7 +352,7 @@ def _first_largest(row, start, end):
     return start
 
 
-@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")  # (as _lm_head_phase)
 def _matmul_phase(x, weight, bias, out, accumulate, counters, phase, threads):
     """out (+)= x @ weight.T + bias by the threads of the region, each claiming an equal run of tiles (one stream
     of the weight; 4 runs a thread, claimed in turn, measured slower); returns when the whole product is done."""

@@ -751,7 +751,7 @@ def linear_tiles(x, weight, bias, out, accumulate, first_tile, end_tile):
     caller's (decode_step_cpu)."""
 
 
-@overload(linear_tiles)
+@overload(linear_tiles, inline="always")  # (inlined: decode_step_cpu._lm_head_phase says why)
 def _linear_tiles(x, weight, bias, out, accumulate, first_tile, end_tile):
     if isinstance(weight, types.Array):
         return lambda x, weight, bias, out, accumulate, first_tile, end_tile: tile_run(
