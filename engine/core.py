@@ -55,6 +55,10 @@ class EngineCore:
         self.weights_format = weights_format(path, config.quantization, config.dtype, compiled)
         kv_dtype = _kv_dtype(config.kv_cache_dtype, dtype, self.weights_format)
         self.integer_activations = config.quantized_activations == "int8" and self.weights_format != "none"
+        if config.quantized_activations == "int8" and not self.integer_activations:
+            logger.warning("quantized_activations int8 applies to quantized weights (a GGUF file's own formats, or "
+                           "quantization q8_0 / q4_0, on the compiled CPU kernels): these run in %s on float "
+                           "arithmetic", str(dtype).removeprefix("torch."))
         self.model = model if model is not None else load_model(path, hf_config, dtype, self.device, pack=compiled,
                                                                 weights=self.weights_format,
                                                                 integer_activations=self.integer_activations)

@@ -161,13 +161,20 @@ def _set_quantized(model: LlamaForCausalLM, quantized: dict[str, QuantRows], tie
     from engine.model import quant_matmul_cpu  # (numba: only a quantized model needs it)
     # the fewest bytes of scales and mins that hold every weight's exactly (one kind a model)
     kind = quant_matmul_cpu.scale_kind(list(quantized.values()))
+    on_floats = []
     for name, rows in quantized.items():
         module = model.get_submodule(name.removesuffix(".weight"))
         if not isinstance(module, (Embedding, Linear)):
             raise ValueError(f"{name}: a quantized weight where a float one belongs")
         module.quant, module.weight = quant_matmul_cpu.pack(rows, integer, kind), None
+        if integer and not module.quant.integer:
+            on_floats.append(name)
         if isinstance(module, Embedding) and tied:
             model.lm_head.quant, model.lm_head.weight = module.quant, None
+    if on_floats:
+        logger.warning("quantized_activations int8: %d of %d quantized weights stay on the float kernel (integer dot "
+                       "products need x86 with AVX2, and groups of 32, or 16 for 6 bits): %s", len(on_floats),
+                       len(quantized), ", ".join(on_floats[:3]) + (", ..." if len(on_floats) > 3 else ""))
 
 
 @contextlib.contextmanager

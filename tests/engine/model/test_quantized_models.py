@@ -187,6 +187,23 @@ def test_weights_format_follows_dtype_and_kernels(tiny_llama_dir, tmp_path):
         weights_format(tiny_llama_dir, "q4_0", "auto", False)
 
 
+def test_int8_activations_where_they_cannot_apply_say_so(tiny_llama_dir, tmp_path, monkeypatch, caplog):
+    """--quantized-activations int8 on float weights, or on a CPU without integer dot products, runs the float
+    path, and says so at start-up rather than silently."""
+    with caplog.at_level(logging.WARNING, logger="prefixgate.engine"):
+        llm = LLM(str(tiny_llama_dir), quantized_activations="int8", kv_cache_memory_mb=1)
+    assert not llm.core.integer_activations
+    assert "applies to quantized weights" in caplog.text and "float32 on float arithmetic" in caplog.text
+    caplog.clear()
+    gguf_dir = write_gguf_model(tiny_llama_dir, tmp_path / "gguf", lambda name: QType.Q8_0)
+    monkeypatch.setattr(quant_dot_cpu, "X86", False)  # as on an ARM CPU
+    with caplog.at_level(logging.WARNING, logger="prefixgate.engine"):
+        llm = LLM(str(gguf_dir), quantized_activations="int8", **SMALL)
+    packed = [m.quant for m in llm.core.model.modules() if getattr(m, "quant", None) is not None]
+    assert packed and not any(quant.integer for quant in packed)
+    assert "stay on the float kernel" in caplog.text and "model.embed_tokens.weight" in caplog.text
+
+
 @pytest.mark.skipif(not quant_dot_cpu.X86, reason="integer dot products are x86 (AVX2) code")
 @pytest.mark.parametrize("files", ["Q8_0", "Q4_1"])
 def test_int8_activations_run_integer_dot_products_and_the_cache_never_changes_their_tokens(files, tiny_llama_dir,
