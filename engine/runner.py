@@ -139,8 +139,9 @@ class ModelRunner:
         first start is silent for most of a minute otherwise."""
         from engine.model import kernel_cache
         where = f"cached in {kernel_cache.FOLDER}" if kernel_cache.CACHE else "compiled in memory, not cached"
-        logger.info("loading the compiled CPU kernels (a first start compiles them: about 45 s on 2 cores; %s; "
-                    "python -m engine.model.compile fills the cache ahead of time)", where)
+        logger.info("loading the compiled CPU kernels (a first start compiles them: the decode step about 55 s on 2 "
+                    "cores, the prefill's about 30 s more; %s; python -m engine.model.compile fills the cache ahead "
+                    "of time)", where)
         started = time.perf_counter()
         self.decode_probe()
         logger.info("CPU kernels ready in %.1f s", time.perf_counter() - started)
