@@ -81,12 +81,18 @@ def _add_flags(group: argparse._ArgumentGroup, cls: type, skip: set[str]) -> Non
 
 
 def _field_comments(cls: type) -> dict[str, str]:
-    """The `# ...` comment after each field in the class source: the flag's help text."""
-    comments = {}
+    """The `# ...` comment after each field in the class source, or else the comment lines right above it: the
+    flag's help text."""
+    comments, above = {}, []
     for line in inspect.getsource(cls).splitlines():
-        match = re.match(r"\s+(\w+): [^#]*#\s*(.+)$", line)
-        if match:
+        if match := re.match(r"\s+#\s*(.+)$", line):
+            above.append(match.group(1))
+            continue
+        if match := re.match(r"\s+(\w+): [^#]*#\s*(.+)$", line):
             comments[match.group(1)] = match.group(2)
+        elif (match := re.match(r"\s+(\w+): ", line)) and above:
+            comments[match.group(1)] = " ".join(above)
+        above = []
     return comments
 
 

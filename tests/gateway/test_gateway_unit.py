@@ -1,6 +1,7 @@
 """Gateway pieces without a model: settings and CLI, keys and salts, admission, request parsing."""
 from __future__ import annotations
 
+import argparse
 import hashlib
 
 import pytest
@@ -57,6 +58,16 @@ def test_every_engine_field_is_a_flag():
     for name in EngineConfig.field_names() + GatewaySettings.field_names():
         assert "--" + name.replace("_", "-") in flags
     assert {"--no-enable-prefix-caching", "--api-key", "--api-keys-file", "--config"} <= flags
+
+
+def test_every_flag_says_what_it_does():
+    """Each field's help comes from its comment in the dataclass, on its line or on the lines above it."""
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    for action in serve._actions:
+        if action.option_strings and action.help != argparse.SUPPRESS:
+            assert not action.help.startswith("(default:"), action.option_strings
+    flag = {opt: action for action in serve._actions for opt in action.option_strings}
+    assert flag["--quantized-activations"].help.startswith("CPU quantized matmuls: float32 (exact")
 
 
 def test_flags_override_yaml_which_overrides_defaults(tmp_path):
