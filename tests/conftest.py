@@ -137,14 +137,21 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _drop_dead_log_handlers():
-    """`gateway` main() (config-error tests) installs a root handler on the stderr pytest captured for that test;
-    once pytest closes it, later tests' log lines would end in "--- Logging error ---". Such handlers go."""
+def _restore_root_log_handlers(request):
+    """`gateway` main() (config-error tests) sets up logging with basicConfig(force=True): a root handler on the
+    stderr pytest captured for that test (once pytest closes it, later tests' log lines would end in "--- Logging
+    error ---"), and pytest's own handlers for the whole session gone (records logged between tests, by an engine
+    thread, then reached logging's last resort: tracebacks in make test's output). Such handlers go, pytest's come
+    back."""
     yield
     root = logging.getLogger()
     for handler in list(root.handlers):
         if getattr(getattr(handler, "stream", None), "closed", False):
             root.removeHandler(handler)
+    plugin = request.config.pluginmanager.get_plugin("logging-plugin")
+    for handler in (plugin.log_cli_handler, plugin.log_file_handler) if plugin else ():
+        if handler not in root.handlers:
+            root.addHandler(handler)
 
 
 @pytest.fixture(scope="session", autouse=True)
