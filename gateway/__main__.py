@@ -9,6 +9,7 @@ import inspect
 import logging
 import re
 import signal
+import socket
 import sys
 import types
 import typing
@@ -143,11 +144,33 @@ class StartupError(Exception):
     """A setting the server could not start with (a model that does not load, a port in use)."""
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """OSError where another process listens on (host, port): each address the host resolves to is bound and
+    released as aiohttp will bind it (SO_REUSEADDR), so a port in use fails at once rather than after the engine
+    has started. Port 0 (any free port) needs no check."""
+    if port == 0:
+        return
+    for family, kind, proto, _, address in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio binds each family apart
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
 async def serve(settings: Settings, app: web.Application) -> int:
     """Stops accepting on SIGTERM/SIGINT, lets in-flight requests finish within shutdown_timeout_s,
     cancels the rest (their engine requests are aborted), then shuts the engine down. Returns the exit
     code: 0, or 1 when the engine died more often than engine_restarts allows."""
     gw = settings.gateway
+    try:
+        _check_port_free(gw.host, gw.port)  # before the model loads: a first start compiles for a minute and more
+    except OSError as exc:
+        raise StartupError(str(exc)) from None
     # in-flight requests get shutdown_timeout_s from InFlight.drain; aiohttp's own wait is a backstop
     runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0,
                            handler_cancellation=True)

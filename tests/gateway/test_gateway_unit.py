@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import socket
 
 import pytest
 import yaml
 
+import gateway.__main__
 import gateway.settings
 
 from engine.config import EngineConfig, HashAlgo
@@ -147,6 +149,18 @@ def test_every_configuration_error_is_one_line_and_exit_2(tmp_path, monkeypatch,
     last = err.splitlines()[-1]  # after the log lines of a start-up that got as far as loading the model
     assert last.startswith("error: ") and message in last and "Traceback" not in err
     assert "sk-secret" not in err  # never a key, not even from a YAML snippet
+
+
+def test_a_port_in_use_is_refused_before_the_engine_starts(monkeypatch, capsys):
+    """The port is checked before the model loads (a first start compiles kernels for a minute and more)."""
+    def started(self):
+        raise AssertionError("the engine started before the port was checked")
+    monkeypatch.setattr(gateway.__main__.web.AppRunner, "setup", started)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--no-engine-process"]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("error: ") and f"cannot listen on 127.0.0.1:{port}" in last
 
 
 def test_bare_keys_whose_fingerprints_collide_are_refused(monkeypatch, capsys):
