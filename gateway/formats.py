@@ -50,9 +50,10 @@ class ChatFormat:
                 "logprobs": self.logprobs(choice, choice.logprobs),
                 "finish_reason": finish_reason}
 
-    def first_chunk(self, choices: list[Choice]) -> dict[str, Any] | None:
-        return self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None} for c in choices])
+    def first_chunks(self, choices: list[Choice]) -> list[dict[str, Any]]:
+        """Each choice's role, a chunk each (as OpenAI and vLLM stream them: one choice a chunk)."""
+        return [self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}]) for c in choices]
 
     def delta_chunk(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
         if self.tool_parser is None:
@@ -150,11 +151,12 @@ class CompletionFormat(ChatFormat):
                 "logprobs": self._completion_logprobs(choice, choice.logprobs, TextOffsets()),
                 "finish_reason": choice.finish_reason}
 
-    def first_chunk(self, choices: list[Choice]) -> dict[str, Any] | None:
+    def first_chunks(self, choices: list[Choice]) -> list[dict[str, Any]]:
+        """With echo, each choice's prompt, a chunk each; else none."""
         if self.echo_prompts is None:
-            return None
-        return self.chunk([{"index": c.index, "text": self._echo(c), "logprobs": None, "finish_reason": None}
-                           for c in choices])
+            return []
+        return [self.chunk([{"index": c.index, "text": self._echo(c), "logprobs": None, "finish_reason": None}])
+                for c in choices]
 
     def _echo(self, choice: Choice) -> str:
         return "" if self.echo_prompts is None else self.echo_prompts[choice.prompt_index]

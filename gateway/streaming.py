@@ -85,7 +85,7 @@ async def _start(request: web.Request, fmt: ChatFormat, choices: list[Choice], w
     response = web.StreamResponse(status=200, headers=SSE_HEADERS)
     await response.prepare(request)
     resp = _Stream(response, write_timeout_s)
-    if (first := fmt.first_chunk(choices)) is not None:
+    for first in fmt.first_chunks(choices):
         await resp.write(encode_event(first))
     return resp
 

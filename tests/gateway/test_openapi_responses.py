@@ -81,6 +81,10 @@ def test_plain_chat_completion_with_logprobs(server, spec):
     assert [c["message"]["role"] for c in answer["choices"]] == ["assistant", "assistant"]
     assert all(len(c["logprobs"]["content"]) == 4 for c in answer["choices"])
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    # one choice a chunk, as OpenAI streams them: each choice's role first
+    assert all(len(c["choices"]) <= 1 for c in chunks)
+    assert [(c["choices"][0]["index"], c["choices"][0]["delta"]) for c in chunks[:2]] == [
+        (0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""})]
 
 
 def test_forced_tool_call_has_null_content(server, spec):
