@@ -57,6 +57,19 @@ class ResponsesRequest:
     tools: list[dict[str, Any]] = field(default_factory=list)
 
 
+async def _previous(store: ResponseStore, tenant: str, response_id: str) -> Stored:
+    """The stored response a request continues; one not stored (for this key) is a 400
+    `previous_response_not_found`, as OpenAI answers it (clients such as Codex resend the whole conversation on
+    that code), where GET / DELETE of it are 404s."""
+    try:
+        return await store.aget(tenant, response_id)
+    except APIError as exc:
+        if exc.code != "response_not_found":
+            raise
+        raise APIError(400, f"Previous response with id {response_id!r} not found.", param="previous_response_id",
+                       code="previous_response_not_found") from None
+
+
 async def parse_responses(body: Any, state, tenant: str, store: ResponseStore) -> ResponsesRequest:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object", None)
@@ -65,7 +78,7 @@ async def parse_responses(body: Any, state, tenant: str, store: ResponseStore) -
     previous_id = body.get("previous_response_id")
     if previous_id is not None and not isinstance(previous_id, str):
         raise invalid("previous_response_id must be a string", "previous_response_id")
-    history = list((await store.aget(tenant, previous_id)).messages) if previous_id else []
+    history = list((await _previous(store, tenant, previous_id)).messages) if previous_id else []
     items = _input_items(body.get("input"))
     messages = history + [m for i, item in enumerate(items) for m in _messages(item, f"input[{i}]")]
     instructions = body.get("instructions")

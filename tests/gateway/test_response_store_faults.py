@@ -132,7 +132,9 @@ async def test_a_broken_file_costs_404s_and_never_a_500(client, caplog):
             resp = await client.request(method, path)
             assert resp.status == 404 and (await resp.json())["error"]["code"] == "response_not_found"
         continued = await respond(client, previous_response_id=first["id"])
-        assert continued.status == 404 and (await continued.json())["error"]["param"] == "response_id"
+        error = (await continued.json())["error"]
+        assert continued.status == 400 and (error["param"], error["code"]) == ("previous_response_id",
+                                                                               "previous_response_not_found")
         fresh = await respond(client)
         assert fresh.status == 200  # answered, though it cannot be stored
         assert (await client.get("/metrics")).status == 200
@@ -149,7 +151,7 @@ async def test_a_garbage_file_at_start_is_moved_aside_and_a_new_file_serves(aioh
     assert f"{db} is corrupt (file is not a database); moved it to {aside}" in caplog.text
     assert aside.read_bytes() == b"not a database " * 1000
     lost = await respond(client, previous_response_id="resp_from_before")
-    assert lost.status == 404
+    assert lost.status == 400 and (await lost.json())["error"]["code"] == "previous_response_not_found"
     first = await (await respond(client)).json()
     assert (await respond(client, previous_response_id=first["id"])).status == 200
     assert client.app[RESPONSE_STORE].path == str(db)  # on the new file, so it outlives this process

@@ -73,10 +73,13 @@ def test_another_tenant_never_sees_a_response_id(server):
     alice, bob = client(server, "alice"), client(server, "bob")
     resp = alice.responses.create(model=server.state.model_name, input="a secret", max_output_tokens=2)
     for call in (lambda: bob.responses.retrieve(resp.id), lambda: bob.responses.delete(resp.id),
-                 lambda: bob.responses.input_items.list(resp.id),
-                 lambda: bob.responses.create(model=server.state.model_name, input="x", previous_response_id=resp.id)):
+                 lambda: bob.responses.input_items.list(resp.id)):
         with pytest.raises(openai.NotFoundError):
             call()
+    # continuing an unknown response: OpenAI's 400 and code, on which clients (Codex) resend the conversation
+    with pytest.raises(openai.BadRequestError) as lost:
+        bob.responses.create(model=server.state.model_name, input="x", previous_response_id=resp.id)
+    assert lost.value.code == "previous_response_not_found" and lost.value.param == "previous_response_id"
     assert alice.responses.retrieve(resp.id).id == resp.id
     server.wait_idle()
 
