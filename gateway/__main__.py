@@ -144,22 +144,29 @@ class StartupError(Exception):
     """A setting the server could not start with (a model that does not load, a port in use)."""
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """OSError where another process listens on (host, port): each address the host resolves to is bound and
-    released as aiohttp will bind it (SO_REUSEADDR), so a port in use fails at once rather than after the engine
-    has started. Port 0 (any free port) needs no check."""
-    if port == 0:
-        return
-    for family, kind, proto, _, address in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                              flags=socket.AI_PASSIVE):
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def _bound_sockets(host: str, port: int) -> list[socket.socket]:
+    """A socket bound to each address the host resolves to, as asyncio's create_server binds them (SO_REUSEADDR,
+    IPv6 sockets v6-only), for the sites to listen on once the engine is up: bound before the model loads, a port
+    in use fails at once (a first start compiles kernels for a minute and more), and nobody takes the port
+    meanwhile. Not listening yet: a client that comes early is refused, not left waiting."""
+    sockets = []
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                                  flags=socket.AI_PASSIVE):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
-                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio binds each family apart
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:
-                probe.bind(address)
+                sock.bind(address)
             except OSError as exc:
                 raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 async def serve(settings: Settings, app: web.Application) -> int:
@@ -168,19 +175,23 @@ async def serve(settings: Settings, app: web.Application) -> int:
     code: 0, or 1 when the engine died more often than engine_restarts allows."""
     gw = settings.gateway
     try:
-        _check_port_free(gw.host, gw.port)  # before the model loads: a first start compiles for a minute and more
+        sockets = _bound_sockets(gw.host, gw.port)
     except OSError as exc:
         raise StartupError(str(exc)) from None
     # in-flight requests get shutdown_timeout_s from InFlight.drain; aiohttp's own wait is a backstop
     runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0,
                            handler_cancellation=True)
+    sites = []
     try:
         await runner.setup()  # loads the model and starts the engine
-        site = web.TCPSite(runner, gw.host, gw.port)
-        await site.start()
-    except (ValueError, OSError) as exc:  # the engine's own checks, a missing model, a port in use
+        for sock in sockets:
+            sites.append(web.SockSite(runner, sock))
+            await sites[-1].start()
+    except (ValueError, OSError) as exc:  # the engine's own checks, a missing model
         log.debug("start-up failed", exc_info=True)
         await runner.cleanup()
+        for sock in sockets:
+            sock.close()
         raise StartupError(str(exc)) from None
     if settings.gateway.api_keys and not settings.gateway.metrics_api_key:
         log.warning("/metrics is open and lists tenant names; set --metrics-api-key to require a key")
@@ -195,7 +206,8 @@ async def serve(settings: Settings, app: web.Application) -> int:
     await asyncio.wait([asyncio.ensure_future(stop.wait()), asyncio.ensure_future(gave_up.wait())],
                        return_when=asyncio.FIRST_COMPLETED)
     log.info("shutting down: waiting up to %.1fs for in-flight requests", gw.shutdown_timeout_s)
-    await site.stop()  # stop accepting; kept-alive connections get 503 while draining
+    for site in sites:
+        await site.stop()  # stop accepting; kept-alive connections get 503 while draining
     cancelled = await app[IN_FLIGHT].drain(gw.shutdown_timeout_s)
     if cancelled:
         log.info("aborted %d requests still running after %.1fs", cancelled, gw.shutdown_timeout_s)
