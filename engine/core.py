@@ -40,9 +40,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class EngineCore:
     """Single-threaded engine: everything here runs on the thread that calls step()."""
 
-    def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None = None, *, prefill_compile: bool = False,
+                 decode_step: bool = True) -> None:
         """model: weights another engine already loaded for the same model, dtype and device, to share
-        instead of loading them again (each engine keeps its own KV cache)."""
+        instead of loading them again (each engine keeps its own KV cache). prefill_compile (serve): on a first
+        start, a second process compiles the kernels of steps with a prefill chunk while this one compiles the
+        decode step (engine/model/compile.py). decode_step False: no compiled decode step (that second process)."""
         self.config = config
         self.device = _resolve_device(config.device)
         dtype = _resolve_dtype(config.dtype, self.device)
@@ -50,6 +53,10 @@ class EngineCore:
         if compiled:
             cpu_kernels.check_available()
         path = resolve_model_path(config.model, config.model_cache_dir)
+        second = None
+        if compiled and prefill_compile:
+            from engine.model.compile import start_prefill_compile
+            second = start_prefill_compile(config, path)
         hf_config = load_config(path)
         self.model_path = path
         self.weights_format = weights_format(path, config.quantization, config.dtype, compiled)
@@ -81,7 +88,10 @@ class EngineCore:
                     logger.info("disk tier: %d pinned prefixes restored (%d blocks)", restored,
                                 self.kv.pins.num_blocks)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(self.model, kv_cache, self.kv, self.device, compiled_kernels=compiled)
+        self.runner = ModelRunner(self.model, kv_cache, self.kv, self.device, compiled_kernels=compiled,
+                                  decode_step=decode_step)
+        if second is not None:
+            second.wait()
         if not config.enforce_eager and self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len,
                                                                          config.max_num_batched_tokens):
             logger.info("captured CUDA graphs of decode steps for batch sizes %s", self.runner.graph_decode.batch_sizes)

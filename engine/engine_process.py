@@ -124,7 +124,7 @@ def main(argv: list[str]) -> int:
 
 def _load(config: EngineConfig):
     from engine.core import EngineCore
-    return EngineCore(config)
+    return EngineCore(config, prefill_compile=True)
 
 
 def _info(core) -> EngineInfo:

@@ -20,9 +20,10 @@ logger = logging.getLogger("prefixgate.engine")
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, kv: KVCacheManager,
-                 device: torch.device, compiled_kernels: bool = True) -> None:
+                 device: torch.device, compiled_kernels: bool = True, decode_step: bool = True) -> None:
         """compiled_kernels: the numba CPU kernels (paged decode attention, the compiled decode step) where
-        they apply; off, every step runs in eager PyTorch (engine/model/cpu_kernels.py)."""
+        they apply; off, every step runs in eager PyTorch (engine/model/cpu_kernels.py). decode_step False: no
+        compiled decode step (decode-only steps run per layer, on the paged attention)."""
         self.model = model
         # [2, layers, num_blocks, block_size, kv_heads, head_dim] seen as flat slots per layer
         two, layers, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
@@ -48,8 +49,9 @@ class ModelRunner:
         if compiled_kernels and device.type == "cpu":
             from engine.model import decode_step_cpu, paged_decode_cpu
             self.paged_kernel = paged_decode_cpu.supports(kv_cache.dtype, device)
-            if (decode_step_cpu.supports(self.dtype, device) and decode_step_cpu.supports(kv_cache.dtype, device)
-                    and uniform_linears(model)):  # the step multiplies by packed (or quantized) weights
+            # the step multiplies by packed (or quantized) weights
+            if (decode_step and decode_step_cpu.supports(self.dtype, device)
+                    and decode_step_cpu.supports(kv_cache.dtype, device) and uniform_linears(model)):
                 self.compiled_decode = decode_step_cpu.CompiledDecode(model)
                 self.max_compiled_rows = decode_step_cpu.MAX_ROWS
                 self._load_kernels()
@@ -139,9 +141,9 @@ class ModelRunner:
         first start is silent for most of a minute otherwise."""
         from engine.model import kernel_cache
         where = f"cached in {kernel_cache.FOLDER}" if kernel_cache.CACHE else "compiled in memory, not cached"
-        logger.info("loading the compiled CPU kernels (a first start compiles them: the decode step about 55 s on 2 "
-                    "cores, the prefill's about 30 s more; %s; python -m engine.model.compile fills the cache ahead "
-                    "of time)", where)
+        logger.info("loading the compiled CPU kernels (a first start compiles them: the decode step about 55 s, "
+                    "the prefill's about 30 s, in a second process meanwhile where there are two cores; %s; "
+                    "python -m engine.model.compile fills the cache ahead of time)", where)
         started = time.perf_counter()
         self.decode_probe()
         logger.info("CPU kernels ready in %.1f s", time.perf_counter() - started)

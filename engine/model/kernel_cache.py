@@ -140,4 +140,4 @@ if CACHE:
     caching.CacheImpl._locator_classes.insert(0, _KernelLocator)
 else:
     log.warning("the CPU kernels' cache folder %s cannot be written: compiling them in memory at every start "
-                "(about 40 s); set NUMBA_CACHE_DIR to a writable folder", FOLDER)
+                "(about 1.5 minutes on 2 cores); set NUMBA_CACHE_DIR to a writable folder", FOLDER)
