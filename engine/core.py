@@ -26,7 +26,7 @@ from engine.sampling import Sampler
 from engine.sampling_params import SampledToken, SamplingParams, validate_prompt
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.step_cost import StepTimeTarget, calibrate
-from engine.grammar import GrammarCache
+from engine.grammar import GrammarCache, GrammarError
 from engine.stats import FinishedRequestStats, PrefixCacheStats, SchedulerStats, StepStats
 from engine.threads import ThreadBudget
 from engine.threads import choose as choose_threads
@@ -255,6 +255,9 @@ class EngineCore:
         """`work(request, *args)`, one request's share of the step: if it raises, that request alone fails."""
         try:
             output = work(request, *args)
+        except GrammarError as exc:
+            logger.warning("request %s: %s", request.request_id, exc)
+            return self._fail([request], "engine step failed", exc)
         except Exception as exc:
             logger.exception("request %s failed in its step", request.request_id)
             return self._fail([request], "engine step failed", exc)
@@ -274,6 +277,9 @@ class EngineCore:
     def _sample_row(self, logits: torch.Tensor, request: Request) -> SampledToken | Exception:
         try:
             return self.sampler(logits, [request.params], [request.generator(logits.device)], [request])[0]
+        except GrammarError as exc:
+            logger.warning("request %s: %s", request.request_id, exc)
+            return exc
         except Exception as exc:
             logger.exception("sampling failed for request %s", request.request_id)
             return exc
@@ -302,8 +308,12 @@ class EngineCore:
 
     def _fail(self, requests: list[Request], what: str, exc: Exception) -> list[RequestOutput]:
         """Finish each request (not finished yet) with an error: its blocks go back to the pool."""
-        return [self._finish(r, FinishReason.ERROR, error=f"{what}: {exc!r}")
-                for r in requests if self.requests.get(r.request_id) is r]
+        own = isinstance(exc, GrammarError)  # the request's grammar gave up, not the engine
+        outputs = [self._finish(r, FinishReason.ERROR, error=str(exc) if own else f"{what}: {exc!r}")
+                   for r in requests if self.requests.get(r.request_id) is r]
+        for output in outputs:
+            output.error_is_request = own
+        return outputs
 
     def _emit(self, request: Request, token) -> RequestOutput:
         detok = self.detokenizers[request.request_id]

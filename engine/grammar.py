@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 GRAMMAR_CACHE_SIZE = 64
 
 
+class GrammarError(RuntimeError):
+    """A request's grammar gave up while its answer ran (llguidance builds its lexer lazily, so a regex too complex
+    for its limits shows only at some token): the request's own failure, not the engine's."""
+
+
 class StructuredMatcher:
     """One request's position in its grammar."""
 
@@ -32,10 +37,12 @@ class StructuredMatcher:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         words = bitmask[row]
         self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+        if self._matcher.is_error():  # its mask would then allow only EOS: an answer that ignores the grammar
+            raise GrammarError(f"the output constraint failed: {self._matcher.get_error()}")
 
     def accept(self, token_id: int) -> None:
         if not self._matcher.consume_token(token_id):
-            raise RuntimeError(f"the grammar rejected token {token_id}: {self._matcher.get_error()}")
+            raise GrammarError(f"the output constraint failed at token {token_id}: {self._matcher.get_error()}")
 
     @property
     def is_terminated(self) -> bool:

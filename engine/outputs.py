@@ -27,6 +27,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    error_is_request: bool = False  # the error is the request's own (its grammar gave up), not the engine's
     embedding: list[float] | None = None  # a pooling request's vector (SamplingParams.pooling)
     num_disk_cached_tokens: int = 0  # the part of num_cached_tokens read back from the disk tier
     num_cache_write_tokens: int = 0  # prompt tokens this request computed and wrote to the cache (full blocks)

@@ -64,6 +64,8 @@ class Choice:
 
 def check_output(out: RequestOutput) -> None:
     """An engine failure or an abort ends the HTTP request with an error object."""
+    if out.finish_reason == FinishReason.ERROR and out.error_is_request:  # its grammar gave up: the request's own
+        raise APIError(400, out.error or "the output constraint failed", code="output_constraint_failed")
     if out.finish_reason == FinishReason.ERROR:
         raise APIError(500, f"the engine failed while generating: {out.error or 'unknown error'}",
                        code="engine_error")

@@ -145,3 +145,34 @@ def test_structured_bench_runs_every_case(tiny_llama_dir):
     result = structured.run(str(tiny_llama_dir), rounds=1, steps=3)
     assert set(result["cases"]) == {0, 1, 8} and result["steps_per_case"] == 3
     assert "constrained" in structured.render(result)
+
+
+@pytest.mark.parametrize("where", ["fill_bitmask", "accept"])
+def test_a_grammar_that_gives_up_fails_its_request_alone_as_its_own(llm, monkeypatch, where):
+    """llguidance's lazy lexer can give up at any token (a mask it cannot compute, or a token it then refuses):
+    the request ends with an error marked as its own (the API's 400), its batch-mates run on."""
+    from engine.grammar import GrammarError, StructuredMatcher
+    from engine.request import Request
+
+    original, calls = getattr(StructuredMatcher, where), []
+
+    def gives_up_second_time(self, *args):
+        calls.append(where)
+        if len(calls) > 1:
+            raise GrammarError("the output constraint failed: lexer error: too many expressions constructed")
+        return original(self, *args)
+
+    monkeypatch.setattr(StructuredMatcher, where, gives_up_second_time)
+    core = llm.core
+    core.add_request(Request("free", _prompt(llm, "the world is"),
+                             SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)))
+    core.add_request(Request("constrained", _prompt(llm), SamplingParams(
+        max_tokens=20, temperature=0, structured=StructuredOutput("regex", "[a-z]{30}"))))
+    finished = {}
+    while core.has_unfinished():
+        outputs, _ = core.step()
+        finished.update({o.request_id: o for o in outputs if o.finished})
+    constrained, free = finished["constrained"], finished["free"]
+    assert constrained.finish_reason == "error" and constrained.error_is_request
+    assert constrained.error == "the output constraint failed: lexer error: too many expressions constructed"
+    assert free.finish_reason == "length" and not free.error_is_request and free.num_output_tokens == 6
