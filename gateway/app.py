@@ -80,7 +80,7 @@ class EngineGaveUp:
 
 ENGINE_GAVE_UP = web.AppKey("engine_gave_up", EngineGaveUp)
 
-# every route but the chat page's static files: (method, path, handler)
+# every route: (method, path, handler)
 _ROUTES = (
     ("POST", "/v1/chat/completions", routes.chat_completions), ("POST", "/v1/completions", routes.completions),
     ("GET", "/v1/models", routes.models), ("GET", "/v1/models/{model_id:.+}", routes.model),
@@ -92,7 +92,7 @@ _ROUTES = (
     ("DELETE", "/v1/responses/{response_id}", responses.delete),
     ("GET", "/v1/responses/{response_id}/input_items", responses.input_items),
     ("POST", "/v1/responses/{response_id}/cancel", responses.cancel),
-    ("GET", "/", routes.chat_page),
+    ("GET", "/", routes.chat_page), ("GET", "/static/{name}", routes.static_file),
 )
 
 
@@ -115,7 +115,6 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     app[RESPONSE_STORE] = open_store(gw.responses_store_max, gw.responses_db, gw.responses_ttl_days)
     app.on_cleanup.append(_close_response_store)
     app.router.add_routes([web.route(method, path, handler) for method, path, handler in _ROUTES])
-    app.router.add_static("/static/", routes.STATIC_DIR)
     return app
 
 

@@ -11,7 +11,8 @@ from aiohttp import web
 
 from engine.messages import CacheBreakpoint, CacheErased, PinInfo
 from engine.sampling_params import SamplingParams
-from gateway.cache_control import DEFAULT_TTL, TTLS, WHOLE_PROMPT, directives, parse_ttl
+from gateway.cache_control import (DEFAULT_TTL, TTLS, WHOLE_PROMPT, chat_breakpoints, chat_directives, directives,
+                                   parse_ttl)
 from gateway.errors import invalid
 from gateway.generate import Choice, prompt_tokens_details
 from gateway.jsonbody import parse_body
@@ -53,31 +54,38 @@ async def warm(request: web.Request) -> web.Response:
     raw = fields.body.get("cache_control")
     ttl_s = TTLS[DEFAULT_TTL] if raw is None else parse_ttl(raw, "cache_control")
     with state.admission.admit(tenant, 1):
-        prompt, param = await _prompt(request, state, fields)
+        prompt, param, marked = await _prompt(request, state, fields, tenant.max_pinned_blocks)
         state.check_lengths(len(prompt), 1, param)
+        pins = [*marked, CacheBreakpoint(WHOLE_PROMPT, ttl_s)]
         choice = Choice(0, 0, f"warm-{uuid.uuid4().hex}", prompt, SamplingParams(max_tokens=1, pooling="none"),
-                        directives([CacheBreakpoint(WHOLE_PROMPT, ttl_s)], tenant.max_pinned_blocks), stream=False)
+                        directives(pins, tenant.max_pinned_blocks), stream=False)
         await RequestRun(state, tenant, fields.string("cache_salt", None), [choice], param).to_end()
     return web.json_response({"object": "cache.warm", "model": state.model_name,
                               "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt),
                                         "prompt_tokens_details": prompt_tokens_details([choice])}})
 
 
-async def _prompt(request: web.Request, state: GatewayState, fields: _Fields) -> tuple[list[int], str]:
+async def _prompt(request: web.Request, state: GatewayState, fields: _Fields,
+                  max_pinned_blocks: int | None) -> tuple[list[int], str, list[CacheBreakpoint]]:
     """The tokens to warm: the chat rendered as a later request's prompt starts (no generation prompt), or
-    the completion prompt."""
+    the completion prompt; and the prefixes its messages' own cache_control marks, as a chat request pins them."""
     body = fields.body
     if (body.get("messages") is None) == (body.get("prompt") is None):
         raise invalid("send either messages (a chat prefix) or prompt", "messages")
     tokenizer = state.engine.tokenizer
     if body.get("prompt") is not None:
         prompts = parse_prompts(body["prompt"], 1)
-        return (await encode_prompts(tokenizer, prompts, "prompt"))[0], "prompt"
+        return (await encode_prompts(tokenizer, prompts, "prompt"))[0], "prompt", []
     messages = normalize_messages(body["messages"], state.settings.gateway.max_messages)
     tools = parse_tools(body)
+    template_tools = tools.template_tools if tools else None
     template = request.app[TOOL_TEMPLATE]
-    return await render_chat(tokenizer, messages, tools.template_tools if tools else None, template,
-                             add_generation_prompt=False), "messages"
+    prompt = await render_chat(tokenizer, messages, template_tools, template, add_generation_prompt=False)
+    # (the body's own cache_control is the whole prompt's TTL here, not a breakpoint)
+    marks = chat_breakpoints({**body, "cache_control": None})
+    marked = await chat_directives(tokenizer, messages, tuple(marks), prompt, template_tools, template,
+                                   max_pinned_blocks)
+    return prompt, "messages", list(marked.breakpoints) if marked else []
 
 
 def _pin(pin: PinInfo) -> dict[str, Any]:

@@ -32,8 +32,8 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return error_body(self.message, _TYPE_BY_STATUS.get(self.status, "server_error"),
-                          self.param, self.code)
+        default = "invalid_request_error" if self.status < 500 else "server_error"
+        return error_body(self.message, _TYPE_BY_STATUS.get(self.status, default), self.param, self.code)
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -68,7 +68,7 @@ def supported_routes(app: web.Application) -> list[str]:
     for route in app.router.routes():
         info = route.resource.get_info() if route.resource is not None else {}
         path = info.get("path") or info.get("formatter")
-        if path and route.method not in ("HEAD", "OPTIONS", "*"):
+        if path and route.method not in ("HEAD", "OPTIONS", "*") and not path.startswith("/static/"):
             routes.append(f"{route.method} {path}")
     return sorted(set(routes), key=lambda r: (r.split()[1], r))
 
@@ -84,6 +84,12 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         if exc.status < 400:  # redirects and the like pass through
             raise
         return error_response(_from_http_exception(exc, request))
+    except web.RequestPayloadError:  # a body its Content-Encoding does not decode
+        encoding = request.headers.get("Content-Encoding", "none")
+        response = error_response(APIError(400, f"the request body could not be decoded (Content-Encoding: "
+                                                f"{encoding[:40]})", code="invalid_body"))
+        response.force_close()  # the rest of the body is unread: the connection cannot carry another request
+        return response
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(APIError(500, "internal server error", code="internal_error"))

@@ -27,6 +27,7 @@ from gateway.jsonbody import parse_body
 from gateway.protocol import ChatRequest, parse_chat
 from gateway.render import content_text, render_chat
 from gateway.response_store import ResponseStore, Stored
+from gateway.responses_fields import check_fields, items_page
 from gateway.runner import RequestRun, sampling_params
 from gateway.state import STATE
 from gateway.streaming import SSE_HEADERS, encode_event
@@ -36,6 +37,7 @@ HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpr
                 "image_generation", "mcp", "local_shell")
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 ITEM_TYPES = ("message", "function_call", "function_call_output")
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}  # OpenAI's item id prefixes
 TEXT_PARTS = ("input_text", "output_text", "text")
 # chat parameter names as the Responses API calls them, for the 400s the chat parser raises
 PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
@@ -75,12 +77,14 @@ async def parse_responses(body: Any, state, tenant: str, store: ResponseStore) -
         raise invalid("the request body must be a JSON object", None)
     if body.get("background"):
         raise invalid("background responses are not offered by this server", "background")
+    check_fields(body)
     previous_id = body.get("previous_response_id")
     if previous_id is not None and not isinstance(previous_id, str):
         raise invalid("previous_response_id must be a string", "previous_response_id")
     history = list((await _previous(store, tenant, previous_id)).messages) if previous_id else []
     items = _input_items(body.get("input"))
     messages = history + [m for i, item in enumerate(items) for m in _messages(item, f"input[{i}]")]
+    _check_outputs_answer_calls(history, items)
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -104,21 +108,38 @@ async def parse_responses(body: Any, state, tenant: str, store: ResponseStore) -
     if (fmt := _text_format(body.get("text"))) is not None and not forced:
         # (a forced call is the whole output: text.format shapes text, as agents send it on every turn)
         chat_body["response_format"] = fmt
-    if body.get("metadata") is not None and not isinstance(body.get("metadata"), dict):
-        raise invalid("metadata must be an object", "metadata")
     if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
         raise invalid("parallel_tool_calls must be a boolean", "parallel_tool_calls")  # echoed even without tools
-    try:
+    with responses_params():
         chat = parse_chat({k: v for k, v in chat_body.items() if v is not None}, state.settings.gateway,
                           state.sampling_defaults)
-    except APIError as err:
-        if err.param:
-            err.param = _responses_param(err.param)
-        raise
     store_it = body.get("store", True)
     if not isinstance(store_it, bool):
         raise invalid("store must be a boolean", "store")
     return ResponsesRequest(chat, body, items, messages, store_it, previous_id, tools)
+
+
+@contextlib.contextmanager
+def responses_params():
+    """A chat 400 raised inside names the field as the Responses API calls it."""
+    try:
+        yield
+    except APIError as err:
+        if err.param:
+            err.param = _responses_param(err.param)
+        raise
+
+
+def _check_outputs_answer_calls(history: list[dict[str, Any]], items: list[dict[str, Any]]) -> None:
+    """Each function_call_output answers a function call made before it, in this input or in the conversation it
+    continues (OpenAI: "No tool call found for function call output")."""
+    calls = {call["id"] for message in history for call in message.get("tool_calls") or ()}
+    for i, item in enumerate(items):
+        if item["type"] == "function_call":
+            calls.add(item["call_id"])
+        elif item["type"] == "function_call_output" and item["call_id"] not in calls:
+            raise invalid(f"no function call found for function_call_output with call_id {item['call_id']!r}",
+                          f"input[{i}].call_id")
 
 
 def _responses_param(chat_param: str) -> str:
@@ -207,6 +228,8 @@ def _text_format(raw: Any) -> dict[str, Any] | None:
     if not isinstance(fmt, dict):
         raise invalid("text.format must be an object", "text.format")
     if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):  # optional in chat's response_format, required here
+            raise invalid("text.format.schema must be a JSON schema object", "text.format.schema")
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
     return fmt
 
@@ -271,7 +294,8 @@ async def create(request: web.Request) -> web.StreamResponse:
     with state.admission.admit(tenant, 1):
         tools = chat.tools.template_tools if chat.tools else None
         prompt = await render_chat(state.engine.tokenizer, chat.messages, tools, tool_template)
-        max_tokens = state.check_lengths(len(prompt), chat.max_tokens, "input")
+        with responses_params():
+            max_tokens = state.check_lengths(len(prompt), chat.max_tokens, "input")
         cache = await chat_directives(state.engine.tokenizer, chat.messages, chat.breakpoints, prompt, tools,
                                       tool_template, tenant.max_pinned_blocks)
         response_id = _new_id("resp")
@@ -285,8 +309,8 @@ async def create(request: web.Request) -> web.StreamResponse:
                                                               tenant.name))
         await run.to_end()
     body = fmt.choice_body(choice)
-    response = _response(response_id, req, state.model_name, created, _output_items(body["message"], body["finish_reason"]),
-                         body["finish_reason"], usage([choice]))
+    output = _output_items(body["message"], body["finish_reason"])
+    response = _response(response_id, req, state.model_name, created, output, body["finish_reason"], usage([choice]))
     await _remember(store, tenant.name, req, response, body["message"])
     return web.json_response(response)
 
@@ -437,11 +461,12 @@ async def delete(request: web.Request) -> web.Response:
 async def input_items(request: web.Request) -> web.Response:
     """GET /v1/responses/{response_id}/input_items: this request's own input items (not earlier turns')."""
     tenant = request.app[STATE].auth.authenticate(request)
-    stored = await request.app[RESPONSE_STORE].aget(tenant.name, request.match_info["response_id"])
-    items = [{"id": item.get("id") or _new_id("msg"), **item} for item in stored.input_items]
-    return web.json_response({"object": "list", "data": items, "has_more": False,
-                              "first_id": items[0]["id"] if items else None,
-                              "last_id": items[-1]["id"] if items else None})
+    response_id = request.match_info["response_id"]
+    stored = await request.app[RESPONSE_STORE].aget(tenant.name, response_id)
+    # an item sent without an id gets one from its response and place, the same at every read (pages go by ids)
+    items = [{"id": item.get("id") or f"{_ITEM_PREFIX[item['type']]}_{response_id.removeprefix('resp_')}_{i}", **item}
+             for i, item in enumerate(stored.input_items)]
+    return web.json_response(items_page(items, request.query))
 
 
 async def cancel(request: web.Request) -> web.Response:

@@ -98,6 +98,16 @@ async def chat_page(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
 
+async def static_file(request: web.Request) -> web.FileResponse:
+    """GET /static/{name}: the chat page's files (one flat folder). aiohttp's own static route answers a missing
+    file with an empty 404 as its response starts, past the error middleware; this one is a JSON 404."""
+    name = request.match_info["name"]
+    path = STATIC_DIR / name
+    if name.startswith(".") or not path.is_file():
+        raise APIError(404, f"the chat page has no file {name[:100]!r}", code="not_found")
+    return web.FileResponse(path)
+
+
 async def health(request: web.Request) -> web.Response:
     if not request.app[STATE].engine.is_alive():
         raise APIError(503, "the engine is not running", code="engine_dead")

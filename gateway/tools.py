@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.structured import StructuredOutput
+from engine.structured import StructuredOutput, build_grammar
 from gateway.errors import invalid
 
 MAX_TOOLS = 128  # OpenAI's limit
@@ -104,7 +104,29 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
         constraint = None
     if choice in ("required", "function") and constraint is not None:  # one grammar per request
         raise invalid(f"a forced tool_choice cannot be combined with {constraint}", "tool_choice")
-    return ToolRequest(tools, choice, function_name, parallel is not False)
+    return _checked(ToolRequest(tools, choice, function_name, parallel is not False))
+
+
+def _checked(request: ToolRequest) -> ToolRequest:
+    """A forced call's grammar compiles here, a 400 naming the function's parameters where it does not: the engine
+    compiles it only once the answer starts (there a failure is the server's 500). Unforced, the parameters are
+    only shown to the model, which JSON schemas the grammar engine does not run may be."""
+    if not request.forced:
+        return request
+    for i, tool in enumerate(request.tools):
+        function = tool["function"]
+        if request.choice == "required" or function["name"] == request.function_name:
+            param = f"functions[{i}].parameters" if request.legacy else f"tools[{i}].function.parameters"
+            _compiles(StructuredOutput("json_schema", json.dumps(request._parameters(function))), param)
+    _compiles(request.structured_output(), "tool_choice")  # all of them together, for "required"
+    return request
+
+
+def _compiles(so: StructuredOutput, param: str) -> None:
+    try:
+        build_grammar(so)
+    except ValueError as exc:
+        raise invalid(f"{param}: {exc}", param) from None
 
 
 def _legacy_functions(body: dict[str, Any]) -> ToolRequest | None:
@@ -123,7 +145,7 @@ def _legacy_functions(body: dict[str, Any]) -> ToolRequest | None:
     if name not in [t["function"]["name"] for t in tools]:
         raise invalid('function_call must be "none", "auto" or {"name": ...} naming one of functions',
                       "function_call")
-    return ToolRequest(tools, "function", name, parallel=False, legacy=True)
+    return _checked(ToolRequest(tools, "function", name, parallel=False, legacy=True))
 
 
 def _tools(raw: Any) -> tuple[dict[str, Any], ...]:

@@ -21,6 +21,9 @@ TOP_LEVEL = {
     "max_output_tokens": ("5", 0, 2.5, []), "temperature": ("0", -1, 3), "top_p": ("x", 2), "stream": ("true", 5),
     "metadata": (5, []), "user": (5, []), "cache_salt": (5, {}), "model": (5, []), "background": (True,),
     "text": (5, "json"), "tools": (5, {"a": 1}),
+    # fields it cannot honour: refused, never dropped in silence
+    "conversation": ("conv_1", {"id": "conv_1"}), "prompt": ({"id": "pmpt_1"},), "top_logprobs": (3,),
+    "truncation": (5, "x"), "include": (5, "reasoning.encrypted_content"),
 }
 
 

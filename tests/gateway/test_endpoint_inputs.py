@@ -199,3 +199,122 @@ def test_the_newer_endpoints_answer_as_the_document_describes(server):
         check("/v1/embeddings", "post", post(server, "/v1/embeddings", {"input": inputs,
                                                                         "encoding_format": encoding}).json())
     check("/v1/cache/stats", "get", requests.get(server.url + "/v1/cache/stats").json())
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"conversation": "conv_123"}, "conversation"),  # no Conversations API: never a silent 200 without its state
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"truncation": "x"}, "truncation"),
+    ({"include": "reasoning.encrypted_content"}, "include"),
+    ({"include": ["reasoning.encrypted_content", "x"]}, "include[1]"),
+    ({"include": ["message.output_text.logprobs"]}, "include[0]"),
+    ({"metadata": {"k": 5}}, "metadata.k"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"max_output_tokens": 10**12}, "max_output_tokens"),  # past the context: the check after rendering
+    ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "sunny"}]}, "input[0].call_id"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "banana"}}], "tool_choice": "required"},
+     "tools[0].parameters"),
+])
+def test_responses_fields_it_cannot_honour_are_400s(server, extra, param):
+    assert_400(post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 2, **extra}), param)
+
+
+def test_responses_fields_it_accepts_answer(server):
+    resp = post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 2, "truncation": "auto",
+                                          "include": ["reasoning.encrypted_content"], "top_logprobs": 0,
+                                          "metadata": {f"k{i}": "v" * 512 for i in range(16)}})
+    assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.parametrize("tool_choice, param", [
+    ("required", "tools[1].function.parameters"),
+    ({"type": "function", "function": {"name": "g"}}, "tools[1].function.parameters"),
+])
+def test_a_forced_call_whose_schema_does_not_compile_is_a_400_before_the_answer(server, tool_choice, param):
+    """The engine compiles a forced call's grammar as the answer starts: a schema it cannot run was a 500 there."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {
+                 "a": {"type": "string", "pattern": "(("}}}}}]
+    resp = post(server, "/v1/chat/completions", {**CHAT, "tools": tools, "tool_choice": tool_choice})
+    assert_400(resp, param)
+    assert "regex" in resp.json()["error"]["message"]
+    # shown to the model only (auto), the schema is not the grammar engine's to judge
+    assert post(server, "/v1/chat/completions", {**CHAT, "tools": tools}).status_code == 200
+    legacy = post(server, "/v1/chat/completions", {**CHAT, "functions": [t["function"] for t in tools],
+                                                    "function_call": {"name": "g"}})
+    assert_400(legacy, "functions[1].parameters")
+
+
+def test_a_grammar_that_gives_up_while_answering_is_the_requests_400(server):
+    """llguidance builds its lexer lazily: this regex passes the checks and exceeds its limits once its lexer has
+    grown (here by the second request's first mask). That ends the request as its own failure, a 400, where it was
+    a 500, or an empty 200 that ignored the constraint."""
+    statuses = []
+    for _ in range(2):
+        resp = post(server, "/v1/chat/completions", {**CHAT, "temperature": 0, "guided_regex": "x{1000}{1000}"})
+        statuses.append(resp.status_code)
+        if resp.status_code == 200:
+            assert set(resp.json()["choices"][0]["message"]["content"]) == {"x"}, resp.text
+        else:
+            assert_400(resp, None)
+            assert resp.json()["error"]["code"] == "output_constraint_failed", resp.text
+            assert "too many expressions" in resp.json()["error"]["message"]
+    assert 400 in statuses
+    server.wait_idle()
+
+
+def test_a_message_name_that_is_not_a_string_names_it(server):
+    assert_400(post(server, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi",
+                                                                             "name": 5}]}), "messages[0].name")
+
+
+def test_a_body_its_content_encoding_does_not_decode_is_a_400(server):
+    with requests.Session() as session:
+        resp = session.post(server.url + "/v1/chat/completions", data=json.dumps({"model": server.state.model_name,
+                                                                                  **CHAT}),
+                            headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}, timeout=60)
+        assert_400(resp, None)
+        assert resp.json()["error"]["code"] == "invalid_body" and resp.headers["Connection"] == "close"
+        assert session.post(server.url + "/v1/chat/completions", json={"model": server.state.model_name, **CHAT},
+                            timeout=60).status_code == 200
+
+
+def test_the_chat_pages_files_fail_as_json_too(server):
+    missing = requests.get(server.url + "/static/nope.js", timeout=30)
+    assert missing.status_code == 404 and is_error_body(missing.json()), missing.text
+    folder = requests.get(server.url + "/static/", timeout=30)
+    assert folder.status_code in (403, 404) and folder.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_input_items_come_in_pages(server):
+    items = [{"role": "user", "content": f"turn {i}"} for i in range(5)]
+    response_id = post(server, "/v1/responses", {"input": items, "max_output_tokens": 2}).json()["id"]
+    url = f"{server.url}/v1/responses/{response_id}/input_items"
+    default = requests.get(url, timeout=30).json()  # newest first, as OpenAI lists them
+    assert [i["content"] for i in default["data"]] == [f"turn {i}" for i in range(4, -1, -1)]
+    assert not default["has_more"] and default["first_id"] == default["data"][0]["id"]
+    first = requests.get(url, params={"limit": 2, "order": "asc"}, timeout=30).json()
+    assert [i["content"] for i in first["data"]] == ["turn 0", "turn 1"] and first["has_more"]
+    second = requests.get(url, params={"limit": 2, "order": "asc", "after": first["last_id"]}, timeout=30).json()
+    assert [i["content"] for i in second["data"]] == ["turn 2", "turn 3"] and second["has_more"]
+    for query, param in (({"limit": "abc"}, "limit"), ({"limit": 0}, "limit"), ({"limit": 101}, "limit"),
+                         ({"order": "bad"}, "order"), ({"after": "msg_nope"}, "after")):
+        assert_400(requests.get(url, params=query, timeout=30), param)
+
+
+def test_warming_honours_and_bounds_the_messages_own_breakpoints(server):
+    marked = [{"role": "user", "content": f"part {i} " * 8, "cache_control": {"type": "ephemeral"}}
+              for i in range(5)]
+    resp = requests.post(server.url + "/v1/cache/warm", json={"messages": marked}, timeout=60)
+    assert_400(resp, "messages[4].cache_control")
+    resp = requests.post(server.url + "/v1/cache/warm", json={"messages": marked[:2] + [
+        {"role": "user", "content": "tail " * 8}]}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    pins = requests.get(server.url + "/v1/cache", timeout=30).json()["data"]
+    lengths = sorted(p["tokens"] for p in pins)
+    # the whole prompt (its full blocks), and the prefixes its two marked messages end (each shorter)
+    assert len(set(lengths)) == 3 and lengths[-1] <= resp.json()["usage"]["prompt_tokens"], pins
+    requests.delete(server.url + "/v1/cache", timeout=30)

@@ -1,0 +1,83 @@
+"""The Responses API's fields that shape no chat request: checked (a field this server cannot honour is a 400, never
+a silent 200), and the paging of a stored response's input items."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gateway.errors import invalid
+
+# OpenAI's limits on metadata: 16 pairs, keys of up to 64 characters, string values of up to 512
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+TRUNCATION = ("auto", "disabled")
+# what `include` may ask for: outputs of hosted tools, images and reasoning, none of which this server produces (so
+# there is nothing to add); message.output_text.logprobs is left out, as no Responses output carries logprobs here
+INCLUDABLE = ("code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
+              "message.input_image.image_url", "reasoning.encrypted_content", "web_search_call.action.sources",
+              "web_search_call.results")
+MAX_ITEMS_PAGE = 100  # input_items' limit: 1 to 100, 20 by default (OpenAI's)
+DEFAULT_ITEMS_PAGE = 20
+
+
+def check_fields(body: dict[str, Any]) -> None:
+    """400 naming the first field of `body` that asks for what this server does not do, or is malformed."""
+    if body.get("conversation") is not None:
+        raise invalid("conversation objects are not offered by this server (no Conversations API); continue a "
+                      "conversation with previous_response_id, or send its items as input", "conversation")
+    if body.get("prompt") is not None:
+        raise invalid("stored prompt templates are not offered by this server; send instructions and input",
+                      "prompt")
+    if body.get("top_logprobs") not in (None, 0):
+        raise invalid("top_logprobs is not offered on /v1/responses; /v1/chat/completions returns logprobs",
+                      "top_logprobs")
+    if body.get("truncation") is not None and body["truncation"] not in TRUNCATION:
+        raise invalid(f"truncation must be one of {', '.join(TRUNCATION)}", "truncation")
+    _check_include(body.get("include"))
+    _check_metadata(body.get("metadata"))
+
+
+def _check_include(raw: Any) -> None:
+    if raw is None:
+        return
+    if not isinstance(raw, list):
+        raise invalid("include must be an array of strings", "include")
+    for i, value in enumerate(raw):
+        if value not in INCLUDABLE:
+            raise invalid(f"include values this server accepts: {', '.join(INCLUDABLE)} (it produces none of "
+                          f"those outputs); got {value!r}", f"include[{i}]")
+
+
+def _check_metadata(raw: Any) -> None:
+    if raw is None:
+        return
+    if not isinstance(raw, dict):
+        raise invalid("metadata must be an object", "metadata")
+    if len(raw) > MAX_METADATA_PAIRS:
+        raise invalid(f"metadata holds at most {MAX_METADATA_PAIRS} key-value pairs", "metadata")
+    for key, value in raw.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise invalid(f"metadata keys are at most {MAX_METADATA_KEY} characters", "metadata")
+        if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE:
+            raise invalid(f"metadata values are strings of at most {MAX_METADATA_VALUE} characters",
+                          f"metadata.{key}")
+
+
+def items_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
+    """The list object of GET /v1/responses/{id}/input_items: `order` (desc, the default, or asc), `after` (an
+    item id: the page starts past it) and `limit` (1 to 100, default 20)."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid("order must be asc or desc", "order")
+    limit = query.get("limit", str(DEFAULT_ITEMS_PAGE))
+    if not limit.isdigit() or not 1 <= int(limit) <= MAX_ITEMS_PAGE:
+        raise invalid(f"limit must be an integer from 1 to {MAX_ITEMS_PAGE}", "limit")
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if (after := query.get("after")) is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise invalid(f"after names no input item of this response: {after!r}", "after")
+        start = ids.index(after) + 1
+    page = ordered[start:start + int(limit)]
+    return {"object": "list", "data": page, "has_more": start + len(page) < len(ordered),
+            "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}
