@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.openapi_responses import closed, const, nullable, ref
+from gateway.responses_fields import (DEFAULT_ITEMS_PAGE, INCLUDABLE, MAX_ITEMS_PAGE, MAX_METADATA_PAIRS,
+                                      MAX_METADATA_VALUE, TRUNCATION)
 
 _TEXT = {"type": "string"}
 _COUNT = {"type": "integer", "minimum": 0}
@@ -35,7 +37,7 @@ def responses_request(chat: dict[str, Any]) -> dict[str, Any]:
     text_format = {"type": "object", "required": ["type"], "properties": {
         "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
         "name": _TEXT, "schema": {"type": "object"}, "strict": {"type": "boolean"}},
-        "description": "json_schema needs a name"}
+        "description": "json_schema needs a name and a schema"}
     return {"type": "object", "required": ["model", "input"], "properties": {
         "model": chat["model"],
         "input": {"oneOf": [_TEXT, {"type": "array", "items": item}],
@@ -53,7 +55,14 @@ def responses_request(chat: dict[str, Any]) -> dict[str, Any]:
                 "type": {"type": "string", "enum": ["function"]}, "name": function["properties"]["name"]}}]},
         "parallel_tool_calls": chat["parallel_tool_calls"],
         "text": {"type": "object", "nullable": True, "properties": {"format": text_format}},
-        "metadata": {"type": "object", "nullable": True, "additionalProperties": _TEXT},
+        "metadata": {"type": "object", "nullable": True, "maxProperties": MAX_METADATA_PAIRS,
+                     "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE}},
+        "truncation": {"type": "string", "enum": list(TRUNCATION), "nullable": True,
+                       "description": "either runs untruncated: a conversation past the context is a 400"},
+        "include": {"type": "array", "nullable": True, "items": {"type": "string", "enum": list(INCLUDABLE)},
+                    "description": "outputs this server never produces: accepted, nothing to add"},
+        "top_logprobs": {"type": "integer", "enum": [0], "nullable": True,
+                         "description": "not offered here (chat completions return logprobs)"},
         "background": {"type": "boolean", "enum": [False], "nullable": True,
                        "description": "background mode is not offered"},
         "cache_control": chat["cache_control"],
@@ -121,14 +130,20 @@ def responses_paths(request: dict[str, Any], operation) -> dict[str, Any]:
         op["parameters"] = [{"name": "response_id", "in": "path", "required": True, "schema": _TEXT}]
         return op
 
+    items = stored("The stored response's own input items, a page of them", ref("ResponseInputItems"),
+                   errors=(400, 404))
+    items["parameters"] += [
+        {"name": "order", "in": "query", "schema": {"type": "string", "enum": ["asc", "desc"], "default": "desc"}},
+        {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": MAX_ITEMS_PAGE,
+                                                    "default": DEFAULT_ITEMS_PAGE}},
+        {"name": "after", "in": "query", "schema": {**_TEXT, "description": "an item id: the page starts past it"}}]
     return {
         "/v1/responses": {"post": create},
         "/v1/responses/{response_id}": {"get": stored("A stored response of the caller's", ref("Response")),
                                         "delete": stored("Delete a stored response (503: the database is "
                                                          "locked by another writer)", ref("ResponseDeleted"),
                                                          errors=(404, 503))},
-        "/v1/responses/{response_id}/input_items": {"get": stored("The stored response's own input items",
-                                                                  ref("ResponseInputItems"))},
+        "/v1/responses/{response_id}/input_items": {"get": items},
         "/v1/responses/{response_id}/cancel": {"post": stored(
             "Cancel a background response (none runs here: 400 for the caller's own, else 404)", ref("Response"),
             errors=(400, 404))},
