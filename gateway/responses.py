@@ -53,7 +53,7 @@ class ResponsesRequest:
     chat: ChatRequest
     body: dict[str, Any]
     input_items: list[dict[str, Any]]
-    messages: list[dict[str, Any]]  # the conversation before this answer, as chat messages
+    messages: list[dict[str, Any]]  # the conversation before this answer, as chat messages (instructions aside)
     store: bool
     previous_response_id: str | None
     tools: list[dict[str, Any]] = field(default_factory=list)
@@ -83,14 +83,14 @@ async def parse_responses(body: Any, state, tenant: str, store: ResponseStore) -
         raise invalid("previous_response_id must be a string", "previous_response_id")
     history = list((await _previous(store, tenant, previous_id)).messages) if previous_id else []
     items = _input_items(body.get("input"))
-    messages = history + [m for i, item in enumerate(items) for m in _messages(item, f"input[{i}]")]
+    conversation = history + [m for i, item in enumerate(items) for m in _messages(item, f"input[{i}]")]
     _check_outputs_answer_calls(history, items)
     instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise invalid("instructions must be a string", "instructions")
-        # instructions are per request (OpenAI: not carried over by previous_response_id)
-        messages = [{"role": "system", "content": instructions}] + [m for m in messages if m["role"] != "system"]
+    if instructions is not None and not isinstance(instructions, str):
+        raise invalid("instructions must be a string", "instructions")
+    # instructions lead this request's prompt only (OpenAI: not carried over by previous_response_id), beside the
+    # system and developer messages of the input, which are the conversation's and are
+    messages = ([{"role": "system", "content": instructions}] if instructions is not None else []) + conversation
     if not messages:
         raise invalid("input must not be empty", "input")
     tools = _tools(body.get("tools"))
@@ -116,7 +116,7 @@ async def parse_responses(body: Any, state, tenant: str, store: ResponseStore) -
     store_it = body.get("store", True)
     if not isinstance(store_it, bool):
         raise invalid("store must be a boolean", "store")
-    return ResponsesRequest(chat, body, items, messages, store_it, previous_id, tools)
+    return ResponsesRequest(chat, body, items, conversation, store_it, previous_id, tools)
 
 
 @contextlib.contextmanager

@@ -69,6 +69,25 @@ def test_previous_response_id_continues_from_the_cache(server):
     server.wait_idle()
 
 
+def test_instructions_lead_their_own_request_and_the_inputs_system_messages_stay(server):
+    """OpenAI's rule: instructions are not carried over by previous_response_id, and they stand beside the input's own
+    system and developer messages (both were wrong: the stored turn kept them, and they dropped the input's)."""
+    sdk, model = client(server), server.state.model_name
+
+    def chat_prompt_tokens(messages):
+        return sdk.chat.completions.create(model=model, messages=messages, max_tokens=1).usage.prompt_tokens
+
+    first = sdk.responses.create(model=model, instructions=SYSTEM, input="Hi", max_output_tokens=4, temperature=0)
+    second = sdk.responses.create(model=model, previous_response_id=first.id, input="And?", max_output_tokens=1)
+    assert second.instructions is None
+    assert second.usage.input_tokens == chat_prompt_tokens([{"role": "user", "content": "Hi"}, {
+        "role": "assistant", "content": first.output_text}, {"role": "user", "content": "And?"}])
+    developer = [{"role": "developer", "content": "Speak French."}, {"role": "user", "content": "Hi"}]
+    third = sdk.responses.create(model=model, instructions="Be short.", input=developer, max_output_tokens=1)
+    assert third.usage.input_tokens == chat_prompt_tokens([{"role": "system", "content": "Be short."}, *developer])
+    server.wait_idle()
+
+
 def test_another_tenant_never_sees_a_response_id(server):
     alice, bob = client(server, "alice"), client(server, "bob")
     resp = alice.responses.create(model=server.state.model_name, input="a secret", max_output_tokens=2)
