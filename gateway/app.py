@@ -14,7 +14,7 @@ from functools import partial
 from aiohttp import web
 
 from engine.client import EngineClient
-from gateway import cache_routes, routes
+from gateway import cache_routes, routes, tokenize
 from gateway.admission import Admission
 from gateway.auth import Authenticator
 from gateway.cache_stats import CACHE_STATS, CacheStats
@@ -92,6 +92,7 @@ _ROUTES = (
     ("DELETE", "/v1/responses/{response_id}", responses.delete),
     ("GET", "/v1/responses/{response_id}/input_items", responses.input_items),
     ("POST", "/v1/responses/{response_id}/cancel", responses.cancel),
+    ("POST", "/tokenize", tokenize.tokenize), ("POST", "/detokenize", tokenize.detokenize),
     ("GET", "/", routes.chat_page), ("GET", "/static/{name}", routes.static_file),
 )
 

@@ -40,6 +40,8 @@ def build_openapi(model_name: str, vocab_size: int, limits: GatewaySettings) -> 
             "/v1/cache/stats": {"get": _operation("The caller's hit rate and the pool's occupancy", ref("CacheStats"),
                                                   secured=True)},
             "/v1/embeddings": {"post": _embeddings_operation(model_name, vocab_size, limits)},
+            "/tokenize": {"post": _tokenize_operation(model_name, limits)},
+            "/detokenize": {"post": _detokenize_operation(model_name, vocab_size)},
             **responses_paths(_responses_request(model_name, limits), _operation),
             "/health": {"get": _operation("Liveness of the engine loop", ref("Health"), errors=(503,))},
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
@@ -258,6 +260,31 @@ def _embeddings_operation(model_name: str, vocab_size: int, limits: GatewaySetti
             "encoding_format": {"type": "string", "enum": ["float", "base64"], "nullable": True},
             "user": {"type": "string", "nullable": True},
             "cache_salt": {"type": "string", "nullable": True}}}}}}
+    return op
+
+
+def _tokenize_operation(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
+    chat = _chat_request(model_name, limits)["properties"]
+    op = _operation("A prompt's tokens as this server counts them (a chat's through its template)", ref("Tokenized"),
+                    secured=True, errors=(400, 404, 413))
+    op["requestBody"] = {"required": True, "content": {_JSON: {"schema": {
+        "type": "object", "description": "messages (with optional tools) or prompt, not both",
+        "properties": {"model": {**chat["model"], "nullable": True}, "messages": chat["messages"],
+                       "tools": chat["tools"], "prompt": {"type": "string"},
+                       "add_generation_prompt": {"type": "boolean", "nullable": True, "description": "default true"},
+                       "add_special_tokens": {"type": "boolean", "enum": [False], "nullable": True,
+                                              "description": "no special tokens are added to a prompt here"},
+                       "return_token_strs": {"type": "boolean", "nullable": True}}}}}}
+    return op
+
+
+def _detokenize_operation(model_name: str, vocab_size: int) -> dict[str, Any]:
+    op = _operation("Token ids back to text", ref("Detokenized"), secured=True, errors=(400, 404, 413))
+    op["requestBody"] = {"required": True, "content": {_JSON: {"schema": {
+        "type": "object", "required": ["tokens"],
+        "properties": {"model": {"type": "string", "enum": [model_name], "nullable": True},
+                       "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                             "maximum": vocab_size - 1}}}}}}}
     return op
 
 

@@ -80,6 +80,9 @@ def response_schemas(model_name: str) -> dict[str, Any]:
                                         {"type": "string", "description": "base64 of little-endian float32"}]}})},
             "usage": closed({"prompt_tokens": _COUNT, "total_tokens": _COUNT,
                              "prompt_tokens_details": usage["properties"]["prompt_tokens_details"]})}),
+        "Tokenized": closed({"count": _COUNT, "max_model_len": _COUNT, "tokens": {"type": "array", "items": _COUNT},
+                             "token_strs": {"type": "array", "items": {"type": "string"}, "nullable": True}}),
+        "Detokenized": closed({"prompt": {"type": "string"}}),
         "Health": closed({"status": const("ok"), "replicas_up": _COUNT, "replicas": _COUNT},
                           optional=("replicas_up", "replicas")),
     }

@@ -318,3 +318,47 @@ def test_warming_honours_and_bounds_the_messages_own_breakpoints(server):
     # the whole prompt (its full blocks), and the prefixes its two marked messages end (each shorter)
     assert len(set(lengths)) == 3 and lengths[-1] <= resp.json()["usage"]["prompt_tokens"], pins
     requests.delete(server.url + "/v1/cache", timeout=30)
+
+
+def test_tokenize_counts_as_the_generation_routes_do(server):
+    """A chat's count is the prompt_tokens a chat completion of it reports (its template, its tools); a text's is
+    a completion's; detokenize gives the text back."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, tokenizer"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for extra in ({}, {"tools": tools}):
+        counted = post(server, "/tokenize", {"messages": messages, **extra})
+        assert counted.status_code == 200, counted.text
+        chat = post(server, "/v1/chat/completions", {**CHAT, "messages": messages, **extra}).json()
+        assert counted.json()["count"] == len(counted.json()["tokens"]) == chat["usage"]["prompt_tokens"]
+        assert counted.json()["max_model_len"] == CONTEXT and counted.json()["token_strs"] is None
+    with_header = post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    without = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    assert len(without) < len(with_header) and with_header[:len(without)] == without  # the assistant's header
+    text = "The capital of France is Paris."
+    counted = post(server, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    completion = post(server, "/v1/completions", {"prompt": text, "max_tokens": 1}).json()
+    assert counted["count"] == completion["usage"]["prompt_tokens"]
+    assert "".join(counted["token_strs"]) == text
+    assert post(server, "/detokenize", {"tokens": counted["tokens"]}).json() == {"prompt": text}
+    assert post(server, "/detokenize", {"tokens": []}).json() == {"prompt": ""}
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {}, "messages"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, "messages"),
+    ("/tokenize", {"prompt": [1, 2]}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "robot", "content": "a"}]}, "messages[0].role"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": True}, "add_special_tokens"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True},
+     "continue_final_message"),
+    ("/tokenize", {"prompt": "a", "return_token_strs": "yes"}, "return_token_strs"),
+    ("/detokenize", {"tokens": "12"}, "tokens"),
+    ("/detokenize", {"tokens": [1, True]}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {"tokens": [10**9]}, "tokens"),
+])
+def test_tokenize_and_detokenize_refuse_what_they_cannot_read(server, path, body, param):
+    assert_400(post(server, path, body), param)
+    resp = requests.post(server.url + path, json={**body, "model": "no-such-model"}, timeout=30)
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"

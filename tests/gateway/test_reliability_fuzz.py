@@ -31,6 +31,8 @@ BUDGET = {
     ("/v1/responses", "POST", POS): 150, ("/v1/responses", "POST", NEG): 150,
     ("/v1/embeddings", "POST", POS): 60, ("/v1/embeddings", "POST", NEG): 60,
     ("/v1/cache/warm", "POST", POS): 40, ("/v1/cache/warm", "POST", NEG): 40,
+    ("/tokenize", "POST", POS): 30, ("/tokenize", "POST", NEG): 30,
+    ("/detokenize", "POST", POS): 20, ("/detokenize", "POST", NEG): 20,
     **{(path, method, POS): 10 for path, method in [
         ("/v1/models", "GET"), ("/v1/models/{model_id}", "GET"), ("/v1/cache", "GET"), ("/v1/cache", "DELETE"),
         ("/v1/cache/stats", "GET"), ("/v1/responses/{response_id}", "GET"), ("/v1/responses/{response_id}", "DELETE"),

@@ -1,0 +1,72 @@
+"""`POST /tokenize` and `POST /detokenize`, as vLLM serves them: a prompt's tokens as this server counts them (a
+chat's through its template and tools, as /v1/chat/completions renders it; a text as /v1/completions encodes it,
+no special tokens added), and token ids back to text. A client that keeps a long chat within the context counts
+with them; nothing reaches the engine."""
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from gateway.errors import invalid
+from gateway.jsonbody import parse_body
+from gateway.protocol import _Fields
+from gateway.render import encode, normalize_messages, render_chat
+from gateway.state import STATE, GatewayState
+from gateway.tool_prompt import TOOL_TEMPLATE
+from gateway.tools import parse_tools
+
+OFFLOAD_TOKENS = 10_000
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """Body: `prompt` (a text) or `messages` (with optional `tools` and `add_generation_prompt`, default true),
+    optional `model` and `return_token_strs`. Answer: `count`, `max_model_len`, `tokens`, `token_strs` (each
+    token's own text, U+FFFD where it holds part of a character; null unless asked for)."""
+    state, fields = await _checked(request)
+    body, tokenizer = fields.body, state.engine.tokenizer
+    if (body.get("messages") is None) == (body.get("prompt") is None):
+        raise invalid("send either prompt (a text) or messages (a chat, rendered by the model's template)",
+                      "messages")
+    if fields.boolean("add_special_tokens", False):
+        raise invalid("this server adds no special tokens to a prompt (its completions do not either)",
+                      "add_special_tokens")
+    if fields.boolean("continue_final_message", False):
+        raise invalid("continue_final_message is not offered: a chat is rendered as chat completions render it",
+                      "continue_final_message")
+    want_strs = fields.boolean("return_token_strs", False)
+    if body.get("prompt") is not None:
+        tokens = await encode(tokenizer, fields.string("prompt", None))
+    else:
+        messages = normalize_messages(body["messages"], state.settings.gateway.max_messages)
+        tools = parse_tools(body)
+        tokens = await render_chat(tokenizer, messages, tools.template_tools if tools else None,
+                                   request.app[TOOL_TEMPLATE], fields.boolean("add_generation_prompt", True))
+    strs = [tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in tokens] if want_strs else None
+    return web.json_response({"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens,
+                              "token_strs": strs})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """Body: `tokens` (token ids), optional `model`. Answer: `prompt`, their text (special tokens left out, as an
+    answer's text leaves them)."""
+    state, fields = await _checked(request)
+    tokens = fields.body.get("tokens")
+    vocab = state.engine.tokenizer.vocab_size
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise invalid("tokens must be an array of token ids", "tokens")
+    if any(not 0 <= t < vocab for t in tokens):
+        raise invalid(f"token ids must be in [0, {vocab})", "tokens")
+    decode = state.engine.tokenizer.decode
+    # (a long list decodes off the event loop, as long prompts are encoded)
+    text = await asyncio.to_thread(decode, tokens) if len(tokens) > OFFLOAD_TOKENS else decode(tokens)
+    return web.json_response({"prompt": text})
+
+
+async def _checked(request: web.Request) -> tuple[GatewayState, _Fields]:
+    state = request.app[STATE]
+    state.auth.authenticate(request)
+    fields = _Fields(parse_body(await request.read()))
+    if (model := fields.string("model", None)) is not None:
+        state.check_model(model)
+    return state, fields
