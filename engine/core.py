@@ -84,9 +84,6 @@ class EngineCore:
             weights = self.weights_format + ("/int8" if self.integer_activations else "")
             if (disk := _disk_tier(config, path, dtype, kv_dtype, kv_io, weights)) is not None:
                 self.kv.use_disk_tier(disk, kv_io)
-                if restored := self.kv.restore_pins():
-                    logger.info("disk tier: %d pinned prefixes restored (%d blocks)", restored,
-                                self.kv.pins.num_blocks)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, kv_cache, self.kv, self.device, compiled_kernels=compiled,
                                   decode_step=decode_step)
@@ -117,6 +114,10 @@ class EngineCore:
         self._ttfts: list[float] = []
         self._prefill_times: list[float] = []
         self._inter_token_latencies: list[float] = []
+        # the last run's pins come back only now: the probes above write scratch K/V from slot 0, where the blocks
+        # read back for them would lie (they overwrote a pinned system prompt's K/V, and its answers changed)
+        if restored := self.kv.restore_pins():
+            logger.info("disk tier: %d pinned prefixes restored (%d blocks)", restored, self.kv.pins.num_blocks)
         self._release_idle_memory()  # with loading's freed temporaries
 
     # ---- requests in and out

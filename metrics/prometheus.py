@@ -94,7 +94,7 @@ class PrefixCacheMetrics:
                                    "Blocks currently holding a registered block hash.", labels,
                                    registry=registry).labels(model_name)
         self.usage = Gauge(f"{PREFIX}kv_cache_usage_ratio",
-                           "Fraction of KV blocks referenced by running requests.", labels,
+                           "Fraction of KV blocks referenced, by running requests or by pinned prefixes.", labels,
                            registry=registry).labels(model_name)
         self._queries = _Delta(queries.labels(model_name))
         self._hits = _Delta(hits.labels(model_name))

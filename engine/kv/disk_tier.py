@@ -45,6 +45,7 @@ _CHECKSUM_BYTES = 16  # xxh3_128 over everything before it
 MAX_PENDING_BYTES = 256 * 2**20  # spills waiting for the writer; beyond this a spill is dropped
 BACKOFF_S = (1.0, 60.0)  # after a failed write no spill is taken for this long, doubling while writes keep failing
 _HASH_CHUNK = 8 * 2**20
+TIER_VERSION = 2  # part of the fingerprint: a new version leaves the blocks of older tiers unread (model_fingerprint)
 _FINGERPRINT_FOLDER = re.compile(r"[0-9a-f]{16}")
 
 
@@ -57,8 +58,11 @@ def model_fingerprint(model_path: Path, dtype: torch.dtype, block_size: int, blo
     files = sorted([*Path(model_path).glob("*.safetensors"), *Path(model_path).glob("*.gguf")])
     weights = [(p.name, p.stat().st_size, _content_digest(p)) for p in files]
     identity = {"config": config, "weights": weights, "dtype": str(dtype), "block_size": block_size,
-                "block_shape": list(block_shape), "hash_algo": hash_algo}
-    if kv_dtype not in (None, dtype):  # (an unchanged identity keeps the blocks saved before this field)
+                "block_shape": list(block_shape), "hash_algo": hash_algo,
+                # 2: a tier of version 1 may hold blocks computed over restored pins that start-up probes had
+                # overwritten (engine/core.py restores pins after the probes since): left behind, not read
+                "tier": TIER_VERSION}
+    if kv_dtype not in (None, dtype):  # (named only where K/V are stored in another dtype than computed in)
         identity["kv_dtype"] = str(kv_dtype)
     if weights_format != "none":
         identity["weights_format"] = weights_format

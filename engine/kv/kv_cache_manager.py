@@ -310,9 +310,9 @@ class KVCacheManager:
         if self.disk is None:
             return 0
         restored = 0
-        for record in sorted(self.disk.load_pins(), key=lambda r: r.get("created_at", 0)):
+        for record in sorted(self.disk.load_pins(), key=_created_at):
             try:
-                restored += self._restore_pin(record)
+                restored += self._restore_pin(_checked_pin(record))
             except (KeyError, TypeError, ValueError) as exc:  # a hand-edited or foreign file: that pin is lost
                 logger.warning("disk tier: skipping a saved pin (%r)", exc)
         self.pins.dirty = False
@@ -337,3 +337,21 @@ class KVCacheManager:
                                 record["expires_at"], record["hits"]) if blocks else None
         self.pool.free(reversed(loaded))  # the pin holds them now (refused, they stay cached; unread, they are empty)
         return pin is not None
+
+
+def _created_at(record) -> float:
+    """A saved pin's creation time to order the restore by (0 where a damaged record has none)."""
+    created = record.get("created_at") if isinstance(record, dict) else None
+    return created if isinstance(created, (int, float)) and not isinstance(created, bool) else 0
+
+
+def _checked_pin(record) -> dict:
+    """A saved pin with the field types save_pins writes; TypeError naming the first that is not (a hand-edited
+    or foreign pins.json: a string time would otherwise fail later, in a listing or an expiry)."""
+    if not isinstance(record, dict):
+        raise TypeError(f"a saved pin is an object, not {type(record).__name__}")
+    for name, kinds in (("tenant", (str, type(None))), ("ttl_s", (int, float)), ("created_at", (int, float)),
+                        ("expires_at", (int, float)), ("hits", int), ("blocks", list)):
+        if not isinstance(record.get(name), kinds) or isinstance(record.get(name), bool):
+            raise TypeError(f"a saved pin's {name} is {record.get(name)!r}")
+    return record

@@ -5,9 +5,11 @@ evicts it unpinned, DELETE-style erasure in RAM and on disk touches one tenant o
 after a restart through the disk tier with their wall-clock expiry."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -327,6 +329,50 @@ def test_pins_survive_a_restart_with_their_wall_clock_expiry(tiny_llama_dir, tmp
     flood(again, seed=2)  # the restored pin holds its blocks in RAM as before
     [out] = again.generate(HOT + [6], greedy(), tenant="a")
     assert out.num_cached_tokens == len(HOT)
+    again.close()
+
+
+def test_restored_pins_keep_their_kv_through_the_start_up_probes(tiny_llama_dir, tmp_path):
+    """The thread-count probe and the step-cost calibration (max_step_ms) write scratch K/V from slot 0: pins read
+    back before them were overwritten there, and a pinned prompt's answer changed after a restart."""
+    from engine.threads import ThreadBudget
+
+    def pinned_kv(llm: LLM) -> torch.Tensor:
+        [pin] = llm.core.kv.pins.pins.values()
+        size = llm.core.runner.block_size
+        return torch.cat([llm.core.runner.kv_slots[:, :, b.block_id * size:(b.block_id + 1) * size]
+                          for b in pin.blocks], dim=2).clone()
+
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=12, kv_disk_dir=str(tmp_path), threads=1, threads_batch=1)
+    llm.generate(HOT + [5], greedy(), tenant="a", cache=pin_all(ttl_s=3600))
+    saved = pinned_kv(llm)
+    [before] = llm.generate(HOT + [6], params, tenant="a")
+    llm.close()
+    again = LLM(str(tiny_llama_dir), num_kv_blocks=12, kv_disk_dir=str(tmp_path), max_step_ms=50)
+    assert again.core.thread_budget.prefill_ms and again.core.step_target is not None  # both probes ran
+    assert torch.equal(pinned_kv(again), saved)
+    # (a small prefill chunk's floats follow the thread count, which the probe chose: the first run's, for the answer)
+    again.core.thread_budget = ThreadBudget(1, 1)
+    [after] = again.generate(HOT + [6], params, tenant="a")
+    assert after.num_cached_tokens == len(HOT) and after.token_ids == before.token_ids
+    assert [t.logprob for t in after.logprobs] == [t.logprob for t in before.logprobs]
+    again.close()
+
+
+@pytest.mark.parametrize("damage", [[1], [{"created_at": "yesterday"}], [{"tenant": "a", "ttl_s": 300,
+                                                                          "created_at": 1.0, "expires_at": "never",
+                                                                          "hits": 0, "blocks": []}]])
+def test_a_damaged_saved_pin_is_skipped_and_the_engine_starts(tiny_llama_dir, tmp_path, damage, caplog):
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=12, kv_disk_dir=str(tmp_path))
+    llm.generate(HOT + [5], greedy(), tenant="a", cache=pin_all(ttl_s=3600))
+    llm.close()
+    path = next(tmp_path.glob("*/pins.json"))
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({"pins": damage + saved["pins"]}))
+    again = LLM(str(tiny_llama_dir), num_kv_blocks=12, kv_disk_dir=str(tmp_path))
+    assert [p.num_tokens for p in again.core.kv.pins.list("a")] == [len(HOT)]  # the sound one came back
+    assert "skipping a saved pin" in caplog.text
     again.close()
 
 
