@@ -28,6 +28,7 @@ logger = logging.getLogger("prefixgate.engine")
 # times over, and this much beside
 MEMORY_FACTOR = 2
 MEMORY_MARGIN = 1 << 30
+DTYPES = ("auto", "float32", "bfloat16")  # those the CPU kernels compile for
 
 
 def compile_kernels(model: str = "default", dtype: str = "auto", kv_cache_dtype: str = "auto",
@@ -95,6 +96,8 @@ def start_prefill_compile(config, model_path: Path) -> PrefillCompile | None:
 
     if not kernel_cache.CACHE or usable_cores() < 2 or any(kernel_cache.FOLDER.glob("*/paged_decode_cpu.attend-*.nbi")):
         return None
+    if config.dtype not in DTYPES or config.kv_cache_dtype not in DTYPES:  # float16: no CPU kernel compiles for it
+        return None
     if _available_memory() < MEMORY_FACTOR * _model_bytes(model_path) + MEMORY_MARGIN:
         return None
     command = [sys.executable, "-m", "engine.model.compile", "--prefill-only", "--model", str(model_path),
@@ -126,10 +129,9 @@ def _available_memory() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.model.compile", description=__doc__)
     parser.add_argument("--model", default="default", help="model path, or 'default' (SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
                         help="auto: as `serve` runs the model (a GGUF file's own formats, bf16 K/V beside them)")
-    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
-                        choices=["auto", "float32", "bfloat16", "float16"],
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=DTYPES,
                         help="the K/V cache's dtypes to compile for, one engine each (auto: as `serve` runs it)")
     parser.add_argument("--quantized-activations", default="float32", choices=["float32", "int8"],
                         help="as `serve --quantized-activations`: int8 compiles the integer dot products' path")

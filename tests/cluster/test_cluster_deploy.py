@@ -274,8 +274,9 @@ def test_the_kernel_compiler_parses_its_arguments(monkeypatch):
 
     calls = []
 
-    def compile_kernels(model: str, dtype: str, kv_cache_dtype: str, quantized_activations: str) -> float:
-        calls.append((model, dtype, kv_cache_dtype, quantized_activations))
+    def compile_kernels(model: str, dtype: str, kv_cache_dtype: str, quantized_activations: str,
+                        quantization: str) -> float:
+        calls.append((model, dtype, kv_cache_dtype, quantized_activations, quantization))
         return 1.0
 
     monkeypatch.setattr(compile_module, "compile_kernels", compile_kernels)
@@ -283,9 +284,12 @@ def test_the_kernel_compiler_parses_its_arguments(monkeypatch):
     assert compile_module.main(["--model", "/models/m", "--dtype", "bfloat16"]) == 0
     assert compile_module.main(["--dtype", "float32", "--kv-cache-dtype", "auto", "bfloat16"]) == 0
     assert compile_module.main(["--quantized-activations", "int8"]) == 0
-    assert calls == [("default", "auto", "auto", "float32"), ("/models/m", "bfloat16", "auto", "float32"),  # auto: as
-                     ("default", "float32", "auto", "float32"),  # `serve` runs it; one engine per K/V dtype
-                     ("default", "float32", "bfloat16", "float32"), ("default", "auto", "auto", "int8")]
+    assert compile_module.main(["--quantization", "q8_0"]) == 0
+    assert calls == [("default", "auto", "auto", "float32", "auto"),  # auto: as `serve` runs it
+                     ("/models/m", "bfloat16", "auto", "float32", "auto"),
+                     ("default", "float32", "auto", "float32", "auto"),  # one engine per K/V dtype
+                     ("default", "float32", "bfloat16", "float32", "auto"), ("default", "auto", "auto", "int8", "auto"),
+                     ("default", "auto", "auto", "float32", "q8_0")]
     with pytest.raises(SystemExit) as caught:
         compile_module.main(["--dtype", "float16"])
     assert caught.value.code == 2

@@ -62,6 +62,7 @@ def test_no_second_process_where_the_cache_has_the_attention_one_core_or_too_lit
     with monkeypatch.context() as patch:
         patch.setattr(kernel_cache, "CACHE", False)  # compiled in memory: nothing a second process could hand over
         assert compile_ahead.start_prefill_compile(config, model) is None
+    assert compile_ahead.start_prefill_compile(config.replace(dtype="float16"), model) is None  # no kernel for it
     index = kernel_cache.FOLDER / "kernels" / "paged_decode_cpu.attend-108.py311.nbi"
     index.parent.mkdir(parents=True)
     index.write_bytes(b"")
