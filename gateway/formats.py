@@ -28,6 +28,7 @@ class ChatFormat:
         self.max_tool_calls = tools.max_calls if tools else None
         self.legacy_functions = tools is not None and tools.legacy  # answer with the deprecated `function_call`
         self._tool_streams: dict[int, ToolCallStream] = {}  # per choice index, when streaming
+        self._call_ids: dict[tuple[int, int], str] = {}  # (choice index, call index) -> the call's id
 
     def response(self, choices: list[Choice], usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._head(self.object_name), "choices": [self.choice_body(c) for c in choices],
@@ -44,7 +45,8 @@ class ChatFormat:
                 if self.legacy_functions:
                     message["function_call"] = {"name": parsed.calls[0].name, "arguments": parsed.calls[0].arguments}
                 else:
-                    message["tool_calls"] = [_tool_call(c.name, c.arguments) for c in parsed.calls]
+                    message["tool_calls"] = [_tool_call(self._call_id(choice.index, i), c.name, c.arguments)
+                                             for i, c in enumerate(parsed.calls)]
                 finish_reason = self._tool_finish(finish_reason)
         return {"index": choice.index, "message": message,
                 "logprobs": self.logprobs(choice, choice.logprobs),
@@ -59,7 +61,7 @@ class ChatFormat:
         if self.tool_parser is None:
             delta = {"content": out.new_text} if out.new_text else {}
         else:
-            delta = self._tool_delta(self._tool_stream(choice).feed(out.new_text))
+            delta = self._tool_delta(choice.index, self._tool_stream(choice).feed(out.new_text))
         if not delta and not out.new_logprobs:
             return None
         delta = delta or {"content": ""}  # logprobs of held-back text
@@ -71,7 +73,7 @@ class ChatFormat:
         delta, finish_reason = {}, choice.finish_reason
         if self.tool_parser is not None:
             stream = self._tool_stream(choice)
-            delta = self._tool_delta(stream.finish(cut_short=finish_reason == FinishReason.LENGTH))
+            delta = self._tool_delta(choice.index, stream.finish(cut_short=finish_reason == FinishReason.LENGTH))
             if stream.num_calls:
                 finish_reason = self._tool_finish(finish_reason)
         return self.chunk([{"index": choice.index, "delta": delta, "logprobs": None,
@@ -89,7 +91,12 @@ class ChatFormat:
             self._tool_streams[choice.index] = ToolCallStream(self.tool_parser, self.max_tool_calls)
         return self._tool_streams[choice.index]
 
-    def _tool_delta(self, update: StreamDelta) -> dict[str, Any]:
+    def _call_id(self, choice_index: int, call_index: int) -> str:
+        """A tool call's id, the same in a stream's first delta of it as in the whole answer's body: the Responses API
+        streams the one and stores the other, and a client's function_call_output must name the stored call."""
+        return self._call_ids.setdefault((choice_index, call_index), "call_" + uuid.uuid4().hex[:24])
+
+    def _tool_delta(self, choice_index: int, update: StreamDelta) -> dict[str, Any]:
         """OpenAI's shape: a call's first delta has its index, id, type and name; later ones only
         index and an arguments fragment (legacy: `function_call` with the name first, then fragments)."""
         delta: dict[str, Any] = {}
@@ -103,7 +110,8 @@ class ChatFormat:
         calls = []
         for call in update.calls:
             if call.name is not None:
-                calls.append({**_tool_call(call.name, call.arguments), "index": call.index})
+                calls.append({**_tool_call(self._call_id(choice_index, call.index), call.name, call.arguments),
+                              "index": call.index})
             else:
                 calls.append({"index": call.index, "function": {"arguments": call.arguments}})
         if calls:
@@ -129,8 +137,8 @@ class ChatFormat:
                 "model": self.model, "system_fingerprint": self.fingerprint}
 
 
-def _tool_call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+def _tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 

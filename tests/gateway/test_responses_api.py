@@ -138,6 +138,26 @@ def test_a_function_tool_round_trip(server):
     server.wait_idle()
 
 
+def test_a_streamed_calls_output_continues_the_conversation(server):
+    """The call_id a stream hands out is the one the stored conversation holds: its output answers that call."""
+    sdk, model = client(server), server.state.model_name
+    events = list(sdk.responses.create(model=model, input="What is the weather in Paris?", tools=[WEATHER],
+                                       tool_choice={"type": "function", "name": "get_weather"},
+                                       max_output_tokens=400, temperature=0, stream=True))
+    final = events[-1].response
+    [call] = [o for o in final.output if o.type == "function_call"]
+    added = [e.item for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    assert [a.call_id for a in added] == [call.call_id]
+    follow = sdk.responses.create(model=model, previous_response_id=final.id, tools=[WEATHER], max_output_tokens=2,
+                                  input=[{"type": "function_call_output", "call_id": call.call_id, "output": "21 C"}])
+    assert follow.status in ("completed", "incomplete")
+    with pytest.raises(openai.BadRequestError) as unknown:
+        sdk.responses.create(model=model, previous_response_id=final.id, max_output_tokens=2,
+                             input=[{"type": "function_call_output", "call_id": "call_other", "output": "21 C"}])
+    assert unknown.value.param == "input[0].call_id"
+    server.wait_idle()
+
+
 class City(BaseModel):  # enums: the tiny random model closes them at once (a free string it never ends)
     name: Literal["Paris", "Rome"]
     country: Literal["France", "Italy"]
