@@ -82,7 +82,7 @@ def sampling_params(req: GenerationRequest, max_tokens: int, choice: int,
     logprobs = 0 if rank_by_logprob and req.logprobs is None else req.logprobs
     structured = req.structured
     if (tools := getattr(req, "tools", None)) is not None and tools.forced:  # the grammar forces a valid call
-        structured = tools.structured_output()  # never beside another constraint: protocol refuses that
+        structured = tools.structured_output()  # response_format set aside; protocol refuses vLLM's beside it
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                           top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
                           stop=list(req.stop), ignore_eos=req.ignore_eos, logprobs=logprobs,

@@ -14,9 +14,10 @@ MAX_TOOLS = 128  # OpenAI's limit
 _FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _CHOICES = ("none", "auto", "required")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
-# fields that constrain the output too (OpenAI's, and vLLM's extras)
-_OUTPUT_CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                       "guided_grammar")
+# vLLM's fields that constrain the output too: a forced call's grammar cannot be beside one of them. OpenAI's
+# response_format can: it shapes text answers, and a forced call is the whole output, so for that answer it is set
+# aside (as OpenAI does: agent frameworks send their output type on every turn, tool turns included)
+_OUTPUT_CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +101,6 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
     names = [t["function"]["name"] for t in tools]
     choice, function_name = _tool_choice(raw_choice, names)
     constraint = next((k for k in _OUTPUT_CONSTRAINTS if body.get(k) is not None), None)
-    if constraint == "response_format" and body["response_format"] == {"type": "text"}:
-        constraint = None
     if choice in ("required", "function") and constraint is not None:  # one grammar per request
         raise invalid(f"a forced tool_choice cannot be combined with {constraint}", "tool_choice")
     return _checked(ToolRequest(tools, choice, function_name, parallel is not False))

@@ -66,6 +66,26 @@ def test_named_function_is_always_a_valid_call(client, model, temperature):
     check_call(choice.message.tool_calls[0], "get_weather")
 
 
+def test_a_forced_call_sets_response_format_aside_for_its_answer(client, model):
+    """As OpenAI answers it (agent frameworks send their output type on every turn, a forced tool turn too): the call
+    is the whole output; the format shapes the text answers of later turns."""
+    class Answer(BaseModel):
+        city: Literal["Paris", "Rome"]
+
+    schema = {"name": "Answer", "schema": Answer.model_json_schema(), "strict": True}
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": schema}):
+        resp = client.chat.completions.create(model=model, messages=ask("Weather?"), tools=[WEATHER, TIME],
+                                              tool_choice="required", response_format=fmt, temperature=0,
+                                              max_tokens=300)
+        assert resp.choices[0].finish_reason == "tool_calls"
+        for call in resp.choices[0].message.tool_calls:
+            check_call(call, call.function.name)
+    with pytest.raises(openai.BadRequestError) as both:  # vLLM's grammar fields: two grammars for one answer
+        client.chat.completions.create(model=model, messages=ask("Weather?"), tools=[WEATHER], tool_choice=NAMED,
+                                       extra_body={"guided_regex": "a+"}, max_tokens=5)
+    assert both.value.param == "tool_choice"
+
+
 def test_required_is_always_at_least_one_valid_call(client, model):
     for seed in range(3):
         resp = client.chat.completions.create(model=model, messages=ask("Anything?"), tools=[WEATHER, TIME],

@@ -66,7 +66,7 @@ BAD = [
     ({"functions": [WEATHER["function"]], "function_call": {"name": "get_time"}}, "function_call"),
     ({"function_call": "auto"}, "function_call"),
     ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].name"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "guided_json": {"type": "object"}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": NAMED, "guided_regex": "a+"}, "tool_choice"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "assistant", "tool_calls": {}}]}, "messages[0].tool_calls"),
