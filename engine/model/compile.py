@@ -29,6 +29,7 @@ logger = logging.getLogger("prefixgate.engine")
 MEMORY_FACTOR = 2
 MEMORY_MARGIN = 1 << 30
 DTYPES = ("auto", "float32", "bfloat16")  # those the CPU kernels compile for
+WAIT_S = 600.0  # a second process not done by then (it takes about 30 s on 2 cores) is stopped; this one compiles
 
 
 def compile_kernels(model: str = "default", dtype: str = "auto", kv_cache_dtype: str = "auto",
@@ -75,7 +76,11 @@ class PrefillCompile:
 
     def wait(self) -> bool:
         """Whether it compiled them (else this process compiles them, as without it)."""
-        returncode = self.process.wait()
+        try:
+            returncode = self.process.wait(timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            returncode = self.process.wait()
         self.log.seek(0)
         tail = self.log.read().decode(errors="replace").strip().splitlines()[-5:]
         self.log.close()

@@ -82,6 +82,16 @@ def test_a_failed_second_process_leaves_the_compiling_to_this_one(caplog):
     assert "exit 3" in caplog.text and "out of memory" in caplog.text
 
 
+def test_a_second_process_that_hangs_is_stopped_and_this_one_compiles(monkeypatch, caplog):
+    monkeypatch.setattr(compile_ahead, "WAIT_S", 0.5)
+    log = compile_ahead.tempfile.TemporaryFile()
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=log,
+                               stderr=subprocess.STDOUT)
+    with caplog.at_level(logging.WARNING, logger="prefixgate.engine"):
+        assert not compile_ahead.PrefillCompile(process, log).wait()
+    assert process.returncode is not None and "failed" in caplog.text
+
+
 def test_the_engine_waits_for_the_second_process_once_its_decode_step_is_compiled(tiny_llama_dir, monkeypatch):
     calls = []
 
