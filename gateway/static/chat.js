@@ -1,29 +1,87 @@
-// The chat page: conversations kept in this browser (localStorage), answers streamed from
-// /v1/chat/completions, the prefix cache's numbers from /v1/cache/stats. No build step, no CDN.
+// The chat page: conversations kept in this browser (localStorage, one entry per chat, so that tabs open at once
+// keep each other's), answers streamed from /v1/chat/completions, the prefix cache's numbers from
+// /v1/cache/stats. No build step, no CDN.
 import { renderMarkdown } from "./markdown.js";
 
 const $ = (id) => document.getElementById(id);
-const STORE = "prefixgate.chats";
+const STORE = "prefixgate.chats";  // the single list of chats an earlier page kept: moved to CHAT_PREFIX entries
+const CHAT_PREFIX = "prefixgate.chat.";
 const CURRENT = "prefixgate.current";
 const KEY = "prefixgate.key";
 const SETTINGS = "prefixgate.settings";  // the sampling fields, kept across reloads
 const SAMPLING = ["temperature", "top_p", "max_tokens", "seed"];
 const EXPORT_FORMAT = "prefixgate.chats";
 const CACHE_REFRESH_MS = 2000;
+const START_RETRY_MS = 2000;
+const PARTIAL_SAVE_MS = 1000;  // a streaming answer is saved this often, so a reload keeps what came
 
-let chats = load(STORE, []);
+let chats = loadChats();
 let current = localStorage.getItem(CURRENT);
 let model = null;
 let controller = null;  // the request streaming now (the stop button aborts it)
+let streaming = null;  // the chat it streams into
+let resendAfterKey = false;  // a message refused for want of a key: answered once a key is given
 
 function load(name, fallback) {
   try { return JSON.parse(localStorage.getItem(name)) ?? fallback; } catch { return fallback; }
 }
 
-function save() {
-  localStorage.setItem(STORE, JSON.stringify(chats));
-  localStorage.setItem(CURRENT, current ?? "");
+function loadChats() {
+  const found = [];
+  for (let i = 0; i < localStorage.length; i++) {
+    const name = localStorage.key(i);
+    const chat = name.startsWith(CHAT_PREFIX) ? load(name, null) : null;
+    if (chat?.id) found.push({ ...chat, messages: answered(chat.messages) });
+  }
+  const older = load(STORE, []);
+  for (const chat of Array.isArray(older) ? older : []) {
+    if (chat?.id && !found.some((c) => c.id === chat.id)) found.push({ ...chat, updated: chat.updated ?? 0 });
+  }
+  if (older.length) {
+    for (const chat of found) store(chat);
+    localStorage.removeItem(STORE);
+  }
+  return found.sort((a, b) => (b.updated ?? 0) - (a.updated ?? 0));
 }
+
+function answered(messages) {  // an answer a closed page left empty is not part of the chat
+  return (Array.isArray(messages) ? messages : []).filter((m) => m.role !== "assistant" || m.content !== "");
+}
+
+function setItem(name, value) {  // false (and said) when the browser's storage for the page is full
+  try {
+    localStorage.setItem(name, value);
+    return true;
+  } catch (error) {
+    showError(`This browser's storage for the page is full (${error.name}): delete or export old chats.`);
+    return false;
+  }
+}
+
+function store(chat) {
+  return setItem(CHAT_PREFIX + chat.id, JSON.stringify(chat));
+}
+
+function save(chat = currentChat()) {  // the chat that changed, and which one is open
+  if (chat) {
+    chat.updated = Date.now();
+    store(chat);
+  }
+  setItem(CURRENT, current ?? "");
+}
+
+// another tab saved or deleted a chat: take its version (but not of the one streaming here)
+window.addEventListener("storage", (event) => {
+  if (!event.key?.startsWith(CHAT_PREFIX)) return;
+  const id = event.key.slice(CHAT_PREFIX.length);
+  if (id === streaming) return;
+  const chat = event.newValue ? load(event.key, null) : null;
+  chats = chats.filter((c) => c.id !== id);
+  if (chat?.id) chats.unshift(chat);
+  chats.sort((a, b) => (b.updated ?? 0) - (a.updated ?? 0));
+  if (!currentChat()) current = chats[0]?.id ?? null;
+  if (!controller) render(); else $("chats").replaceChildren(...chats.map(chatItem));
+});
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -32,7 +90,9 @@ function headers() {
   return h;
 }
 
-function askKey() {
+function askKey(why = "") {  // the page is of no use without a key: the dialog stays until one is given
+  $("key-error").textContent = why;
+  $("key-error").hidden = !why;
   const dialog = $("key-dialog");
   if (!dialog.open) dialog.showModal();
 }
@@ -53,7 +113,7 @@ function newId() {
 function newChat() {
   chats.unshift({ id: newId(), title: "New chat", system: "", messages: [] });
   current = chats[0].id;
-  save();
+  save(chats[0]);
   render();
 }
 
@@ -85,14 +145,16 @@ function chatItem(chat) {
   const open = button("open", chat.title, chat.title, () => {
     current = chat.id;
     document.body.classList.remove("sidebar-open");
-    save();
+    save(null);
     render();
   });
   const rename = button("rename", "✎", "Rename this chat", () => renameChat(item, open, chat));
   const remove = button("delete", "×", "Delete this chat", () => {
+    if (streaming === chat.id) controller?.abort();  // its answer stops with it
     chats = chats.filter((other) => other.id !== chat.id);
+    localStorage.removeItem(CHAT_PREFIX + chat.id);
     if (current === chat.id) current = chats[0]?.id ?? null;
-    save();
+    save(null);
     if (!chats.length) newChat(); else render();
   });
   item.append(open, rename, remove);
@@ -109,7 +171,7 @@ function renameChat(item, open, chat) {
     if (done) return;
     done = true;
     if (keep && input.value.trim()) chat.title = input.value.trim();
-    save();
+    save(chat);
     render();
   };
   input.addEventListener("keydown", (event) => {
@@ -201,20 +263,25 @@ async function copyText(text, target) {
 
 let painting = false;
 
-function paintLast(message) {  // at most once a frame while tokens stream in
+// the streaming answer, at most once a frame, where its chat is the one shown; the view follows the stream only
+// while it is at the bottom (a reader who scrolled up stays where they are)
+function paintLast(chat, message) {
   if (painting) return;
   painting = true;
   requestAnimationFrame(() => {
     painting = false;
+    if (chat.id !== current) return;
     const list = $("messages");
+    const atBottom = list.scrollHeight - list.scrollTop - list.clientHeight < 40;
     const last = list.lastElementChild;
     if (last) last.replaceWith(messageElement(message, list.children.length - 1, list.children.length));
-    list.scrollTop = list.scrollHeight;
+    if (atBottom) list.scrollTop = list.scrollHeight;
   });
 }
 
-// usage: the server's (null when stopped: it comes with the last chunk); tokens: counted from the stream
-function statsLine(usage, tokens, sent, first, end, stopped) {
+// usage: the server's (null when stopped: it comes with the last chunk); tokens: counted from the stream;
+// ending: why it ended where it did not finish by itself ("stopped", a cut, "interrupted"), or null
+function statsLine(usage, tokens, sent, first, end, ending) {
   const parts = [];
   if (usage) {
     const cached = usage.prompt_tokens_details?.cached_tokens ?? 0;
@@ -226,7 +293,7 @@ function statsLine(usage, tokens, sent, first, end, stopped) {
   if (first !== null && end > first && generated > 1) {
     parts.push(`${((generated - 1) / ((end - first) / 1000)).toFixed(1)} tokens/s`);
   }
-  if (stopped) parts.push("stopped");
+  if (ending) parts.push(ending);
   return parts.join(" · ");
 }
 
@@ -254,11 +321,16 @@ async function* serverEvents(response) {
   }
 }
 
-function sampling() {
+function sampling() {  // null (and the error shown) where a field is not a finite number
   const fields = {};
   for (const name of SAMPLING) {
-    const raw = $(name).value.trim();
-    if (raw !== "") fields[name] = Number(raw);
+    const raw = $(name).value.trim();  // (a number field the browser could not read, 1e309, reads as "")
+    if ($(name).validity?.badInput || (raw !== "" && !Number.isFinite(Number(raw)))) {
+      showError(`${name} must be a number`);
+      return null;
+    }
+    if (raw === "") continue;
+    fields[name] = Number(raw);
   }
   return fields;
 }
@@ -278,31 +350,46 @@ function regenerate() {
   answer(chat);
 }
 
-// Streams an answer to the chat's messages as they are, into a new last message.
+const CUT = { length: "cut at max_tokens or the context's end" };
+
+function storeStreaming(chat, reply) {  // what a reload finds if the page closes before the answer ends
+  store({ ...chat, messages: chat.messages.map((m) => (m === reply ? { ...m, stats: "interrupted" } : m)) });
+}
+
+// Streams an answer to the chat's messages as they are, into a new last message. An answer that never began (a
+// refused request, a stop before its first token) is taken out again: the chat's history sent next never holds
+// an empty answer.
 async function answer(chat) {
+  const fields = sampling();
+  if (!fields) return;
   const reply = { role: "assistant", content: "", stats: "" };
+  const history = chat.messages.filter((m) => m.content !== "").map(({ role, content }) => ({ role, content }));
   chat.messages.push(reply);
-  save();
-  render();
+  chat.updated = Date.now();
   showError("");
-  const history = chat.messages.slice(0, -1).map(({ role, content }) => ({ role, content }));
+  storeStreaming(chat, reply);
+  render();
   const messages = chat.system ? [{ role: "system", content: chat.system }, ...history] : history;
   // logprobs: one entry per generated token, so a stopped answer still knows how many it got
-  const body = { model, messages, stream: true, stream_options: { include_usage: true }, logprobs: true,
-                 ...sampling() };
+  const body = { model, messages, stream: true, stream_options: { include_usage: true }, logprobs: true, ...fields };
   controller = new AbortController();
+  streaming = chat.id;
   setBusy(true);
   const sent = performance.now();
   let first = null;
   let usage = null;
   let tokens = 0;
-  let stopped = false;
+  let ending = null;
+  let savedAt = sent;
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal,
     });
     if (!response.ok) {
-      if (response.status === 401) askKey();
+      if (response.status === 401) {
+        resendAfterKey = true;
+        askKey("The server refused the key: enter another.");
+      }
       const error = await response.json().catch(() => ({}));
       throw new Error(error.error?.message ?? `HTTP ${response.status}`);
     }
@@ -313,18 +400,29 @@ async function answer(chat) {
       if (choice?.delta?.content) {
         first ??= performance.now();
         reply.content += choice.delta.content;
-        paintLast(reply);
+        paintLast(chat, reply);
+        if (performance.now() - savedAt > PARTIAL_SAVE_MS) {
+          savedAt = performance.now();
+          storeStreaming(chat, reply);
+        }
       }
+      if (choice?.finish_reason) ending = CUT[choice.finish_reason] ?? null;
       if (event.usage) usage = event.usage;
     }
   } catch (error) {
-    if (error.name === "AbortError") stopped = true;
-    else showError(error.message);
+    if (error.name === "AbortError") ending = "stopped";
+    else {
+      ending = "interrupted";
+      const lost = error instanceof TypeError;  // fetch's own failure: no answer from the server at all
+      showError(lost ? `The connection to the server was lost (${error.message}).` : error.message);
+    }
   } finally {
-    reply.stats = statsLine(usage, tokens, sent, first, performance.now(), stopped);
+    reply.stats = statsLine(usage, tokens, sent, first, performance.now(), ending);
+    if (reply.content === "") chat.messages.splice(chat.messages.indexOf(reply), 1);
     controller = null;
+    streaming = null;
     setBusy(false);
-    save();
+    if (chats.includes(chat)) save(chat);
     render();
     refreshCache();
   }
@@ -369,7 +467,7 @@ async function importChats(file) {
     const added = data.chats.map(importedChat);
     chats.unshift(...added);
     current = added[0]?.id ?? current;
-    save();
+    for (const chat of added) save(chat);
     render();
     showError("");
   } catch (error) {
@@ -413,15 +511,26 @@ function restoreSettings() {
 }
 
 function saveSettings() {
-  localStorage.setItem(SETTINGS, JSON.stringify(Object.fromEntries(SAMPLING.map((n) => [n, $(n).value]))));
+  setItem(SETTINGS, JSON.stringify(Object.fromEntries(SAMPLING.map((n) => [n, $(n).value]))));
 }
 
 async function start() {
-  const response = await fetch("/v1/models", { headers: headers() });
+  let response;
+  try {
+    response = await fetch("/v1/models", { headers: headers() });
+  } catch (error) {
+    response = { ok: false, status: error.message };
+  }
   if (response.status === 401) {
-    askKey();
+    askKey(localStorage.getItem(KEY) ? "The server refused this key: enter another." : "");
     return;
   }
+  if (!response.ok) {  // a server starting, restarting or draining: try again
+    showError(`The server is not ready (${response.status}): trying again.`);
+    setTimeout(start, START_RETRY_MS);
+    return;
+  }
+  showError("");
   const card = (await response.json()).data[0];
   model = card.id;
   $("model-name").textContent = model;
@@ -432,6 +541,9 @@ async function start() {
   }
   render();
   refreshCache();
+  const chat = currentChat();
+  if (resendAfterKey && !controller && chat?.messages.at(-1)?.role === "user") answer(chat);
+  resendAfterKey = false;
 }
 
 // ---- wiring
@@ -439,7 +551,7 @@ async function start() {
 $("composer").addEventListener("submit", (event) => {
   event.preventDefault();
   const text = $("input").value.trim();
-  if (!text || controller || !model) return;
+  if (!text || controller || !model || !sampling()) return;  // (an invalid setting keeps the text)
   $("input").value = "";
   send(text);
 });
@@ -459,7 +571,7 @@ $("import-file").addEventListener("change", (event) => {
 });
 $("system").addEventListener("change", () => {
   const chat = currentChat();
-  if (chat) { chat.system = $("system").value; save(); }
+  if (chat) { chat.system = $("system").value; save(chat); }
 });
 for (const name of SAMPLING) $(name).addEventListener("input", saveSettings);
 for (const [toggle, open] of [["toggle-sidebar", "sidebar-open"], ["toggle-cache", "cache-open"]]) {
@@ -471,8 +583,9 @@ for (const [toggle, open] of [["toggle-sidebar", "sidebar-open"], ["toggle-cache
     $("toggle-cache").setAttribute("aria-expanded", String(document.body.classList.contains("cache-open")));
   });
 }
+$("key-dialog").addEventListener("cancel", (event) => event.preventDefault());  // Escape: no page without a key
 $("key-form").addEventListener("submit", () => {
-  localStorage.setItem(KEY, $("key-input").value.trim());
+  setItem(KEY, $("key-input").value.trim());
   start();
 });
 restoreSettings();

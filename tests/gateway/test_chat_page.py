@@ -355,6 +355,152 @@ def test_settings_are_kept_across_a_reload_and_the_server_default_is_shown(opene
         ["0.3", "", "7", "5"]
 
 
+def test_two_tabs_keep_each_others_chats(browser, server):
+    """Each chat is its own entry in localStorage: a tab saving its chat never writes over another tab's."""
+    opened = Opened(browser, server.url + "/")
+    first = opened.page
+    second = opened.context.new_page()
+    settings(first, max_tokens="3")
+    send(first, "from the first tab")
+    answer_stats(first, 0)
+    second.goto(server.url + "/")
+    settings(second, max_tokens="3")
+    second.click("#new-chat")
+    send(second, "from the second tab")
+    answer_stats(second, 0)
+    send(first, "the first tab again")
+    answer_stats(first, 1)
+    expect(first.locator("#chats li")).to_have_count(2)  # the other tab's chat shows up here too
+    third = opened.context.new_page()
+    third.goto(server.url + "/")
+    for title in ("from the first tab", "from the second tab"):
+        third.locator("#chats li button.open", has_text=title).click()
+        expect(third.locator(".message")).to_have_count(4 if title.startswith("from the first") else 2)
+    opened.close()
+
+
+def test_an_answer_streams_into_its_own_chat_and_a_reader_who_scrolls_up_stays(opened, server):
+    set_step_hook(server.engine, lambda: time.sleep(0.05))
+    try:
+        page = opened().page
+        settings(page, max_tokens="3")
+        send(page, "a short chat")
+        answer_stats(page, 0)
+        short = page.locator(".message.assistant .body").first.inner_text()
+        page.click("#new-chat")
+        settings(page, max_tokens="400")
+        send(page, "a long answer " * 40)
+        expect(page.locator(".message.assistant .body").first).not_to_be_empty(timeout=30_000)
+        page.locator("#messages").evaluate("el => { el.style.height = '120px'; }")
+        page.wait_for_timeout(300)
+        page.locator("#messages").evaluate("el => { el.scrollTop = 0; }")
+        page.wait_for_timeout(500)  # tokens kept coming: the view stayed where the reader put it
+        assert page.locator("#messages").evaluate("el => el.scrollTop") == 0
+        page.locator("#chats li button.open", has_text="a short chat").click()
+        page.wait_for_timeout(500)
+        expect(page.locator(".message.assistant .body").first).to_have_text(short)
+        page.locator("#chats li", has_text="a long answer").locator("button.delete").click()  # stops its answer
+        expect(page.locator("#stop")).to_be_hidden()
+        server.wait_idle(timeout=10)
+        expect(page.locator(".message.assistant .body").first).to_have_text(short)
+    finally:
+        set_step_hook(server.engine, None)
+
+
+def test_a_cut_answer_says_so_and_a_refused_request_leaves_no_empty_answer(opened, server):
+    tab = opened()
+    page = tab.page
+    settings(page, max_tokens="3", temperature="0")
+    send(page, "tell me everything")
+    expect(page.locator(".message.assistant .stats").first).to_contain_text("cut at max_tokens")
+    settings(page, temperature="7")  # out of range: a 400
+    send(page, "and more")
+    expect(page.locator("#error")).to_contain_text("temperature")
+    expect(page.locator(".message")).to_have_count(3)  # the question stays, no empty answer after it
+    tab.errors.clear()  # the browser logs the 400
+    settings(page, temperature="1e309")  # not a finite number: refused here, the text kept
+    page.fill("#input", "kept text")
+    page.press("#input", "Enter")
+    expect(page.locator("#error")).to_contain_text("temperature must be a number")
+    assert page.input_value("#input") == "kept text"
+    settings(page, temperature="0")
+    page.locator(".message.user .actions .edit").last.click()
+    page.click(".edit-box .save")
+    expect(page.locator(".message.assistant .stats").nth(1)).to_contain_text("prompt")
+    expect(page.locator(".message")).to_have_count(4)
+
+
+def test_a_reload_while_it_streams_keeps_what_came(opened, server):
+    set_step_hook(server.engine, lambda: time.sleep(0.05))
+    try:
+        page = opened().page
+        settings(page, max_tokens="200")
+        send(page, "stream for a while")
+        body = page.locator(".message.assistant .body").first
+        expect(body).not_to_be_empty(timeout=30_000)
+        page.wait_for_timeout(1500)  # past one periodic save
+        page.reload()
+        expect(page.locator(".message.assistant .stats").first).to_have_text("interrupted")
+        assert page.locator(".message.assistant .body").first.inner_text()
+    finally:
+        set_step_hook(server.engine, None)
+        server.wait_idle(timeout=30)
+
+
+def test_a_server_not_ready_is_retried_and_full_storage_is_said(opened, server):
+    tab = opened(url="about:blank")
+    page = tab.page
+    refused = []
+
+    def first_refused(route):
+        if not refused:
+            refused.append(route.request.url)
+            route.fulfill(status=503, content_type="application/json", body='{"error": {"message": "draining"}}')
+        else:
+            route.continue_()
+    page.route("**/v1/models", first_refused)
+    page.goto(server.url + "/")
+    expect(page.locator("#model-name")).to_have_text(server.state.model_name, timeout=10_000)
+    assert refused and page.locator("#error").is_hidden()
+    tab.errors.clear()  # the browser logs the 503
+    page.evaluate("""() => {  // to the brim: chunks of 1 MB, then ever smaller ones
+        let i = 0;
+        for (let size = 1 << 20; size >= 1; size >>= 1) {
+            try { for (;;) localStorage.setItem('filler' + i++, 'x'.repeat(size)); } catch (error) {}
+        }
+    }""")
+    settings(page, max_tokens="2")
+    send(page, "no room left")
+    expect(page.locator("#error")).to_contain_text("storage for the page is full")
+    answer_stats(page, 0)  # the request is sent all the same
+
+
+def test_the_key_dialog_stays_until_a_key_works(browser, tiny_llama_dir):
+    settings_ = tiny_settings(tiny_llama_dir, keys=(ApiKey("sk-page", "pager"),))
+    with LiveServer(settings_) as live:
+        opened = Opened(browser, live.url + "/")
+        page = opened.page
+        expect(page.locator("#key-dialog")).to_be_visible()
+        page.keyboard.press("Escape")
+        expect(page.locator("#key-dialog")).to_be_visible()
+        page.fill("#key-input", "sk-wrong")
+        page.press("#key-input", "Enter")
+        expect(page.locator("#key-error")).to_contain_text("refused")
+        page.fill("#key-input", "sk-page")
+        page.press("#key-input", "Enter")
+        expect(page.locator("#model-name")).to_have_text(live.state.model_name)
+        page.evaluate("localStorage.setItem('prefixgate.key', 'sk-revoked')")  # a key that stops working
+        settings(page, max_tokens="2")
+        send(page, "still there?")
+        expect(page.locator("#key-error")).to_contain_text("refused")
+        page.fill("#key-input", "sk-page")
+        page.press("#key-input", "Enter")
+        answer_stats(page, 0)  # the refused message, answered once a key works
+        expect(page.locator(".message")).to_have_count(2)
+        opened.errors.clear()  # the browser logs the 401s that asked for the key
+        opened.close()
+
+
 def test_the_page_follows_the_systems_dark_theme(opened):
     dark = opened(color_scheme="dark").page
     light = opened(color_scheme="light").page
