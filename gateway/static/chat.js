@@ -44,8 +44,11 @@ function loadChats() {
   return found.sort((a, b) => (b.updated ?? 0) - (a.updated ?? 0));
 }
 
-function answered(messages) {  // an answer a closed page left empty is not part of the chat
-  return (Array.isArray(messages) ? messages : []).filter((m) => m.role !== "assistant" || m.content !== "");
+// without the empty answers the server never gave (a closed page's, or a refused request's from an earlier page:
+// their stats have no usage); one the model gave empty stays
+function answered(messages) {
+  const unstarted = (m) => m.role === "assistant" && m.content === "" && !String(m.stats ?? "").startsWith("prompt");
+  return (Array.isArray(messages) ? messages : []).filter((m) => !unstarted(m));
 }
 
 function setItem(name, value) {  // false (and said) when the browser's storage for the page is full
@@ -357,13 +360,13 @@ function storeStreaming(chat, reply) {  // what a reload finds if the page close
 }
 
 // Streams an answer to the chat's messages as they are, into a new last message. An answer that never began (a
-// refused request, a stop before its first token) is taken out again: the chat's history sent next never holds
-// an empty answer.
+// refused or failed request, a stop before its first token) is taken out again, so that the history sent next
+// holds no such empty answer (one the model gave empty stays: it is the conversation the cache holds).
 async function answer(chat) {
   const fields = sampling();
   if (!fields) return;
   const reply = { role: "assistant", content: "", stats: "" };
-  const history = chat.messages.filter((m) => m.content !== "").map(({ role, content }) => ({ role, content }));
+  const history = chat.messages.map(({ role, content }) => ({ role, content }));
   chat.messages.push(reply);
   chat.updated = Date.now();
   showError("");
@@ -418,7 +421,8 @@ async function answer(chat) {
     }
   } finally {
     reply.stats = statsLine(usage, tokens, sent, first, performance.now(), ending);
-    if (reply.content === "") chat.messages.splice(chat.messages.indexOf(reply), 1);
+    const unstarted = reply.content === "" && (ending === "stopped" || ending === "interrupted");
+    if (unstarted) chat.messages.splice(chat.messages.indexOf(reply), 1);  // refused, failed or stopped at once
     controller = null;
     streaming = null;
     setBusy(false);

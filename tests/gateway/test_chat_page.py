@@ -407,7 +407,7 @@ def test_two_tabs_keep_each_others_chats(browser, server):
 def test_an_answer_streams_into_its_own_chat_and_a_reader_who_scrolls_up_stays(opened, server):
     with slowed(server, 0.05):
         page = opened().page
-        settings(page, max_tokens="3")
+        settings(page, max_tokens="3", temperature="0")  # greedy: the long answer below runs its whole length
         send(page, "a short chat")
         answer_stats(page, 0)
         short = page.locator(".message.assistant .body").first.inner_text()
@@ -418,6 +418,7 @@ def test_an_answer_streams_into_its_own_chat_and_a_reader_who_scrolls_up_stays(o
         page.locator("#messages").evaluate("el => { el.scrollTop = 0; }")
         page.wait_for_timeout(500)  # tokens kept coming: the view stayed where the reader put it
         assert page.locator("#messages").evaluate("el => el.scrollTop") == 0
+        expect(page.locator("#stop")).to_be_visible()  # (still streaming)
         page.locator("#chats li button.open", has_text="a short chat").click()
         page.wait_for_timeout(500)
         expect(page.locator(".message.assistant .body").first).to_have_text(short)
@@ -453,7 +454,9 @@ def test_a_cut_answer_says_so_and_a_refused_request_leaves_no_empty_answer(opene
 def test_a_reload_while_it_streams_keeps_what_came(opened, server):
     with slowed(server, 0.05):
         page = opened().page
-        start_streaming(page, "stream for a while", 200)
+        settings(page, temperature="0")  # greedy: the same long answer every run (sampled, one ended at once)
+        start_streaming(page, "count to a thousand", 200)
+        expect(page.locator("#stop")).to_be_visible()
         page.wait_for_timeout(1500)  # past one periodic save
         page.reload()  # (the unload may still abort the fetch and save it as stopped: either keeps it)
         expect(page.locator(".message.assistant .stats").first).to_have_text(re.compile("interrupted|stopped"))
