@@ -24,7 +24,7 @@ from gateway.settings import DEFAULT_CONFIG_PATH, GatewaySettings, Settings, fie
 log = logging.getLogger("gateway")
 _SPECIAL = {"api_keys_file"}  # gateway fields with a hand-written flag
 _ENGINE_HELP = {  # engine fields without a comment in engine/config.py
-    "model": "model directory (Hugging Face layout), or 'default' for SmolLM2-135M-Instruct",
+    "model": "a .gguf file, a model directory (Hugging Face layout), or 'default' for SmolLM2-135M-Instruct",
     "block_size": "tokens per KV block (the prefix cache's unit)",
     "kv_cache_memory_mb": "KV pool size when num_kv_blocks is none",
     "max_num_seqs": "most sequences in one running batch",
@@ -113,7 +113,8 @@ def _base_type(hint: Any) -> Any:
 
 
 def _metavar(base: Any, hint: Any) -> str:
-    name = "CHOICE" if isinstance(base, type) and issubclass(base, enum.Enum) else base.__name__.upper()
+    enum_ = isinstance(base, type) and issubclass(base, enum.Enum)
+    name = "|".join(m.value for m in base) if enum_ else base.__name__.upper()  # the choices, where there are few
     return f"{name}|none" if base is not hint else name
 
 

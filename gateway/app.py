@@ -142,7 +142,8 @@ async def _engine_ctx(settings: Settings, engine: EngineClient | None, auth: Aut
     salt_secret.log()  # (logging is set up by now)
     if engine is None:
         engine = await _launch_engine(settings, app[ENGINE_GAVE_UP])
-    metrics = Metrics(engine.model_name, auth.tenant_names)
+    served = settings.gateway.served_model_name
+    metrics = Metrics(served[0] if served else engine.model_name, auth.tenant_names)
     engine.add_stats_listener(metrics.on_step)
     app[CACHE_STATS] = CacheStats()
     engine.add_stats_listener(app[CACHE_STATS].on_step)
@@ -154,14 +155,14 @@ async def _engine_ctx(settings: Settings, engine: EngineClient | None, auth: Aut
     metrics.admission.watch(lambda: admission.in_flight, admission.capacity)
     store = app[RESPONSE_STORE]
     metrics.responses.watch(lambda: store.num_stored, lambda: store.num_dropped)  # a scrape never reads the file
-    names = frozenset({engine.model_name, settings.engine.model})
+    names = frozenset(served or {engine.model_name, settings.engine.model})
     gw = settings.gateway
     defaults = sampling_defaults(engine.model_path, gw.generation_config, parse_override(gw.override_generation_config),
                                  gw.default_max_tokens)
     app[STATE] = GatewayState(settings, engine, auth, admission, metrics, names, app[IN_FLIGHT].shutdown, defaults)
     app[TOOL_TEMPLATE] = detect_tool_template(engine.tokenizer, settings.gateway.tool_call_parser)
     engine.start()
-    log.info("serving model %s (context %d tokens)", engine.model_name, engine.max_model_len)
+    log.info("serving model %s (context %d tokens)", app[STATE].model_name, engine.max_model_len)
     yield
     # `serve` has already drained the HTTP requests (InFlight.drain); this lets whatever the
     # engine still holds finish or aborts it, then stops the engine thread

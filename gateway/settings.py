@@ -66,6 +66,9 @@ class GatewaySettings:
     metrics_api_key: str | None = field(default=None, repr=False, metadata={
         "help": "bearer key that /metrics requires (None: /metrics is open, and it lists tenant names)"})
     log_level: str = _knob("info", "debug | info | warning | error")
+    served_model_name: tuple[str, ...] = _knob(
+        (), "the model's names in the API, as vLLM's --served-model-name: answers carry the first, each selects the "
+            "model; none: its own name (a .gguf file's is its stem and a hash of its path)")
     tool_call_parser: str = _knob("auto", "auto (from the chat template) | hermes | llama3_json")
     allowed_origins: tuple[str, ...] = _knob((), "CORS: browser origins allowed to call the API ('*': any); none: off")
     generation_config: str = _knob(

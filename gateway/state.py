@@ -23,7 +23,7 @@ class GatewayState:
     auth: Authenticator
     admission: Admission
     metrics: Any  # metrics.prometheus.Metrics
-    model_names: frozenset[str]  # the served name and the --model value both select the model
+    model_names: frozenset[str]  # those that select the model: --served-model-name's, else its name and --model
     shutdown: Shutdown  # the drain's end (app.py's InFlight)
     # what requests that leave sampling fields out get (gateway/generation_defaults.py)
     sampling_defaults: dict[str, Any] = field(default_factory=lambda: dict(SAMPLING_FIELDS))
@@ -31,7 +31,8 @@ class GatewayState:
 
     @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        """The name answers carry: the first --served-model-name, or the model's own."""
+        return next(iter(self.settings.gateway.served_model_name), self.engine.model_name)
 
     def check_model(self, model: str) -> None:
         if model not in self.model_names:

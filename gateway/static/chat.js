@@ -21,6 +21,7 @@ let model = null;
 let controller = null;  // the request streaming now (the stop button aborts it)
 let streaming = null;  // the chat it streams into
 let resendAfterKey = false;  // a message refused for want of a key: answered once a key is given
+let notReady = false;  // the server answered /v1/models with an error: start() tries again
 
 function load(name, fallback) {
   try { return JSON.parse(localStorage.getItem(name)) ?? fallback; } catch { return fallback; }
@@ -34,13 +35,11 @@ function loadChats() {
     if (chat?.id) found.push({ ...chat, messages: answered(chat.messages) });
   }
   const older = load(STORE, []);
-  for (const chat of Array.isArray(older) ? older : []) {
-    if (chat?.id && !found.some((c) => c.id === chat.id)) found.push({ ...chat, updated: chat.updated ?? 0 });
-  }
-  if (older.length) {
-    for (const chat of found) store(chat);
-    localStorage.removeItem(STORE);
-  }
+  const moving = (Array.isArray(older) ? older : []).filter((c) => c?.id && !found.some((f) => f.id === c.id))
+    .map((chat, i) => ({ ...chat, messages: answered(chat.messages), updated: chat.updated ?? Date.now() - i }));
+  found.push(...moving);
+  // the old list goes only once every chat of it has an entry of its own (a full storage keeps it, and says so)
+  if (Array.isArray(older) && older.length && moving.every(store)) localStorage.removeItem(STORE);
   return found.sort((a, b) => (b.updated ?? 0) - (a.updated ?? 0));
 }
 
@@ -74,17 +73,39 @@ function save(chat = currentChat()) {  // the chat that changed, and which one i
 }
 
 // another tab saved or deleted a chat: take its version (but not of the one streaming here)
+// Another tab saved or deleted a chat. The list takes it at once; the chat on screen is drawn again only where this
+// tab is not working in it (no answer streaming here, no edit or rename open) and the other tab's copy is not a
+// stream still running there (saved as "interrupted" every second: drawn when it ends). The chat streaming here
+// keeps its messages; deleted elsewhere, its answer stops; renamed elsewhere, it takes the title.
 window.addEventListener("storage", (event) => {
   if (!event.key?.startsWith(CHAT_PREFIX)) return;
   const id = event.key.slice(CHAT_PREFIX.length);
-  if (id === streaming) return;
-  const chat = event.newValue ? load(event.key, null) : null;
+  const theirs = event.newValue ? load(event.key, null) : null;
+  const mine = chats.find((c) => c.id === id);
+  if (id === streaming) {
+    if (!theirs) controller?.abort();
+    else if (mine) mine.title = theirs.title;
+    if (theirs) { drawList(); return; }
+  }
+  if (theirs?.id && streamingElsewhere(theirs) && mine) return;
   chats = chats.filter((c) => c.id !== id);
-  if (chat?.id) chats.unshift(chat);
+  if (theirs?.id) chats.push(theirs);
   chats.sort((a, b) => (b.updated ?? 0) - (a.updated ?? 0));
+  const shown = current === id;
   if (!currentChat()) current = chats[0]?.id ?? null;
-  if (!controller) render(); else $("chats").replaceChildren(...chats.map(chatItem));
+  const busy = controller || document.querySelector(".edit-box, .title-input");
+  if (shown && !busy) render(); else drawList();
 });
+
+function streamingElsewhere(chat) {
+  const last = chat.messages?.at(-1);
+  return last?.role === "assistant" && last.stats === "interrupted";
+}
+
+function drawList() {
+  $("chats").replaceChildren(...chats.map(chatItem));
+  $("topbar-title").textContent = currentChat()?.title ?? "";
+}
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -133,13 +154,18 @@ function button(className, text, title, onClick) {
 // ---- drawing
 
 function render() {
-  $("chats").replaceChildren(...chats.map(chatItem));
-  const chat = currentChat();
-  $("system").value = chat?.system ?? "";
-  $("topbar-title").textContent = chat?.title ?? "";
-  const messages = chat?.messages ?? [];
-  $("messages").replaceChildren(...messages.map((m, index) => messageElement(m, index, messages.length)));
-  $("messages").scrollTop = $("messages").scrollHeight;
+  drawList();
+  $("system").value = currentChat()?.system ?? "";
+  drawMessages(true);
+}
+
+function drawMessages(toBottom) {  // toBottom false: the reader's place is kept unless they were at the bottom
+  const list = $("messages");
+  const atBottom = toBottom || list.scrollHeight - list.scrollTop - list.clientHeight < 40;
+  const top = list.scrollTop;
+  const messages = currentChat()?.messages ?? [];
+  list.replaceChildren(...messages.map((m, index) => messageElement(m, index, messages.length)));
+  list.scrollTop = atBottom ? list.scrollHeight : top;
 }
 
 function chatItem(chat) {
@@ -220,6 +246,11 @@ function actions(message, index, count, el) {
   bar.append(button("copy", "Copy", "Copy this message", (event) => copyText(message.content, event.target)));
   if (message.role === "user") {
     bar.append(button("edit", "Edit", "Edit this message and answer it again", () => editBox(el, index)));
+    if (index === count - 1) {  // its answer was refused, failed or stopped before it began
+      bar.append(button("regenerate", "Answer", "Answer this message", () => {
+        if (!controller) answer(currentChat());
+      }));
+    }
   } else if (index === count - 1) {
     bar.append(button("regenerate", "Regenerate", "Answer the last message again", regenerate));
   }
@@ -339,6 +370,7 @@ function sampling() {  // null (and the error shown) where a field is not a fini
 }
 
 function send(text) {
+  if (!currentChat()) newChat();  // (another tab deleted the last chat)
   const chat = currentChat();
   chat.system = $("system").value;
   chat.messages.push({ role: "user", content: text });
@@ -427,7 +459,7 @@ async function answer(chat) {
     streaming = null;
     setBusy(false);
     if (chats.includes(chat)) save(chat);
-    render();
+    if (chat.id === current) drawMessages(false); else drawList();
     refreshCache();
   }
 }
@@ -446,7 +478,7 @@ function exportChat() {
   const data = { format: EXPORT_FORMAT, version: 1, chats: [chat] };
   const link = document.createElement("a");
   link.href = URL.createObjectURL(new Blob([JSON.stringify(data, null, 2)], { type: "application/json" }));
-  link.download = `${chat.title.replace(/[^\w.-]+/g, "_").slice(0, 60) || "chat"}.json`;
+  link.download = `${chat.title.replace(/[^\p{L}\p{N}._-]+/gu, "_").slice(0, 60) || "chat"}.json`;
   link.click();
   URL.revokeObjectURL(link.href);
 }
@@ -457,8 +489,8 @@ function importedChat(raw) {  // only the fields the page uses, as text: an impo
     id: newId(),
     title: String(raw?.title ?? "Imported chat").slice(0, 200),
     system: String(raw?.system ?? ""),
-    messages: messages.filter((m) => ["user", "assistant"].includes(m?.role))
-      .map((m) => ({ role: m.role, content: String(m.content ?? ""), stats: String(m.stats ?? "") })),
+    messages: answered(messages.filter((m) => ["user", "assistant"].includes(m?.role))
+      .map((m) => ({ role: m.role, content: String(m.content ?? ""), stats: String(m.stats ?? "") }))),
   };
 }
 
@@ -531,10 +563,12 @@ async function start() {
   }
   if (!response.ok) {  // a server starting, restarting or draining: try again
     showError(`The server is not ready (${response.status}): trying again.`);
+    notReady = true;
     setTimeout(start, START_RETRY_MS);
     return;
   }
-  showError("");
+  if (notReady || resendAfterKey) showError("");  // (its own message only: a full storage's stays)
+  notReady = false;
   const card = (await response.json()).data[0];
   model = card.id;
   $("model-name").textContent = model;

@@ -404,6 +404,39 @@ def test_two_tabs_keep_each_others_chats(browser, server):
     opened.close()
 
 
+def test_another_tabs_saves_leave_an_open_edit_alone_and_an_older_store_moves_over(browser, server):
+    opened = Opened(browser, server.url + "/")
+    first, second = opened.page, opened.context.new_page()
+    settings(first, max_tokens="2")
+    send(first, "a question to edit")
+    answer_stats(first, 0)
+    first.locator(".message.user .actions .edit").click()
+    first.fill(".edit-box textarea", "half typed")
+    second.goto(server.url + "/")
+    settings(second, max_tokens="2")
+    second.click("#new-chat")
+    send(second, "meanwhile in another tab")
+    answer_stats(second, 0)
+    expect(first.locator("#chats li")).to_have_count(2)  # the list took the other tab's chat ...
+    assert first.input_value(".edit-box textarea") == "half typed"  # ... and the edit stayed open as it was
+    older = [{"id": f"old-{i}", "title": f"old chat {i}", "system": "", "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "", "stats": "answer 0 tokens"}]}
+        for i in range(3)]
+    second.evaluate("""older => { for (const key of Object.keys(localStorage)) {
+                                      if (key.startsWith('prefixgate.chat.')) localStorage.removeItem(key); }
+                                  localStorage.setItem('prefixgate.chats', JSON.stringify(older)); }""", older)
+    second.reload()  # the page before kept one list: each chat gets its own entry, in the same order
+    expect(second.locator("#chats li button.open")).to_have_text(["old chat 0", "old chat 1", "old chat 2"])
+    assert second.evaluate("localStorage.getItem('prefixgate.chats')") is None
+    second.locator("#chats li button.open", has_text="old chat 1").click()
+    expect(second.locator(".message")).to_have_count(1)  # the refused empty answer is not kept
+    expect(second.locator(".message.user .actions .regenerate")).to_have_text("Answer")
+    settings(second, max_tokens="2")
+    second.locator(".message.user .actions .regenerate").click()  # the question left unanswered, answered
+    answer_stats(second, 0)
+    opened.close()
+
+
 def test_an_answer_streams_into_its_own_chat_and_a_reader_who_scrolls_up_stays(opened, server):
     with slowed(server, 0.05):
         page = opened().page

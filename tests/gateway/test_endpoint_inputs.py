@@ -362,3 +362,20 @@ def test_tokenize_and_detokenize_refuse_what_they_cannot_read(server, path, body
     assert_400(post(server, path, body), param)
     resp = requests.post(server.url + path, json={**body, "model": "no-such-model"}, timeout=30)
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+
+
+def test_served_model_names_replace_the_models_own(tiny_llama_dir):
+    """vLLM's --served-model-name: answers, /v1/models and the metrics carry the first, each selects the model, and
+    the model's own name no longer does."""
+    from gateway.__main__ import build_parser
+
+    args = build_parser().parse_args(["serve", "--served-model-name", "team-model", "alias"])
+    assert list(getattr(args, "gateway.served_model_name")) == ["team-model", "alias"]
+    with LiveServer(tiny_settings(tiny_llama_dir, served_model_name=("team-model", "alias"))) as live:
+        assert [m["id"] for m in requests.get(live.url + "/v1/models", timeout=30).json()["data"]] == ["team-model"]
+        answer = requests.post(live.url + "/v1/chat/completions", timeout=60, json={**CHAT, "model": "alias"})
+        assert answer.status_code == 200 and answer.json()["model"] == "team-model", answer.text
+        own = requests.post(live.url + "/v1/chat/completions", timeout=60,
+                            json={**CHAT, "model": live.state.engine.model_name})
+        assert own.status_code == 404 and "team-model" in own.json()["error"]["message"]
+        assert 'model_name="team-model"' in requests.get(live.url + "/metrics", timeout=30).text
