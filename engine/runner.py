@@ -140,10 +140,11 @@ class ModelRunner:
         """Compiles the step (or loads it from numba's disk cache) now, not in a request, and says so: the
         first start is silent for most of a minute otherwise."""
         from engine.model import kernel_cache
-        where = f"cached in {kernel_cache.FOLDER}" if kernel_cache.CACHE else "compiled in memory, not cached"
-        logger.info("loading the compiled CPU kernels (a first start compiles them: the decode step about 55 s, "
-                    "the prefill's about 30 s, in a second process meanwhile where there are two cores; %s; "
-                    "python -m engine.model.compile fills the cache ahead of time)", where)
+        if kernel_cache.CACHE and any(kernel_cache.FOLDER.glob("*/decode_step_cpu._step-*.nbi")):
+            logger.info("loading the compiled CPU kernels from %s", kernel_cache.FOLDER)
+        else:  # (python -m engine.model.compile does it ahead of time, as deploy/Dockerfile does)
+            logger.info("compiling the CPU kernels, as a first start does: about 1 minute on 2 cores (%s)",
+                        f"cached in {kernel_cache.FOLDER} after that" if kernel_cache.CACHE else "in memory, not cached")
         started = time.perf_counter()
         self.decode_probe()
         logger.info("CPU kernels ready in %.1f s", time.perf_counter() - started)

@@ -88,7 +88,7 @@ class PrefillCompile:
             logger.warning("the second process compiling the prefill's kernels failed (exit %d): compiling them here; "
                            "its last lines: %s", returncode, " | ".join(tail))
             return False
-        logger.info("the prefill's kernels came from the second process (%s)", tail[-1] if tail else "no output")
+        logger.info("the prefill's kernels came from the second process: %s", tail[-1] if tail else "no output")
         return True
 
 
