@@ -437,6 +437,28 @@ def test_another_tabs_saves_leave_an_open_edit_alone_and_an_older_store_moves_ov
     opened.close()
 
 
+def test_a_reader_keeps_their_place_when_an_answer_ends_and_a_delete_elsewhere_stops_it(browser, server):
+    with slowed(server, 0.05):
+        opened = Opened(browser, server.url + "/")
+        page, other = opened.page, opened.context.new_page()
+        settings(page, temperature="0")
+        start_streaming(page, "count to a thousand", 40)
+        page.locator("#messages").evaluate("el => { el.style.height = '120px'; }")
+        page.wait_for_timeout(300)
+        page.locator("#messages").evaluate("el => { el.scrollTop = 0; }")
+        expect(page.locator("#stop")).to_be_hidden(timeout=30_000)  # the answer ended ...
+        assert page.locator("#messages").evaluate("el => el.scrollTop") == 0  # ... and the reader is where they were
+        start_streaming(page, "count to a thousand again", 400)
+        other.goto(server.url + "/")
+        other.locator("#chats li.current button.delete").click()  # the chat streaming in the first tab
+        expect(page.locator("#stop")).to_be_hidden()  # its answer stopped there
+        server.wait_idle(timeout=10)
+        page.wait_for_timeout(300)
+        assert page.evaluate("Object.keys(localStorage).filter(k => k.startsWith('prefixgate.chat.')).length") <= 1
+        expect(page.locator("#chats li", has_text="count to a thousand")).to_have_count(0)  # not brought back
+        opened.close()
+
+
 def test_an_answer_streams_into_its_own_chat_and_a_reader_who_scrolls_up_stays(opened, server):
     with slowed(server, 0.05):
         page = opened().page
