@@ -72,7 +72,6 @@ function save(chat = currentChat()) {  // the chat that changed, and which one i
   setItem(CURRENT, current ?? "");
 }
 
-// another tab saved or deleted a chat: take its version (but not of the one streaming here)
 // Another tab saved or deleted a chat. The list takes it at once; the chat on screen is drawn again only where this
 // tab is not working in it (no answer streaming here, no edit or rename open) and the other tab's copy is not a
 // stream still running there (saved as "interrupted" every second: drawn when it ends). The chat streaming here
