@@ -26,12 +26,14 @@ async def test_sigterm_lets_in_flight_requests_finish_then_aborts_the_rest(serve
     async with aiohttp.ClientSession(headers=headers) as session:
         model = (await (await session.get(f"{base}/models")).json())["data"][0]["id"]
 
-        def body(max_tokens: int) -> dict:
+        def body(max_tokens: int, n: int = 1) -> dict:
             return {"model": model, "messages": [{"role": "user", "content": "hello"}], "stream": True,
-                    "max_tokens": max_tokens, "ignore_eos": True}
+                    "max_tokens": max_tokens, "ignore_eos": True, "n": n}
 
         short = await session.post(f"{base}/chat/completions", json=body(40))
-        long = await session.post(f"{base}/chat/completions", json=body(4000))
+        # 8 x 4,000 tokens: more than the tiny model streams in the 1.5 s drain on an idle machine too (4,000 alone
+        # took 1.2 s there, and the test failed wherever nothing else loaded the cores)
+        long = await session.post(f"{base}/chat/completions", json=body(4000, n=8))
         assert short.status == long.status == 200
         await short.content.readline()
         await long.content.readline()
