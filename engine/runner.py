@@ -140,7 +140,7 @@ class ModelRunner:
         """Compiles the step (or loads it from numba's disk cache) now, not in a request, and says so: the
         first start is silent for most of a minute otherwise."""
         from engine.model import kernel_cache
-        if kernel_cache.CACHE and any(kernel_cache.FOLDER.glob("*/decode_step_cpu._step-*.nbi")):
+        if kernel_cache.has_compiled("decode_step_cpu._step"):
             logger.info("loading the compiled CPU kernels from %s", kernel_cache.FOLDER)
         else:  # (python -m engine.model.compile does it ahead of time, as deploy/Dockerfile does)
             logger.info("compiling the CPU kernels, as a first start does: about 1 minute on 2 cores (%s)",

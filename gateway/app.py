@@ -28,7 +28,7 @@ from gateway.errors import APIError, error_middleware, error_response
 from gateway.generate import Shutdown
 from gateway.generation_defaults import parse_override, sampling_defaults
 from gateway.settings import Settings
-from gateway.state import STATE, GatewayState
+from gateway.state import STATE, GatewayState, api_model_name
 from gateway.tool_prompt import TOOL_TEMPLATE, detect_tool_template
 
 log = logging.getLogger("gateway")
@@ -143,7 +143,7 @@ async def _engine_ctx(settings: Settings, engine: EngineClient | None, auth: Aut
     if engine is None:
         engine = await _launch_engine(settings, app[ENGINE_GAVE_UP])
     served = settings.gateway.served_model_name
-    metrics = Metrics(served[0] if served else engine.model_name, auth.tenant_names)
+    metrics = Metrics(api_model_name(settings, engine), auth.tenant_names)
     engine.add_stats_listener(metrics.on_step)
     app[CACHE_STATS] = CacheStats()
     engine.add_stats_listener(app[CACHE_STATS].on_step)

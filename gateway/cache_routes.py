@@ -17,12 +17,11 @@ from gateway.errors import invalid
 from gateway.generate import Choice, prompt_tokens_details
 from gateway.jsonbody import parse_body
 from gateway.protocol import _Fields, parse_prompts
-from gateway.render import encode_prompts, normalize_messages, render_chat
+from gateway.render import encode_prompts, render_body_chat
 from gateway.responses import RESPONSE_STORE
 from gateway.runner import RequestRun, run_command
 from gateway.state import STATE, GatewayState
 from gateway.tool_prompt import TOOL_TEMPLATE
-from gateway.tools import parse_tools
 
 
 async def list_pins(request: web.Request) -> web.Response:
@@ -49,8 +48,7 @@ async def warm(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tenant = state.auth.authenticate(request)
     fields = _Fields(parse_body(await request.read()))
-    if (model := fields.string("model", None)) is not None:
-        state.check_model(model)
+    state.check_sent_model(fields)
     raw = fields.body.get("cache_control")
     ttl_s = TTLS[DEFAULT_TTL] if raw is None else parse_ttl(raw, "cache_control")
     with state.admission.admit(tenant, 1):
@@ -76,11 +74,9 @@ async def _prompt(request: web.Request, state: GatewayState, fields: _Fields,
     if body.get("prompt") is not None:
         prompts = parse_prompts(body["prompt"], 1)
         return (await encode_prompts(tokenizer, prompts, "prompt"))[0], "prompt", []
-    messages = normalize_messages(body["messages"], state.settings.gateway.max_messages)
-    tools = parse_tools(body)
-    template_tools = tools.template_tools if tools else None
     template = request.app[TOOL_TEMPLATE]
-    prompt = await render_chat(tokenizer, messages, template_tools, template, add_generation_prompt=False)
+    messages, template_tools, prompt = await render_body_chat(tokenizer, body, state.settings.gateway.max_messages,
+                                                              template, add_generation_prompt=False)
     # (the body's own cache_control is the whole prompt's TTL here, not a breakpoint)
     marks = chat_breakpoints({**body, "cache_control": None})
     marked = await chat_directives(tokenizer, messages, tuple(marks), prompt, template_tools, template,

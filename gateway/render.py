@@ -10,10 +10,12 @@ import jinja2
 
 from gateway.errors import invalid
 from gateway.tool_prompt import ToolTemplate, hermes_messages
+from gateway.tools import parse_tools
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool",
           "function": "tool"}  # "function": the deprecated answer to a `function_call`
 _OFFLOAD_CHARS = 8192  # render bigger prompts on a worker thread so the event loop stays responsive
+_OFFLOAD_TOKENS = 10_000  # decode longer token lists there too
 
 
 def normalize_messages(raw: Any, max_messages: int) -> list[dict[str, Any]]:
@@ -131,6 +133,24 @@ async def encode(tokenizer: Any, text: str) -> list[int]:
     if len(text) > _OFFLOAD_CHARS:
         return await asyncio.to_thread(tokenizer.encode, text)
     return tokenizer.encode(text)
+
+
+async def decode(tokenizer: Any, token_ids: list[int]) -> str:
+    if len(token_ids) > _OFFLOAD_TOKENS:
+        return await asyncio.to_thread(tokenizer.decode, token_ids)
+    return tokenizer.decode(token_ids)
+
+
+async def render_body_chat(tokenizer: Any, body: dict[str, Any], max_messages: int, tool_template: ToolTemplate,
+                           add_generation_prompt: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None,
+                                                                 list[int]]:
+    """A body's `messages` (with its `tools`) rendered as a chat request's: the messages, the tools the template
+    shows, and the prompt's tokens (routes that take a chat but generate from none: cache warm, tokenize)."""
+    messages = normalize_messages(body["messages"], max_messages)
+    tools = parse_tools(body)
+    template_tools = tools.template_tools if tools else None
+    return messages, template_tools, await render_chat(tokenizer, messages, template_tools, tool_template,
+                                                       add_generation_prompt)
 
 
 def _render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,

@@ -31,8 +31,12 @@ class GatewayState:
 
     @property
     def model_name(self) -> str:
-        """The name answers carry: the first --served-model-name, or the model's own."""
-        return next(iter(self.settings.gateway.served_model_name), self.engine.model_name)
+        return api_model_name(self.settings, self.engine)
+
+    def check_sent_model(self, fields: Any) -> None:
+        """The body's `model` (protocol._Fields), where the route lets it leave one out (cache warm, tokenize)."""
+        if (model := fields.string("model", None)) is not None:
+            self.check_model(model)
 
     def check_model(self, model: str) -> None:
         if model not in self.model_names:
@@ -68,3 +72,8 @@ class GatewayState:
 
 
 STATE = web.AppKey("state", GatewayState)
+
+
+def api_model_name(settings: Settings, engine: EngineClient) -> str:
+    """The name answers and the metrics carry: the first --served-model-name, or the model's own."""
+    return next(iter(settings.gateway.served_model_name), engine.model_name)

@@ -4,19 +4,14 @@ no special tokens added), and token ids back to text. A client that keeps a long
 with them; nothing reaches the engine."""
 from __future__ import annotations
 
-import asyncio
-
 from aiohttp import web
 
 from gateway.errors import invalid
 from gateway.jsonbody import parse_body
 from gateway.protocol import _Fields
-from gateway.render import encode, normalize_messages, render_chat
+from gateway.render import decode, encode, render_body_chat
 from gateway.state import STATE, GatewayState
 from gateway.tool_prompt import TOOL_TEMPLATE
-from gateway.tools import parse_tools
-
-OFFLOAD_TOKENS = 10_000
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -38,10 +33,8 @@ async def tokenize(request: web.Request) -> web.Response:
     if body.get("prompt") is not None:
         tokens = await encode(tokenizer, fields.string("prompt", None))
     else:
-        messages = normalize_messages(body["messages"], state.settings.gateway.max_messages)
-        tools = parse_tools(body)
-        tokens = await render_chat(tokenizer, messages, tools.template_tools if tools else None,
-                                   request.app[TOOL_TEMPLATE], fields.boolean("add_generation_prompt", True))
+        _, _, tokens = await render_body_chat(tokenizer, body, state.settings.gateway.max_messages,
+                                              request.app[TOOL_TEMPLATE], fields.boolean("add_generation_prompt", True))
     strs = [tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in tokens] if want_strs else None
     return web.json_response({"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens,
                               "token_strs": strs})
@@ -57,16 +50,12 @@ async def detokenize(request: web.Request) -> web.Response:
         raise invalid("tokens must be an array of token ids", "tokens")
     if any(not 0 <= t < vocab for t in tokens):
         raise invalid(f"token ids must be in [0, {vocab})", "tokens")
-    decode = state.engine.tokenizer.decode
-    # (a long list decodes off the event loop, as long prompts are encoded)
-    text = await asyncio.to_thread(decode, tokens) if len(tokens) > OFFLOAD_TOKENS else decode(tokens)
-    return web.json_response({"prompt": text})
+    return web.json_response({"prompt": await decode(state.engine.tokenizer, tokens)})
 
 
 async def _checked(request: web.Request) -> tuple[GatewayState, _Fields]:
     state = request.app[STATE]
     state.auth.authenticate(request)
     fields = _Fields(parse_body(await request.read()))
-    if (model := fields.string("model", None)) is not None:
-        state.check_model(model)
+    state.check_sent_model(fields)
     return state, fields

@@ -99,7 +99,7 @@ def start_prefill_compile(config, model_path: Path) -> PrefillCompile | None:
     from engine.model import kernel_cache
     from engine.threads import usable_cores
 
-    if not kernel_cache.CACHE or usable_cores() < 2 or any(kernel_cache.FOLDER.glob("*/paged_decode_cpu.attend-*.nbi")):
+    if not kernel_cache.CACHE or usable_cores() < 2 or kernel_cache.has_compiled("paged_decode_cpu.attend"):
         return None
     if config.dtype not in DTYPES or config.kv_cache_dtype not in DTYPES:  # float16: no CPU kernel compiles for it
         return None

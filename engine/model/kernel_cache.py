@@ -83,6 +83,12 @@ def folder() -> Path:
     return Path(base) / digest.hexdigest()[:16]
 
 
+def has_compiled(qualified: str) -> bool:
+    """Whether the cache folder holds code of the kernel `module.function` (numba's index of it, any signature):
+    false on a first start, or after an edit of the kernels' sources, which moves the folder."""
+    return CACHE and any(FOLDER.glob(f"*/{qualified}-*.nbi"))
+
+
 def writable(path: Path) -> bool:
     try:
         path.mkdir(parents=True, exist_ok=True)

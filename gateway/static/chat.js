@@ -158,13 +158,17 @@ function render() {
   drawMessages(true);
 }
 
+function atBottom(list) {  // a reader there follows new text; one who scrolled up stays put
+  return list.scrollHeight - list.scrollTop - list.clientHeight < 40;
+}
+
 function drawMessages(toBottom) {  // toBottom false: the reader's place is kept unless they were at the bottom
   const list = $("messages");
-  const atBottom = toBottom || list.scrollHeight - list.scrollTop - list.clientHeight < 40;
+  const follow = toBottom || atBottom(list);
   const top = list.scrollTop;
   const messages = currentChat()?.messages ?? [];
   list.replaceChildren(...messages.map((m, index) => messageElement(m, index, messages.length)));
-  list.scrollTop = atBottom ? list.scrollHeight : top;
+  list.scrollTop = follow ? list.scrollHeight : top;
 }
 
 function chatItem(chat) {
@@ -305,10 +309,10 @@ function paintLast(chat, message) {
     painting = false;
     if (chat.id !== current) return;
     const list = $("messages");
-    const atBottom = list.scrollHeight - list.scrollTop - list.clientHeight < 40;
+    const follow = atBottom(list);
     const last = list.lastElementChild;
     if (last) last.replaceWith(messageElement(message, list.children.length - 1, list.children.length));
-    if (atBottom) list.scrollTop = list.scrollHeight;
+    if (follow) list.scrollTop = list.scrollHeight;
   });
 }
 
