@@ -14,12 +14,12 @@ const EXPORT_FORMAT = "prefixgate.chats";
 const CACHE_REFRESH_MS = 2000;
 const START_RETRY_MS = 2000;
 const PARTIAL_SAVE_MS = 1000;  // a streaming answer is saved this often, so a reload keeps what came
+const LIVE_MS = 3 * PARTIAL_SAVE_MS;  // an answer another tab saved this recently still streams there
 
 let chats = loadChats();
 let current = localStorage.getItem(CURRENT);
 let model = null;
-let controller = null;  // the request streaming now (the stop button aborts it)
-let streaming = null;  // the chat it streams into
+const streams = new Map();  // chat id -> the AbortController of the answer streaming into it (Stop aborts it)
 let resendAfterKey = false;  // a message refused for want of a key: answered once a key is given
 let notReady = false;  // the server answered /v1/models with an error: start() tries again
 
@@ -72,17 +72,17 @@ function save(chat = currentChat()) {  // the chat that changed, and which one i
   setItem(CURRENT, current ?? "");
 }
 
-// Another tab saved or deleted a chat. The list takes it at once; the chat on screen is drawn again only where this
-// tab is not working in it (no answer streaming here, no edit or rename open) and the other tab's copy is not a
-// stream still running there (saved as "interrupted" every second: drawn when it ends). The chat streaming here
-// keeps its messages; deleted elsewhere, its answer stops; renamed elsewhere, it takes the title.
+// Another tab saved or deleted a chat. The list takes it at once; the chat on screen is drawn again (the reader's
+// place kept) only where this tab is not working in it (no answer streaming into it here, no edit or rename open)
+// and the other tab's copy is not a stream still running there (drawn when it ends). A chat streaming here keeps
+// its messages; deleted elsewhere, its answer stops; renamed elsewhere, it takes the title.
 window.addEventListener("storage", (event) => {
   if (!event.key?.startsWith(CHAT_PREFIX)) return;
   const id = event.key.slice(CHAT_PREFIX.length);
   const theirs = event.newValue ? load(event.key, null) : null;
   const mine = chats.find((c) => c.id === id);
-  if (id === streaming) {
-    if (!theirs) controller?.abort();
+  if (streams.has(id)) {
+    if (!theirs) streams.get(id).abort();
     else if (mine) mine.title = theirs.title;
     if (theirs) { drawList(); return; }
   }
@@ -90,15 +90,28 @@ window.addEventListener("storage", (event) => {
   chats = chats.filter((c) => c.id !== id);
   if (theirs?.id) chats.push(theirs);
   chats.sort((a, b) => (b.updated ?? 0) - (a.updated ?? 0));
-  const shown = current === id;
-  if (!currentChat()) current = chats[0]?.id ?? null;
-  const busy = controller || document.querySelector(".edit-box, .title-input");
-  if (shown && !busy) render(); else drawList();
+  if (!currentChat()) {  // the chat on screen was deleted there
+    current = chats[0]?.id ?? null;
+    render();
+  } else if (current === id && !document.querySelector(".edit-box, .title-input")) {
+    drawList();
+    if (document.activeElement !== $("system")) $("system").value = currentChat().system ?? "";
+    drawMessages(false);
+  } else drawList();
 });
 
+// another tab's copy of an answer still streaming there: saved as "interrupted" (what a reload of that tab would
+// find), and saved again within LIVE_MS (a tab closed mid-answer leaves the copy, which then reads as interrupted)
 function streamingElsewhere(chat) {
-  const last = chat.messages?.at(-1);
-  return last?.role === "assistant" && last.stats === "interrupted";
+  const last = chat?.messages?.at(-1);
+  return last?.role === "assistant" && last.stats === "interrupted" && Date.now() - (last.at ?? 0) < LIVE_MS;
+}
+
+// false (and said) where an answer streams into the chat, here or in another tab: a second one would write over it
+function free(chat) {
+  if (!chat || !streams.has(chat.id) && !streamingElsewhere(load(CHAT_PREFIX + chat.id, null))) return true;
+  if (!streams.has(chat.id)) showError("This chat is answering in another tab: wait for its answer to end.");
+  return false;
 }
 
 function drawList() {
@@ -154,6 +167,7 @@ function button(className, text, title, onClick) {
 
 function render() {
   drawList();
+  showBusy();
   $("system").value = currentChat()?.system ?? "";
   drawMessages(true);
 }
@@ -182,7 +196,7 @@ function chatItem(chat) {
   });
   const rename = button("rename", "✎", "Rename this chat", () => renameChat(item, open, chat));
   const remove = button("delete", "×", "Delete this chat", () => {
-    if (streaming === chat.id) controller?.abort();  // its answer stops with it
+    streams.get(chat.id)?.abort();  // its answer stops with it
     chats = chats.filter((other) => other.id !== chat.id);
     localStorage.removeItem(CHAT_PREFIX + chat.id);
     if (current === chat.id) current = chats[0]?.id ?? null;
@@ -237,7 +251,7 @@ function messageElement(message, index, count) {
   if (message.stats) {
     const stats = document.createElement("div");
     stats.className = "stats";
-    stats.textContent = message.stats;
+    stats.textContent = streamingElsewhere({ messages: [message] }) ? "answering in another tab" : message.stats;
     el.append(stats);
   }
   return el;
@@ -251,7 +265,7 @@ function actions(message, index, count, el) {
     bar.append(button("edit", "Edit", "Edit this message and answer it again", () => editBox(el, index)));
     if (index === count - 1) {  // its answer was refused, failed or stopped before it began
       bar.append(button("regenerate", "Answer", "Answer this message", () => {
-        if (!controller) answer(currentChat());
+        if (free(currentChat())) answer(currentChat());
       }));
     }
   } else if (index === count - 1) {
@@ -261,8 +275,8 @@ function actions(message, index, count, el) {
 }
 
 function editBox(el, index) {
-  if (controller) return;
   const chat = currentChat();
+  if (streams.has(chat.id)) return;
   const box = document.createElement("div");
   box.className = "edit-box";
   const text = document.createElement("textarea");
@@ -271,12 +285,17 @@ function editBox(el, index) {
   text.setAttribute("aria-label", "Edited message");
   const saveButton = button("save", "Save & send", "Replace this message and answer it again", () => {
     const content = text.value.trim();
-    if (!content || controller) return;
+    if (!content || !free(chat)) return;
     chat.messages[index].content = content;
     chat.messages.splice(index + 1);  // the edit replaces what followed it (no branches)
     answer(chat);
+    $("input").focus();
   });
-  box.append(text, saveButton, button("cancel", "Cancel", "", render));
+  text.addEventListener("keydown", (event) => {
+    if (event.key === "Escape") render();
+    if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) saveButton.click();
+  });
+  box.append(text, saveButton, button("cancel", "Cancel", "Escape", render));
   el.querySelector(".body").replaceWith(box);
   el.querySelector(".actions").remove();
   text.focus();
@@ -298,15 +317,15 @@ async function copyText(text, target) {
   setTimeout(() => { target.textContent = label; }, 1500);
 }
 
-let painting = false;
+const painting = new Set();  // the chats whose streaming answer is drawn at the next frame
 
 // the streaming answer, at most once a frame, where its chat is the one shown; the view follows the stream only
 // while it is at the bottom (a reader who scrolled up stays where they are)
 function paintLast(chat, message) {
-  if (painting) return;
-  painting = true;
+  if (painting.has(chat.id)) return;
+  painting.add(chat.id);
   requestAnimationFrame(() => {
-    painting = false;
+    painting.delete(chat.id);
     if (chat.id !== current) return;
     const list = $("messages");
     const follow = atBottom(list);
@@ -383,20 +402,26 @@ function send(text) {
 
 function regenerate() {
   const chat = currentChat();
-  if (controller || chat.messages.at(-1)?.role !== "assistant") return;
+  if (chat.messages.at(-1)?.role !== "assistant" || !free(chat)) return;
   chat.messages.pop();
   answer(chat);
 }
 
 const CUT = { length: "cut at max_tokens or the context's end" };
+const EXPORTED_STREAMING = "unfinished: exported while it streamed";
 
-function storeStreaming(chat, reply) {  // what a reload finds if the page closes before the answer ends
-  store({ ...chat, messages: chat.messages.map((m) => (m === reply ? { ...m, stats: "interrupted" } : m)) });
+// what a reload finds if the page closes before the answer ends; other tabs read it as streaming here while `at`
+// is recent, and as interrupted once the page closed (live false) (a chat deleted meanwhile is not brought back)
+function storeStreaming(chat, reply, live = true) {
+  if (!chats.includes(chat)) return;
+  const copy = { ...reply, stats: "interrupted", ...(live && { at: Date.now() }) };
+  store({ ...chat, messages: chat.messages.map((m) => (m === reply ? copy : m)) });
 }
 
-// Streams an answer to the chat's messages as they are, into a new last message. An answer that never began (a
-// refused or failed request, a stop before its first token) is taken out again, so that the history sent next
-// holds no such empty answer (one the model gave empty stays: it is the conversation the cache holds).
+// Streams an answer to the chat's messages as they are, into a new last message (one answer a chat at a time; chats
+// stream at once). An answer that never began (a refused or failed request, a stop before its first token) is taken
+// out again, so that the history sent next holds no such empty answer (one the model gave empty stays: it is the
+// conversation the cache holds).
 async function answer(chat) {
   const fields = sampling();
   if (!fields) return;
@@ -410,15 +435,17 @@ async function answer(chat) {
   const messages = chat.system ? [{ role: "system", content: chat.system }, ...history] : history;
   // logprobs: one entry per generated token, so a stopped answer still knows how many it got
   const body = { model, messages, stream: true, stream_options: { include_usage: true }, logprobs: true, ...fields };
-  controller = new AbortController();
-  streaming = chat.id;
-  setBusy(true);
+  const controller = new AbortController();
+  streams.set(chat.id, controller);
+  showBusy();
   const sent = performance.now();
   let first = null;
   let usage = null;
   let tokens = 0;
   let ending = null;
-  let savedAt = sent;
+  const saving = setInterval(() => storeStreaming(chat, reply), PARTIAL_SAVE_MS);  // (a long prefill too)
+  const closing = () => storeStreaming(chat, reply, false);
+  window.addEventListener("pagehide", closing);
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal,
@@ -439,10 +466,6 @@ async function answer(chat) {
         first ??= performance.now();
         reply.content += choice.delta.content;
         paintLast(chat, reply);
-        if (performance.now() - savedAt > PARTIAL_SAVE_MS) {
-          savedAt = performance.now();
-          storeStreaming(chat, reply);
-        }
       }
       if (choice?.finish_reason) ending = CUT[choice.finish_reason] ?? null;
       if (event.usage) usage = event.usage;
@@ -455,19 +478,21 @@ async function answer(chat) {
       showError(lost ? `The connection to the server was lost (${error.message}).` : error.message);
     }
   } finally {
+    clearInterval(saving);
+    window.removeEventListener("pagehide", closing);
     reply.stats = statsLine(usage, tokens, sent, first, performance.now(), ending);
     const unstarted = reply.content === "" && (ending === "stopped" || ending === "interrupted");
     if (unstarted) chat.messages.splice(chat.messages.indexOf(reply), 1);  // refused, failed or stopped at once
-    controller = null;
-    streaming = null;
-    setBusy(false);
+    streams.delete(chat.id);
+    showBusy();
     if (chats.includes(chat)) save(chat);
     if (chat.id === current) drawMessages(false); else drawList();
     refreshCache();
   }
 }
 
-function setBusy(busy) {
+function showBusy() {  // Stop where the chat on screen streams an answer here, Send elsewhere
+  const busy = streams.has(current);
   $("send").hidden = busy;
   $("stop").hidden = !busy;
   document.body.classList.toggle("busy", busy);
@@ -476,8 +501,12 @@ function setBusy(busy) {
 // ---- export and import (JSON)
 
 function exportChat() {
-  const chat = currentChat();
+  let chat = currentChat();
   if (!chat) return;
+  if (streams.has(chat.id)) {  // the answer so far, marked as such
+    const last = chat.messages.at(-1);
+    chat = { ...chat, messages: chat.messages.map((m) => (m === last ? { ...m, stats: EXPORTED_STREAMING } : m)) };
+  }
   const data = { format: EXPORT_FORMAT, version: 1, chats: [chat] };
   const link = document.createElement("a");
   link.href = URL.createObjectURL(new Blob([JSON.stringify(data, null, 2)], { type: "application/json" }));
@@ -520,11 +549,22 @@ function formatBytes(bytes) {
   return bytes >= 2 ** 30 ? `${(bytes / 2 ** 30).toFixed(1)} GiB` : `${(bytes / 2 ** 20).toFixed(1)} MiB`;
 }
 
+let cacheShownAt = null;  // when the panel's figures were read
+
+function cacheStale(why) {  // the figures stay, dimmed, with their age, until a refresh reads new ones
+  $("cache-panel").classList.toggle("stale", Boolean(why));
+  $("cache-status").hidden = !why;
+  if (why) $("cache-status").textContent = `${why}: figures from ${cacheShownAt ?? "no time yet"}`;
+}
+
 async function refreshCache() {
   if (!model || document.visibilityState !== "visible") return;  // (no model yet: waiting for a key)
   try {
     const response = await fetch("/v1/cache/stats", { headers: headers() });
-    if (!response.ok) return;
+    if (!response.ok) {
+      cacheStale(`not updated (HTTP ${response.status})`);
+      return;
+    }
     const s = await response.json();
     $("cache-tenant").textContent = s.tenant;
     $("cache-hit-rate").textContent = `${(100 * s.hit_rate).toFixed(1)} %`;
@@ -535,8 +575,10 @@ async function refreshCache() {
     $("cache-free-cached").textContent = String(s.kv_blocks.free_cached);
     $("cache-evicted").textContent = String(s.evicted_blocks);
     $("cache-disk").textContent = s.disk ? `${s.disk.blocks} blocks, ${formatBytes(s.disk.bytes)}` : "off";
-  } catch {
-    // the server restarting: the next refresh tries again
+    cacheShownAt = new Date().toLocaleTimeString();
+    cacheStale(null);
+  } catch {  // the server down or restarting: the next refresh tries again
+    cacheStale("server unreachable");
   }
 }
 
@@ -583,7 +625,7 @@ async function start() {
   render();
   refreshCache();
   const chat = currentChat();
-  if (resendAfterKey && !controller && chat?.messages.at(-1)?.role === "user") answer(chat);
+  if (resendAfterKey && chat?.messages.at(-1)?.role === "user" && free(chat)) answer(chat);
   resendAfterKey = false;
 }
 
@@ -592,7 +634,7 @@ async function start() {
 $("composer").addEventListener("submit", (event) => {
   event.preventDefault();
   const text = $("input").value.trim();
-  if (!text || controller || !model || !sampling()) return;  // (an invalid setting keeps the text)
+  if (!text || !model || !free(currentChat()) || !sampling()) return;  // (the text stays)
   $("input").value = "";
   send(text);
 });
@@ -602,7 +644,7 @@ $("input").addEventListener("keydown", (event) => {
     $("composer").requestSubmit();
   }
 });
-$("stop").addEventListener("click", () => controller?.abort());
+$("stop").addEventListener("click", () => streams.get(current)?.abort());
 $("new-chat").addEventListener("click", newChat);
 $("export").addEventListener("click", exportChat);
 $("import").addEventListener("click", () => $("import-file").click());

@@ -170,6 +170,16 @@ def test_the_cache_panel_moves_while_you_chat(opened, server):
     expect(page.locator("#cache-free-empty")).to_have_text(str(blocks["free_empty"]))
     expect(page.locator("#cache-free-cached")).to_have_text(str(blocks["free_cached"]))
 
+    tab = opened()
+    down = tab.page  # a server gone: the figures stay, dimmed, and say how old they are
+    expect(down.locator("#cache-used")).to_contain_text("/")
+    down.route("**/v1/cache/stats", lambda route: route.abort())
+    expect(down.locator("#cache-status")).to_contain_text("server unreachable: figures from", timeout=10_000)
+    expect(down.locator("#cache-panel")).to_have_class(re.compile("stale"))
+    down.unroute("**/v1/cache/stats")
+    expect(down.locator("#cache-status")).to_be_hidden(timeout=10_000)
+    expect(down.locator("#cache-panel")).not_to_have_class(re.compile("stale"))
+    tab.errors.clear()  # the browser logs the failed fetches
 
 def test_enter_sends_shift_enter_breaks_the_line_and_chats_are_kept(opened, server):
     page = opened().page
@@ -331,10 +341,16 @@ def test_editing_a_message_replaces_it_and_what_followed(opened, server):
     send(page, "second question")
     answer_stats(page, 1)
     page.locator(".message.user .actions .edit").first.click()
+    page.fill(".edit-box textarea", "never sent")
+    page.press(".edit-box textarea", "Escape")  # cancels
+    expect(page.locator(".edit-box")).to_have_count(0)
+    expect(page.locator(".message")).to_have_count(4)
+    page.locator(".message.user .actions .edit").first.click()
     page.fill(".edit-box textarea", "a better first question")
-    page.click(".edit-box .save")
+    page.press(".edit-box textarea", "Control+Enter")  # Save & send
     expect(page.locator(".message")).to_have_count(2)
     expect(page.locator(".message.user .body")).to_have_text("a better first question")
+    expect(page.locator("#input")).to_be_focused()
     answer_stats(page, 0)
     page.reload()  # the edit is kept
     expect(page.locator(".message.user .body")).to_have_text("a better first question")
@@ -481,6 +497,57 @@ def test_an_answer_streams_into_its_own_chat_and_a_reader_who_scrolls_up_stays(o
         expect(page.locator("#stop")).to_be_hidden()
         server.wait_idle(timeout=10)
         expect(page.locator(".message.assistant .body").first).to_have_text(short)
+
+
+def test_two_chats_stream_at_once_each_with_its_own_stop_and_export(opened, server, tmp_path):
+    with slowed(server, 0.2):  # the first answer (457 tokens) outlasts the steps below
+        page = opened().page
+        settings(page, temperature="0")
+        start_streaming(page, "count to a thousand", 2000)
+        page.click("#new-chat")  # the first chat goes on streaming; this one is free to send
+        expect(page.locator("#stop")).to_be_hidden()
+        send(page, "and count to ten")
+        expect(page.locator("#stop")).to_be_visible()
+        expect(page.locator(".message.assistant .body")).not_to_be_empty(timeout=30_000)
+        with page.expect_download() as download:  # taken mid-answer: the export says so
+            page.click("#export")
+        download.value.save_as(tmp_path / "chat.json")
+        (chat,) = json.loads((tmp_path / "chat.json").read_text())["chats"]
+        assert chat["messages"][-1]["stats"] == "unfinished: exported while it streamed"
+        page.click("#stop")  # this chat's answer only
+        expect(page.locator(".message.assistant .stats")).to_contain_text("stopped")
+        page.locator("#chats li button.open", has_text="count to a thousand").click()
+        expect(page.locator("#stop")).to_be_visible()  # still streaming there
+        expect(page.locator(".message.assistant .stats")).to_have_count(0)  # (stats come when it ends)
+        page.click("#stop")
+        expect(page.locator(".message.assistant .stats")).to_contain_text("stopped")
+        server.wait_idle(timeout=10)
+
+
+def test_a_chat_answering_in_another_tab_is_not_sent_into_and_a_rename_there_reaches_it(browser, server):
+    with slowed(server, 0.05):
+        opened = Opened(browser, server.url + "/")
+        page, other = opened.page, opened.context.new_page()
+        settings(page, temperature="0")
+        start_streaming(page, "count to a thousand", 400)
+        other.goto(server.url + "/")  # the same chat, whose answer streams in the first tab
+        expect(other.locator(".message.assistant .stats")).to_have_text("answering in another tab")
+        send(other, "a second answer at once would write over the first")
+        expect(other.locator("#error")).to_contain_text("This chat is answering in another tab")
+        assert other.input_value("#input").startswith("a second answer")  # the text stays
+        expect(other.locator(".message")).to_have_count(2)
+        other.locator("#chats li.current button.rename").click()
+        other.fill("#chats li .title-input", "Counting")
+        other.press("#chats li .title-input", "Enter")
+        expect(page.locator("#chats li.current button.open")).to_have_text("Counting")  # taken while it streams
+        expect(page.locator("#stop")).to_be_visible()
+        page.click("#stop")
+        expect(other.locator(".message.assistant .stats")).to_contain_text("stopped")  # drawn when it ended
+        settings(other, max_tokens="2")
+        other.press("#input", "Enter")  # now it is sent
+        expect(other.locator(".message.assistant .stats").nth(1)).to_contain_text("prompt", timeout=30_000)
+        expect(other.locator("#chats li.current button.open")).to_have_text("Counting")
+        opened.close()
 
 
 def test_a_cut_answer_says_so_and_a_refused_request_leaves_no_empty_answer(opened, server):
