@@ -160,7 +160,8 @@ async def _engine_ctx(settings: Settings, engine: EngineClient | None, auth: Aut
     defaults = sampling_defaults(engine.model_path, gw.generation_config, parse_override(gw.override_generation_config),
                                  gw.default_max_tokens)
     app[STATE] = GatewayState(settings, engine, auth, admission, metrics, names, app[IN_FLIGHT].shutdown, defaults)
-    app[TOOL_TEMPLATE] = detect_tool_template(engine.tokenizer, settings.gateway.tool_call_parser)
+    app[TOOL_TEMPLATE] = detect_tool_template(engine.tokenizer, settings.gateway.tool_call_parser,
+                                              settings.gateway.exclude_tools_when_tool_choice_none)
     engine.start()
     log.info("serving model %s (context %d tokens)", app[STATE].model_name, engine.max_model_len)
     yield

@@ -147,8 +147,7 @@ async def render_body_chat(tokenizer: Any, body: dict[str, Any], max_messages: i
     """A body's `messages` (with its `tools`) rendered as a chat request's: the messages, the tools the template
     shows, and the prompt's tokens (routes that take a chat but generate from none: cache warm, tokenize)."""
     messages = normalize_messages(body["messages"], max_messages)
-    tools = parse_tools(body)
-    template_tools = tools.template_tools if tools else None
+    template_tools = tool_template.shown(parse_tools(body))
     return messages, template_tools, await render_chat(tokenizer, messages, template_tools, tool_template,
                                                        add_generation_prompt)
 

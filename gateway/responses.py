@@ -292,7 +292,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     state.check_model(chat.model)
     tool_template = request.app[TOOL_TEMPLATE]
     with state.admission.admit(tenant, 1):
-        tools = chat.tools.template_tools if chat.tools else None
+        tools = tool_template.shown(chat.tools)
         prompt = await render_chat(state.engine.tokenizer, chat.messages, tools, tool_template)
         with responses_params():
             max_tokens = state.check_lengths(len(prompt), chat.max_tokens, "input")

@@ -41,7 +41,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.check_model(req.model)
     tool_template = request.app[TOOL_TEMPLATE]
     with state.admission.admit(tenant, req.n):
-        tools = req.tools.template_tools if req.tools else None
+        tools = tool_template.shown(req.tools)
         prompt = await render_chat(state.engine.tokenizer, req.messages, tools, tool_template)
         cache = await chat_directives(state.engine.tokenizer, req.messages, req.breakpoints, prompt, tools,
                                       tool_template, tenant.max_pinned_blocks)

@@ -70,6 +70,8 @@ class GatewaySettings:
         (), "the model's names in the API, as vLLM's --served-model-name: answers carry the first, each selects the "
             "model; none: its own name (a .gguf file's is its stem and a hash of its path)")
     tool_call_parser: str = _knob("auto", "auto (from the chat template) | hermes | llama3_json")
+    exclude_tools_when_tool_choice_none: bool = _knob(
+        False, "tool_choice none leaves the tools out of the prompt (vLLM's flag; off: shown, and no call is parsed)")
     allowed_origins: tuple[str, ...] = _knob((), "CORS: browser origins allowed to call the API ('*': any); none: off")
     generation_config: str = _knob(
         "auto", "auto: sampling defaults and max_new_tokens from the model's generation_config.json | none: OpenAI's")

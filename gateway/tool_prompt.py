@@ -12,6 +12,7 @@ import jinja2
 from aiohttp import web
 
 from gateway.tool_parsers import PARSER_NAMES
+from gateway.tools import ToolRequest
 
 log = logging.getLogger("gateway")
 
@@ -32,12 +33,20 @@ HERMES_TOOLS_PROMPT = (
 class ToolTemplate:
     native: bool  # the chat template renders `tools`, tool results and earlier calls itself
     parser: str  # the tool call parser for this model's output
+    exclude_when_none: bool = False  # tool_choice "none" hides the tools (vLLM's flag); by default they are shown
+
+    def shown(self, tools: ToolRequest | None) -> list[dict[str, Any]] | None:
+        """The tools the prompt shows: a request's, unless it has none or they are excluded for tool_choice "none"
+        (shown, they keep the prompt the same across turns whatever the choice, so its prefix stays cached)."""
+        if tools is None or self.exclude_when_none and tools.choice == "none":
+            return None
+        return [dict(tool) for tool in tools.tools]
 
 
 TOOL_TEMPLATE = web.AppKey("tool_template", ToolTemplate)
 
 
-def detect_tool_template(tokenizer: Any, parser_setting: str) -> ToolTemplate:
+def detect_tool_template(tokenizer: Any, parser_setting: str, exclude_when_none: bool = False) -> ToolTemplate:
     """`parser_setting` "auto": Llama 3 JSON when the template asks for it, else Hermes."""
     try:
         probe = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
@@ -52,7 +61,7 @@ def detect_tool_template(tokenizer: Any, parser_setting: str) -> ToolTemplate:
             log.warning("the chat template renders tools in a format prefixgate does not know; parsing "
                         "Hermes <tool_call> output (set --tool-call-parser to one of %s)", ", ".join(PARSER_NAMES))
     log.info("tool calling: %s, parser %s", "the model's chat template" if native else "Hermes prompt", parser)
-    return ToolTemplate(native, parser)
+    return ToolTemplate(native, parser, exclude_when_none)
 
 
 def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:

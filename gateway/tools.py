@@ -29,11 +29,6 @@ class ToolRequest:
     legacy: bool = False  # sent as `functions` / `function_call`: answered with `function_call`, not tool_calls
 
     @property
-    def template_tools(self) -> list[dict[str, Any]]:
-        """What the chat template renders; also with tool_choice "none", as vLLM does by default."""
-        return [dict(tool) for tool in self.tools]
-
-    @property
     def parses_calls(self) -> bool:
         return self.choice != "none"
 

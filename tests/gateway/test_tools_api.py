@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import urllib.request
 
 import pytest
 
@@ -128,6 +129,30 @@ def test_tool_choice_none_leaves_the_text_alone(server, client, model):
     resp = client.chat.completions.create(model=model, messages=ask("Weather?"), tools=[WEATHER], tool_choice="none")
     assert resp.choices[0].message.content == CALL_TEXT and resp.choices[0].message.tool_calls is None
     assert resp.choices[0].finish_reason == "stop"
+    # the tools are shown all the same (vLLM's default), so the prompt is the one "auto" renders
+    assert prompt_count(server, tools=[WEATHER], tool_choice="none") == prompt_count(server, tools=[WEATHER]) > \
+        prompt_count(server)
+
+
+def test_exclude_tools_when_tool_choice_none_leaves_them_out_of_the_prompt(tiny_tools_dir):
+    with LiveServer(tiny_settings(tiny_tools_dir, exclude_tools_when_tool_choice_none=True)) as excluding:
+        assert prompt_count(excluding, tools=[WEATHER], tool_choice="none") == prompt_count(excluding) < \
+            prompt_count(excluding, tools=[WEATHER])
+        with sdk_client(excluding) as sdk:
+            resp = sdk.chat.completions.create(model=excluding.state.model_name, messages=HI, tools=[WEATHER],
+                                               tool_choice="none", max_tokens=2)
+        assert resp.usage.prompt_tokens == prompt_count(excluding)  # the chat's route leaves them out too
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def prompt_count(server, **body) -> int:
+    """The prompt's tokens as the server renders a chat of one "hi" (POST /tokenize)."""
+    request = urllib.request.Request(server.url + "/tokenize", method="POST", data=json.dumps(
+        {"messages": HI, **body}).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request) as response:
+        return json.load(response)["count"]
 
 
 def test_malformed_call_is_returned_as_content(server, client, model):

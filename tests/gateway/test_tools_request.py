@@ -33,11 +33,15 @@ def test_parse_chat_carries_tools():
     req = parse_chat(chat_body(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False),
                      GatewaySettings())
     assert req.tools.choice == "required" and not req.tools.parallel
-    assert [t["function"]["name"] for t in req.tools.template_tools] == ["get_weather", "get_time"]
+    shown = ToolTemplate(native=True, parser="hermes").shown(req.tools)
+    assert [t["function"]["name"] for t in shown] == ["get_weather", "get_time"]
     assert parse_chat(chat_body(), GatewaySettings()).tools is None
     auto = parse_tools({"tools": [WEATHER]})
     assert auto.choice == "auto" and auto.parallel and auto.parses_calls and not auto.forced
     assert auto.structured_output() is None and not parse_tools({"tools": [WEATHER], "tool_choice": "none"}).parses_calls
+    none = parse_tools({"tools": [WEATHER], "tool_choice": "none"})
+    assert ToolTemplate(True, "hermes").shown(none) == [WEATHER] and ToolTemplate(True, "hermes", True).shown(none) is None
+    assert ToolTemplate(True, "hermes", True).shown(auto) == [WEATHER] and ToolTemplate(True, "hermes").shown(None) is None
     text_format = parse_tools({"tools": [WEATHER], "tool_choice": NAMED, "response_format": {"type": "text"}})
     assert text_format.forced and text_format.max_calls is None
 
