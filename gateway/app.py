@@ -22,6 +22,7 @@ from gateway.cors import Cors
 from gateway import responses
 from gateway.embeddings import embeddings
 from gateway.response_store import open_store
+from gateway.response_store_pending import PendingPuts
 from gateway.responses import RESPONSE_STORE
 from gateway.salt_secret import SaltSecret, resolve_salt_secret
 from gateway.errors import APIError, error_middleware, error_response
@@ -113,7 +114,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
         Cors(settings.gateway.allowed_origins).install(app)
     app.cleanup_ctx.append(partial(_engine_ctx, settings, engine, auth, secret))
     gw = settings.gateway
-    app[RESPONSE_STORE] = open_store(gw.responses_store_max, gw.responses_db, gw.responses_ttl_days)
+    app[RESPONSE_STORE] = PendingPuts(open_store(gw.responses_store_max, gw.responses_db, gw.responses_ttl_days))
     app.on_cleanup.append(_close_response_store)
     app.router.add_routes([web.route(method, path, handler) for method, path, handler in _ROUTES])
     return app
@@ -154,7 +155,7 @@ async def _engine_ctx(settings: Settings, engine: EngineClient | None, auth: Aut
                           settings.gateway.retry_after_s)
     metrics.admission.watch(lambda: admission.in_flight, admission.capacity)
     store = app[RESPONSE_STORE]
-    metrics.responses.watch(lambda: store.num_stored, lambda: store.num_dropped)  # a scrape never reads the file
+    metrics.responses.watch(store)  # its counts as of the last call: a scrape never reads the database
     names = frozenset(served or {engine.model_name, settings.engine.model})
     gw = settings.gateway
     defaults = sampling_defaults(engine.model_path, gw.generation_config, parse_override(gw.override_generation_config),
@@ -196,7 +197,8 @@ async def observe_middleware(request: web.Request, handler) -> web.StreamRespons
         route = resource.canonical if resource is not None else "unmatched"  # bounded label set
         request.app[STATE].metrics.on_http(route, request.method, status, seconds)
         level = logging.DEBUG if route in _QUIET_ROUTES and status < 400 else logging.INFO
-        log.log(level, "%s %s %d %.3fs", request.method, request.path, status, seconds)
+        # the path as sent, still percent-encoded: a decoded %0A or %00 would forge or break log lines
+        log.log(level, "%s %s %d %.3fs", request.method, request.rel_url.raw_path, status, seconds)
 
 
 def _refused_while_draining(path: str, retry_after_s: int) -> APIError:

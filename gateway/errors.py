@@ -91,5 +91,5 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         response.force_close()  # the rest of the body is unread: the connection cannot carry another request
         return response
     except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
+        log.exception("unhandled error in %s %s", request.method, request.rel_url.raw_path)
         return error_response(APIError(500, "internal server error", code="internal_error"))

@@ -1,15 +1,17 @@
 """Stored responses of the Responses API in SQLite: a file that outlives the API process (a restart, a kill -9)
-and that several gateways on one host share. One connection per store, WAL mode so readers never wait for a
-writer, and `busy_timeout` so two gateways writing at once queue instead of failing. The gateway calls the
-`a`-methods: each runs on the store's own thread, so the event loop never waits on SQLite (a write that waits
-out another gateway's lock holds up that one request, not every stream). A locked or broken file never turns
-into a 500: a put is dropped (its id then a 404), a read is a 404, each with a warning naming the file. A file
-found corrupt at start (not a database, or failing `PRAGMA quick_check`) is moved aside and a new store begins
-in its place, as browsers do with a corrupt profile database.
+and that several gateways on one host share. Two connections per store, each on a thread of its own, so the
+event loop never waits on SQLite: the writer's (puts, deletes, erasures; `busy_timeout` so two gateways writing
+at once queue instead of failing) and the reader's (gets and counts: in WAL mode they never wait for a writer,
+nor queue behind this store's puts). A locked or broken file never turns into a 500: a put that fails says so
+(gateway/response_store_pending.py keeps it and tries again), a read, a delete or an erasure is a 503
+`responses_store_busy` with Retry-After, each with a warning naming the file. A file found corrupt at start (not a
+database, or failing `PRAGMA quick_check`) is moved aside and a new store begins in its place, as browsers do with
+a corrupt profile database; one deleted or replaced while serving is opened again at the next put.
 
 NOTE: a row is one response with its whole conversation (JSON text); "used" is the last put or get, the order
-in which rows beyond `max_responses` are dropped; rows older than `ttl_days` (from their put) are dropped lazily:
-on the next put, and a get of one is a 404.
+in which a tenant's rows beyond `max_responses` are dropped; rows older than `ttl_days` (from their put) are
+dropped lazily: on the next put, and a get of one is a 404. A get marks its row used at once where the file is
+free, else at this store's next put (the drop it orders happens there), so a read never waits for a writer.
 """
 from __future__ import annotations
 
@@ -46,8 +48,9 @@ CREATE TABLE IF NOT EXISTS responses (
     created_at REAL NOT NULL,
     used_at REAL NOT NULL
 );
-CREATE INDEX IF NOT EXISTS responses_used_at ON responses (used_at);
+CREATE INDEX IF NOT EXISTS responses_tenant_used_at ON responses (tenant, used_at);
 CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at);
+DROP INDEX IF EXISTS responses_used_at;
 """
 
 
@@ -68,8 +71,8 @@ def default_db_path() -> Path:
 
 
 class ResponseStore:
-    """Stored responses of every tenant, least recently used dropped first beyond `max_responses`, and
-    none older than `ttl_days`."""
+    """Stored responses of every tenant, each tenant's least recently used dropped first beyond `max_responses`
+    (one tenant's traffic never drops another's conversations), and none older than `ttl_days`."""
 
     def __init__(self, max_responses: int, path: str | Path = IN_MEMORY, ttl_days: float = 30,
                  clock: Callable[[], float] = time.time, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:
@@ -78,105 +81,155 @@ class ResponseStore:
         self.num_dropped = 0  # dropped by this store to stay within max_responses
         self._clock = clock
         self.path = str(path)
-        self._db = _open(self.path, busy_timeout_ms)
-        self._lock = threading.Lock()  # one connection: one call at a time, whichever thread makes it
+        self._busy_timeout_ms = busy_timeout_ms
+        self._lock = threading.Lock()  # the writer's connection: one call at a time, whichever thread makes it
+        self._read_lock = threading.Lock()  # the reader's (the same lock in memory, where they are one)
+        self._db, self._reader, self._file_id = self._connect()
+        self._used: dict[str, float] = {}  # gets whose used_at the file was too busy to take: written at the next put
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="prefixgate-responses")
+        self._read_thread = ThreadPoolExecutor(1, thread_name_prefix="prefixgate-responses-read")
         self.num_stored = 0  # as of the last call that counted (a /metrics scrape reads it, never the file)
         len(self)
 
-    # ---- for the event loop: the same calls, on the store's thread
+    def _connect(self) -> tuple[sqlite3.Connection, sqlite3.Connection, tuple[int, int] | None]:
+        db = _open(self.path, self._busy_timeout_ms)
+        if self.path == IN_MEMORY:  # (a second connection would be a database of its own)
+            self._read_lock = self._lock
+            return db, db, None
+        stat = os.stat(self.path)
+        return db, sqlite3.connect(self.path, timeout=self._busy_timeout_ms / 1000, check_same_thread=False), \
+            (stat.st_dev, stat.st_ino)
 
-    async def aput(self, stored: Stored) -> None:
-        await self._off_loop(self.put, stored)
+    # ---- for the event loop: the same calls, on the store's threads
+
+    async def aput(self, stored: Stored) -> bool:
+        return await self._off_loop(self._thread, self.put, stored)
 
     async def aget(self, tenant: str, response_id: str) -> Stored:
-        return await self._off_loop(self.get, tenant, response_id)
+        return await self._off_loop(self._read_thread, self.get, tenant, response_id)
 
     async def adelete(self, tenant: str, response_id: str) -> None:
-        await self._off_loop(self.delete, tenant, response_id)
+        await self._off_loop(self._thread, self.delete, tenant, response_id)
 
     async def aerase(self, tenant: str) -> int:
-        return await self._off_loop(self.erase, tenant)
+        return await self._off_loop(self._thread, self.erase, tenant)
 
-    async def _off_loop(self, call: Callable, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, call, *args)
+    @staticmethod
+    async def _off_loop(thread: ThreadPoolExecutor, call: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(thread, call, *args)
 
     # ---- the calls themselves (blocking)
 
-    def put(self, stored: Stored) -> None:
+    def put(self, stored: Stored) -> bool:
+        """True once the file holds it; False (with a warning) when it cannot be written: locked past the
+        timeout, or broken."""
         now = self._clock()
         row = (stored.response["id"], stored.tenant, json.dumps(stored.response), json.dumps(stored.input_items),
                json.dumps(stored.messages), now, now)
         try:
-            with self._lock, self._db:  # one transaction: the row, the expired rows and the LRU overflow
+            self._reopen_if_replaced()
+            used = dict(self._used)
+            with self._lock, self._db:  # one transaction: the row, the marks of use, the expired rows, the overflow
+                self._db.executemany("UPDATE responses SET used_at = MAX(used_at, ?) WHERE id = ?",
+                                     [(at, response_id) for response_id, at in used.items()])
                 self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)", row)
                 self._db.execute("DELETE FROM responses WHERE created_at < ?", (now - self.ttl_s,))
                 dropped = self._db.execute(
-                    "DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY used_at DESC, "
-                    "rowid DESC LIMIT -1 OFFSET ?)", (self.max_responses,)).rowcount
-                self.num_dropped += dropped
-        except sqlite3.Error as exc:  # locked past the timeout, or broken: the answer is served unstored
-            log.warning("stored responses: %s not stored in %s (%s); its id will be a 404", row[0], self.path, exc)
-            return
+                    "DELETE FROM responses WHERE id IN (SELECT id FROM responses WHERE tenant = ? ORDER BY used_at "
+                    "DESC, rowid DESC LIMIT -1 OFFSET ?)", (stored.tenant, self.max_responses)).rowcount
+            for response_id, at in used.items():
+                if self._used.get(response_id) == at:
+                    del self._used[response_id]
+            self.num_dropped += dropped
+        except (sqlite3.Error, OSError) as exc:  # locked past the timeout, or broken
+            log.warning("stored responses: %s not stored in %s (%s)", row[0], self.path, exc)
+            return False
         len(self)
+        return True
+
+    def _reopen_if_replaced(self) -> None:
+        """The file deleted or replaced under the store (SQLite would go on writing to the unlinked one, which
+        nothing reads again): a new one is opened on the path, with a warning."""
+        if self._file_id is None:
+            return
+        try:
+            stat = os.stat(self.path)
+            same = (stat.st_dev, stat.st_ino) == self._file_id
+        except FileNotFoundError:
+            same = False
+        if same:
+            return
+        log.warning("stored responses: %s was deleted or replaced while serving; opening it again (what this "
+                    "gateway stored since is lost with the old file)", self.path)
+        with self._lock, self._read_lock:
+            self._db.close()
+            self._reader.close()
+            self._db, self._reader, self._file_id = self._connect()
 
     def get(self, tenant: str, response_id: str) -> Stored:
-        """The tenant's stored response; 404 for an unknown id, an expired one and another tenant's alike."""
+        """The tenant's stored response; 404 for an unknown id, an expired one and another tenant's alike; 503
+        when the file cannot be read."""
         now = self._clock()
         try:
-            with self._lock:
-                row = self._db.execute(
+            with self._read_lock:
+                row = self._reader.execute(
                     "SELECT response, input_items, messages FROM responses WHERE id = ? AND tenant = ? "
                     "AND created_at >= ?", (response_id, tenant, now - self.ttl_s)).fetchone()
+                if row is not None:
+                    self._mark_used(response_id, now)
         except sqlite3.Error as exc:
-            log.warning("stored responses: cannot read %s (%s); %s is a 404", self.path, exc, response_id)
-            row = None
+            log.warning("stored responses: cannot read %s (%s) for %r", self.path, exc, response_id)
+            raise unavailable("response_id") from None
         if row is None:
             raise not_found(response_id)
-        try:
-            with self._lock, self._db:
-                self._db.execute("UPDATE responses SET used_at = ? WHERE id = ?", (now, response_id))
-        except sqlite3.Error as exc:  # (it is served all the same; only its place in the LRU order is stale)
-            log.warning("stored responses: cannot mark %s used in %s (%s)", response_id, self.path, exc)
         return Stored(tenant, *map(json.loads, row))
 
+    def _mark_used(self, response_id: str, now: float) -> None:
+        """At once where no other writer holds the file (no wait: busy_timeout 0), else at the next put."""
+        if self._reader is not self._db:
+            self._reader.execute("PRAGMA busy_timeout = 0")
+        try:
+            with self._reader:
+                self._reader.execute("UPDATE responses SET used_at = ? WHERE id = ?", (now, response_id))
+        except sqlite3.Error:
+            self._used[response_id] = now
+        finally:
+            if self._reader is not self._db:
+                self._reader.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+
     def delete(self, tenant: str, response_id: str) -> None:
-        """404 for an id it does not hold (or cannot read: a broken file); 503 while another writer holds the
-        file past the busy timeout (the response is still there: the client may try again)."""
+        """404 for an id it does not hold; 503 when the file cannot be written (another writer holds it past the
+        busy timeout, or it is broken, full or read-only): the response may still be there, the client may try
+        again."""
         try:
             with self._lock, self._db:
                 deleted = self._db.execute("DELETE FROM responses WHERE id = ? AND tenant = ? AND created_at >= ?",
                                            (response_id, tenant, self._clock() - self.ttl_s)).rowcount
         except sqlite3.Error as exc:
-            if not _is_busy(exc):
-                raise _lost(self.path, response_id, exc) from None
-            log.warning("stored responses: cannot delete %s: %s is locked (%s)", response_id, self.path, exc)
+            log.warning("stored responses: cannot delete %r in %s (%s)", response_id, self.path, exc)
             raise unavailable("response_id") from None
         if not deleted:
             raise not_found(response_id)
         len(self)
 
     def erase(self, tenant: str) -> int:
-        """Deletes every stored response of `tenant` (DELETE /v1/cache); returns how many. 503 while another
-        writer holds the file (the client asked for an erasure: it must learn that none happened); 0 with a
-        warning when the file cannot be read (nothing in it can be served any more)."""
+        """Deletes every stored response of `tenant` (DELETE /v1/cache); returns how many. 503 when the file cannot
+        be written (the client asked for an erasure: it must learn that none happened)."""
         try:
             with self._lock, self._db:
                 erased = self._db.execute("DELETE FROM responses WHERE tenant = ?", (tenant,)).rowcount
         except sqlite3.Error as exc:
             log.warning("stored responses: cannot erase tenant %s's in %s (%s)", tenant, self.path, exc)
-            if _is_busy(exc):
-                raise unavailable() from None
-            return 0
+            raise unavailable() from None
         len(self)
         return erased
 
     def __len__(self) -> int:
         """Stored responses not expired (the last count, with a warning, when the file cannot be read)."""
         try:
-            with self._lock:
-                (self.num_stored,) = self._db.execute("SELECT COUNT(*) FROM responses WHERE created_at >= ?",
-                                                      (self._clock() - self.ttl_s,)).fetchone()
+            with self._read_lock:
+                (self.num_stored,) = self._reader.execute("SELECT COUNT(*) FROM responses WHERE created_at >= ?",
+                                                          (self._clock() - self.ttl_s,)).fetchone()
         except sqlite3.Error as exc:
             log.warning("stored responses: cannot count %s (%s); %d as last counted", self.path, exc,
                         self.num_stored)
@@ -184,6 +237,9 @@ class ResponseStore:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
+        self._read_thread.shutdown(wait=True)
+        if self._reader is not self._db:
+            self._reader.close()
         self._db.close()
 
     async def aclose(self) -> None:
@@ -228,24 +284,14 @@ def _move_aside(path: str) -> Path:
     return aside
 
 
-def _is_busy(exc: sqlite3.Error) -> bool:
-    """Another connection holds the file (past the busy timeout), as against a file that cannot be read."""
-    return getattr(exc, "sqlite_errorcode", 0) & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
-
-
 def _is_corrupt(exc: sqlite3.Error) -> bool:
     return getattr(exc, "sqlite_errorcode", 0) & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
 
 
-def _lost(path: str, response_id: str, exc: sqlite3.Error) -> APIError:
-    log.warning("stored responses: cannot read %s (%s); %s is a 404", path, exc, response_id)
-    return not_found(response_id)
-
-
 def unavailable(param: str | None = None) -> APIError:
-    """A write the client may try again: the database is locked by another writer, or cannot be reached (the
-    reason goes to the log, not to the client)."""
-    return APIError(503, "the stored responses' database cannot be written now; try again", param=param,
+    """A call the client may try again: the database is locked by another writer, cannot be reached, read or
+    written now (the reason goes to the log, not to the client)."""
+    return APIError(503, "the stored responses' database cannot be used now; try again", param=param,
                     code="responses_store_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 

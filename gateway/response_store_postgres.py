@@ -5,10 +5,11 @@ keys, spend and logs there), and a stored conversation is a row to keep for 30 d
 commits, one transaction for a put with its expiry and LRU drop, an index on the order of use.
 
 The same semantics as the SQLite store (gateway/response_store.py): a row per response with its conversation,
-none older than `ttl_days`, the least recently used dropped beyond `max_responses`, another tenant's id a 404.
-The pool connects on first use, so a server that is down costs warnings and 404s, never a failed start; a call
-that cannot reach it is a warning and a 404 (a delete: a 503 with Retry-After, the response may still be there).
-Needs the `postgres` extra (asyncpg).
+none older than `ttl_days`, a tenant's least recently used dropped beyond `max_responses`, another tenant's id a
+404. The pool connects on first use, so a server that is down costs warnings, never a failed start. Each call
+gives up after CALL_TIMEOUT_S (a locked table, a frozen server: one request waits that long, never the gateway):
+a put that fails says so (gateway/response_store_pending.py keeps it and tries again); a read, a delete or an
+erasure that fails is a 503 `responses_store_busy` with Retry-After. Needs the `postgres` extra (asyncpg).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 SCHEMES = ("postgresql://", "postgres://")
 CONNECT_TIMEOUT_S = 5
+CALL_TIMEOUT_S = 5  # a call's whole time, a first connection included
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS prefixgate_responses (
     id TEXT PRIMARY KEY,
@@ -36,8 +38,9 @@ CREATE TABLE IF NOT EXISTS prefixgate_responses (
     created_at DOUBLE PRECISION NOT NULL,
     used_at DOUBLE PRECISION NOT NULL
 );
-CREATE INDEX IF NOT EXISTS prefixgate_responses_used_at ON prefixgate_responses (used_at);
+CREATE INDEX IF NOT EXISTS prefixgate_responses_tenant_used_at ON prefixgate_responses (tenant, used_at);
 CREATE INDEX IF NOT EXISTS prefixgate_responses_created_at ON prefixgate_responses (created_at);
+DROP INDEX IF EXISTS prefixgate_responses_used_at;
 """
 
 
@@ -57,6 +60,10 @@ class PostgresResponseStore:
             raise ValueError("--responses-db postgresql://... needs asyncpg: pip install 'prefixgate[postgres]'") \
                 from None
         self._asyncpg = asyncpg
+        # what a call that cannot complete raises: the server's errors, a connection lost or cut mid-call (asyncpg's
+        # interface errors), the network's, and the call's timeout
+        self._failures = (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError,
+                          asyncpg.InternalClientError)
         self.url = url
         self.path = _without_password(url)  # what warnings name
         self.max_responses = max_responses
@@ -67,46 +74,48 @@ class PostgresResponseStore:
         self._pool = None
         self._opening: asyncio.Lock | None = None
 
-    async def aput(self, stored: Stored) -> None:
+    async def aput(self, stored: Stored) -> bool:
+        """True once the server holds it; False (with a warning) when it cannot be written now."""
         now = self._clock()
         row = (stored.response["id"], stored.tenant, json.dumps(stored.response), json.dumps(stored.input_items),
                json.dumps(stored.messages), now, now)
         try:
-            async with (await self._connect()).acquire() as db, db.transaction():
+            async with asyncio.timeout(CALL_TIMEOUT_S), (await self._connect()).acquire() as db, db.transaction():
                 await db.execute("INSERT INTO prefixgate_responses VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT "
                                  "(id) DO UPDATE SET tenant = $2, response = $3, input_items = $4, messages = $5, "
                                  "created_at = $6, used_at = $7", *row)
                 await db.execute("DELETE FROM prefixgate_responses WHERE created_at < $1", now - self.ttl_s)
                 dropped = await db.execute(
                     "DELETE FROM prefixgate_responses WHERE id IN (SELECT id FROM prefixgate_responses "
-                    "ORDER BY used_at DESC, id DESC OFFSET $1)", self.max_responses)
+                    "WHERE tenant = $1 ORDER BY used_at DESC, id DESC OFFSET $2)", stored.tenant, self.max_responses)
                 self.num_stored = await db.fetchval("SELECT COUNT(*) FROM prefixgate_responses")
-        except (OSError, asyncio.TimeoutError, self._asyncpg.PostgresError) as exc:
-            log.warning("stored responses: %s not stored in %s (%s); its id will be a 404", row[0], self.path, exc)
-            return
+        except self._failures as exc:
+            log.warning("stored responses: %s not stored in %s (%s)", row[0], self.path, _named(exc))
+            return False
         self.num_dropped += int(dropped.split()[-1])  # "DELETE <rows>"
+        return True
 
     async def aget(self, tenant: str, response_id: str) -> Stored:
         now = self._clock()
         try:
-            async with (await self._connect()).acquire() as db:
+            async with asyncio.timeout(CALL_TIMEOUT_S), (await self._connect()).acquire() as db:
                 row = await db.fetchrow("UPDATE prefixgate_responses SET used_at = $1 WHERE id = $2 AND tenant = $3 "
                                         "AND created_at >= $4 RETURNING response, input_items, messages",
                                         now, response_id, tenant, now - self.ttl_s)
-        except (OSError, asyncio.TimeoutError, self._asyncpg.PostgresError) as exc:
-            log.warning("stored responses: cannot read %s (%s); %s is a 404", self.path, exc, response_id)
-            row = None
+        except self._failures as exc:
+            log.warning("stored responses: cannot read %s (%s) for %r", self.path, _named(exc), response_id)
+            raise unavailable("response_id") from None
         if row is None:
             raise not_found(response_id)
         return Stored(tenant, *map(json.loads, row))
 
     async def adelete(self, tenant: str, response_id: str) -> None:
         try:
-            async with (await self._connect()).acquire() as db:
+            async with asyncio.timeout(CALL_TIMEOUT_S), (await self._connect()).acquire() as db:
                 status = await db.execute("DELETE FROM prefixgate_responses WHERE id = $1 AND tenant = $2 AND "
                                           "created_at >= $3", response_id, tenant, self._clock() - self.ttl_s)
-        except (OSError, asyncio.TimeoutError, self._asyncpg.PostgresError) as exc:
-            log.warning("stored responses: cannot delete %s in %s (%s)", response_id, self.path, exc)
+        except self._failures as exc:
+            log.warning("stored responses: cannot delete %r in %s (%s)", response_id, self.path, _named(exc))
             raise unavailable("response_id") from None
         if status == "DELETE 0":
             raise not_found(response_id)
@@ -115,10 +124,10 @@ class PostgresResponseStore:
     async def aerase(self, tenant: str) -> int:
         """Deletes every stored response of `tenant` (DELETE /v1/cache); 503 when the server cannot be reached."""
         try:
-            async with (await self._connect()).acquire() as db:
+            async with asyncio.timeout(CALL_TIMEOUT_S), (await self._connect()).acquire() as db:
                 status = await db.execute("DELETE FROM prefixgate_responses WHERE tenant = $1", tenant)
-        except (OSError, asyncio.TimeoutError, self._asyncpg.PostgresError) as exc:
-            log.warning("stored responses: cannot erase tenant %s's in %s (%s)", tenant, self.path, exc)
+        except self._failures as exc:
+            log.warning("stored responses: cannot erase tenant %s's in %s (%s)", tenant, self.path, _named(exc))
             raise unavailable() from None
         erased = int(status.split()[-1])
         self.num_stored = max(0, self.num_stored - erased)
@@ -146,6 +155,10 @@ class PostgresResponseStore:
                     raise
                 self._pool = pool
         return self._pool
+
+
+def _named(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__  # (a timeout has no message)
 
 
 def _without_password(url: str) -> str:

@@ -26,7 +26,8 @@ from gateway.generate import Choice, check_output, usage
 from gateway.jsonbody import parse_body
 from gateway.protocol import ChatRequest, parse_chat
 from gateway.render import content_text, render_chat
-from gateway.response_store import ResponseStore, Stored
+from gateway.response_store import Stored
+from gateway.response_store_pending import PendingPuts
 from gateway.responses_fields import check_fields, items_page
 from gateway.runner import RequestRun, sampling_params
 from gateway.state import STATE
@@ -43,7 +44,7 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 
 
-RESPONSE_STORE = web.AppKey("response_store", ResponseStore)
+RESPONSE_STORE = web.AppKey("response_store", PendingPuts)
 
 
 # ---- the request
@@ -59,7 +60,7 @@ class ResponsesRequest:
     tools: list[dict[str, Any]] = field(default_factory=list)
 
 
-async def _previous(store: ResponseStore, tenant: str, response_id: str) -> Stored:
+async def _previous(store: PendingPuts, tenant: str, response_id: str) -> Stored:
     """The stored response a request continues; one not stored (for this key) is a 400
     `previous_response_not_found`, as OpenAI answers it (clients such as Codex resend the whole conversation on
     that code), where GET / DELETE of it are 404s."""
@@ -72,7 +73,7 @@ async def _previous(store: ResponseStore, tenant: str, response_id: str) -> Stor
                        code="previous_response_not_found") from None
 
 
-async def parse_responses(body: Any, state, tenant: str, store: ResponseStore) -> ResponsesRequest:
+async def parse_responses(body: Any, state, tenant: str, store: PendingPuts) -> ResponsesRequest:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object", None)
     if body.get("background"):
@@ -315,7 +316,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     return web.json_response(response)
 
 
-async def _remember(store: ResponseStore, tenant: str, req: ResponsesRequest, response: dict[str, Any],
+async def _remember(store: PendingPuts, tenant: str, req: ResponsesRequest, response: dict[str, Any],
               message: dict[str, Any]) -> None:
     if req.store:
         answer = {k: v for k, v in message.items() if k in ("role", "content", "tool_calls")}
@@ -324,7 +325,7 @@ async def _remember(store: ResponseStore, tenant: str, req: ResponsesRequest, re
 
 
 async def _stream(request: web.Request, req: ResponsesRequest, fmt: ChatFormat, choice: Choice, outputs,
-                  created: int, store: ResponseStore, tenant: str) -> web.StreamResponse:
+                  created: int, store: PendingPuts, tenant: str) -> web.StreamResponse:
     """The documented event sequence, each event with its sequence_number; a client that goes away ends it
     (its request aborted), as a chat stream."""
     events = _Events(fmt.response_id, lambda output, reason, use: _response(
@@ -344,9 +345,11 @@ async def _stream(request: web.Request, req: ResponsesRequest, fmt: ChatFormat, 
                 for event in events.delta(fmt.finish_chunk(choice)["choices"][0]["delta"]):
                     await resp.write(event)
         body = fmt.choice_body(choice)
-        for event in events.finish(body["finish_reason"], usage([choice])):
-            await resp.write(event)
+        finish = events.finish(body["finish_reason"], usage([choice]))
+        # stored before the client hears it is: a client may continue it the moment response.completed arrives
         await _remember(store, tenant, req, events.final, body["message"])
+        for event in finish:
+            await resp.write(event)
     except ConnectionResetError:
         return resp
     except APIError as err:

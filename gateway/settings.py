@@ -78,7 +78,8 @@ class GatewaySettings:
     override_generation_config: str | None = _knob(
         None, 'JSON object of sampling defaults over the model\'s, e.g. \'{"temperature": 0.2}\'')
     responses_store_max: int = _knob(
-        1000, "responses kept for previous_response_id and GET /v1/responses/{id}, least recently used dropped")
+        1000, "responses kept for previous_response_id and GET /v1/responses/{id} per tenant, least recently used "
+              "dropped (store: false keeps one out)")
     responses_ttl_days: float = _knob(30.0, "stored responses older than this many days are dropped (OpenAI: 30)")
     responses_db: str | None = _knob(
         None, "SQLite file of stored responses, shared by gateways on one host (None: $PREFIXGATE_RESPONSES_DB, "
@@ -105,7 +106,8 @@ class GatewaySettings:
         _check(self.shutdown_timeout_s >= 0, "shutdown_timeout_s must be >= 0")
         _check(self.stream_write_timeout_s > 0, "stream_write_timeout_s must be > 0")
         _check(self.engine_restarts >= 0, "engine_restarts must be >= 0")
-        _check(self.responses_store_max >= 0, "responses_store_max must be >= 0")
+        _check(self.responses_store_max >= 1, "responses_store_max must be >= 1 (a request's store: false keeps "
+               "its response out)")
         _check(self.responses_ttl_days > 0, "responses_ttl_days must be > 0")
         _check(self.generation_config in ("auto", "none"), f"unknown generation_config {self.generation_config!r}")
         parse_override(self.override_generation_config)

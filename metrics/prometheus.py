@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -400,27 +401,31 @@ class AdmissionMetrics:
 
 
 class ResponseStoreMetrics:
-    """The Responses API's stored responses, read at scrape time (the gateway owns the store)."""
+    """The Responses API's stored responses, read at scrape time (the gateway owns the store: any object with
+    num_stored, num_dropped, num_pending and num_lost)."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         self._model_name = model_name
-        self._stored: Callable[[], int] = lambda: 0
-        self._dropped: Callable[[], int] = lambda: 0
+        self._store: Any = None
         registry.register(self)
 
-    def watch(self, stored: Callable[[], int], dropped: Callable[[], int]) -> None:
-        self._stored, self._dropped = stored, dropped
+    def watch(self, store: Any) -> None:
+        self._store = store
 
     def collect(self) -> Iterator[Metric]:
-        stored = GaugeMetricFamily(f"{PREFIX}responses_stored", "Responses kept for previous_response_id "
-                                   "(at most --responses-store-max).", labels=["model_name"])
-        stored.add_metric([self._model_name], self._stored())
-        dropped = CounterMetricFamily(f"{PREFIX}responses_store_dropped", "Stored responses dropped, least "
-                                      "recently used first, to stay within --responses-store-max.",
-                                      labels=["model_name"])
-        dropped.add_metric([self._model_name], self._dropped())
-        yield stored
-        yield dropped
+        families = (
+            (GaugeMetricFamily, "responses_stored", "Responses kept for previous_response_id (at most "
+             "--responses-store-max a tenant), those waiting for the database included.", "num_stored"),
+            (CounterMetricFamily, "responses_store_dropped", "Stored responses dropped, least recently used first, "
+             "to stay within --responses-store-max.", "num_dropped"),
+            (GaugeMetricFamily, "responses_store_pending", "Stored responses the database could not take yet, kept "
+             "in this gateway's memory and written again every second.", "num_pending"),
+            (CounterMetricFamily, "responses_store_lost", "Responses answered as stored that no database took: "
+             "dropped beyond the waiting puts' bound, or still waiting when the gateway stopped.", "num_lost"))
+        for family, name, documentation, field in families:
+            metric = family(f"{PREFIX}{name}", documentation, labels=["model_name"])
+            metric.add_metric([self._model_name], getattr(self._store, field, 0))
+            yield metric
 
 
 class _WithoutCreated:

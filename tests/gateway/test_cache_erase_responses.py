@@ -47,7 +47,7 @@ async def test_delete_cache_erases_the_callers_stored_responses_only(client):
 
 async def test_an_erase_the_database_refuses_is_a_503_to_retry(client):
     await respond(client, ALICE)
-    store: ResponseStore = client.app[RESPONSE_STORE]
+    store: ResponseStore = client.app[RESPONSE_STORE].backend
     store._db.execute("PRAGMA busy_timeout = 10")  # the test holds the lock 10 ms, not 2 s
     other = sqlite3.connect(client.db, isolation_level=None)
     other.execute("BEGIN EXCLUSIVE")

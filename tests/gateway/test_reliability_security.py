@@ -195,3 +195,13 @@ async def test_bare_api_keys_never_share_a_cache(aiohttp_client, tiny_llama_dir)
     assert await cached("sk-one-ci") == full  # a key that names the first key's tenant on purpose
     metrics = await (await client.get("/metrics")).text()
     assert key_tenant("sk-customer-two") in metrics and "sk-customer" not in metrics  # names, never keys
+
+
+async def test_the_request_log_keeps_the_path_as_sent(aiohttp_client, tiny_llama_dir, caplog):
+    """A %0A or %00 in a path stays encoded in the log: decoded, it would forge a line or make the file binary."""
+    caplog.set_level(logging.INFO, logger="gateway")
+    client = await aiohttp_client(create_app(tiny_settings(tiny_llama_dir)))
+    assert (await client.get("/v1/responses/resp_y%0AFORGED%00")).status == 404
+    logged = [r.getMessage() for r in caplog.records]
+    assert "GET /v1/responses/resp_y%0AFORGED%00 404" in " ".join(logged)
+    assert not any("\n" in line or "\x00" in line for line in logged)

@@ -10,6 +10,7 @@ import re
 import signal
 import sqlite3
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
@@ -87,6 +88,11 @@ def test_the_least_recently_used_is_dropped_beyond_the_max():
     store.put(stored("resp_d"))
     assert (len(store), store.num_dropped) == (2, 2)
     assert_not_found(store, "alice", "resp_a")
+    for n in range(5):  # another tenant's traffic drops its own, never alice's
+        clock.now += 1
+        store.put(stored(f"resp_bob_{n}", tenant="bob"))
+    assert [store.get("alice", n).response["id"] for n in ("resp_c", "resp_d")] == ["resp_c", "resp_d"]
+    assert (len(store), store.num_dropped) == (4, 5)
 
 
 def test_a_response_older_than_the_ttl_is_gone(tmp_path):
@@ -213,20 +219,31 @@ def test_a_corrupt_file_that_cannot_be_moved_costs_a_store_in_memory(tmp_path, c
     store.close()
 
 
-def test_a_file_locked_by_another_writer_costs_a_warning_and_a_404_not_an_error(tmp_path, caplog):
+def test_a_file_locked_by_another_writer_refuses_a_put_and_a_get_neither_waits_nor_loses_its_use(tmp_path, caplog):
     path = tmp_path / "responses.sqlite3"
-    store = ResponseStore(10, path, busy_timeout_ms=10)
+    clock = Clock()
+    store = ResponseStore(2, path, clock=clock, busy_timeout_ms=600_000)  # a write waits for the lock ...
+    another = ResponseStore(2, path, clock=clock, busy_timeout_ms=10)  # ... or gives up soon
     store.put(stored("resp_1"))
+    clock.now += 1
+    store.put(stored("resp_2"))
     other = sqlite3.connect(path, isolation_level=None)
-    other.execute("BEGIN EXCLUSIVE")  # another gateway holding the write lock past our timeout
+    other.execute("BEGIN EXCLUSIVE")  # another gateway holding the write lock
+    clock.now += 1
+    read = ThreadPoolExecutor(1).submit(store.get, "alice", "resp_1")
+    assert read.result(timeout=60).response["id"] == "resp_1"  # ... a read does not (WAL), nor does its mark of use
     with caplog.at_level(logging.WARNING, logger="gateway.response_store"):
-        store.put(stored("resp_2"))
-        assert store.get("alice", "resp_1").response["id"] == "resp_1"  # readers are not blocked (WAL)
-    assert "resp_2 not stored" in caplog.text and "cannot mark resp_1 used" in caplog.text
+        assert another.put(stored("resp_3")) is False  # said, for gateway/response_store_pending.py to try again
+    assert "resp_3 not stored" in caplog.text
     other.execute("ROLLBACK")
     other.close()
+    clock.now += 1
+    assert store.put(stored("resp_3")) is True
+    # resp_1's use, at a time the file was locked, was written with this put: resp_2 is the least recently used
     assert_not_found(store, "alice", "resp_2")
+    assert store.get("alice", "resp_1").response["id"] == "resp_1"
     store.close()
+    another.close()
 
 
 def test_the_settings_default_to_a_file_and_thirty_days():

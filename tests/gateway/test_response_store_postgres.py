@@ -97,11 +97,11 @@ async def test_the_sqlite_stores_semantics_on_postgres(store, clock):
     assert await status_of(store.aget("bob", "resp_bob")) == (404, "response_not_found")
 
 
-async def test_a_server_that_cannot_be_reached_costs_warnings_and_404s(tmp_path, caplog):
+async def test_a_server_that_cannot_be_reached_costs_warnings_and_503s(tmp_path, caplog):
     store = open_store(10, f"postgresql://postgres@/postgres?host={tmp_path}", ttl_days=30)  # no server there
     with caplog.at_level(logging.WARNING, logger="gateway.response_store_postgres"):
-        await store.aput(stored("resp_1"))
-        assert await status_of(store.aget("alice", "resp_1")) == (404, "response_not_found")
+        assert await store.aput(stored("resp_1")) is False  # (gateway/response_store_pending.py tries it again)
+        assert await status_of(store.aget("alice", "resp_1")) == (503, "responses_store_busy")
         assert await status_of(store.adelete("alice", "resp_1")) == (503, "responses_store_busy")
         assert await status_of(store.aerase("alice")) == (503, "responses_store_busy")
     assert "resp_1 not stored in postgresql://" in caplog.text and "cannot read postgresql://" in caplog.text

@@ -296,14 +296,17 @@ def test_admission_gauges_read_the_live_count():
 
 
 def test_the_response_store_is_read_at_scrape_time():
-    from gateway.responses import ResponseStore, Stored
+    from gateway.response_store import ResponseStore, Stored
 
     metrics = Metrics(MODEL, tenants=[])
     assert value(scrape(metrics), "prefixgate_responses_stored") == 0
     store = ResponseStore(max_responses=2)
-    metrics.responses.watch(lambda: len(store), lambda: store.num_dropped)
+    metrics.responses.watch(store)
     for n in range(3):
         store.put(Stored("alice", {"id": f"resp_{n}"}, [], []))
+    store.num_pending, store.num_lost = 4, 5  # (the waiting puts' count, gateway/response_store_pending.py)
     s = scrape(metrics)
     assert value(s, "prefixgate_responses_stored") == 2
     assert value(s, "prefixgate_responses_store_dropped_total") == 1
+    assert value(s, "prefixgate_responses_store_pending") == 4
+    assert value(s, "prefixgate_responses_store_lost_total") == 5
