@@ -92,8 +92,8 @@ class Scheduler:
                 continue  # preempted earlier in this step
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget.room(request))
             while not self.kv.allocate(request, num_tokens):
-                if self.running == [request] and self.kv.release_pin_for_room():
-                    continue  # alone it would wait for itself: pins give way (they never block a request)
+                if self.kv.release_pin_for_room():
+                    continue  # pins give way before any running request does: a pin ranks a prefix, it reserves no room
                 victim = self.running.pop()  # the newest running request gives way
                 budget.tokens += self._preempt(victim, out)
                 if victim is request:

@@ -202,6 +202,18 @@ def test_a_request_that_needs_the_whole_pool_runs_and_pins_give_way():
     assert big.output_token_ids and engine.kv.pins.released["pressure"] == 1
 
 
+def test_pins_give_way_before_a_running_request_is_preempted():
+    engine = MiniEngine(num_blocks=12, max_pinned_blocks=6)
+    engine.add(list(range(1, 13)), "a", pin_all())
+    engine.drain()
+    assert engine.kv.pins.num_blocks == 6
+    # two decodes that together outgrow the 6 unpinned blocks (2 + 4 tokens of their own: 3 blocks each, and more)
+    running = [engine.add(list(range(100 + 10 * i, 104 + 10 * i)), "b", None, max_tokens=6) for i in range(2)]
+    engine.drain()
+    assert all(len(r.output_token_ids) == 6 for r in running)
+    assert engine.scheduler.num_preemptions == 0 and engine.kv.pins.released["pressure"] >= 1
+
+
 def test_nested_breakpoints_share_blocks_and_count_them_once():
     engine = MiniEngine(num_blocks=16, max_pinned_blocks=8)
     cache = CacheDirectives((CacheBreakpoint(4, 300.0), CacheBreakpoint(8, 3600.0)))
