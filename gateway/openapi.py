@@ -96,7 +96,7 @@ def _common(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
         "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
         "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1, "nullable": True},
         "top_k": {"type": "integer", "minimum": -1, "nullable": True},
-        "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED, "nullable": True},
+        "seed": {"type": "integer", "minimum": -MAX_SEED - 1, "maximum": MAX_SEED, "nullable": True},
         "stop": {"nullable": True, "oneOf": [
             text, {"type": "array", "items": text, "maxItems": limits.max_stop_sequences}]},
         "n": {"type": "integer", "minimum": 1, "maximum": limits.max_n, "nullable": True},
@@ -186,8 +186,20 @@ def _chat_request(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
         "cache_control": _top_level_cache_control({"message": {
             "type": "integer", "description": "the index of the message it ends (default: the last)"}}),
         **_tool_fields(),
+        **_PROMPT_ENDING,
+        "echo": {"type": "boolean", "enum": [False], "nullable": True,
+                 "description": "offered on /v1/completions; a chat answer is not echoed"},
     })
     return {"type": "object", "required": ["model", "messages"], "properties": properties}
+
+
+_PROMPT_ENDING = {  # vLLM's: how a chat's prompt ends
+    "add_generation_prompt": {"type": "boolean", "nullable": True,
+                              "description": "default true: the prompt ends with the assistant's header"},
+    "continue_final_message": {"type": "boolean", "nullable": True, "description": (
+        "the prompt ends inside the final message, an assistant's, which the answer continues; needs "
+        "add_generation_prompt false")},
+}
 
 
 def _tool_fields() -> dict[str, Any]:
@@ -271,7 +283,7 @@ def _tokenize_operation(model_name: str, limits: GatewaySettings) -> dict[str, A
         "type": "object", "description": "messages (with optional tools) or prompt, not both",
         "properties": {"model": {**chat["model"], "nullable": True}, "messages": chat["messages"],
                        "tools": chat["tools"], "prompt": {"type": "string"},
-                       "add_generation_prompt": {"type": "boolean", "nullable": True, "description": "default true"},
+                       **_PROMPT_ENDING,
                        "add_special_tokens": {"type": "boolean", "enum": [False], "nullable": True,
                                               "description": "no special tokens are added to a prompt here"},
                        "return_token_strs": {"type": "boolean", "nullable": True}}}}}}

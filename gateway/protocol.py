@@ -49,6 +49,8 @@ class ChatRequest(GenerationRequest):
     messages: list[dict[str, str]]
     tools: ToolRequest | None = None  # None: no tools
     breakpoints: tuple[ChatBreakpoint, ...] = ()  # cache_control (gateway/cache_control.py)
+    add_generation_prompt: bool = True  # vLLM's: the prompt ends with the assistant's header
+    continue_final_message: bool = False  # vLLM's: the prompt ends inside the final assistant message
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +72,25 @@ def parse_chat(body: Any, limits: GatewaySettings, defaults: Mapping[str, Any] =
         max_tokens = fields.integer("max_tokens", None, 1)
     common = _common(fields, limits, max_tokens, (top or 0) if want_logprobs else None, defaults)
     messages = normalize_messages(fields.body.get("messages"), limits.max_messages)
+    if fields.boolean("echo", False):
+        raise invalid("echo is offered on /v1/completions; a chat completion's message holds the answer alone",
+                      "echo")
+    add_generation_prompt, continue_final_message = prompt_ending(fields)
     return ChatRequest(**common, messages=messages, tools=parse_tools(fields.body),
-                       breakpoints=tuple(chat_breakpoints(fields.body)))
+                       breakpoints=tuple(chat_breakpoints(fields.body)), add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message)
+
+
+def prompt_ending(fields: "_Fields") -> tuple[bool, bool]:
+    """vLLM's `add_generation_prompt` (default true) and `continue_final_message` (default false): a chat's prompt
+    ends with the assistant's header (a new answer), with the last message closed, or inside the final assistant
+    message, which the answer then continues."""
+    add_generation_prompt = fields.boolean("add_generation_prompt", True)
+    continue_final_message = fields.boolean("continue_final_message", False)
+    if add_generation_prompt and continue_final_message:
+        raise invalid("continue_final_message needs add_generation_prompt set to false (as vLLM asks)",
+                      "continue_final_message")
+    return add_generation_prompt, continue_final_message
 
 
 def parse_completion(body: Any, limits: GatewaySettings,
@@ -104,7 +123,7 @@ def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None, 
         temperature=fields.number("temperature", defaults["temperature"], 0.0, 2.0),
         top_p=fields.number("top_p", defaults["top_p"], 0.0, 1.0, low_open=True),
         top_k=fields.integer("top_k", defaults["top_k"], -1),
-        seed=fields.integer("seed", None, 0, MAX_SEED),
+        seed=fields.integer("seed", None, -MAX_SEED - 1, MAX_SEED),  # int64, as vLLM takes it (UIs send -1)
         stop=_stop(fields.body.get("stop"), limits.max_stop_sequences),
         n=fields.integer("n", 1, 1, limits.max_n),
         logprobs=logprobs,

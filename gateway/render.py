@@ -110,13 +110,16 @@ def content_text(content: Any, at: str, part_types: tuple[str, ...] = ("text",),
 
 
 async def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                      tool_template: ToolTemplate | None = None, add_generation_prompt: bool = True) -> list[int]:
-    """`tool_template` None: the template renders tools itself (or there are none)."""
+                      tool_template: ToolTemplate | None = None, add_generation_prompt: bool = True,
+                      continue_final_message: bool = False) -> list[int]:
+    """`tool_template` None: the template renders tools itself (or there are none). `continue_final_message`: the
+    prompt ends inside the final (assistant) message, for the answer to continue it."""
     if tool_template is not None and not tool_template.native:
         messages, tools = hermes_messages(messages, tools), None
+    args = (tokenizer, messages, tools, add_generation_prompt, continue_final_message)
     if sum(len(m["content"]) for m in messages) > _OFFLOAD_CHARS:
-        return await asyncio.to_thread(_render_chat, tokenizer, messages, tools, add_generation_prompt)
-    return _render_chat(tokenizer, messages, tools, add_generation_prompt)
+        return await asyncio.to_thread(_render_chat, *args)
+    return _render_chat(*args)
 
 
 async def encode_prompts(tokenizer: Any, prompts: list[str | list[int]], param: str) -> list[list[int]]:
@@ -142,20 +145,36 @@ async def decode(tokenizer: Any, token_ids: list[int]) -> str:
 
 
 async def render_body_chat(tokenizer: Any, body: dict[str, Any], max_messages: int, tool_template: ToolTemplate,
-                           add_generation_prompt: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None,
-                                                                 list[int]]:
+                           add_generation_prompt: bool, continue_final_message: bool = False
+                           ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, list[int]]:
     """A body's `messages` (with its `tools`) rendered as a chat request's: the messages, the tools the template
     shows, and the prompt's tokens (routes that take a chat but generate from none: cache warm, tokenize)."""
     messages = normalize_messages(body["messages"], max_messages)
     template_tools = tool_template.shown(parse_tools(body))
     return messages, template_tools, await render_chat(tokenizer, messages, template_tools, tool_template,
-                                                       add_generation_prompt)
+                                                       add_generation_prompt, continue_final_message)
 
 
 def _render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                 add_generation_prompt: bool = True) -> list[int]:
+                 add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     except (ValueError, jinja2.TemplateError) as exc:  # e.g. a template that wants alternating roles
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
+    if continue_final_message:
+        text = _cut_after_final_message(text, messages[-1])
     return tokenizer.encode(text)
+
+
+def _cut_after_final_message(text: str, final: dict[str, Any]) -> str:
+    """The rendered chat up to the end of the final message's text (what the template closes it with is cut), as
+    transformers' continue_final_message cuts it: the answer continues that message."""
+    if final["role"] != "assistant":
+        raise invalid("continue_final_message needs an assistant message last (the one the answer continues)",
+                      "messages")
+    content = final["content"].strip()
+    at = text.rfind(content) if content else -1
+    if at < 0:
+        raise invalid("continue_final_message needs the final message's text, as the chat template renders it",
+                      "messages")
+    return text[:at + len(content)]

@@ -42,7 +42,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tool_template = request.app[TOOL_TEMPLATE]
     with state.admission.admit(tenant, req.n):
         tools = tool_template.shown(req.tools)
-        prompt = await render_chat(state.engine.tokenizer, req.messages, tools, tool_template)
+        prompt = await render_chat(state.engine.tokenizer, req.messages, tools, tool_template,
+                                   req.add_generation_prompt, req.continue_final_message)
         cache = await chat_directives(state.engine.tokenizer, req.messages, req.breakpoints, prompt, tools,
                                       tool_template, tenant.max_pinned_blocks)
         fmt = ChatFormat(_new_id("chatcmpl-"), state.model_name, state.engine.tokenizer,

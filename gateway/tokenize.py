@@ -8,15 +8,15 @@ from aiohttp import web
 
 from gateway.errors import invalid
 from gateway.jsonbody import parse_body
-from gateway.protocol import _Fields
+from gateway.protocol import _Fields, prompt_ending
 from gateway.render import decode, encode, render_body_chat
 from gateway.state import STATE, GatewayState
 from gateway.tool_prompt import TOOL_TEMPLATE
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    """Body: `prompt` (a text) or `messages` (with optional `tools` and `add_generation_prompt`, default true),
-    optional `model` and `return_token_strs`. Answer: `count`, `max_model_len`, `tokens`, `token_strs` (each
+    """Body: `prompt` (a text) or `messages` (with optional `tools`, `add_generation_prompt` and
+    `continue_final_message`, as chat completions take them), optional `model` and `return_token_strs`. Answer: `count`, `max_model_len`, `tokens`, `token_strs` (each
     token's own text, U+FFFD where it holds part of a character; null unless asked for)."""
     state, fields = await _checked(request)
     body, tokenizer = fields.body, state.engine.tokenizer
@@ -26,15 +26,12 @@ async def tokenize(request: web.Request) -> web.Response:
     if fields.boolean("add_special_tokens", False):
         raise invalid("this server adds no special tokens to a prompt (its completions do not either)",
                       "add_special_tokens")
-    if fields.boolean("continue_final_message", False):
-        raise invalid("continue_final_message is not offered: a chat is rendered as chat completions render it",
-                      "continue_final_message")
     want_strs = fields.boolean("return_token_strs", False)
     if body.get("prompt") is not None:
         tokens = await encode(tokenizer, fields.string("prompt", None))
     else:
         _, _, tokens = await render_body_chat(tokenizer, body, state.settings.gateway.max_messages,
-                                              request.app[TOOL_TEMPLATE], fields.boolean("add_generation_prompt", True))
+                                              request.app[TOOL_TEMPLATE], *prompt_ending(fields))
     strs = [tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in tokens] if want_strs else None
     return web.json_response({"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens,
                               "token_strs": strs})

@@ -344,6 +344,25 @@ def test_tokenize_counts_as_the_generation_routes_do(server):
     server.wait_idle()
 
 
+def test_a_chat_prompt_ends_as_add_generation_prompt_and_continue_final_message_say(server):
+    """vLLM's two fields: the answer starts a new assistant message (the default), follows a closed last message,
+    or continues the final assistant message's text (its closing cut); chat completions and /tokenize agree."""
+    messages = [{"role": "user", "content": "Write a haiku"}, {"role": "assistant", "content": "Autumn moonlight"}]
+    endings = {"new answer": {}, "closed": {"add_generation_prompt": False},
+               "continued": {"add_generation_prompt": False, "continue_final_message": True}}
+    counted = {name: post(server, "/tokenize", {"messages": messages, **ending}).json()
+               for name, ending in endings.items()}
+    for name, ending in endings.items():
+        chat = post(server, "/v1/chat/completions", {**CHAT, "messages": messages, **ending})
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == counted[name]["count"], name
+    tokens = {name: c["tokens"] for name, c in counted.items()}
+    assert tokens["closed"] == tokens["new answer"][:len(tokens["closed"])]  # the header after the closed turn
+    assert tokens["continued"] == tokens["closed"][:len(tokens["continued"])] and \
+        len(tokens["continued"]) < len(tokens["closed"])  # the closing cut
+    assert post(server, "/detokenize", {"tokens": tokens["continued"]}).json()["prompt"].endswith("Autumn moonlight")
+    server.wait_idle()
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/tokenize", {}, "messages"),
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, "messages"),
@@ -351,7 +370,9 @@ def test_tokenize_counts_as_the_generation_routes_do(server):
     ("/tokenize", {"messages": [{"role": "robot", "content": "a"}]}, "messages[0].role"),
     ("/tokenize", {"prompt": "a", "add_special_tokens": True}, "add_special_tokens"),
     ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True},
-     "continue_final_message"),
+     "continue_final_message"),  # (with add_generation_prompt's default, true)
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True,
+                   "add_generation_prompt": False}, "messages"),  # no assistant message to continue
     ("/tokenize", {"prompt": "a", "return_token_strs": "yes"}, "return_token_strs"),
     ("/detokenize", {"tokens": "12"}, "tokens"),
     ("/detokenize", {"tokens": [1, True]}, "tokens"),

@@ -308,6 +308,7 @@ def test_chat_defaults_and_fields():
     assert (req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed, req.stop, req.n) == (
         5, 0.0, 0.5, 3, 7, ("x",), 2)
     assert (req.logprobs, req.stream, req.include_usage, req.cache_salt, req.ignore_eos) == (2, True, True, "s", True)
+    assert parse_chat({**CHAT, "seed": -1}, LIMITS).seed == -1  # int64, as vLLM takes it (UIs send -1 for random)
     plain = parse_chat({**CHAT, "temperature": None}, LIMITS)
     assert (plain.max_tokens, plain.temperature, plain.n, plain.logprobs, plain.stop) == (None, 1.0, 1, None, ())
     assert parse_chat({**CHAT, "logprobs": True}, LIMITS).logprobs == 0
@@ -334,7 +335,8 @@ def test_chat_content_parts_and_roles():
     ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"),
     ({"n": 0}, "n"), ({"n": 5}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 101}, "max_tokens"),
     ({"max_completion_tokens": "5"}, "max_completion_tokens"),
-    ({"seed": -1}, "seed"), ({"seed": "1"}, "seed"),
+    ({"seed": "1"}, "seed"), ({"echo": True}, "echo"),
+    ({"continue_final_message": True}, "continue_final_message"),  # (with add_generation_prompt's default, true)
     ({"stop": 3}, "stop"), ({"stop": ["a", "b", "c"]}, "stop"), ({"stop": [""]}, "stop"),
     ({"logprobs": 1}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
