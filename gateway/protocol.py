@@ -123,7 +123,7 @@ def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None, 
         temperature=fields.number("temperature", defaults["temperature"], 0.0, 2.0),
         top_p=fields.number("top_p", defaults["top_p"], 0.0, 1.0, low_open=True),
         top_k=fields.integer("top_k", defaults["top_k"], -1),
-        seed=fields.integer("seed", None, -MAX_SEED - 1, MAX_SEED),  # int64, as vLLM takes it (UIs send -1)
+        seed=_seed(fields),
         stop=_stop(fields.body.get("stop"), limits.max_stop_sequences),
         n=fields.integer("n", 1, 1, limits.max_n),
         logprobs=logprobs,
@@ -134,6 +134,12 @@ def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None, 
         ignore_eos=fields.boolean("ignore_eos", False),
         **sampling_fields(fields, defaults),
     )
+
+
+def _seed(fields: "_Fields") -> int | None:
+    """vLLM's range, int64, where -1 means no seed (UIs send it for "random"): each answer sampled afresh."""
+    seed = fields.integer("seed", None, -MAX_SEED - 1, MAX_SEED)
+    return None if seed == -1 else seed
 
 
 def _stop(raw: Any, max_stop: int) -> tuple[str, ...]:

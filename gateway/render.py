@@ -157,24 +157,29 @@ async def render_body_chat(tokenizer: Any, body: dict[str, Any], max_messages: i
 
 def _render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                  add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+    if continue_final_message:
+        if messages[-1]["role"] != "assistant":
+            raise invalid("continue_final_message needs an assistant message last (the one the answer continues)",
+                          "messages")
+        messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     except (ValueError, jinja2.TemplateError) as exc:  # e.g. a template that wants alternating roles
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
     if continue_final_message:
-        text = _cut_after_final_message(text, messages[-1])
+        text = _cut_at_tag(text)
     return tokenizer.encode(text)
 
 
-def _cut_after_final_message(text: str, final: dict[str, Any]) -> str:
-    """The rendered chat up to the end of the final message's text (what the template closes it with is cut), as
-    transformers' continue_final_message cuts it: the answer continues that message."""
-    if final["role"] != "assistant":
-        raise invalid("continue_final_message needs an assistant message last (the one the answer continues)",
-                      "messages")
-    content = final["content"].strip()
-    at = text.rfind(content) if content else -1
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' mark of where the final message's text ends
+
+
+def _cut_at_tag(text: str) -> str:
+    """The rendered chat up to the end of the final message's text, as transformers' continue_final_message cuts
+    it: at the tag put after that text, so neither the template's closing nor a match inside it is kept; where the
+    template trimmed the text's trailing space (and so the tag's), what precedes the tag is trimmed too."""
+    at = text.rfind(_CONTINUE_TAG.strip())
     if at < 0:
         raise invalid("continue_final_message needs the final message's text, as the chat template renders it",
                       "messages")
-    return text[:at + len(content)]
+    return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()

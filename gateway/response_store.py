@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 IN_MEMORY = ":memory:"
 RESPONSES_DB_ENV = "PREFIXGATE_RESPONSES_DB"  # e.g. a postgresql:// URL from a Kubernetes Secret, off the command line
 BUSY_TIMEOUT_MS = 2000  # a write waits at most this long for another gateway's (on the store's thread)
-RETRY_AFTER_S = 1  # a delete or erase that found the file locked
+RETRY_AFTER_S = 1  # a read, delete or erasure the database could not serve: try again after this long
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY,
@@ -83,7 +83,8 @@ class ResponseStore:
         self.path = str(path)
         self._busy_timeout_ms = busy_timeout_ms
         self._lock = threading.Lock()  # the writer's connection: one call at a time, whichever thread makes it
-        self._read_lock = threading.Lock()  # the reader's (the same lock in memory, where they are one)
+        # the reader's: the same connection and lock in memory (a second connection would be a database of its own)
+        self._read_lock = self._lock if self.path == IN_MEMORY else threading.Lock()
         self._db, self._reader, self._file_id = self._connect()
         self._used: dict[str, float] = {}  # gets whose used_at the file was too busy to take: written at the next put
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="prefixgate-responses")
@@ -92,18 +93,22 @@ class ResponseStore:
         len(self)
 
     def _connect(self) -> tuple[sqlite3.Connection, sqlite3.Connection, tuple[int, int] | None]:
+        """The writer's connection, the reader's, and the file's identity (device, inode)."""
         db = _open(self.path, self._busy_timeout_ms)
-        if self.path == IN_MEMORY:  # (a second connection would be a database of its own)
-            self._read_lock = self._lock
+        if self.path == IN_MEMORY:
             return db, db, None
-        stat = os.stat(self.path)
-        return db, sqlite3.connect(self.path, timeout=self._busy_timeout_ms / 1000, check_same_thread=False), \
-            (stat.st_dev, stat.st_ino)
+        try:
+            stat = os.stat(self.path)
+            reader = sqlite3.connect(self.path, timeout=self._busy_timeout_ms / 1000, check_same_thread=False)
+        except (sqlite3.Error, OSError):
+            db.close()
+            raise
+        return db, reader, (stat.st_dev, stat.st_ino)
 
     # ---- for the event loop: the same calls, on the store's threads
 
-    async def aput(self, stored: Stored) -> bool:
-        return await self._off_loop(self._thread, self.put, stored)
+    async def aput(self, stored: Stored, warn: bool = True) -> bool:
+        return await self._off_loop(self._thread, self.put, stored, warn)
 
     async def aget(self, tenant: str, response_id: str) -> Stored:
         return await self._off_loop(self._read_thread, self.get, tenant, response_id)
@@ -120,15 +125,15 @@ class ResponseStore:
 
     # ---- the calls themselves (blocking)
 
-    def put(self, stored: Stored) -> bool:
-        """True once the file holds it; False (with a warning) when it cannot be written: locked past the
-        timeout, or broken."""
+    def put(self, stored: Stored, warn: bool = True) -> bool:
+        """True once the file holds it; False (with a warning, if `warn`) when it cannot be written: locked past
+        the timeout, or broken."""
         now = self._clock()
         row = (stored.response["id"], stored.tenant, json.dumps(stored.response), json.dumps(stored.input_items),
                json.dumps(stored.messages), now, now)
+        used, self._used = self._used, {}  # (swapped whole: a get's mark made meanwhile goes to the new dict)
         try:
             self._reopen_if_replaced()
-            used = dict(self._used)
             with self._lock, self._db:  # one transaction: the row, the marks of use, the expired rows, the overflow
                 self._db.executemany("UPDATE responses SET used_at = MAX(used_at, ?) WHERE id = ?",
                                      [(at, response_id) for response_id, at in used.items()])
@@ -137,12 +142,12 @@ class ResponseStore:
                 dropped = self._db.execute(
                     "DELETE FROM responses WHERE id IN (SELECT id FROM responses WHERE tenant = ? ORDER BY used_at "
                     "DESC, rowid DESC LIMIT -1 OFFSET ?)", (stored.tenant, self.max_responses)).rowcount
-            for response_id, at in used.items():
-                if self._used.get(response_id) == at:
-                    del self._used[response_id]
             self.num_dropped += dropped
         except (sqlite3.Error, OSError) as exc:  # locked past the timeout, or broken
-            log.warning("stored responses: %s not stored in %s (%s)", row[0], self.path, exc)
+            for response_id, at in used.items():  # kept for the next put
+                self._used[response_id] = max(at, self._used.get(response_id, at))
+            if warn:
+                log.warning("stored responses: %s not stored in %s (%s)", row[0], self.path, exc)
             return False
         len(self)
         return True
@@ -159,12 +164,18 @@ class ResponseStore:
             same = False
         if same:
             return
-        log.warning("stored responses: %s was deleted or replaced while serving; opening it again (what this "
+        try:
+            fresh = self._connect()
+        except CorruptFile as exc:  # as at start: moved aside, a new store begins on the path
+            log.warning("stored responses: %s was replaced by a corrupt file (%s); moved it to %s", self.path, exc,
+                        _move_aside(self.path))
+            fresh = self._connect()
+        log.warning("stored responses: %s was deleted or replaced while serving; opened it again (what this "
                     "gateway stored since is lost with the old file)", self.path)
-        with self._lock, self._read_lock:
+        with self._lock, self._read_lock:  # the new pair opened first: a failed open leaves the old one serving
             self._db.close()
             self._reader.close()
-            self._db, self._reader, self._file_id = self._connect()
+            self._db, self._reader, self._file_id = fresh
 
     def get(self, tenant: str, response_id: str) -> Stored:
         """The tenant's stored response; 404 for an unknown id, an expired one and another tenant's alike; 503

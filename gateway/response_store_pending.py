@@ -7,22 +7,24 @@ first that the database takes again empties the queue in order.
 Puts are shielded from their request's cancellation: a client that goes away the moment it has its answer (the
 openai SDK leaving a stream at `response.completed`) does not cancel the write of what it was told is stored.
 
-Bounded: beyond `max_pending` waiting puts, the oldest is dropped with a warning; what still waits when the
-gateway stops is tried once more, then named in a warning. Other gateways see a waiting put only once it is
-written (their `previous_response_id` to it is a 400 until then).
+Bounded: beyond `max_pending_bytes` of waiting conversations, the oldest is dropped with a warning; what still
+waits when the gateway stops is tried once more, then named in a warning. Other gateways see a waiting put only
+once it is written (their `previous_response_id` to it is a 400 until then).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Protocol
 
+from gateway.errors import APIError
 from gateway.response_store import Stored, not_found
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0
-MAX_PENDING = 10_000
+MAX_PENDING_BYTES = 256 * 2**20  # of the waiting conversations' JSON (a long chat is a megabyte or more)
 
 
 class Backend(Protocol):  # gateway/response_store.py (SQLite) and gateway/response_store_postgres.py
@@ -30,7 +32,7 @@ class Backend(Protocol):  # gateway/response_store.py (SQLite) and gateway/respo
     num_stored: int
     num_dropped: int
 
-    async def aput(self, stored: Stored) -> bool: ...
+    async def aput(self, stored: Stored, warn: bool = True) -> bool: ...
     async def aget(self, tenant: str, response_id: str) -> Stored: ...
     async def adelete(self, tenant: str, response_id: str) -> None: ...
     async def aerase(self, tenant: str) -> int: ...
@@ -40,12 +42,14 @@ class Backend(Protocol):  # gateway/response_store.py (SQLite) and gateway/respo
 class PendingPuts:
     """A store (`backend`) with the puts it refused kept and tried again; the same calls as the store."""
 
-    def __init__(self, backend: Backend, max_pending: int = MAX_PENDING, retry_s: float = RETRY_S) -> None:
+    def __init__(self, backend: Backend, max_pending_bytes: int = MAX_PENDING_BYTES, retry_s: float = RETRY_S) -> None:
         self.backend = backend
-        self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
         self.retry_s = retry_s
-        self.num_lost = 0  # dropped beyond max_pending, or still waiting at close
+        self.num_lost = 0  # dropped beyond max_pending_bytes, or still waiting at close
         self._pending: dict[str, Stored] = {}  # response id -> its put, oldest first
+        self._sizes: dict[str, int] = {}  # response id -> its JSON's bytes
+        self._pending_bytes = 0
         self._writing = asyncio.Lock()  # a waiting put being written: a delete of it waits for the outcome
         self._retrying: asyncio.Task | None = None
         self._puts: set[asyncio.Task] = set()  # (referenced until done: the loop keeps only weak references)
@@ -78,40 +82,50 @@ class PendingPuts:
 
     def _keep(self, stored: Stored) -> None:
         response_id = stored.response["id"]
-        self._pending.pop(response_id, None)
-        self._pending[response_id] = stored
-        if len(self._pending) == 1 and not self._retrying:
+        self._forget(response_id)
+        if not self._pending and not self._retrying:
             log.warning("stored responses: %s cannot take puts now; keeping them in memory and trying again every "
                         "%g s", self.path, self.retry_s)
-        while len(self._pending) > self.max_pending:
+        self._pending[response_id] = stored
+        self._sizes[response_id] = sum(len(json.dumps(part)) for part in
+                                       (stored.response, stored.input_items, stored.messages))
+        self._pending_bytes += self._sizes[response_id]
+        while self._pending_bytes > self.max_pending_bytes and len(self._pending) > 1:
             lost = next(iter(self._pending))
-            del self._pending[lost]
+            self._forget(lost)
             self.num_lost += 1
-            log.warning("stored responses: %d puts wait for %s; dropped the oldest, %s", self.max_pending, self.path,
-                        lost)
+            log.warning("stored responses: more than %d MiB of puts wait for %s; dropped the oldest, %s",
+                        self.max_pending_bytes >> 20, self.path, lost)
         if self._retrying is None:
             self._retrying = asyncio.create_task(self._retry())
+
+    def _forget(self, response_id: str) -> None:
+        if self._pending.pop(response_id, None) is not None:
+            self._pending_bytes -= self._sizes.pop(response_id)
 
     async def _retry(self) -> None:
         try:
             while self._pending:
                 await asyncio.sleep(self.retry_s)
-                await self._write_pending()
+                try:
+                    await self._write_pending()
+                except Exception:  # noqa: BLE001 - a backend's own bug: said, and tried again at the next tick
+                    log.exception("stored responses: writing the puts kept in memory to %s failed", self.path)
             log.warning("stored responses: %s took every put kept in memory", self.path)
         finally:
             self._retrying = None
 
     async def _write_pending(self) -> None:
-        """In order, until the first the database refuses."""
+        """In order, until the first the database refuses (not said again: _keep said it once)."""
         while self._pending:
             response_id, stored = next(iter(self._pending.items()))
             async with self._writing:
                 if self._pending.get(response_id) is not stored:  # deleted or put again meanwhile
                     continue
-                if not await self.backend.aput(stored):
+                if not await self.backend.aput(stored, warn=False):
                     return
                 if self._pending.get(response_id) is stored:
-                    del self._pending[response_id]
+                    self._forget(response_id)
 
     async def aget(self, tenant: str, response_id: str) -> Stored:
         if "\x00" in response_id:  # no id holds one (and Postgres refuses it in a query: a 503 forever)
@@ -126,24 +140,26 @@ class PendingPuts:
     async def adelete(self, tenant: str, response_id: str) -> None:
         if "\x00" in response_id:
             raise not_found(response_id)
-        async with self._writing:
-            stored = self._pending.get(response_id)
-            if stored is None or stored.tenant != tenant:
+        if (stored := self._pending.get(response_id)) is None or stored.tenant != tenant:
+            await self.backend.adelete(tenant, response_id)  # (not waiting: written, or never put)
+            return
+        async with self._writing:  # a retry writing it finishes first
+            if response_id not in self._pending:  # written meanwhile
                 await self.backend.adelete(tenant, response_id)
                 return
-            del self._pending[response_id]
-        # never written, unless a put that timed out was committed all the same: then it goes too, or stays only
-        # until the database answers (the client asked for a delete, and was answered: its copy here is gone)
+            self._forget(response_id)
+        # never written, unless a put that timed out was committed all the same: that row is deleted now where the
+        # database answers, else it stays (the delete is not tried again)
         try:
             await self.backend.adelete(tenant, response_id)
-        except Exception as exc:  # noqa: BLE001 - a 404 (the usual case) or the database still away
-            log.debug("stored responses: %s deleted from memory; the database said %s", response_id, exc)
+        except APIError as exc:
+            log.debug("stored responses: %s deleted from memory; the database answered %s", response_id, exc.code)
 
     async def aerase(self, tenant: str) -> int:
         async with self._writing:
             mine = [r for r, stored in self._pending.items() if stored.tenant == tenant]
             for response_id in mine:
-                del self._pending[response_id]
+                self._forget(response_id)
         return len(mine) + await self.backend.aerase(tenant)
 
     async def aclose(self) -> None:

@@ -17,8 +17,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from gateway.response_store import Stored, not_found, unavailable
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 SCHEMES = ("postgresql://", "postgres://")
 CONNECT_TIMEOUT_S = 5
 CALL_TIMEOUT_S = 5  # a call's whole time, a first connection included
+T = TypeVar("T")
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS prefixgate_responses (
     id TEXT PRIMARY KEY,
@@ -73,14 +74,16 @@ class PostgresResponseStore:
         self._clock = clock
         self._pool = None
         self._opening: asyncio.Lock | None = None
+        self._cleaning: set[asyncio.Task] = set()  # calls given up on, ending in the background
 
-    async def aput(self, stored: Stored) -> bool:
-        """True once the server holds it; False (with a warning) when it cannot be written now."""
+    async def aput(self, stored: Stored, warn: bool = True) -> bool:
+        """True once the server holds it; False when it cannot be written now (with a warning, if `warn`)."""
         now = self._clock()
         row = (stored.response["id"], stored.tenant, json.dumps(stored.response), json.dumps(stored.input_items),
                json.dumps(stored.messages), now, now)
-        try:
-            async with asyncio.timeout(CALL_TIMEOUT_S), (await self._connect()).acquire() as db, db.transaction():
+
+        async def put(db) -> str:
+            async with db.transaction():
                 await db.execute("INSERT INTO prefixgate_responses VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT "
                                  "(id) DO UPDATE SET tenant = $2, response = $3, input_items = $4, messages = $5, "
                                  "created_at = $6, used_at = $7", *row)
@@ -89,8 +92,12 @@ class PostgresResponseStore:
                     "DELETE FROM prefixgate_responses WHERE id IN (SELECT id FROM prefixgate_responses "
                     "WHERE tenant = $1 ORDER BY used_at DESC, id DESC OFFSET $2)", stored.tenant, self.max_responses)
                 self.num_stored = await db.fetchval("SELECT COUNT(*) FROM prefixgate_responses")
+            return dropped
+        try:
+            dropped = await self._call(put)
         except self._failures as exc:
-            log.warning("stored responses: %s not stored in %s (%s)", row[0], self.path, _named(exc))
+            if warn:
+                log.warning("stored responses: %s not stored in %s (%s)", row[0], self.path, _named(exc))
             return False
         self.num_dropped += int(dropped.split()[-1])  # "DELETE <rows>"
         return True
@@ -98,10 +105,9 @@ class PostgresResponseStore:
     async def aget(self, tenant: str, response_id: str) -> Stored:
         now = self._clock()
         try:
-            async with asyncio.timeout(CALL_TIMEOUT_S), (await self._connect()).acquire() as db:
-                row = await db.fetchrow("UPDATE prefixgate_responses SET used_at = $1 WHERE id = $2 AND tenant = $3 "
-                                        "AND created_at >= $4 RETURNING response, input_items, messages",
-                                        now, response_id, tenant, now - self.ttl_s)
+            row = await self._call(lambda db: db.fetchrow(
+                "UPDATE prefixgate_responses SET used_at = $1 WHERE id = $2 AND tenant = $3 AND created_at >= $4 "
+                "RETURNING response, input_items, messages", now, response_id, tenant, now - self.ttl_s))
         except self._failures as exc:
             log.warning("stored responses: cannot read %s (%s) for %r", self.path, _named(exc), response_id)
             raise unavailable("response_id") from None
@@ -111,9 +117,9 @@ class PostgresResponseStore:
 
     async def adelete(self, tenant: str, response_id: str) -> None:
         try:
-            async with asyncio.timeout(CALL_TIMEOUT_S), (await self._connect()).acquire() as db:
-                status = await db.execute("DELETE FROM prefixgate_responses WHERE id = $1 AND tenant = $2 AND "
-                                          "created_at >= $3", response_id, tenant, self._clock() - self.ttl_s)
+            status = await self._call(lambda db: db.execute(
+                "DELETE FROM prefixgate_responses WHERE id = $1 AND tenant = $2 AND created_at >= $3",
+                response_id, tenant, self._clock() - self.ttl_s))
         except self._failures as exc:
             log.warning("stored responses: cannot delete %r in %s (%s)", response_id, self.path, _named(exc))
             raise unavailable("response_id") from None
@@ -124,8 +130,8 @@ class PostgresResponseStore:
     async def aerase(self, tenant: str) -> int:
         """Deletes every stored response of `tenant` (DELETE /v1/cache); 503 when the server cannot be reached."""
         try:
-            async with asyncio.timeout(CALL_TIMEOUT_S), (await self._connect()).acquire() as db:
-                status = await db.execute("DELETE FROM prefixgate_responses WHERE tenant = $1", tenant)
+            status = await self._call(lambda db: db.execute(
+                "DELETE FROM prefixgate_responses WHERE tenant = $1", tenant))
         except self._failures as exc:
             log.warning("stored responses: cannot erase tenant %s's in %s (%s)", tenant, self.path, _named(exc))
             raise unavailable() from None
@@ -134,8 +140,42 @@ class PostgresResponseStore:
         return erased
 
     async def aclose(self) -> None:
-        if self._pool is not None:
-            await self._pool.close()
+        if self._pool is None:
+            return
+        try:
+            await asyncio.wait_for(self._pool.close(), CALL_TIMEOUT_S)
+        except asyncio.TimeoutError:  # a server that answers nothing: its connections are cut
+            self._pool.terminate()
+
+    async def _call(self, work: Callable[[Any], Awaitable[T]]) -> T:
+        """`work(db)` on a pooled connection, in CALL_TIMEOUT_S at most, the first connection included. Past it the
+        connection is terminated and the call raises TimeoutError: a cancelled query would wait for a ROLLBACK or a
+        cancel request that a frozen server never answers, so the call's own clean-up goes on in the background."""
+        held = []
+
+        async def run() -> T:
+            async with (await self._connect()).acquire(timeout=CALL_TIMEOUT_S) as db:
+                held.append(db)
+                return await work(db)
+        task = asyncio.ensure_future(run())
+        try:
+            done, _ = await asyncio.wait({task}, timeout=CALL_TIMEOUT_S)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if done:
+            return task.result()
+        for db in held:
+            db.terminate()
+        task.cancel()
+        self._cleaning.add(task)
+        task.add_done_callback(self._cleaned)
+        raise asyncio.TimeoutError(f"no answer in {CALL_TIMEOUT_S} s")
+
+    def _cleaned(self, task: asyncio.Task) -> None:
+        self._cleaning.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # (retrieved: the call already failed)
+            log.debug("stored responses: a call given up on ended with %s", _named(task.exception()))
 
     async def _connect(self):
         """The pool, made (with the table) on first use; one that fails is tried again by the next call."""
@@ -151,7 +191,7 @@ class PostgresResponseStore:
                         await db.execute(SCHEMA)
                         self.num_stored = await db.fetchval("SELECT COUNT(*) FROM prefixgate_responses")
                 except BaseException:
-                    await pool.close()
+                    pool.terminate()
                     raise
                 self._pool = pool
         return self._pool

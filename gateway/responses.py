@@ -317,7 +317,7 @@ async def create(request: web.Request) -> web.StreamResponse:
 
 
 async def _remember(store: PendingPuts, tenant: str, req: ResponsesRequest, response: dict[str, Any],
-              message: dict[str, Any]) -> None:
+                    message: dict[str, Any]) -> None:
     if req.store:
         answer = {k: v for k, v in message.items() if k in ("role", "content", "tool_calls")}
         answer["content"] = answer.get("content") or ""

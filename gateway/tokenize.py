@@ -16,8 +16,9 @@ from gateway.tool_prompt import TOOL_TEMPLATE
 
 async def tokenize(request: web.Request) -> web.Response:
     """Body: `prompt` (a text) or `messages` (with optional `tools`, `add_generation_prompt` and
-    `continue_final_message`, as chat completions take them), optional `model` and `return_token_strs`. Answer: `count`, `max_model_len`, `tokens`, `token_strs` (each
-    token's own text, U+FFFD where it holds part of a character; null unless asked for)."""
+    `continue_final_message`, as chat completions take them), optional `model` and `return_token_strs`. Answer:
+    `count`, `max_model_len`, `tokens`, `token_strs` (each token's own text, U+FFFD where it holds part of a
+    character; null unless asked for)."""
     state, fields = await _checked(request)
     body, tokenizer = fields.body, state.engine.tokenizer
     if (body.get("messages") is None) == (body.get("prompt") is None):

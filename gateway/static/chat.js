@@ -14,7 +14,7 @@ const EXPORT_FORMAT = "prefixgate.chats";
 const CACHE_REFRESH_MS = 2000;
 const START_RETRY_MS = 2000;
 const PARTIAL_SAVE_MS = 1000;  // a streaming answer is saved this often, so a reload keeps what came
-const LIVE_MS = 3 * PARTIAL_SAVE_MS;  // an answer another tab saved this recently still streams there
+const LIVE_MS = 5 * PARTIAL_SAVE_MS;  // an answer another tab saved this recently still streams there
 
 let chats = loadChats();
 let current = localStorage.getItem(CURRENT);
@@ -73,9 +73,9 @@ function save(chat = currentChat()) {  // the chat that changed, and which one i
 }
 
 // Another tab saved or deleted a chat. The list takes it at once; the chat on screen is drawn again (the reader's
-// place kept) only where this tab is not working in it (no answer streaming into it here, no edit or rename open)
-// and the other tab's copy is not a stream still running there (drawn when it ends). A chat streaming here keeps
-// its messages; deleted elsewhere, its answer stops; renamed elsewhere, it takes the title.
+// place kept) where this tab is not working in it (no answer streaming into it here, no edit or rename open): an
+// answer streaming there shows here as it is saved, "answering in another tab". A chat streaming here keeps its
+// messages; deleted elsewhere, its answer stops; renamed elsewhere, it takes the title.
 window.addEventListener("storage", (event) => {
   if (!event.key?.startsWith(CHAT_PREFIX)) return;
   const id = event.key.slice(CHAT_PREFIX.length);
@@ -86,7 +86,6 @@ window.addEventListener("storage", (event) => {
     else if (mine) mine.title = theirs.title;
     if (theirs) { drawList(); return; }
   }
-  if (theirs?.id && streamingElsewhere(theirs) && mine) return;
   chats = chats.filter((c) => c.id !== id);
   if (theirs?.id) chats.push(theirs);
   chats.sort((a, b) => (b.updated ?? 0) - (a.updated ?? 0));
@@ -207,17 +206,18 @@ function chatItem(chat) {
   return item;
 }
 
-function renameChat(item, open, chat) {
+function renameChat(item, open, { id, title }) {
   const input = document.createElement("input");
   input.className = "title-input";
-  input.value = chat.title;
+  input.value = title;
   input.setAttribute("aria-label", "Chat title");
   let done = false;
   const finish = (keep) => {
     if (done) return;
     done = true;
-    if (keep && input.value.trim()) chat.title = input.value.trim();
-    save(chat);
+    const chat = chats.find((c) => c.id === id);  // (another tab's save may have replaced this tab's copy)
+    if (chat && keep && input.value.trim()) chat.title = input.value.trim();
+    if (chat) save(chat);
     render();
   };
   input.addEventListener("keydown", (event) => {
@@ -229,6 +229,8 @@ function renameChat(item, open, chat) {
   input.focus();
   input.select();
 }
+
+let liveCheck = null;  // one redraw when the last "answering in another tab" would lapse (that tab closed at once)
 
 function messageElement(message, index, count) {
   const el = document.createElement("div");
@@ -251,7 +253,12 @@ function messageElement(message, index, count) {
   if (message.stats) {
     const stats = document.createElement("div");
     stats.className = "stats";
-    stats.textContent = streamingElsewhere({ messages: [message] }) ? "answering in another tab" : message.stats;
+    const live = streamingElsewhere({ messages: [message] });
+    stats.textContent = live ? "answering in another tab" : message.stats;
+    if (live) {
+      clearTimeout(liveCheck);
+      liveCheck = setTimeout(() => drawMessages(false), LIVE_MS);
+    }
     el.append(stats);
   }
   return el;
@@ -275,17 +282,23 @@ function actions(message, index, count, el) {
 }
 
 function editBox(el, index) {
-  const chat = currentChat();
-  if (streams.has(chat.id)) return;
+  const { id, messages } = currentChat();
+  if (streams.has(id)) return;
   const box = document.createElement("div");
   box.className = "edit-box";
   const text = document.createElement("textarea");
-  text.value = chat.messages[index].content;
+  text.value = messages[index].content;
   text.rows = Math.min(10, text.value.split("\n").length + 1);
   text.setAttribute("aria-label", "Edited message");
   const saveButton = button("save", "Save & send", "Replace this message and answer it again", () => {
     const content = text.value.trim();
-    if (!content || !free(chat)) return;
+    const chat = chats.find((c) => c.id === id);  // (another tab's save may have replaced this tab's copy)
+    if (!content || !chat || !free(chat)) return;
+    if (chat.messages[index]?.role !== "user") {  // (that save moved the messages: the edit has no place)
+      showError("This chat changed in another tab: edit the message again.");
+      render();
+      return;
+    }
     chat.messages[index].content = content;
     chat.messages.splice(index + 1);  // the edit replaces what followed it (no branches)
     answer(chat);
@@ -443,7 +456,11 @@ async function answer(chat) {
   let usage = null;
   let tokens = 0;
   let ending = null;
-  const saving = setInterval(() => storeStreaming(chat, reply), PARTIAL_SAVE_MS);  // (a long prefill too)
+  let savedAt = sent;
+  const saving = setInterval(() => {  // (a long prefill too, before any token)
+    savedAt = performance.now();
+    storeStreaming(chat, reply);
+  }, PARTIAL_SAVE_MS);
   const closing = () => storeStreaming(chat, reply, false);
   window.addEventListener("pagehide", closing);
   try {
@@ -466,6 +483,10 @@ async function answer(chat) {
         first ??= performance.now();
         reply.content += choice.delta.content;
         paintLast(chat, reply);
+        if (performance.now() - savedAt > PARTIAL_SAVE_MS) {  // (the timer's ticks slow down in a hidden tab)
+          savedAt = performance.now();
+          storeStreaming(chat, reply);
+        }
       }
       if (choice?.finish_reason) ending = CUT[choice.finish_reason] ?? null;
       if (event.usage) usage = event.usage;

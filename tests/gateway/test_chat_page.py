@@ -453,6 +453,28 @@ def test_another_tabs_saves_leave_an_open_edit_alone_and_an_older_store_moves_ov
     opened.close()
 
 
+def test_an_edit_open_while_another_tab_renames_the_chat_is_still_saved(browser, server):
+    opened = Opened(browser, server.url + "/")
+    page, other = opened.page, opened.context.new_page()
+    settings(page, max_tokens="2")
+    send(page, "a question to edit")
+    answer_stats(page, 0)
+    page.locator(".message.user .actions .edit").click()
+    other.goto(server.url + "/")
+    other.locator("#chats li.current button.rename").click()
+    other.fill("#chats li .title-input", "Renamed there")
+    other.press("#chats li .title-input", "Enter")
+    expect(page.locator("#chats li.current button.open")).to_have_text("Renamed there")  # this tab took the save
+    page.fill(".edit-box textarea", "the question, edited")
+    page.click(".edit-box .save")
+    answer_stats(page, 0)
+    page.reload()  # the edit and its answer were stored, under the other tab's title
+    expect(page.locator(".message.user .body")).to_have_text("the question, edited")
+    expect(page.locator(".message")).to_have_count(2)
+    expect(page.locator("#chats li.current button.open")).to_have_text("Renamed there")
+    opened.close()
+
+
 def test_a_reader_keeps_their_place_when_an_answer_ends_and_a_delete_elsewhere_stops_it(browser, server):
     with slowed(server, 0.05):
         opened = Opened(browser, server.url + "/")
@@ -528,10 +550,11 @@ def test_a_chat_answering_in_another_tab_is_not_sent_into_and_a_rename_there_rea
     with slowed(server, 0.05):
         opened = Opened(browser, server.url + "/")
         page, other = opened.page, opened.context.new_page()
+        other.goto(server.url + "/")  # the same chat, open before its answer starts streaming in the first tab
         settings(page, temperature="0")
         start_streaming(page, "count to a thousand", 400)
-        other.goto(server.url + "/")  # the same chat, whose answer streams in the first tab
         expect(other.locator(".message.assistant .stats")).to_have_text("answering in another tab")
+        expect(other.locator(".message.assistant .body")).not_to_be_empty()  # the answer so far, as it is saved
         send(other, "a second answer at once would write over the first")
         expect(other.locator("#error")).to_contain_text("This chat is answering in another tab")
         assert other.input_value("#input").startswith("a second answer")  # the text stays

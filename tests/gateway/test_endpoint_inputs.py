@@ -360,6 +360,12 @@ def test_a_chat_prompt_ends_as_add_generation_prompt_and_continue_final_message_
     assert tokens["continued"] == tokens["closed"][:len(tokens["continued"])] and \
         len(tokens["continued"]) < len(tokens["closed"])  # the closing cut
     assert post(server, "/detokenize", {"tokens": tokens["continued"]}).json()["prompt"].endswith("Autumn moonlight")
+    # cut where the final message's text ends, not at a match of it inside the template's closing
+    for final in ("The answer is ", "<", "im"):
+        continued = post(server, "/tokenize", {"messages": [messages[0], {"role": "assistant", "content": final}],
+                                               **endings["continued"]}).json()["tokens"]
+        text = post(server, "/detokenize", {"tokens": continued}).json()["prompt"]
+        assert text.endswith(final) and text.removesuffix(final).endswith("assistant\n"), (final, text[-40:])
     server.wait_idle()
 
 

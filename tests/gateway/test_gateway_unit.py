@@ -308,7 +308,8 @@ def test_chat_defaults_and_fields():
     assert (req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed, req.stop, req.n) == (
         5, 0.0, 0.5, 3, 7, ("x",), 2)
     assert (req.logprobs, req.stream, req.include_usage, req.cache_salt, req.ignore_eos) == (2, True, True, "s", True)
-    assert parse_chat({**CHAT, "seed": -1}, LIMITS).seed == -1  # int64, as vLLM takes it (UIs send -1 for random)
+    # int64, as vLLM takes it, where -1 is no seed (UIs send it for "random")
+    assert [parse_chat({**CHAT, "seed": seed}, LIMITS).seed for seed in (-1, -2, 2**63 - 1)] == [None, -2, 2**63 - 1]
     plain = parse_chat({**CHAT, "temperature": None}, LIMITS)
     assert (plain.max_tokens, plain.temperature, plain.n, plain.logprobs, plain.stop) == (None, 1.0, 1, None, ())
     assert parse_chat({**CHAT, "logprobs": True}, LIMITS).logprobs == 0

@@ -103,9 +103,9 @@ async def test_a_write_waiting_on_another_gateways_lock_holds_up_no_other_reques
     waiting = threading.Event()
     put = store.put
 
-    def put_after_signal(item: Stored) -> None:
+    def put_after_signal(item: Stored, warn: bool = True) -> bool:
         waiting.set()
-        put(item)
+        return put(item, warn)
 
     store.put = put_after_signal
     other = sqlite3.connect(client.db, isolation_level=None)

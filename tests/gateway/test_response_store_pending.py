@@ -37,7 +37,7 @@ class Database:
     def num_stored(self) -> int:
         return len(self.rows)
 
-    async def aput(self, item: Stored) -> bool:
+    async def aput(self, item: Stored, warn: bool = True) -> bool:
         await asyncio.sleep(self.delay)
         if self.up:
             self.rows[item.response["id"]] = item
@@ -115,7 +115,8 @@ async def test_a_waiting_put_deleted_or_erased_is_never_written():
 async def test_waiting_puts_are_bounded_and_what_waits_at_close_is_counted_lost(caplog):
     db = Database()
     db.up = False
-    store = PendingPuts(db, max_pending=2, retry_s=60)
+    size = sum(len(json.dumps(part)) for part in (stored("resp_0").response, [], stored("resp_0").messages))
+    store = PendingPuts(db, max_pending_bytes=2 * size, retry_s=60)  # room for two
     with caplog.at_level(logging.WARNING, logger="gateway.response_store_pending"):
         for n in range(3):
             await store.aput(stored(f"resp_{n}"))
@@ -123,7 +124,7 @@ async def test_waiting_puts_are_bounded_and_what_waits_at_close_is_counted_lost(
         assert await code_of(store.aget("alice", "resp_0")) == (404, "response_not_found")  # the oldest went
         await store.aclose()  # tried once more, still refused
     assert (store.num_lost, db.rows) == (3, {})
-    assert "2 puts wait for test-db; dropped the oldest, resp_0" in caplog.text
+    assert "more than 0 MiB of puts wait for test-db; dropped the oldest, resp_0" in caplog.text
     assert "test-db still cannot take 2 puts; lost at exit: resp_1, resp_2" in caplog.text
 
 

@@ -3,14 +3,21 @@
 error), and two gateways sharing it: `previous_response_id` created on one, continued on the other."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import os
+import signal
 import sys
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import aiohttp
 import pytest
 
 from gateway.errors import APIError
 from gateway.response_store import Stored, open_store
+from gateway import response_store_postgres
 from gateway.response_store_postgres import PostgresResponseStore
 from tests.support.gateway_helpers import served
 from tests.support.postgres import postgres_server
@@ -137,3 +144,44 @@ async def test_two_gateways_share_their_stored_responses(tiny_llama_dir, pg_url)
         assert await db.fetchval("SELECT tenant FROM prefixgate_responses WHERE id = $1", first["id"]) == "anonymous"
     finally:
         await db.close()
+
+
+@contextlib.contextmanager
+def frozen(url: str):
+    """The server's processes stopped (SIGSTOP), as a hung host or a paused VM leaves them: connections stay
+    open and nothing answers. Continued afterwards."""
+    data = Path(parse_qs(urlsplit(url).query)["host"][0]) / "data"
+    postmaster = int((data / "postmaster.pid").read_text().split()[0])
+    pids = [postmaster] + [int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat")
+                           if _parent(stat) == postmaster]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
+def _parent(stat: Path) -> int | None:
+    try:
+        return int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):  # (a process that ended meanwhile)
+        return None
+
+
+@pytest.mark.server  # a real database server
+async def test_a_frozen_server_costs_each_call_its_timeout_and_never_hangs_the_gateway(pg_url, monkeypatch, caplog):
+    monkeypatch.setattr(response_store_postgres, "CALL_TIMEOUT_S", 0.5)
+    store = PostgresResponseStore(pg_url, 10)
+    assert await store.aput(stored("resp_frozen_1")) is True
+    with frozen(pg_url), caplog.at_level(logging.WARNING, logger="gateway.response_store_postgres"):
+        # each call gives up within its timeout (bounded here by 10 s: before, a cancelled query waited for a
+        # ROLLBACK the frozen server never sends), and so does closing the pool
+        assert await asyncio.wait_for(store.aput(stored("resp_frozen_2")), 10) is False
+        assert await asyncio.wait_for(status_of(store.aget("alice", "resp_frozen_1")), 10) == \
+            (503, "responses_store_busy")
+        assert await asyncio.wait_for(status_of(store.adelete("alice", "resp_frozen_1")), 10) == \
+            (503, "responses_store_busy")
+        await asyncio.wait_for(store.aclose(), 10)
+    assert "resp_frozen_2 not stored" in caplog.text and "TimeoutError" in caplog.text
