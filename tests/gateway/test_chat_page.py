@@ -420,13 +420,20 @@ def test_two_tabs_keep_each_others_chats(browser, server):
     opened.close()
 
 
-def test_another_tabs_saves_leave_an_open_edit_alone_and_an_older_store_moves_over(browser, server):
+def an_edit_open_beside_another_tab(browser, server) -> tuple[Opened, Page, Page]:
+    """A tab with one answered question whose edit box is open, and a second tab (not opened yet) of the same
+    browser."""
     opened = Opened(browser, server.url + "/")
-    first, second = opened.page, opened.context.new_page()
-    settings(first, max_tokens="2")
-    send(first, "a question to edit")
-    answer_stats(first, 0)
-    first.locator(".message.user .actions .edit").click()
+    page, other = opened.page, opened.context.new_page()
+    settings(page, max_tokens="2")
+    send(page, "a question to edit")
+    answer_stats(page, 0)
+    page.locator(".message.user .actions .edit").click()
+    return opened, page, other
+
+
+def test_another_tabs_saves_leave_an_open_edit_alone_and_an_older_store_moves_over(browser, server):
+    opened, first, second = an_edit_open_beside_another_tab(browser, server)
     first.fill(".edit-box textarea", "half typed")
     second.goto(server.url + "/")
     settings(second, max_tokens="2")
@@ -454,12 +461,7 @@ def test_another_tabs_saves_leave_an_open_edit_alone_and_an_older_store_moves_ov
 
 
 def test_an_edit_open_while_another_tab_renames_the_chat_is_still_saved(browser, server):
-    opened = Opened(browser, server.url + "/")
-    page, other = opened.page, opened.context.new_page()
-    settings(page, max_tokens="2")
-    send(page, "a question to edit")
-    answer_stats(page, 0)
-    page.locator(".message.user .actions .edit").click()
+    opened, page, other = an_edit_open_beside_another_tab(browser, server)
     other.goto(server.url + "/")
     other.locator("#chats li.current button.rename").click()
     other.fill("#chats li .title-input", "Renamed there")
