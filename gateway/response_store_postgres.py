@@ -84,6 +84,9 @@ class PostgresResponseStore:
 
         async def put(db) -> str:
             async with db.transaction():
+                # one tenant's puts in turn, whichever gateway makes them: each drop then sees the rows before it
+                # (two concurrent transactions would each keep max_responses of their own view)
+                await db.execute("SELECT pg_advisory_xact_lock(hashtext($1))", stored.tenant)
                 await db.execute("INSERT INTO prefixgate_responses VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT "
                                  "(id) DO UPDATE SET tenant = $2, response = $3, input_items = $4, messages = $5, "
                                  "created_at = $6, used_at = $7", *row)

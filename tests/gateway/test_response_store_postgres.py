@@ -185,3 +185,18 @@ async def test_a_frozen_server_costs_each_call_its_timeout_and_never_hangs_the_g
             (503, "responses_store_busy")
         await asyncio.wait_for(store.aclose(), 10)
     assert "resp_frozen_2 not stored" in caplog.text and "TimeoutError" in caplog.text
+
+
+@pytest.mark.server  # a real database server
+async def test_gateways_putting_at_once_keep_a_tenant_within_its_max(pg_url):
+    """400 puts of one tenant through two stores at once: without the tenant's lock, concurrent transactions each
+    trimmed their own view (5 rows of 3 kept) or deadlocked on each other's drops (a put refused)."""
+    first, second = PostgresResponseStore(pg_url, 3), PostgresResponseStore(pg_url, 3)
+    await first.aerase("carol")
+    puts = [store.aput(stored(f"resp_carol_{n}", tenant="carol")) for n in range(200) for store in (first, second)
+            if n % 2 == (store is second)]
+    assert all(await asyncio.gather(*puts))
+    async with (await first._connect()).acquire() as db:
+        assert await db.fetchval("SELECT COUNT(*) FROM prefixgate_responses WHERE tenant = 'carol'") == 3
+    await first.aclose()
+    await second.aclose()
