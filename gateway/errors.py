@@ -36,6 +36,14 @@ class APIError(Exception):
         return error_body(self.message, _TYPE_BY_STATUS.get(self.status, default), self.param, self.code)
 
 
+ENGINE_RETRY_AFTER_S = 2  # an engine restart takes 3-4 s: the openai SDK's two retries, this far apart, outlast it
+
+
+def engine_down(message: str, code: str) -> APIError:
+    """503 for a request the engine could not serve because it stopped (a restart follows), with Retry-After."""
+    return APIError(503, message, code=code, headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)})
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 

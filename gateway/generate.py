@@ -16,7 +16,7 @@ from engine.client import EngineClient, EngineDeadError
 from engine.messages import CacheDirectives
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SampledToken, SamplingParams
-from gateway.errors import APIError
+from gateway.errors import APIError, engine_down
 
 LIVENESS_CHECK_S = 1.0  # how often a request waiting on the engine checks that the engine loop still runs
 
@@ -65,7 +65,8 @@ class Choice:
 def check_output(out: RequestOutput) -> None:
     """An engine failure or an abort ends the HTTP request with an error object."""
     if out.finish_reason == FinishReason.ERROR and out.error_is_request:  # its grammar gave up: the request's own
-        raise APIError(400, out.error or "the output constraint failed", code="output_constraint_failed")
+        reason = out.error or "the output constraint failed"  # (the grammar engine's own, at most a paragraph of it)
+        raise APIError(400, reason if len(reason) <= 400 else reason[:400] + "...", code="output_constraint_failed")
     if out.finish_reason == FinishReason.ERROR:
         raise APIError(500, f"the engine failed while generating: {out.error or 'unknown error'}",
                        code="engine_error")
@@ -169,7 +170,7 @@ async def run_choices(engine: EngineClient, choices: list[Choice], *, cache_salt
                 async for out in gen:
                     queue.put_nowait((choice, out))
         except EngineDeadError as exc:
-            raise APIError(503, f"the engine stopped while generating: {exc}", code="engine_dead") from None
+            raise engine_down(f"the engine stopped while generating: {exc}", "engine_dead") from None
 
     async def run_all() -> None:
         try:
@@ -205,7 +206,7 @@ async def _next(queue: asyncio.Queue, engine: EngineClient) -> Any:
                 return await queue.get()
         except TimeoutError:
             if not engine.is_alive():
-                raise APIError(503, "the engine stopped while generating", code="engine_dead") from None
+                raise engine_down("the engine stopped while generating", "engine_dead") from None
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:

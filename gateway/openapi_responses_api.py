@@ -107,6 +107,8 @@ def _response(model_name: str, usage: dict[str, Any]) -> dict[str, Any]:
         "max_output_tokens": nullable({"type": "integer", "minimum": 1}), "previous_response_id": nullable(_TEXT),
         "store": {"type": "boolean"}, "metadata": {"type": "object", **echo}, "user": nullable(_TEXT),
         "text": {"type": "object", **echo}, "truncation": const("disabled"),
+        "completed_at": nullable({**_COUNT, "description": "null unless completed"}),
+        "prompt_cache_key": nullable({**_TEXT, **echo}), "service_tier": const("default"),
         "usage": closed({
             "input_tokens": _COUNT, "input_tokens_details": usage["properties"]["prompt_tokens_details"],
             "output_tokens": _COUNT, "output_tokens_details": closed({"reasoning_tokens": {**_COUNT, "enum": [0]}}),

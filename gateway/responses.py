@@ -165,6 +165,9 @@ def _input_items(raw: Any) -> list[dict[str, Any]]:
             raise invalid(f"input items of type {kind!r} are not supported; supported: {', '.join(ITEM_TYPES)}",
                           f"input[{i}].type")
         _optional_string(item, "id", f"input[{i}]")
+        if kind == "message" and isinstance(item.get("content"), str):  # kept as parts, as OpenAI lists them
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item = {**item, "content": [{"type": part, "text": item["content"]}]}
         items.append({**item, "type": kind})
     return items
 
@@ -268,6 +271,7 @@ def _response(response_id: str, req: ResponsesRequest, model: str, created: int,
     return {
         "id": response_id, "object": "response", "created_at": created, "model": model,
         "status": "in_progress" if use is None else "incomplete" if incomplete else "completed",
+        "completed_at": int(time.time()) if use is not None and not incomplete else None,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete and use is not None else None,
         "error": None, "instructions": body.get("instructions"), "output": output,
         "parallel_tool_calls": body.get("parallel_tool_calls", True), "tool_choice": body.get("tool_choice", "auto"),
@@ -275,6 +279,7 @@ def _response(response_id: str, req: ResponsesRequest, model: str, created: int,
         "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": req.previous_response_id,
         "store": req.store, "metadata": body.get("metadata") or {}, "user": body.get("user"),
         "text": body.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
+        "prompt_cache_key": body.get("prompt_cache_key"), "service_tier": "default",  # (one tier here)
         "usage": None if use is None else {
             "input_tokens": use["prompt_tokens"],
             "input_tokens_details": use["prompt_tokens_details"],
@@ -398,7 +403,7 @@ class _Events:
             self.message["content"][0]["text"] += delta["content"]
             events.append(self._event("response.output_text.delta", item_id=self.message["id"],
                                       output_index=self.items.index(self.message), content_index=0,
-                                      delta=delta["content"]))
+                                      delta=delta["content"], logprobs=[]))
         for call in delta.get("tool_calls") or ():
             item = self.calls.get(call["index"])
             if item is None:
@@ -423,7 +428,7 @@ class _Events:
             if item["type"] == "message":
                 part = item["content"][0]
                 events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                       content_index=0, text=part["text"]),
+                                       content_index=0, text=part["text"], logprobs=[]),
                            self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                        content_index=0, part=part)]
             else:
@@ -449,6 +454,9 @@ class _Events:
 async def retrieve(request: web.Request) -> web.Response:
     """GET /v1/responses/{response_id}."""
     tenant = request.app[STATE].auth.authenticate(request)
+    if request.query.get("stream", "false") != "false":  # (the SDK's retrieve(stream=True) would read no event)
+        raise invalid("streaming a stored response's events is for background responses, which this server does "
+                      "not offer", "stream")
     stored = await request.app[RESPONSE_STORE].aget(tenant.name, request.match_info["response_id"])
     return web.json_response(stored.response)
 
@@ -467,8 +475,8 @@ async def input_items(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
     stored = await request.app[RESPONSE_STORE].aget(tenant.name, response_id)
     # an item sent without an id gets one from its response and place, the same at every read (pages go by ids)
-    items = [{"id": item.get("id") or f"{_ITEM_PREFIX[item['type']]}_{response_id.removeprefix('resp_')}_{i}", **item}
-             for i, item in enumerate(stored.input_items)]
+    items = [{"id": item.get("id") or f"{_ITEM_PREFIX[item['type']]}_{response_id.removeprefix('resp_')}_{i}",
+              "status": "completed", **item} for i, item in enumerate(stored.input_items)]
     return web.json_response(items_page(items, request.query))
 
 

@@ -34,6 +34,9 @@ def check_fields(body: dict[str, Any]) -> None:
         raise invalid(f"truncation must be one of {', '.join(TRUNCATION)}", "truncation")
     _check_include(body.get("include"))
     _check_metadata(body.get("metadata"))
+    if body.get("prompt_cache_key") is not None and not isinstance(body["prompt_cache_key"], str):
+        raise invalid("prompt_cache_key must be a string (echoed; this server's cache needs no key)",
+                      "prompt_cache_key")
 
 
 def _check_include(raw: Any) -> None:

@@ -14,7 +14,7 @@ from gateway.auth import Tenant
 from gateway.cache_control import chat_directives, directives
 from gateway.cache_stats import CACHE_STATS
 from gateway.embeddings import POOLING
-from gateway.errors import APIError, invalid
+from gateway.errors import APIError, engine_down, invalid
 from gateway.fingerprint import system_fingerprint
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.generate import Choice, best_choices, usage
@@ -111,7 +111,7 @@ async def static_file(request: web.Request) -> web.FileResponse:
 
 async def health(request: web.Request) -> web.Response:
     if not request.app[STATE].engine.is_alive():
-        raise APIError(503, "the engine is not running", code="engine_dead")
+        raise engine_down("the engine is not running", "engine_dead")
     return web.json_response({"status": "ok", **request.app[STATE].engine.health_details()})
 
 

@@ -14,7 +14,7 @@ from engine.client import EngineClient, EngineDeadError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from gateway.auth import Tenant
-from gateway.errors import APIError, invalid
+from gateway.errors import APIError, engine_down, invalid
 from gateway.generate import Choice, check_output, run_choices
 from gateway.protocol import GenerationRequest
 from gateway.state import GatewayState
@@ -26,7 +26,7 @@ Outputs = AsyncIterator[tuple[Choice, RequestOutput]]
 def check_engine(engine: EngineClient) -> None:
     """A request is refused before it reaches an engine whose loop is not running."""
     if not engine.is_alive():
-        raise APIError(503, "the engine is not running", code="engine_unavailable")
+        raise engine_down("the engine is not running", "engine_unavailable")
 
 
 @dataclass(slots=True)
@@ -73,7 +73,7 @@ async def run_command(engine: EngineClient, command: Coroutine[Any, Any, R]) -> 
     try:
         return await command
     except (EngineDeadError, RuntimeError) as exc:
-        raise APIError(503, f"the engine stopped: {exc}", code="engine_dead") from None
+        raise engine_down(f"the engine stopped: {exc}", "engine_dead") from None
 
 
 def sampling_params(req: GenerationRequest, max_tokens: int, choice: int,

@@ -382,6 +382,7 @@ async def test_dead_engine_loop_turns_health_red_and_fails_waiting_requests(clie
                        ("/v1/completions", {"model": model_of(client), "prompt": "x", "stream": True})):
         resp = await client.post(path, json=body)  # engine_unavailable: refused before reaching the engine
         assert_error(resp.status, await resp.json(), 503, code="engine_unavailable")
+        assert resp.headers["Retry-After"] == "2"  # the openai SDK's two retries outlast an engine restart
         assert "engine is not running" in (await resp.json())["error"]["message"]
     assert client.app[STATE].admission.in_flight == 0
 

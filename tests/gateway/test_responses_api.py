@@ -47,8 +47,22 @@ def test_a_plain_response_and_its_stored_routes(server):
     assert sdk.responses.retrieve(resp.id).output_text == resp.output_text
     items = sdk.responses.input_items.list(resp.id)
     assert [i.content[0].text for i in items.data] == ["hello world"]
+    assert resp.completed_at is None and resp.service_tier == "default"  # (incomplete: cut at max_output_tokens)
     with pytest.raises(openai.BadRequestError, match="background"):
         sdk.responses.cancel(resp.id)
+    with pytest.raises(openai.BadRequestError) as streamed:  # the SDK would read no event from a JSON body
+        sdk.responses.retrieve(resp.id, stream=True)
+    assert streamed.value.param == "stream"
+    # list items with string content are listed as parts, as OpenAI lists them (code reads item.content[0].type)
+    listed = sdk.responses.create(model=model, max_output_tokens=1, prompt_cache_key="chat-7", input=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user",
+                                                                                        "content": "again"}])
+    assert listed.prompt_cache_key == "chat-7"
+    parts = [(i.role, i.status, [(p.type, p.text) for p in i.content])
+             for i in sdk.responses.input_items.list(listed.id, order="asc").data]
+    assert parts == [("user", "completed", [("input_text", "hi")]),
+                     ("assistant", "completed", [("output_text", "hello")]),
+                     ("user", "completed", [("input_text", "again")])]
     sdk.responses.delete(resp.id)
     with pytest.raises(openai.NotFoundError):
         sdk.responses.retrieve(resp.id)
@@ -117,6 +131,8 @@ def test_a_stream_sends_the_documented_events(server):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == final.output_text and final.usage.output_tokens == 8
+    texts = [e for e in events if e.type in ("response.output_text.delta", "response.output_text.done")]
+    assert texts and all(e.logprobs == [] for e in texts)  # (the SDK's types require the field)
     assert sdk.responses.retrieve(final.id).output_text == final.output_text  # stored too
     server.wait_idle()
 
