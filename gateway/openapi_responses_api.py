@@ -73,6 +73,7 @@ def responses_schemas(model_name: str, usage: dict[str, Any]) -> dict[str, Any]:
     """`usage`: the chat Usage schema, whose prompt_tokens_details input_tokens_details repeats."""
     return {
         "Response": _response(model_name, usage),
+        "ResponseInputTokens": closed({"object": const("response.input_tokens"), "input_tokens": _COUNT}),
         "ResponseDeleted": closed({"id": _TEXT, "object": const("response.deleted"),
                                    "deleted": {"type": "boolean", "enum": [True]}}),
         "ResponseInputItems": closed({
@@ -139,8 +140,12 @@ def responses_paths(request: dict[str, Any], operation) -> dict[str, Any]:
         {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": MAX_ITEMS_PAGE,
                                                     "default": DEFAULT_ITEMS_PAGE}},
         {"name": "after", "in": "query", "schema": {**_TEXT, "description": "an item id: the page starts past it"}}]
+    counted = operation("The input tokens a response to this body would be prompted with (no engine)",
+                        ref("ResponseInputTokens"), secured=True, errors=(400, 401, 404, 413))
+    counted["requestBody"] = create["requestBody"]
     return {
         "/v1/responses": {"post": create},
+        "/v1/responses/input_tokens": {"post": counted},
         "/v1/responses/{response_id}": {"get": stored("A stored response of the caller's", ref("Response")),
                                         "delete": stored("Delete a stored response (503: the database is "
                                                          "locked by another writer)", ref("ResponseDeleted"),

@@ -321,6 +321,19 @@ async def create(request: web.Request) -> web.StreamResponse:
     return web.json_response(response)
 
 
+async def input_tokens(request: web.Request) -> web.Response:
+    """POST /v1/responses/input_tokens: how many input tokens a response to this body would be prompted with (its
+    instructions, input, earlier turns by previous_response_id, and tools, as create renders them); no engine."""
+    state = request.app[STATE]
+    tenant = state.auth.authenticate(request)
+    req = await parse_responses(parse_body(await request.read()), state, tenant.name, request.app[RESPONSE_STORE])
+    state.check_model(req.chat.model)
+    tool_template = request.app[TOOL_TEMPLATE]
+    prompt = await render_chat(state.engine.tokenizer, req.chat.messages, tool_template.shown(req.chat.tools),
+                               tool_template)
+    return web.json_response({"object": "response.input_tokens", "input_tokens": len(prompt)})
+
+
 async def _remember(store: PendingPuts, tenant: str, req: ResponsesRequest, response: dict[str, Any],
                     message: dict[str, Any]) -> None:
     if req.store:

@@ -29,6 +29,7 @@ BUDGET = {
     ("/v1/chat/completions", "POST", POS): 150, ("/v1/chat/completions", "POST", NEG): 150,
     ("/v1/completions", "POST", POS): 200, ("/v1/completions", "POST", NEG): 200,
     ("/v1/responses", "POST", POS): 150, ("/v1/responses", "POST", NEG): 150,
+    ("/v1/responses/input_tokens", "POST", POS): 30, ("/v1/responses/input_tokens", "POST", NEG): 30,
     ("/v1/embeddings", "POST", POS): 60, ("/v1/embeddings", "POST", NEG): 60,
     ("/v1/cache/warm", "POST", POS): 40, ("/v1/cache/warm", "POST", NEG): 40,
     ("/tokenize", "POST", POS): 30, ("/tokenize", "POST", NEG): 30,

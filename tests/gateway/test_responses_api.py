@@ -69,6 +69,21 @@ def test_a_plain_response_and_its_stored_routes(server):
     server.wait_idle()
 
 
+def test_input_tokens_count_what_a_response_is_prompted_with(server):
+    sdk, model = client(server), server.state.model_name
+    first = sdk.responses.create(model=model, instructions=SYSTEM, input="What is the capital of France?",
+                                 max_output_tokens=2, temperature=0)
+    body = dict(model=model, instructions="Be brief.", input="And of Italy?", previous_response_id=first.id,
+                tools=[WEATHER])
+    counted = sdk.responses.input_tokens.count(**body)
+    assert counted.object == "response.input_tokens"
+    assert counted.input_tokens == sdk.responses.create(**body, max_output_tokens=1).usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as lost:
+        client(server, "bob").responses.input_tokens.count(model=model, input="x", previous_response_id=first.id)
+    assert lost.value.code == "previous_response_not_found"
+    server.wait_idle()
+
+
 def test_previous_response_id_continues_from_the_cache(server):
     sdk, model = client(server), server.state.model_name
     first = sdk.responses.create(model=model, instructions=SYSTEM, input="What is the capital of France?",
