@@ -4,12 +4,16 @@ RETRY_S until the database takes it; meanwhile this gateway serves it from memor
 delete). While puts wait, new ones join them at once instead of each waiting out the database's timeout; the
 first that the database takes again empties the queue in order.
 
+Puts reach the database one at a time: a put waits for the one before it, and joins the waiting ones at once if
+that one was refused (else every put sent at once would wait out the database's timeout in turn).
+
 Puts are shielded from their request's cancellation: a client that goes away the moment it has its answer (the
 openai SDK leaving a stream at `response.completed`) does not cancel the write of what it was told is stored.
 
-Bounded: beyond `max_pending_bytes` of waiting conversations, the oldest is dropped with a warning; what still
-waits when the gateway stops is tried once more, then named in a warning. Other gateways see a waiting put only
-once it is written (their `previous_response_id` to it is a 400 until then).
+Bounded: beyond `max_pending_bytes` of waiting conversations, the oldest of the tenant that holds the most is
+dropped with a warning (one tenant's traffic never drops another's while it holds less); what still waits when
+the gateway stops is tried once more, then named in a warning (a kill -9 loses it unsaid). Other gateways see a
+waiting put only once it is written (their `previous_response_id` to it is a 400 until then).
 """
 from __future__ import annotations
 
@@ -51,6 +55,7 @@ class PendingPuts:
         self._sizes: dict[str, int] = {}  # response id -> its JSON's bytes
         self._pending_bytes = 0
         self._writing = asyncio.Lock()  # a waiting put being written: a delete of it waits for the outcome
+        self._putting = asyncio.Lock()  # one put at a time to the database
         self._retrying: asyncio.Task | None = None
         self._puts: set[asyncio.Task] = set()  # (referenced until done: the loop keeps only weak references)
 
@@ -77,8 +82,9 @@ class PendingPuts:
         await asyncio.shield(task)
 
     async def _put(self, stored: Stored) -> None:
-        if self._pending or not await self.backend.aput(stored):
-            self._keep(stored)
+        async with self._putting:
+            if self._pending or not await self.backend.aput(stored):
+                self._keep(stored)
 
     def _keep(self, stored: Stored) -> None:
         response_id = stored.response["id"]
@@ -91,13 +97,20 @@ class PendingPuts:
                                        (stored.response, stored.input_items, stored.messages))
         self._pending_bytes += self._sizes[response_id]
         while self._pending_bytes > self.max_pending_bytes and len(self._pending) > 1:
-            lost = next(iter(self._pending))
+            lost = self._oldest_of_the_largest_tenant()
             self._forget(lost)
             self.num_lost += 1
             log.warning("stored responses: more than %d MiB of puts wait for %s; dropped the oldest, %s",
                         self.max_pending_bytes >> 20, self.path, lost)
         if self._retrying is None:
             self._retrying = asyncio.create_task(self._retry())
+
+    def _oldest_of_the_largest_tenant(self) -> str:
+        held: dict[str, int] = {}
+        for response_id, stored in self._pending.items():
+            held[stored.tenant] = held.get(stored.tenant, 0) + self._sizes[response_id]
+        largest = max(held, key=held.__getitem__)
+        return next(r for r, stored in self._pending.items() if stored.tenant == largest)
 
     def _forget(self, response_id: str) -> None:
         if self._pending.pop(response_id, None) is not None:

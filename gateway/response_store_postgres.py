@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 SCHEMES = ("postgresql://", "postgres://")
 CONNECT_TIMEOUT_S = 5
 CALL_TIMEOUT_S = 5  # a call's whole time, a first connection included
+REST_S = 1.0  # after a call that could not connect or timed out, calls fail at once this long (no connection storm)
 T = TypeVar("T")
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS prefixgate_responses (
@@ -75,6 +76,7 @@ class PostgresResponseStore:
         self._pool = None
         self._opening: asyncio.Lock | None = None
         self._cleaning: set[asyncio.Task] = set()  # calls given up on, ending in the background
+        self._resting_until = 0.0  # monotonic time: calls fail at once until then (the database was unreachable)
 
     async def aput(self, stored: Stored, warn: bool = True) -> bool:
         """True once the server holds it; False when it cannot be written now (with a warning, if `warn`)."""
@@ -154,6 +156,8 @@ class PostgresResponseStore:
         """`work(db)` on a pooled connection, in CALL_TIMEOUT_S at most, the first connection included. Past it the
         connection is terminated and the call raises TimeoutError: a cancelled query would wait for a ROLLBACK or a
         cancel request that a frozen server never answers, so the call's own clean-up goes on in the background."""
+        if time.monotonic() < self._resting_until:
+            raise ConnectionError("the database could not be reached a moment ago")
         held = []
 
         async def run() -> T:
@@ -167,10 +171,16 @@ class PostgresResponseStore:
             task.cancel()
             raise
         if done:
-            return task.result()
+            try:
+                return task.result()
+            except (OSError, asyncio.TimeoutError, self._asyncpg.TooManyConnectionsError,
+                    self._asyncpg.CannotConnectNowError):
+                self._resting_until = time.monotonic() + REST_S
+                raise
         for db in held:
             db.terminate()
         task.cancel()
+        self._resting_until = time.monotonic() + REST_S
         self._cleaning.add(task)
         task.add_done_callback(self._cleaned)
         raise asyncio.TimeoutError(f"no answer in {CALL_TIMEOUT_S} s")
@@ -188,7 +198,13 @@ class PostgresResponseStore:
             self._opening = asyncio.Lock()
         async with self._opening:
             if self._pool is None:
-                pool = await self._asyncpg.create_pool(self.url, min_size=1, max_size=4, timeout=CONNECT_TIMEOUT_S)
+                # the server ends our statements and idle transactions itself past the call's bound: a session this
+                # gateway gave up on (terminated on its side) would otherwise wait on a lock and hold a connection
+                limit = str(int(CALL_TIMEOUT_S * 1000))
+                pool = await self._asyncpg.create_pool(
+                    self.url, min_size=1, max_size=4, timeout=CONNECT_TIMEOUT_S, server_settings={
+                        "statement_timeout": limit, "lock_timeout": limit,
+                        "idle_in_transaction_session_timeout": limit})
                 try:
                     async with pool.acquire() as db:
                         await db.execute(SCHEMA)

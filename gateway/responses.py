@@ -38,6 +38,9 @@ HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpr
                 "image_generation", "mcp", "local_shell")
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 ITEM_TYPES = ("message", "function_call", "function_call_output")
+_ITEM_FIELDS = {"message": ("id", "role", "content", "status"),
+                "function_call": ("id", "call_id", "name", "arguments", "status"),
+                "function_call_output": ("id", "call_id", "output", "status")}
 _ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}  # OpenAI's item id prefixes
 TEXT_PARTS = ("input_text", "output_text", "text")
 # chat parameter names as the Responses API calls them, for the 400s the chat parser raises
@@ -68,6 +71,7 @@ async def _previous(store: PendingPuts, tenant: str, response_id: str) -> Stored
         return await store.aget(tenant, response_id)
     except APIError as exc:
         if exc.code != "response_not_found":
+            exc.param = "previous_response_id"  # (a 503: the store could not read it now)
             raise
         raise APIError(400, f"Previous response with id {response_id!r} not found.", param="previous_response_id",
                        code="previous_response_not_found") from None
@@ -165,9 +169,17 @@ def _input_items(raw: Any) -> list[dict[str, Any]]:
             raise invalid(f"input items of type {kind!r} are not supported; supported: {', '.join(ITEM_TYPES)}",
                           f"input[{i}].type")
         _optional_string(item, "id", f"input[{i}]")
-        if kind == "message" and isinstance(item.get("content"), str):  # kept as parts, as OpenAI lists them
+        # kept with the fields of its type only (others never reach the prompt: stored, they would cost the store
+        # and its memory whatever they hold); a message's text as parts and a call output as text, as OpenAI lists them
+        item = {key: item[key] for key in _ITEM_FIELDS[kind] if key in item}
+        if kind == "message" and isinstance(item.get("content"), str):
             part = "output_text" if item.get("role") == "assistant" else "input_text"
-            item = {**item, "content": [{"type": part, "text": item["content"]}]}
+            item["content"] = [{"type": part, "text": item["content"]}]
+        elif kind == "message" and isinstance(item.get("content"), list):  # (a part that is not text: a 400 below)
+            item["content"] = [{"type": p.get("type"), "text": p["text"]} if isinstance(p, dict) and "text" in p
+                               else p for p in item["content"]]
+        if kind == "function_call_output" and item.get("output") is not None and not isinstance(item["output"], str):
+            item["output"] = json.dumps(item["output"])
         items.append({**item, "type": kind})
     return items
 

@@ -30,6 +30,7 @@ class Database:
     def __init__(self) -> None:
         self.up = True
         self.delay = 0.0
+        self.calls = 0
         self.rows: dict[str, Stored] = {}
         self.closed = False
 
@@ -38,6 +39,7 @@ class Database:
         return len(self.rows)
 
     async def aput(self, item: Stored, warn: bool = True) -> bool:
+        self.calls += 1
         await asyncio.sleep(self.delay)
         if self.up:
             self.rows[item.response["id"]] = item
@@ -95,6 +97,29 @@ async def test_puts_the_database_refuses_are_served_from_memory_and_written_once
     assert "test-db took every put kept in memory" in caplog.text
     await store.aclose()
     assert db.closed and store.num_lost == 0
+
+
+async def test_puts_sent_at_once_to_a_refusing_database_wait_for_one_refusal_not_one_each():
+    db = Database()
+    db.up, db.delay = False, 0.05  # (SQLite waiting out another writer's lock, a timed-out Postgres)
+    store = PendingPuts(db, retry_s=60)
+    await asyncio.gather(*(store.aput(stored(f"resp_{n}")) for n in range(8)))
+    assert (db.calls, store.num_pending) == (1, 8)  # the first was refused; the other seven joined it at once
+    await store.aclose()
+
+
+async def test_a_tenant_over_the_bound_drops_its_own_oldest_not_anothers():
+    db = Database()
+    db.up = False
+    size = sum(len(json.dumps(part)) for part in (stored("resp_0").response, [], stored("resp_0").messages))
+    store = PendingPuts(db, max_pending_bytes=4 * size, retry_s=60)
+    await store.aput(stored("resp_0"))  # alice's, the oldest
+    for n in range(1, 6):
+        await store.aput(stored(f"resp_{n}", tenant="bob"))
+    assert (await store.aget("alice", "resp_0")).tenant == "alice"
+    assert await code_of(store.aget("bob", "resp_1")) == (404, "response_not_found")  # bob's own oldest went
+    assert (store.num_pending, store.num_lost) == (4, 2)
+    await store.aclose()
 
 
 async def test_a_waiting_put_deleted_or_erased_is_never_written():

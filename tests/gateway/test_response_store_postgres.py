@@ -175,6 +175,8 @@ async def test_a_frozen_server_costs_each_call_its_timeout_and_never_hangs_the_g
     monkeypatch.setattr(response_store_postgres, "CALL_TIMEOUT_S", 0.5)
     store = PostgresResponseStore(pg_url, 10)
     assert await store.aput(stored("resp_frozen_1")) is True
+    # the server ends this gateway's statements past the bound too: a session given up on holds no connection
+    assert await store._call(lambda db: db.fetchval("SHOW lock_timeout")) == "500ms"
     with frozen(pg_url), caplog.at_level(logging.WARNING, logger="gateway.response_store_postgres"):
         # each call gives up within its timeout (bounded here by 10 s: before, a cancelled query waited for a
         # ROLLBACK the frozen server never sends), and so does closing the pool

@@ -55,11 +55,12 @@ def test_a_plain_response_and_its_stored_routes(server):
     assert streamed.value.param == "stream"
     # list items with string content are listed as parts, as OpenAI lists them (code reads item.content[0].type)
     listed = sdk.responses.create(model=model, max_output_tokens=1, prompt_cache_key="chat-7", input=[
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user",
-                                                                                        "content": "again"}])
+        {"role": "user", "content": "hi", "extra": "x" * 1000}, {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "again"}])  # (a field an item does not have is not stored)
     assert listed.prompt_cache_key == "chat-7"
-    parts = [(i.role, i.status, [(p.type, p.text) for p in i.content])
-             for i in sdk.responses.input_items.list(listed.id, order="asc").data]
+    listed_items = sdk.responses.input_items.list(listed.id, order="asc").data
+    assert not hasattr(listed_items[0], "extra") or listed_items[0].extra is None
+    parts = [(i.role, i.status, [(p.type, p.text) for p in i.content]) for i in listed_items]
     assert parts == [("user", "completed", [("input_text", "hi")]),
                      ("assistant", "completed", [("output_text", "hello")]),
                      ("user", "completed", [("input_text", "again")])]
