@@ -67,7 +67,8 @@ function store(chat) {
 function save(chat = currentChat()) {  // the chat that changed, and which one is open
   if (chat) {
     chat.updated = Date.now();
-    store(chat);
+    if (streams.has(chat.id)) storeStreaming(chat, chat.messages.at(-1));  // (other tabs: still answering here)
+    else store(chat);
   }
   setItem(CURRENT, current ?? "");
 }
@@ -81,11 +82,12 @@ window.addEventListener("storage", (event) => {
   const id = event.key.slice(CHAT_PREFIX.length);
   const theirs = event.newValue ? load(event.key, null) : null;
   const mine = chats.find((c) => c.id === id);
-  if (streams.has(id)) {
+  if (streams.has(id)) {  // its messages are this tab's; a title or system prompt set there is taken
     if (!theirs) streams.get(id).abort();
-    else if (mine) mine.title = theirs.title;
+    else if (mine) Object.assign(mine, { title: theirs.title, system: theirs.system });
     if (theirs) { drawList(); return; }
   }
+  if (theirs?.id && !streamingElsewhere(theirs)) theirs.messages = answered(theirs.messages);
   chats = chats.filter((c) => c.id !== id);
   if (theirs?.id) chats.push(theirs);
   chats.sort((a, b) => (b.updated ?? 0) - (a.updated ?? 0));
@@ -113,8 +115,8 @@ function free(chat) {
   return false;
 }
 
-function drawList() {
-  $("chats").replaceChildren(...chats.map(chatItem));
+function drawList() {  // (not while a title is being typed there: its end draws the list)
+  if (!document.querySelector(".title-input")) $("chats").replaceChildren(...chats.map(chatItem));
   $("topbar-title").textContent = currentChat()?.title ?? "";
 }
 
@@ -217,6 +219,7 @@ function renameChat(item, open, { id, title }) {
     done = true;
     const chat = chats.find((c) => c.id === id);  // (another tab's save may have replaced this tab's copy)
     if (chat && keep && input.value.trim()) chat.title = input.value.trim();
+    input.remove();  // (before drawing: the list is not drawn while a title is being typed)
     if (chat) save(chat);
     render();
   };
@@ -231,6 +234,11 @@ function renameChat(item, open, { id, title }) {
 }
 
 let liveCheck = null;  // one redraw when the last "answering in another tab" would lapse (that tab closed at once)
+
+function redrawWhenFree() {  // an open edit or rename is never drawn over: tried again a moment later
+  if (document.querySelector(".edit-box, .title-input")) liveCheck = setTimeout(redrawWhenFree, LIVE_MS);
+  else drawMessages(false);
+}
 
 function messageElement(message, index, count) {
   const el = document.createElement("div");
@@ -257,7 +265,7 @@ function messageElement(message, index, count) {
     stats.textContent = live ? "answering in another tab" : message.stats;
     if (live) {
       clearTimeout(liveCheck);
-      liveCheck = setTimeout(() => drawMessages(false), LIVE_MS);
+      liveCheck = setTimeout(redrawWhenFree, LIVE_MS);
     }
     el.append(stats);
   }
@@ -439,7 +447,7 @@ async function answer(chat) {
   const fields = sampling();
   if (!fields) return;
   const reply = { role: "assistant", content: "", stats: "" };
-  const history = chat.messages.map(({ role, content }) => ({ role, content }));
+  const history = answered(chat.messages).map(({ role, content }) => ({ role, content }));
   chat.messages.push(reply);
   chat.updated = Date.now();
   showError("");

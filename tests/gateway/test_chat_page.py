@@ -575,6 +575,49 @@ def test_a_chat_answering_in_another_tab_is_not_sent_into_and_a_rename_there_rea
         opened.close()
 
 
+def test_a_chat_streaming_here_takes_another_tabs_system_prompt_and_stays_busy_there_when_renamed(browser, server):
+    with slowed(server, 0.05):
+        opened = Opened(browser, server.url + "/")
+        page, other = opened.page, opened.context.new_page()
+        other.goto(server.url + "/")
+        settings(page, temperature="0")
+        start_streaming(page, "count to a thousand", 400)
+        settings(other, system="You are a pirate.")
+        other.click("#input")  # (the field is saved as it loses focus)
+        page.wait_for_timeout(2500)  # past two of the streaming tab's saves
+        stored = other.evaluate("Object.keys(localStorage).filter(k => k.startsWith('prefixgate.chat.'))"
+                                ".map(k => JSON.parse(localStorage.getItem(k)).system)")
+        assert stored == ["You are a pirate."] and other.input_value("#system") == "You are a pirate."
+        page.locator("#chats li.current button.rename").click()  # a rename in the streaming tab ...
+        page.fill("#chats li .title-input", "Counting here")
+        page.press("#chats li .title-input", "Enter")
+        send(other, "not now")  # ... still tells the other tab that it answers
+        expect(other.locator("#error")).to_contain_text("This chat is answering in another tab")
+        page.click("#stop")
+        expect(other.locator("#chats li.current button.open")).to_have_text("Counting here")
+        opened.close()
+
+
+def test_a_title_being_typed_outlives_an_answer_ending_in_another_chat(opened, server):
+    with slowed(server, 0.05):
+        page = opened().page
+        settings(page, max_tokens="2")
+        send(page, "a chat to rename")
+        answer_stats(page, 0)
+        page.click("#new-chat")
+        start_streaming(page, "a short answer", 30)
+        page.locator("#chats li button.open", has_text="a chat to rename").click()
+        page.locator("#chats li.current button.rename").click()
+        page.fill("#chats li .title-input", "Half typed")
+        server.wait_idle(timeout=30)  # the other chat's answer ended meanwhile (its list redrawn)
+        page.wait_for_timeout(300)
+        assert page.input_value("#chats li .title-input") == "Half typed"
+        page.press("#chats li .title-input", "End")
+        page.keyboard.type(" and finished")
+        page.press("#chats li .title-input", "Enter")
+        expect(page.locator("#chats li.current button.open")).to_have_text("Half typed and finished")
+
+
 def test_a_cut_answer_says_so_and_a_refused_request_leaves_no_empty_answer(opened, server):
     tab = opened()
     page = tab.page
