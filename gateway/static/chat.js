@@ -111,13 +111,24 @@ function streamingElsewhere(chat) {
 // false (and said) where an answer streams into the chat, here or in another tab: a second one would write over it
 function free(chat) {
   if (!chat || !streams.has(chat.id) && !streamingElsewhere(load(CHAT_PREFIX + chat.id, null))) return true;
-  if (!streams.has(chat.id)) showError("This chat is answering in another tab: wait for its answer to end.");
+  if (!streams.has(chat.id)) showError(ANSWERING_ELSEWHERE);
   return false;
 }
 
-function drawList() {  // (not while a title is being typed there: its end draws the list)
-  if (!document.querySelector(".title-input")) $("chats").replaceChildren(...chats.map(chatItem));
+let listDrawn = "";  // the chats, titles and choice the list shows: another tab's save of an answer changes none
+
+// (not while a title is being typed there: its end draws the list; not when nothing it shows changed, so that a
+// click on it is not lost to a redraw between press and release while another tab saves an answer every second)
+function drawList() {
+  const shown = JSON.stringify([current, chats.map((c) => [c.id, c.title])]);
+  if (!document.querySelector(".title-input") && shown !== listDrawn) {
+    $("chats").replaceChildren(...chats.map(chatItem));
+    listDrawn = shown;
+  }
   $("topbar-title").textContent = currentChat()?.title ?? "";
+  if ($("error").textContent === ANSWERING_ELSEWHERE && !streamingElsewhere(load(CHAT_PREFIX + current, null))) {
+    showError("");  // (that answer ended, or another chat is on screen)
+  }
 }
 
 function headers() {
@@ -220,6 +231,7 @@ function renameChat(item, open, { id, title }) {
     const chat = chats.find((c) => c.id === id);  // (another tab's save may have replaced this tab's copy)
     if (chat && keep && input.value.trim()) chat.title = input.value.trim();
     input.remove();  // (before drawing: the list is not drawn while a title is being typed)
+    listDrawn = "";  // (its item lost its button to the input: drawn again even with the title unchanged)
     if (chat) save(chat);
     render();
   };
@@ -430,6 +442,7 @@ function regenerate() {
 
 const CUT = { length: "cut at max_tokens or the context's end" };
 const EXPORTED_STREAMING = "unfinished: exported while it streamed";
+const ANSWERING_ELSEWHERE = "This chat is answering in another tab: wait for its answer to end.";
 
 // what a reload finds if the page closes before the answer ends; other tabs read it as streaming here while `at`
 // is recent, and as interrupted once the page closed (live false) (a chat deleted meanwhile is not brought back)
@@ -532,9 +545,10 @@ function showBusy() {  // Stop where the chat on screen streams an answer here, 
 function exportChat() {
   let chat = currentChat();
   if (!chat) return;
-  if (streams.has(chat.id)) {  // the answer so far, marked as such
+  if (streams.has(chat.id) || streamingElsewhere(chat)) {  // the answer so far (here or in another tab), marked
     const last = chat.messages.at(-1);
-    chat = { ...chat, messages: chat.messages.map((m) => (m === last ? { ...m, stats: EXPORTED_STREAMING } : m)) };
+    const marked = { role: last.role, content: last.content, stats: EXPORTED_STREAMING };
+    chat = { ...chat, messages: chat.messages.map((m) => (m === last ? marked : m)) };
   }
   const data = { format: EXPORT_FORMAT, version: 1, chats: [chat] };
   const link = document.createElement("a");
@@ -564,9 +578,9 @@ async function importChats(file) {
     const added = data.chats.map(importedChat);
     chats.unshift(...added);
     current = added[0]?.id ?? current;
+    showError("");  // (before the saves: a full storage's error stays)
     for (const chat of added) save(chat);
     render();
-    showError("");
   } catch (error) {
     showError(`Import failed: ${error.message}`);
   }
@@ -604,7 +618,7 @@ async function refreshCache() {
     $("cache-free-cached").textContent = String(s.kv_blocks.free_cached);
     $("cache-evicted").textContent = String(s.evicted_blocks);
     $("cache-disk").textContent = s.disk ? `${s.disk.blocks} blocks, ${formatBytes(s.disk.bytes)}` : "off";
-    cacheShownAt = new Date().toLocaleTimeString();
+    cacheShownAt = new Date().toTimeString().slice(0, 8);  // HH:MM:SS
     cacheStale(null);
   } catch {  // the server down or restarting: the next refresh tries again
     cacheStale("server unreachable");

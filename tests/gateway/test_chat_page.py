@@ -362,6 +362,9 @@ def test_a_chat_is_renamed_exported_and_imported(opened, server, tmp_path):
     send(page, "a chat worth keeping")
     answer_stats(page, 0)
     page.locator("#chats li.current button.rename").click()
+    page.press("#chats li .title-input", "Escape")  # the title as it was, its button back
+    expect(page.locator("#chats li.current button.open")).to_have_text("a chat worth keeping")
+    page.locator("#chats li.current button.rename").click()
     page.fill("#chats li .title-input", "Kept chat")
     page.press("#chats li .title-input", "Enter")
     expect(page.locator("#chats li.current button.open")).to_have_text("Kept chat")
@@ -566,8 +569,14 @@ def test_a_chat_answering_in_another_tab_is_not_sent_into_and_a_rename_there_rea
         other.press("#chats li .title-input", "Enter")
         expect(page.locator("#chats li.current button.open")).to_have_text("Counting")  # taken while it streams
         expect(page.locator("#stop")).to_be_visible()
+        with other.expect_download() as download:  # exported from the watching tab: marked as unfinished too
+            other.click("#export")
+        (exported,) = json.loads(Path(download.value.path()).read_text())["chats"]
+        assert exported["messages"][-1] == {"role": "assistant", "content": exported["messages"][-1]["content"],
+                                            "stats": "unfinished: exported while it streamed"}
         page.click("#stop")
         expect(other.locator(".message.assistant .stats")).to_contain_text("stopped")  # drawn when it ended
+        expect(other.locator("#error")).to_be_hidden()  # the refusal's message went with the answer
         settings(other, max_tokens="2")
         other.press("#input", "Enter")  # now it is sent
         expect(other.locator(".message.assistant .stats").nth(1)).to_contain_text("prompt", timeout=30_000)
@@ -680,6 +689,13 @@ def test_a_server_not_ready_is_retried_and_full_storage_is_said(opened, server):
     send(page, "no room left")
     expect(page.locator("#error")).to_contain_text("storage for the page is full")
     answer_stats(page, 0)  # the request is sent all the same
+    page.set_input_files("#import-file", files=[{"name": "chat.json", "mimeType": "application/json",
+                                                 "buffer": json.dumps({"format": "prefixgate.chats", "version": 1,
+                                                                       "chats": [{"title": "big", "messages": [
+                                                                           {"role": "user", "content": "x" * 20000}]}]}
+                                                                      ).encode()}])
+    expect(page.locator("#chats li.current button.open")).to_have_text("big")
+    expect(page.locator("#error")).to_contain_text("storage for the page is full")  # said, not cleared
 
 
 def test_the_page_follows_the_systems_dark_theme(opened):
