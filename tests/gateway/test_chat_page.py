@@ -423,11 +423,16 @@ def test_two_tabs_keep_each_others_chats(browser, server):
     opened.close()
 
 
+def two_tabs(browser, server) -> tuple[Opened, Page, Page]:
+    """The page open in one tab, and a second tab (not opened yet) of the same browser: they share localStorage."""
+    opened = Opened(browser, server.url + "/")
+    return opened, opened.page, opened.context.new_page()
+
+
 def an_edit_open_beside_another_tab(browser, server) -> tuple[Opened, Page, Page]:
     """A tab with one answered question whose edit box is open, and a second tab (not opened yet) of the same
     browser."""
-    opened = Opened(browser, server.url + "/")
-    page, other = opened.page, opened.context.new_page()
+    opened, page, other = two_tabs(browser, server)
     settings(page, max_tokens="2")
     send(page, "a question to edit")
     answer_stats(page, 0)
@@ -482,8 +487,7 @@ def test_an_edit_open_while_another_tab_renames_the_chat_is_still_saved(browser,
 
 def test_a_reader_keeps_their_place_when_an_answer_ends_and_a_delete_elsewhere_stops_it(browser, server):
     with slowed(server, 0.05):
-        opened = Opened(browser, server.url + "/")
-        page, other = opened.page, opened.context.new_page()
+        opened, page, other = two_tabs(browser, server)
         settings(page, temperature="0")
         start_streaming(page, "count to a thousand", 40)
         page.locator("#messages").evaluate("el => { el.style.height = '120px'; }")
@@ -553,8 +557,7 @@ def test_two_chats_stream_at_once_each_with_its_own_stop_and_export(opened, serv
 
 def test_a_chat_answering_in_another_tab_is_not_sent_into_and_a_rename_there_reaches_it(browser, server):
     with slowed(server, 0.05):
-        opened = Opened(browser, server.url + "/")
-        page, other = opened.page, opened.context.new_page()
+        opened, page, other = two_tabs(browser, server)
         other.goto(server.url + "/")  # the same chat, open before its answer starts streaming in the first tab
         settings(page, temperature="0")
         start_streaming(page, "count to a thousand", 400)
@@ -586,8 +589,7 @@ def test_a_chat_answering_in_another_tab_is_not_sent_into_and_a_rename_there_rea
 
 def test_a_chat_streaming_here_takes_another_tabs_system_prompt_and_stays_busy_there_when_renamed(browser, server):
     with slowed(server, 0.05):
-        opened = Opened(browser, server.url + "/")
-        page, other = opened.page, opened.context.new_page()
+        opened, page, other = two_tabs(browser, server)
         other.goto(server.url + "/")
         settings(page, temperature="0")
         start_streaming(page, "count to a thousand", 400)
