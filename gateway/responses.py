@@ -37,10 +37,10 @@ from gateway.tool_prompt import TOOL_TEMPLATE
 HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
                 "image_generation", "mcp", "local_shell")
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
-ITEM_TYPES = ("message", "function_call", "function_call_output")
-_ITEM_FIELDS = {"message": ("id", "role", "content", "status"),
+_ITEM_FIELDS = {"message": ("id", "role", "content", "status"),  # the input item types taken, with their fields
                 "function_call": ("id", "call_id", "name", "arguments", "status"),
                 "function_call_output": ("id", "call_id", "output", "status")}
+ITEM_TYPES = tuple(_ITEM_FIELDS)
 _ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}  # OpenAI's item id prefixes
 TEXT_PARTS = ("input_text", "output_text", "text")
 # chat parameter names as the Responses API calls them, for the 400s the chat parser raises
