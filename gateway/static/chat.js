@@ -94,7 +94,7 @@ window.addEventListener("storage", (event) => {
   if (!currentChat()) {  // the chat on screen was deleted there
     current = chats[0]?.id ?? null;
     render();
-  } else if (current === id && !document.querySelector(".edit-box, .title-input")) {
+  } else if (current === id && !editing()) {
     drawList();
     if (document.activeElement !== $("system")) $("system").value = currentChat().system ?? "";
     drawMessages(false);
@@ -108,9 +108,17 @@ function streamingElsewhere(chat) {
   return last?.role === "assistant" && last.stats === "interrupted" && Date.now() - (last.at ?? 0) < LIVE_MS;
 }
 
+function answeringElsewhere(id) {  // by the stored copy: this tab's own may be older
+  return streamingElsewhere(load(CHAT_PREFIX + id, null));
+}
+
+function editing() {  // an edit or a rename open: what this tab draws leaves it alone
+  return document.querySelector(".edit-box, .title-input") !== null;
+}
+
 // false (and said) where an answer streams into the chat, here or in another tab: a second one would write over it
 function free(chat) {
-  if (!chat || !streams.has(chat.id) && !streamingElsewhere(load(CHAT_PREFIX + chat.id, null))) return true;
+  if (!chat || !streams.has(chat.id) && !answeringElsewhere(chat.id)) return true;
   if (!streams.has(chat.id)) showError(ANSWERING_ELSEWHERE);
   return false;
 }
@@ -126,7 +134,7 @@ function drawList() {
     listDrawn = shown;
   }
   $("topbar-title").textContent = currentChat()?.title ?? "";
-  if ($("error").textContent === ANSWERING_ELSEWHERE && !streamingElsewhere(load(CHAT_PREFIX + current, null))) {
+  if ($("error").textContent === ANSWERING_ELSEWHERE && !answeringElsewhere(current)) {
     showError("");  // (that answer ended, or another chat is on screen)
   }
 }
@@ -248,7 +256,7 @@ function renameChat(item, open, { id, title }) {
 let liveCheck = null;  // one redraw when the last "answering in another tab" would lapse (that tab closed at once)
 
 function redrawWhenFree() {  // an open edit or rename is never drawn over: tried again a moment later
-  if (document.querySelector(".edit-box, .title-input")) liveCheck = setTimeout(redrawWhenFree, LIVE_MS);
+  if (editing()) liveCheck = setTimeout(redrawWhenFree, LIVE_MS);
   else drawMessages(false);
 }
 
