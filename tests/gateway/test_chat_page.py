@@ -587,6 +587,35 @@ def test_a_chat_answering_in_another_tab_is_not_sent_into_and_a_rename_there_rea
         opened.close()
 
 
+def test_a_click_on_the_list_is_not_lost_to_another_tabs_saves_of_an_answer(browser, server):
+    """Another tab saves its streaming answer every second; the list here keeps its buttons (nothing it shows
+    changed), so a press and a release a save apart still open the chat."""
+    with slowed(server, 0.05):
+        opened, page, other = two_tabs(browser, server)
+        settings(page, max_tokens="2")
+        send(page, "an older chat")
+        answer_stats(page, 0)
+        page.click("#new-chat")
+        settings(page, temperature="0")
+        start_streaming(page, "count to a thousand", 400)
+        other.goto(server.url + "/")
+        other.locator("#chats li button.open", has_text="count to a thousand").click()
+        answer = other.locator(".message.assistant .body")
+        expect(answer).not_to_be_empty()
+        older = other.locator("#chats li button.open", has_text="an older chat")
+        button = older.element_handle()
+        older.hover()
+        other.mouse.down()
+        for _ in range(2):  # two saves of the answer reach this tab between the press and the release
+            before = answer.inner_text()
+            expect(answer).not_to_have_text(before, timeout=5_000)
+        assert button.evaluate("el => el.isConnected")  # (the click's own redraw, opening the chat, comes after)
+        other.mouse.up()
+        expect(other.locator(".message.user .body")).to_have_text(["an older chat"])
+        page.click("#stop")
+        opened.close()
+
+
 def test_a_chat_streaming_here_takes_another_tabs_system_prompt_and_stays_busy_there_when_renamed(browser, server):
     with slowed(server, 0.05):
         opened, page, other = two_tabs(browser, server)

@@ -115,6 +115,28 @@ async def test_a_server_that_cannot_be_reached_costs_warnings_and_503s(tmp_path,
     await store.aclose()
 
 
+async def test_calls_rest_after_a_failed_connect_instead_of_storming_the_server(tmp_path, monkeypatch):
+    monkeypatch.setattr(response_store_postgres, "REST_S", 0.2)
+    store = PostgresResponseStore(f"postgresql://postgres@/postgres?host={tmp_path}", 10)  # no server there
+    connects = []
+    real_connect = store._connect
+
+    async def counted_connect():
+        connects.append(1)
+        return await real_connect()
+    monkeypatch.setattr(store, "_connect", counted_connect)
+    assert await store.aput(stored("resp_1"), warn=False) is False
+    assert len(connects) == 1
+    for _ in range(20):  # a burst of requests in the rest: each answered at once, none connects
+        assert await status_of(store.aget("alice", "resp_1")) == (503, "responses_store_busy")
+    assert await store.aput(stored("resp_2"), warn=False) is False
+    assert len(connects) == 1
+    await asyncio.sleep(0.3)  # past the rest, the next call tries the server again
+    assert await status_of(store.aget("alice", "resp_1")) == (503, "responses_store_busy")
+    assert len(connects) == 2
+    await store.aclose()
+
+
 @pytest.mark.server  # a real database server
 async def test_two_gateways_share_their_stored_responses(tiny_llama_dir, pg_url):
     args = ("--model", str(tiny_llama_dir), "--num-kv-blocks", "128", "--responses-db", pg_url)
