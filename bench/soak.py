@@ -153,7 +153,7 @@ async def _drive(app: web.Application, base: str, p: SoakParams) -> SoakReport:
     async def client(session: aiohttp.ClientSession) -> None:
         nonlocal next_index, done
         while next_index < p.requests:
-            spec = workload.request(next_index)
+            spec = workload.request()
             next_index += 1
             outcome = await _one(session, base, spec, p.request_timeout_s)
             if outcome == "rejected_429":
@@ -241,7 +241,7 @@ class _Workload:
         self.prefixes = [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 48))] for _ in range(6)]
         self.vocab = vocab
 
-    def request(self, index: int) -> RequestSpec:
+    def request(self) -> RequestSpec:
         rng, p = self.rng, self.p
         stream = rng.random() < p.stream_fraction
         n = rng.choice((2, 3)) if rng.random() < p.n_fraction else 1

@@ -89,10 +89,6 @@ class EngineConfig:
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
 
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
-
 
 def _check(ok: bool, message: str) -> None:
     if not ok:

@@ -382,7 +382,7 @@ class EngineCore:
                                  evictions_preemption=self.kv.num_preemption_evictions,
                                  cached_blocks=len(pool.cached),
                                  free_cached_blocks=pool.num_free_cached, usage=pool.usage(),
-                                 evictions_spill=pool.evictions["spill"], evictions_reset=pool.evictions["reset"],
+                                 evictions_spill=pool.evictions["spill"],
                                  regrets=pool.num_regrets, disk_hits=self.kv.num_disk_hit_tokens,
                                  evictions_erase=pool.evictions["erase"], pins=len(self.kv.pins.pins),
                                  pinned_blocks=self.kv.pins.num_blocks, max_pinned_blocks=self.kv.pins.max_blocks,
@@ -421,7 +421,7 @@ class EngineCore:
             request_id=r.request_id, tenant=r.tenant, finish_reason=r.finish_reason or FinishReason.ABORT,
             num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens or 0,
             num_output_tokens=len(r.output_token_ids), queue_time=scheduled - r.arrival_time,
-            prefill_time=first_token - scheduled, ttft=first_token - r.arrival_time,
+            ttft=first_token - r.arrival_time,
             e2e_latency=end - r.arrival_time, inter_token_latencies=list(r.inter_token_latencies),
             num_disk_cached_tokens=r.num_disk_cached_tokens, num_cache_write_tokens=self._cache_write_tokens(r))
 

@@ -123,7 +123,6 @@ class PrefixCacheStats(Mergeable):
     free_cached_blocks: int = level()  # of those, the ones no request holds (in the free queue, hittable)
     usage: float = mean()  # fraction of blocks referenced by running requests
     evictions_spill: int = count()  # cached blocks dropped from RAM with their KV written to the disk tier
-    evictions_reset: int = count()  # cached blocks forgotten by a cache reset
     regrets: int = count()  # evicted blocks asked for again while their hash was in the ghost list
     disk_hits: int = count()  # prompt tokens loaded from the disk tier (part of `hits`)
     evictions_erase: int = count()  # cached blocks forgotten by DELETE /v1/cache
@@ -164,7 +163,6 @@ class FinishedRequestStats:
     num_cached_tokens: int
     num_output_tokens: int
     queue_time: float  # arrival -> first scheduled
-    prefill_time: float  # first scheduled -> first token
     ttft: float  # arrival -> first token
     e2e_latency: float  # arrival -> finished
     inter_token_latencies: list[float] = field(default_factory=list)

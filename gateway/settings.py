@@ -68,7 +68,7 @@ class GatewaySettings:
     log_level: str = _knob("info", "debug | info | warning | error")
     served_model_name: tuple[str, ...] = _knob(
         (), "the model's names in the API, as vLLM's --served-model-name: answers carry the first, each selects the "
-            "model; none: its own name (a .gguf file's is its stem and a hash of its path)")
+            "model; none: its own name (a .gguf file's is its stem and a hash of its path, size and mtime)")
     tool_call_parser: str = _knob("auto", "auto (from the chat template) | hermes | llama3_json")
     exclude_tools_when_tool_choice_none: bool = _knob(
         False, "tool_choice none leaves the tools out of the prompt (vLLM's flag; off: shown, and no call is parsed)")
@@ -117,10 +117,6 @@ class GatewaySettings:
 
     def replace(self, **changes: Any) -> "GatewaySettings":
         return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls) if f.name != "api_keys"]
 
 
 @dataclass(frozen=True, slots=True)

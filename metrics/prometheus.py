@@ -27,7 +27,6 @@ from engine.stats import FinishedRequestStats, PrefixCacheStats, SchedulerStats,
 PREFIX = "prefixgate_"
 OTHER_TENANT = "other"
 FINISH_REASONS = ("stop", "length", "abort", "error")
-EVICTION_REASONS = ("capacity", "preemption", "spill", "reset", "erase")
 PIN_RELEASE_REASONS = ("expired", "pressure", "erased")
 PIN_REFUSALS = ("tenant_quota", "pool_quota", "not_cached")
 
@@ -103,7 +102,6 @@ class PrefixCacheMetrics:
         self._evicted_capacity = _Delta(evictions.labels(model_name, "capacity"))
         self._evicted_preemption = _Delta(evictions.labels(model_name, "preemption"))
         self._evicted_spill = _Delta(evictions.labels(model_name, "spill"))
-        self._evicted_reset = _Delta(evictions.labels(model_name, "reset"))
         self._evicted_erase = _Delta(evictions.labels(model_name, "erase"))
         self._regrets = _Delta(Counter(f"{PREFIX}prefix_cache_regrets_blocks_total",
                                        "Evicted blocks asked for again soon after (a bounded ghost list of "
@@ -118,7 +116,6 @@ class PrefixCacheMetrics:
         self._evicted_capacity.update(stats.evictions_capacity)
         self._evicted_preemption.update(stats.evictions_preemption)
         self._evicted_spill.update(stats.evictions_spill)
-        self._evicted_reset.update(stats.evictions_reset)
         self._evicted_erase.update(stats.evictions_erase)
         self._regrets.update(stats.regrets)
         self.disk.update(stats)

@@ -12,7 +12,7 @@ from engine.kv.hashing import BlockHash
 __all__ = ["BlockPool", "FreeBlockQueue", "Ghost", "KVCacheBlock", "EVICTION_REASONS"]
 
 # why a cached block hash was dropped from RAM (preemption is counted by the KV cache manager)
-EVICTION_REASONS = ("capacity", "spill", "reset", "erase")
+EVICTION_REASONS = ("capacity", "spill", "erase")
 
 
 class KVCacheBlock:
@@ -142,7 +142,7 @@ class BlockPool:
         block_hash = block.block_hash
         if block_hash is None:
             return
-        if block.ref_cnt == 0:  # (handed out, or forgotten while free: erase, reset)
+        if block.ref_cnt == 0:  # (handed out, or erased while free)
             self.num_free_cached -= self._is_holder(block)
         if self.cached[block_hash] is not block:
             self._drop_duplicate(block_hash, block)
@@ -231,8 +231,3 @@ class BlockPool:
         for block_hash in [h for h, ghost in self.ghosts.items() if ghost.tenant == tenant]:
             del self.ghosts[block_hash]
         return self.evictions["erase"] - before
-
-    def reset_cache(self) -> None:
-        """Forget every cached hash of a free block (used between benchmark runs)."""
-        for block in list(self.free_queue):
-            self._evict(block, "reset")

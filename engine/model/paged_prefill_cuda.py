@@ -27,15 +27,11 @@ import triton
 import triton.language as tl
 
 from engine.model.paged_decode_cuda import online_softmax, online_softmax_start, tile_scores
+from engine.model.paged_decode_cuda import supports  # noqa: F401 (the same head sizes: the runner asks each kernel)
 
 LOG2E = 1.4426950408889634  # scores are scaled by log2(e) once so that the softmax runs on exp2
 MIN_SPLIT_TILES = 4  # key tiles of one program where a small step's keys are split (split_keys)
 MAX_SPLITS = 32
-
-
-def supports(head_dim: int) -> bool:
-    """Triton's block shapes are powers of two: the head size must be one (64 and 128 are)."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 def tile_shapes(device: torch.device, group: int) -> tuple[int, int, int, int]:

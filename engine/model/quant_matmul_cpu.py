@@ -155,6 +155,8 @@ def pack(rows: QuantRows, integer: bool = False, scales: str = "float32") -> Qua
     """The weight's tiles: for integer dot products (quant_dot_cpu, x86 only) where `integer` and the format
     allows, else for the float kernel here, its scales and mins of the kind `scales` (one of SCALE_KINDS; the
     rows must hold it exactly: scale_kind())."""
+    if scales not in SCALE_KINDS:
+        raise ValueError(f"scales must be one of {SCALE_KINDS}, not {scales!r}")
     as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
     n, k = rows.shape
     tiles = -(-n // TILE)
@@ -372,7 +374,7 @@ def _dequantize_block(typingctx, data, scales, mins, tile, g, k, out, row):
     of its own byte (prefill dequantizes every weight once a step). Each weight is q * scale + min in one rounding,
     as _row computes it."""
     def codegen(context, builder, signature, args):
-        data_arg, scales_arg, mins_arg, tile_arg, g_arg, k_arg, out_arg, row_arg = args
+        _, _, _, tile_arg, g_arg, k_arg, _, row_arg = args
         data_ary, scales_ary, mins_ary, out_ary = [context.make_array(signature.args[i])(context, builder, args[i])
                                                     for i in (0, 1, 2, 6)]
         kind = signature.args[1].dtype
@@ -608,7 +610,7 @@ def _tile(typingctx, x, data, scales, mins, sums, tile, group, out, bits, has_mi
         return None  # numba then retries with the literal values of the constants the caller passes
 
     def codegen(context, builder, signature, args):
-        x_arg, data_arg, scales_arg, mins_arg, sums_arg, tile_arg, group_arg, out_arg, _, _, _ = args
+        tile_arg, group_arg = args[5], args[6]
         arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 7)]
         x_ary, data_ary, scales_ary, mins_ary, sums_ary, out_ary = arrays
         with_min = has_min.literal_value

@@ -61,7 +61,7 @@ def test_no_engine_up_merges_to_empty_stats_and_no_disk_tier_stays_none():
 
 
 def finished(request_id: str) -> FinishedRequestStats:
-    return FinishedRequestStats(request_id, "alice", "stop", 8, 4, 2, 0.1, 0.2, 0.3, 0.4)
+    return FinishedRequestStats(request_id, "alice", "stop", 8, 4, 2, 0.1, 0.3, 0.4)
 
 
 def test_steps_merge_counts_and_events_and_keep_the_latest_snapshot():

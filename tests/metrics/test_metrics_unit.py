@@ -40,7 +40,7 @@ def step(queries=0, hits=0, lookups=0, ev_cap=0, ev_pre=0, cached_blocks=0, usag
 def finished(request_id="r", *, reason="stop", prompt=64, cached=48, output=4, tenant=None) -> FinishedRequestStats:
     return FinishedRequestStats(
         request_id=request_id, tenant=tenant, finish_reason=reason, num_prompt_tokens=prompt,
-        num_cached_tokens=cached, num_output_tokens=output, queue_time=0.003, prefill_time=0.02, ttft=0.023,
+        num_cached_tokens=cached, num_output_tokens=output, queue_time=0.003, ttft=0.023,
         e2e_latency=0.4, inter_token_latencies=[0.1] * max(output - 1, 0))
 
 
@@ -170,7 +170,7 @@ def test_tenant_cache_writes_and_disk_reads_when_requests_finish():
     from engine.stats import FinishedRequestStats
 
     def finished(tenant: str, disk: int, written: int) -> FinishedRequestStats:
-        return FinishedRequestStats("r", tenant, "stop", 100, disk, 1, 0.0, 0.1, 0.1, 0.2,
+        return FinishedRequestStats("r", tenant, "stop", 100, disk, 1, 0.0, 0.1, 0.2,
                                     num_disk_cached_tokens=disk, num_cache_write_tokens=written)
 
     metrics = Metrics(MODEL, tenants=["acme"])
@@ -188,14 +188,14 @@ def test_evictions_by_every_reason_regrets_and_the_disk_tier():
     metrics = Metrics(MODEL, tenants=[])
     s = scrape(metrics)
     assert value(s, "prefixgate_kv_disk_blocks") == 0  # exported without a disk tier too
-    cache = PrefixCacheStats(evictions_capacity=1, evictions_preemption=2, evictions_spill=3, evictions_reset=4,
+    cache = PrefixCacheStats(evictions_capacity=1, evictions_preemption=2, evictions_spill=3, evictions_erase=4,
                              regrets=5, disk_hits=32,
                              disk=DiskTierStats(files=7, bytes=700, writes=9, dropped_spills=1, evictions=2, corrupt=1,
                                                 write_errors={"no_space": 3}))
     metrics.on_step(StepStats(SchedulerStats(prefix_cache=cache)))
     s = scrape(metrics)
     evictions = "prefixgate_prefix_cache_evictions_blocks_total"
-    assert [value(s, evictions, reason=r) for r in ("capacity", "preemption", "spill", "reset")] == [1, 2, 3, 4]
+    assert [value(s, evictions, reason=r) for r in ("capacity", "preemption", "spill", "erase")] == [1, 2, 3, 4]
     assert value(s, "prefixgate_prefix_cache_regrets_blocks_total") == 5
     assert value(s, "prefixgate_prefix_cache_disk_hits_tokens_total") == 32
     assert value(s, "prefixgate_kv_disk_blocks") == 7 and value(s, "prefixgate_kv_disk_bytes") == 700

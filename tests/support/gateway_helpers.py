@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Coroutine, Iterator
 from pathlib import Path

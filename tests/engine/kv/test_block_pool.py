@@ -205,18 +205,6 @@ def test_caching_disabled_registers_nothing():
     assert pool.cached == {} and block.block_hash is None
 
 
-def test_reset_cache_forgets_free_blocks_only():
-    pool = BlockPool(3)
-    a, b = pool.allocate(2)
-    pool.cache_block(a, h(1), (1,))
-    pool.cache_block(b, h(2), (2,))
-    pool.free([a])
-    pool.reset_cache()
-    assert pool.cached == {h(2): b}  # b is still referenced: its hash stays
-    assert a.block_hash is None and pool.evictions == {"capacity": 0, "spill": 0, "reset": 1, "erase": 0}
-    assert ids(pool.free_queue) == [2, 0]
-
-
 def test_evictions_by_reason_and_the_spill_hook():
     pool = BlockPool(2)
     spilled = []
@@ -227,7 +215,7 @@ def test_evictions_by_reason_and_the_spill_hook():
     pool.free([a, b])
     pool.allocate(2)
     assert spilled == [(0, h(1)), (1, h(2))]  # called with the hash still on the block
-    assert pool.evictions == {"capacity": 1, "spill": 1, "reset": 0, "erase": 0}
+    assert pool.evictions == {"capacity": 1, "spill": 1, "erase": 0}
     assert pool.take_tenant_evictions() == {"alice": 1, "bob": 1}
 
 
@@ -384,7 +372,7 @@ def test_free_cached_counts_the_free_holders_of_a_hash_through_each_change():
     assert (pool.num_free_cached, pool.evictions["capacity"]) == (0, 1)
     pool.free([c])
     assert pool.num_free_cached == 1
-    pool.reset_cache()
+    pool.erase("alice")
     assert (pool.num_free_cached, len(pool.cached)) == (0, 0)
 
 
@@ -416,8 +404,10 @@ def test_erase_forgets_the_tenants_ghosts_only():
 
 # ---- stateful model check
 
+TENANTS = (None, "alice")
+
 class BlockPoolMachine(RuleBasedStateMachine):
-    """Random allocate / cache / hit / free / reset / miss sequences against a plain model of the pool:
+    """Random allocate / cache / hit / free / erase / miss sequences against a plain model of the pool:
     eviction order (LRU, or SLRU's two segments and their adaptive bound), worthless blocks first, duplicates,
     ghosts."""
 
@@ -436,6 +426,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.block_hash: dict[int, tuple[BlockHash, tuple[int, ...]]] = {}  # every holder and copy
         self.reused: set[int] = set()
         self.ghosts: dict[BlockHash, list[bool]] = {}  # insertion-ordered: hash -> [was reused, regretted]
+        self.tenants: dict[int, str | None] = {}  # block id -> whose request cached it (every holder and copy)
+        self.ghost_tenants: dict[BlockHash, str | None] = {}
         self.tables: list[list[int]] = []  # one list of held block ids per simulated request
         self.evictions = 0
         self.regrets = 0
@@ -471,10 +463,11 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def _take(self, i: int) -> None:
         (self.protected if i in self.protected else self.probation).remove(i)
 
-    def _forget(self, i: int) -> None:
+    def _forget(self, i: int, erased: bool = False) -> None:
         if i not in self.block_hash:
             return
         block_hash, _ = self.block_hash.pop(i)
+        tenant = self.tenants.pop(i)
         reused = i in self.reused
         self.reused.discard(i)
         if self.cached[block_hash][0] != i:
@@ -485,9 +478,12 @@ class BlockPoolMachine(RuleBasedStateMachine):
         else:
             del self.cached[block_hash]
             self.evictions += 1
-            self.ghosts[block_hash] = [reused, False]
-            if len(self.ghosts) > self.NUM_BLOCKS:
-                del self.ghosts[next(iter(self.ghosts))]
+            if not erased:  # (an erasure was asked for: nothing to regret)
+                self.ghosts[block_hash] = [reused, False]
+                self.ghost_tenants[block_hash] = tenant
+                if len(self.ghosts) > self.NUM_BLOCKS:
+                    del self.ghost_tenants[next(iter(self.ghosts))]
+                    del self.ghosts[next(iter(self.ghosts))]
         if block_hash in self.copies and not self.copies[block_hash]:
             del self.copies[block_hash]
 
@@ -511,19 +507,21 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.tables.append(expected)
 
     @precondition(lambda self: self.tables)
-    @rule(data=st.data(), key=st.integers(0, 5), token=st.integers(0, 2))
-    def cache(self, data, key, token):
+    @rule(data=st.data(), key=st.integers(0, 5), token=st.integers(0, 2), tenant=st.sampled_from(TENANTS))
+    def cache(self, data, key, token, tenant):
         table = data.draw(st.sampled_from(self.tables))
         block_id = data.draw(st.sampled_from(table))
-        self.pool.cache_block(self.pool.blocks[block_id], h(key), (token,))
+        self.pool.cache_block(self.pool.blocks[block_id], h(key), (token,), tenant)
         if block_id in self.block_hash:
             return
         self.block_hash[block_id] = (h(key), (token,))
+        self.tenants[block_id] = tenant
         if h(key) in self.cached:
             self.copies.setdefault(h(key), []).append(block_id)
         else:
             self.cached[h(key)] = (block_id, (token,))
             if self.ghosts.pop(h(key), None) is not None:
+                del self.ghost_tenants[h(key)]
                 self.reused.add(block_id)
 
     @rule(key=st.integers(0, 5), token=st.integers(0, 2))
@@ -583,11 +581,21 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.regrets += expected
         assert self.pool.count_regrets(hashes) == expected
 
-    @rule()
-    def reset_cache(self):
-        self.pool.reset_cache()
-        for i in self._order():
-            self._forget(i)
+    @rule(tenant=st.sampled_from(TENANTS))
+    def erase(self, tenant):
+        # DELETE /v1/cache: the tenant's hashes go, free or in use, block by block; a free block moves to the
+        # front of the eviction order (nothing left to lose)
+        erased = self.evictions
+        for i in sorted(i for i, t in self.tenants.items() if t == tenant):
+            free = self.refs[i] == 0
+            if free:
+                self._take(i)
+            self._forget(i, erased=True)
+            if free:
+                self.probation.insert(0, i)
+        for block_hash in [k for k, t in self.ghost_tenants.items() if t == tenant]:
+            del self.ghosts[block_hash], self.ghost_tenants[block_hash]
+        assert self.pool.erase(tenant) == self.evictions - erased
 
     # -- invariants
 

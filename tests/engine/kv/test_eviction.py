@@ -88,10 +88,7 @@ def test_eviction_stats_carry_reasons_and_per_tenant_regrets(tiny_llama_dir):
     stats = core.prefix_cache_stats()
     assert stats.evictions_capacity == 1 and stats.evictions_spill == 0 and stats.regrets == 0
     assert run("c", HOT, "alice") == {"alice": 1}  # 3 blocks hit, the 4th asked for again
-    num_cached = len(core.kv.pool.cached)
-    core.kv.pool.reset_cache()
-    stats = core.prefix_cache_stats()
-    assert stats.regrets == 1 and stats.evictions_reset == num_cached and not core.kv.pool.cached
+    assert core.prefix_cache_stats().regrets == 1
 
 
 @pytest.mark.parametrize("policy", ["lru", "slru"])

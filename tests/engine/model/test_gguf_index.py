@@ -6,7 +6,6 @@ import json
 import logging
 import os
 
-import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader

@@ -146,6 +146,8 @@ def test_scale_kind_is_the_smallest_every_weight_holds_exactly():
     assert quant_matmul_cpu.scale_kind([three_groups]) == "float32"
     with pytest.raises(ValueError, match="super-block records"):
         quant_matmul_cpu.pack(three_groups, scales="super-blocks")
+    with pytest.raises(ValueError, match="scales must be one of"):  # a misspelt kind is no float32 silently
+        quant_matmul_cpu.pack(fp16, scales="float16")
 
 
 def test_bias_and_accumulate_add_onto_the_output():
