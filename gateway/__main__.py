@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="an accepted API key (repeatable). Keys that name the same TENANT share its cache; "
                               "a key without one is a tenant of its own, named key-<first 8 hex of sha256(KEY)>")
     gateway.add_argument("--api-keys-file", dest="gateway.api_keys_file", default=argparse.SUPPRESS,
-                         metavar="PATH", help="YAML: key -> {tenant, salt?, max_concurrent?, share_public_salt?}")
+                         metavar="PATH",
+                         help="YAML: key -> {tenant, salt?, max_concurrent?, share_public_salt?, max_pinned_blocks?}")
     return parser
 
 

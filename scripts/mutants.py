@@ -12,6 +12,7 @@ Not run by CI: every mutant compiles the kernels afresh (a minute or two of CPU 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import os
 import re
 import subprocess
@@ -358,16 +359,23 @@ def try_mutant(mutant: Mutant) -> tuple[bool, str, float]:
     return code != 0, by, time.perf_counter() - started
 
 
+def choose(patterns: list[str]) -> tuple[list[Mutant], list[str]]:
+    """The mutants whose names match one of `patterns` (names or shell patterns; every mutant without any), in
+    their order here, and the patterns that match none."""
+    chosen = [m for m in MUTANTS if not patterns or any(fnmatch.fnmatchcase(m.name, p) for p in patterns)]
+    return chosen, [p for p in patterns if not any(fnmatch.fnmatchcase(m.name, p) for m in MUTANTS)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("names", nargs="*", help="mutants to run, by name or shell pattern ('dot-*'; default: all)")
     args = parser.parse_args()
-    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    chosen, unknown = choose(args.names)
+    if unknown:
+        parser.error(f"no mutant matches {unknown}; known: {[m.name for m in MUTANTS]}")
     for mutant in [m for m in chosen if isa_env(m.isa) is None]:
         print(f"{mutant.name}: skipped, this CPU cannot run {mutant.isa} code (the mutated code never runs here)")
         chosen.remove(mutant)
-    if unknown := set(args.names) - {m.name for m in MUTANTS}:
-        parser.error(f"unknown mutants {sorted(unknown)}; known: {[m.name for m in MUTANTS]}")
     files = {m.file for m in chosen}
     if not kernel_files_are_clean(files):
         print(f"refusing to start: {sorted(files)} have uncommitted changes, which a mutant run would overwrite",

@@ -35,3 +35,11 @@ def test_narrow_vnni_compiles_without_avx512_vnni():
         return
     assert "+avx512vnni" not in env["NUMBA_CPU_FEATURES"].split(",")
     assert has_vnni(env["NUMBA_CPU_FEATURES"])
+
+
+def test_mutants_are_chosen_by_name_or_shell_pattern():
+    chosen, unknown = MUTANTS.choose(["dequantize-*", "rotary-halves-swapped", "no-such-*"])
+    assert [m.name for m in chosen] == ["rotary-halves-swapped", "dequantize-block-high-nibble-as-low",
+                                        "dequantize-block-second-half-as-first", "dequantize-block-six-bit-lane-bytes"]
+    assert unknown == ["no-such-*"]
+    assert MUTANTS.choose([]) == (list(MUTANTS.MUTANTS), [])
