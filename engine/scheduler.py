@@ -1,4 +1,13 @@
-"""Continuous batching: each step fills a token budget with decodes first, then prefill chunks."""
+"""Continuous batching: each step fills a token budget with decodes first, then prefill chunks.
+
+A shorter prefill shares the step with a longer one ahead of it: a running prefill with a shorter one after it (a
+later running prefill, or a waiting request that may be admitted, by its whole length) takes at most half of the
+room left, the shorter ones the rest, and whatever they leave goes back to the prefills that made room, in their
+order. A short prompt that arrives behind a long one is then answered after a step or two, not after the whole
+long prefill (an 8,000-token prompt is 16 steps of 512 tokens); the long one takes at least half of each step, so
+is never starved; prefills of equal length still run one after the other (sharing would make the first wait as
+long as the second); and a prefill loses no tokens to a newcomer that cannot start (one waiting for a prefix this
+prefill computes)."""
 from __future__ import annotations
 
 import time
@@ -74,9 +83,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = _StepBudget(self.max_num_batched_tokens, self._prefill_cap())
-        self._schedule_running(out, budget)
+        shortened = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        self._extend(shortened, budget)
         return out
 
     def _prefill_cap(self) -> int:
@@ -84,13 +94,21 @@ class Scheduler:
             return self.max_num_batched_tokens
         return self.prefill_cap(sum(r.num_tokens for r in self.running if not r.is_catching_up))
 
-    def _schedule_running(self, out: SchedulerOutput, budget: _StepBudget) -> None:
-        for request in sorted(self.running, key=lambda r: r.is_prefilling):  # decodes first
+    def _schedule_running(self, out: SchedulerOutput, budget: _StepBudget) -> list[ScheduledChunk]:
+        """Schedules the running requests; returns the chunks of prefills shortened to leave room to newcomers."""
+        shortened = []
+        order = sorted(self.running, key=lambda r: r.is_prefilling)  # decodes first
+        shortest_after = self._shortest_after([r for r in order if r.is_catching_up])
+        for request in order:
             if budget.room(request) <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget.room(request))
+            left = request.num_tokens - request.num_computed_tokens
+            num_tokens = min(left, budget.room(request))
+            halved = shortest_after.get(request.request_id, left) < left and num_tokens > budget.room(request) // 2
+            if halved:
+                num_tokens = max(1, budget.room(request) // 2)
             while not self.kv.allocate(request, num_tokens):
                 if self.kv.release_pin_for_room():
                     continue  # pins give way before any running request does: a pin ranks a prefix, it reserves no room
@@ -101,6 +119,32 @@ class Scheduler:
             else:
                 out.chunks.append(ScheduledChunk(request, num_tokens))
                 budget.take(request, num_tokens)
+                if halved:
+                    shortened.append(out.chunks[-1])
+        return shortened
+
+    def _shortest_after(self, prefills: list[Request]) -> dict[str, int]:
+        """For each running prefill, the fewest tokens left to any prefill after it: a later one, or a waiting
+        request that may be admitted (its whole length: a cached prefix would only make it shorter)."""
+        shortest = float("inf")
+        if len(self.running) < self.max_num_seqs:
+            shortest = min((r.num_tokens for r in self.waiting), default=shortest)
+        after = {}
+        for request in reversed(prefills):
+            after[request.request_id] = shortest
+            shortest = min(shortest, request.num_tokens - request.num_computed_tokens)
+        return after
+
+    def _extend(self, shortened: list[ScheduledChunk], budget: _StepBudget) -> None:
+        """Gives the room the waiting requests left to the prefills that made it for them, in their order."""
+        for chunk in shortened:
+            request = chunk.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted for a later running request's room
+            more = min(request.num_tokens - request.num_computed_tokens - chunk.num_tokens, budget.room(request))
+            if more > 0 and self.kv.allocate(request, chunk.num_tokens + more):
+                chunk.num_tokens += more
+                budget.take(request, more)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: _StepBudget) -> None:
         if not self.waiting:  # (the usual decode step: no hashes to gather, no queue to order)

@@ -1,6 +1,7 @@
 """bench.prefill on the tiny model on CPU (behaviour, not times): the step's FLOPs, the cache hits of the repeat."""
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -96,3 +97,16 @@ def test_gemm_too_times_each_prefill_gemm_in_turns_then_restores_the_default(tin
     assert result["gemm"] == ("openblas" if default else "mkl")
     assert result["openblas_uncached_ttft_s"] > 0 and result["mkl_uncached_ttft_s"] > 0
     assert set(used) == {True, False} and cpu_gemm.OPENBLAS is default
+
+
+def test_a_question_behind_a_long_prompt_has_its_first_token_at_the_next_step(tiny_llama_dir, tmp_path, capsys):
+    from bench import short_behind_long
+    out = tmp_path / "result.json"
+    assert short_behind_long.main(["--model", str(tiny_llama_dir), "--long-tokens", "1200", "--rounds", "1",
+                                   "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["long_tokens"] == 1200
+    (round_,) = result["rounds"]
+    assert round_["question"]["steps"] == 1  # (it waited for the whole long prefill before: 2 more steps)
+    assert round_["long_alone"]["steps"] == round_["long_with_question"]["steps"] == 3  # 512 + 505 (+ 7) + 183
+    assert "question" in capsys.readouterr().out
