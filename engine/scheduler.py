@@ -95,7 +95,7 @@ class Scheduler:
         return self.prefill_cap(sum(r.num_tokens for r in self.running if not r.is_catching_up))
 
     def _schedule_running(self, out: SchedulerOutput, budget: _StepBudget) -> list[ScheduledChunk]:
-        """Schedules the running requests; returns the chunks of prefills shortened to leave room to newcomers."""
+        """Schedules the running requests; returns the chunks of prefills halved to leave room to shorter ones."""
         shortened = []
         order = sorted(self.running, key=lambda r: r.is_prefilling)  # decodes first
         shortest_after = self._shortest_after([r for r in order if r.is_catching_up])
@@ -136,7 +136,8 @@ class Scheduler:
         return after
 
     def _extend(self, shortened: list[ScheduledChunk], budget: _StepBudget) -> None:
-        """Gives the room the waiting requests left to the prefills that made it for them, in their order."""
+        """Gives the room the shorter prefills left (a newcomer that could not start takes none) back to the
+        prefills that made it for them, in their order."""
         for chunk in shortened:
             request = chunk.request
             if request.status is not RequestStatus.RUNNING:
