@@ -1,13 +1,13 @@
 """Continuous batching: each step fills a token budget with decodes first, then prefill chunks.
 
-A shorter prefill shares the step with a longer one ahead of it: a running prefill with a shorter one after it (a
-later running prefill, or a waiting request that may be admitted, by its whole length) takes at most half of the
-room left, the shorter ones the rest, and whatever they leave goes back to the prefills that made room, in their
-order. A short prompt that arrives behind a long one is then answered after a step or two, not after the whole
-long prefill (an 8,000-token prompt is 16 steps of 512 tokens); the long one takes at least half of each step, so
-is never starved; prefills of equal length still run one after the other (sharing would make the first wait as
-long as the second); and a prefill loses no tokens to a newcomer that cannot start (one waiting for a prefix this
-prefill computes)."""
+A short prefill shares the step with a long one ahead of it: a running prefill with a prefill after it shorter than
+half of what it has left (a later running prefill, or a waiting request that may be admitted, by its whole length)
+takes at most half of the room left; while it does, only such short requests are admitted; and whatever they leave
+goes back to it in the same step. A short prompt that arrives behind a long one is then answered after a step or
+two, not after the whole long prefill (an 8,000-token prompt is 16 steps of 512 tokens), and the long one keeps at
+least half of each step, so is never starved. Half is the bound where sharing pays: two prefills sharing equally
+finish, on average, sooner than one after the other only when the shorter has less than half of the longer's
+tokens left."""
 from __future__ import annotations
 
 import time
@@ -43,6 +43,12 @@ class _StepBudget:
         if request.is_catching_up:
             self.prefill_tokens -= num_tokens
         self.tokens -= num_tokens
+
+    def give_back(self, num_tokens: int, prefill: bool) -> None:
+        """What a chunk took, for a request preempted after it was scheduled."""
+        if prefill:
+            self.prefill_tokens += num_tokens
+        self.tokens += num_tokens
 
 
 @dataclass(slots=True)
@@ -85,7 +91,8 @@ class Scheduler:
         budget = _StepBudget(self.max_num_batched_tokens, self._prefill_cap())
         shortened = self._schedule_running(out, budget)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            # while a prefill makes room, it is for requests shorter than half of what any such prefill has left
+            self._schedule_waiting(out, budget, min((self._left(c) for c in shortened), default=None))
         self._extend(shortened, budget)
         return out
 
@@ -106,14 +113,14 @@ class Scheduler:
                 continue  # preempted earlier in this step
             left = request.num_tokens - request.num_computed_tokens
             num_tokens = min(left, budget.room(request))
-            halved = shortest_after.get(request.request_id, left) < left and num_tokens > budget.room(request) // 2
+            halved = 2 * shortest_after.get(request.request_id, left) < left and num_tokens > budget.room(request) // 2
             if halved:
                 num_tokens = max(1, budget.room(request) // 2)
             while not self.kv.allocate(request, num_tokens):
                 if self.kv.release_pin_for_room():
                     continue  # pins give way before any running request does: a pin ranks a prefix, it reserves no room
                 victim = self.running.pop()  # the newest running request gives way
-                budget.tokens += self._preempt(victim, out)
+                budget.give_back(*self._preempt(victim, out))
                 if victim is request:
                     break
             else:
@@ -122,6 +129,11 @@ class Scheduler:
                 if halved:
                     shortened.append(out.chunks[-1])
         return shortened
+
+    @staticmethod
+    def _left(chunk: ScheduledChunk) -> int:
+        """Tokens the chunk's request had left to compute before this step."""
+        return chunk.request.num_tokens - chunk.request.num_computed_tokens
 
     def _shortest_after(self, prefills: list[Request]) -> dict[str, int]:
         """For each running prefill, the fewest tokens left to any prefill after it: a later one, or a waiting
@@ -137,17 +149,22 @@ class Scheduler:
 
     def _extend(self, shortened: list[ScheduledChunk], budget: _StepBudget) -> None:
         """Gives the room the shorter prefills left (a newcomer that could not start takes none) back to the
-        prefills that made it for them, in their order."""
+        prefills that made it for them, in their order: as much as the free blocks hold, pins giving way first."""
         for chunk in shortened:
             request = chunk.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted for a later running request's room
-            more = min(request.num_tokens - request.num_computed_tokens - chunk.num_tokens, budget.room(request))
-            if more > 0 and self.kv.allocate(request, chunk.num_tokens + more):
+            more = min(self._left(chunk) - chunk.num_tokens, budget.room(request))
+            while more > 0 and not self.kv.allocate(request, chunk.num_tokens + more):
+                if not self.kv.release_pin_for_room():
+                    more //= 2
+            if more > 0:
                 chunk.num_tokens += more
                 budget.take(request, more)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: _StepBudget) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: _StepBudget, short_below: int | None) -> None:
+        """Admits waiting requests in the policy's order; with `short_below`, only those with fewer than half as
+        many tokens (a longer one, not passed once overdue, waits for the next step)."""
         if not self.waiting:  # (the usual decode step: no hashes to gather, no queue to order)
             return
         pending = self._pending_block_hashes()
@@ -156,6 +173,10 @@ class Scheduler:
         for request in self.order(self.waiting, now):
             if budget.room(request) <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if short_below is not None and 2 * request.num_tokens >= short_below:
+                if self.order.is_overdue(request, now):
+                    break
+                continue
             prefix = self.kv.find_cached_prefix(request)
             num_hit_blocks = len(prefix.blocks)
             if (num_hit_blocks < min(len(request.block_hashes), self.kv.num_hittable_blocks(request))
@@ -200,9 +221,11 @@ class Scheduler:
         return {h for r in self.running if r.is_prefilling
                 for h in r.block_hashes[r.num_computed_tokens // bs:r.num_prompt_tokens // bs]}
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> int:
-        """Returns the budget a chunk already scheduled for `request` this step gave back."""
+    def _preempt(self, request: Request, out: SchedulerOutput) -> tuple[int, bool]:
+        """Returns the budget a chunk already scheduled for `request` this step gave back, and whether it was
+        taken as prefill."""
         # NOTE: preemption is by recompute; the request's full blocks stay cached for its return
+        was_catching_up = request.is_catching_up
         self.kv.free(request, preempted=True)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -212,4 +235,4 @@ class Scheduler:
         out.preempted.append(request)
         refund = sum(c.num_tokens for c in out.chunks if c.request is request)
         out.chunks = [c for c in out.chunks if c.request is not request]
-        return refund
+        return refund, was_catching_up

@@ -107,6 +107,6 @@ def test_a_question_behind_a_long_prompt_has_its_first_token_at_the_next_step(ti
     result = json.loads(out.read_text())
     assert result["long_tokens"] == 1200
     (round_,) = result["rounds"]
-    assert round_["question"]["steps"] == 1  # (it waited for the whole long prefill before: 2 more steps)
+    assert round_["question"]["steps"] == 1  # (it waited for the whole long prefill before: a step more)
     assert round_["long_alone"]["steps"] == round_["long_with_question"]["steps"] == 3  # 512 + 505 (+ 7) + 183
     assert "question" in capsys.readouterr().out

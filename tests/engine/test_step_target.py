@@ -33,7 +33,8 @@ def test_the_cap_sizes_prefill_from_the_decodes_context():
         return 40
 
     scheduler = _scheduler()
-    _decoding(scheduler, "a", 100), _decoding(scheduler, "b", 60)
+    _decoding(scheduler, "a", 100)
+    _decoding(scheduler, "b", 60)
     scheduler.prefill_cap = cap
     scheduler.add(_request("c", 300))
     out = scheduler.schedule()

@@ -431,6 +431,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.tables: list[list[int]] = []  # one list of held block ids per simulated request
         self.evictions = 0
         self.regrets = 0
+        self.generation = 0  # hashes that left the map or moved to another block (a remembered hit is stale)
+        self.tenant_evictions: dict[str, int] = {}
 
     # -- the model's eviction order
 
@@ -475,9 +477,13 @@ class BlockPoolMachine(RuleBasedStateMachine):
         elif self.copies.get(block_hash):
             promoted = self.copies[block_hash].pop(0)
             self.cached[block_hash] = (promoted, self.block_hash[promoted][1])
+            self.generation += 1
         else:
             del self.cached[block_hash]
             self.evictions += 1
+            self.generation += 1
+            if not erased and tenant is not None:
+                self.tenant_evictions[tenant] = self.tenant_evictions.get(tenant, 0) + 1
             if not erased:  # (an erasure was asked for: nothing to regret)
                 self.ghosts[block_hash] = [reused, False]
                 self.ghost_tenants[block_hash] = tenant
@@ -646,7 +652,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert {k: list(c) for k, c in self.pool.duplicates.items()} == self.copies
         assert {b.block_id: (b.block_hash, b.token_ids) for b in self.pool.blocks
                 if b.block_hash is not None} == self.block_hash
-        assert self.pool.num_evictions == self.evictions
+        assert self.pool.num_evictions == self.evictions and self.pool.generation == self.generation
+        assert self.pool.take_tenant_evictions() == self.tenant_evictions
+        self.tenant_evictions = {}
         assert {k: [g.reused, g.regretted] for k, g in self.pool.ghosts.items()} == self.ghosts
         assert list(self.pool.ghosts) == list(self.ghosts) and self.pool.num_regrets == self.regrets
 
