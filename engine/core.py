@@ -207,7 +207,8 @@ class EngineCore:
             return [], self.take_stats()
         num_prompt_tokens = sum(_prompt_tokens_in(c) for c in sched.chunks)
         if self.thread_budget is not None:
-            self.thread_budget.apply(any(c.request.is_catching_up for c in sched.chunks), len(sched.chunks))
+            self.thread_budget.apply(any(c.request.is_catching_up for c in sched.chunks), len(sched.chunks),
+                                     sched.num_tokens)
         started = time.perf_counter()
         try:
             logits, sampled = self.runner.execute(sched.chunks)

@@ -7,11 +7,13 @@ prefill chunk is bound by arithmetic and wants every core. Either number left un
 timing both kinds of step at each thread count the process may use, the counts taking turns; the fastest count
 wins, a smaller one when it is within 5 %, which leaves a core to the API process.
 
-A timed decode count is then re-checked on live steps: a start-up that another process happened to slow (its
-probes take a second) would otherwise keep its choice for the server's life (one decode thread where two ran
-1.6x faster, docs/serving.md). Every RECHECK_EVERY decode-only steps, a pair of consecutive steps of the same
-batch size runs at the chosen count and then at another count, in turn; when each other count has
-RECHECK_PAIRS pairs, their median time ratios choose again by the start-up's rule.
+A timed count is then re-checked on live steps: a start-up that another process happened to slow (its probes
+take a second) would otherwise keep its choice for the server's life (one decode thread where two ran 1.6x
+faster; one prefill thread where two prefilled an 8,000-token prompt in 27 s against 47: docs/serving.md). Every
+RECHECK_EVERY steps of a kind (decode-only, or with a prefill chunk), a pair of consecutive steps of that kind
+and the same shape (decode: the batch size; prefill: the batch size and the tokens, as a long prompt's chunks
+of a full token budget are) runs at the chosen count and then at another count, in turn; when each other count
+has RECHECK_PAIRS pairs, their median time ratios choose again by the start-up's rule.
 """
 from __future__ import annotations
 
@@ -30,14 +32,61 @@ NEAR_BEST = 1.05  # a smaller thread count within 5 % of the fastest is chosen
 DECODE_PROBES = 5
 # a prefill count is chosen by its fastest of 3 probes: other work only ever slows a step, and the median of 2 (the
 # rule before) let one slowed probe of 2 threads hand a 2-core server 1 prefill thread, its TTFT 1.5x (128-token
-# probes on the default model run only 1.25-1.35x faster on 2 threads there); prefill counts get no live re-check
+# probes on the default model run only 1.25-1.35x faster on 2 threads there)
 PREFILL_PROBES = 3
-RECHECK_EVERY = 200  # decode-only steps at the chosen count between two re-check pairs (one step in 200 at
-# another count: a slower one costs a fraction of a percent)
+# steps of a kind at the chosen count between two re-check pairs (one step in 200 or 20 at another count: a
+# slower one costs a fraction of a percent, or a few where prefill steps are all a server runs)
+RECHECK_EVERY = {"decode": 200, "prefill": 20}
 RECHECK_PAIRS = 5  # the latest pairs of each other count whose median ratio decides
 # counts whose start-up probes took more than this times the fastest's are not re-checked: many cores would
-# otherwise run one step in 200 at 1 thread, several times slower
+# otherwise run one step in 200 at 1 thread, several times slower. For prefill, bound by arithmetic, all the
+# cores are re-checked too: only other work makes them slower than fewer threads
 RECHECK_WITHIN = 2.0
+
+
+@dataclass(slots=True)
+class LiveCheck:
+    """The live re-check of one kind of step's timed count (the module docstring): the counts it compares, the
+    steps since the last pair, the pair's first step (its shape, seconds), and each other count's latest ratios
+    (its step's time over the chosen count's)."""
+
+    counts: tuple[int, ...]
+    every: int
+    since: int = 0
+    reference: tuple[object, float] | None = None
+    ratios: dict[int, list[float]] = field(default_factory=dict)
+
+    def count(self, chosen: int, shape: object) -> tuple[int, str]:
+        """The count the next step of this kind runs at, and its role: plain, a pair's reference, or its
+        candidate (the other count with the fewest ratios yet)."""
+        role, count = "plain", chosen
+        if self.reference is not None and self.reference[0] == shape:
+            role, count = "candidate", min(self._others(chosen), key=lambda n: len(self.ratios.get(n, ())))
+        elif self.since >= self.every:  # (a pair whose shape changed starts again)
+            role = "reference"
+        if role != "candidate":
+            self.reference = None
+        return count, role
+
+    def observe(self, chosen: int, count: int, shape: object, role: str, seconds: float) -> dict[int, float] | None:
+        """Takes a step's time. Once each other count has its pairs: their median time ratios, and the chosen
+        count's 1.0, to choose again by."""
+        if role == "plain":
+            self.since += 1
+        elif role == "reference":
+            self.reference = (shape, seconds)
+        else:
+            ratios = self.ratios.setdefault(count, [])
+            ratios[:] = ratios[-(RECHECK_PAIRS - 1):] + [seconds / self.reference[1]]
+            self.reference, self.since = None, 0
+            if all(len(self.ratios.get(n, ())) == RECHECK_PAIRS for n in self._others(chosen)):
+                timings = {n: statistics.median(self.ratios[n]) for n in self._others(chosen)} | {chosen: 1.0}
+                self.ratios.clear()
+                return timings
+        return None
+
+    def _others(self, chosen: int) -> list[int]:
+        return [n for n in self.counts if n != chosen]
 
 
 @dataclass(slots=True)
@@ -46,22 +95,22 @@ class ThreadBudget:
     threads_batch: int  # steps with a prefill chunk
     decode_ms: dict[int, float] = field(default_factory=dict)  # the timings it was chosen by (empty: given)
     prefill_ms: dict[int, float] = field(default_factory=dict)
-    # the live re-check of a timed decode count (the module docstring): the counts it compares, the steps since
-    # the last pair, the running step (its count, rows, role), the pair's first step (rows, seconds), and each
-    # other count's latest ratios (its step's time over the chosen count's)
-    _counts: tuple[int, ...] = ()
-    _since: int = 0
-    _running: tuple[int, int, str] | None = None
-    _reference: tuple[int, float] | None = None
-    _ratios: dict[int, list[float]] = field(default_factory=dict)
+    checks: dict[str, LiveCheck] = field(default_factory=dict)  # "decode" / "prefill": the timed counts' re-checks
+    _running: tuple[str, int, object, str] | None = None  # the running step: its kind, count, shape and role
 
-    def apply(self, has_prefill: bool, rows: int = 0) -> None:
+    def apply(self, has_prefill: bool, rows: int = 0, tokens: int = 0) -> None:
         """Sets torch's (and through it the compiled kernels') thread count for the next step, of `rows`
-        sequences."""
+        sequences and `tokens` tokens."""
         self._running = None  # (a step that failed before its observe() leaves its role to none after it)
-        if has_prefill:
-            self._reference = None  # a pair is two consecutive decode-only steps
-        wanted = self.threads_batch if has_prefill else self._decode_count(rows)
+        kind = "prefill" if has_prefill else "decode"
+        for other, check in self.checks.items():
+            if other != kind:
+                check.reference = None  # a pair is two consecutive steps of one kind
+        wanted = self.threads_batch if has_prefill else self.threads
+        if kind in self.checks:
+            shape = (rows, tokens) if has_prefill else rows
+            wanted, role = self.checks[kind].count(wanted, shape)
+            self._running = (kind, wanted, shape, role)
         if torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
 
@@ -70,50 +119,23 @@ class ThreadBudget:
         return self.threads, self.threads_batch
 
     def observe(self, seconds: float) -> None:
-        """The time of the step apply() was last called for (the re-check's timings)."""
+        """The time of the step apply() was last called for (the re-checks' timings)."""
         if self._running is None:
             return
-        count, rows, role = self._running
+        kind, count, shape, role = self._running
         self._running = None
-        if role == "plain":
-            self._since += 1
-        elif role == "reference":
-            self._reference = (rows, seconds)
-        else:
-            ratios = self._ratios.setdefault(count, [])
-            ratios[:] = ratios[-(RECHECK_PAIRS - 1):] + [seconds / self._reference[1]]
-            self._reference, self._since = None, 0
-            if all(len(self._ratios.get(n, ())) == RECHECK_PAIRS for n in self._others()):
-                self._choose_again()
-
-    def recheck(self, counts: list[int]) -> None:
-        """Re-checks the decode count on live steps against each of `counts`."""
-        self._counts = tuple(counts)
-
-    def _decode_count(self, rows: int) -> int:
-        if len(self._counts) < 2:
-            return self.threads
-        role, count = "plain", self.threads
-        if self._reference is not None and self._reference[0] == rows:
-            role, count = "candidate", min(self._others(), key=lambda n: len(self._ratios.get(n, ())))
-        elif self._since >= RECHECK_EVERY:  # (a pair whose batch size changed starts again)
-            role = "reference"
-        self._reference = self._reference if role == "candidate" else None
-        self._running = (count, rows, role)
-        return count
-
-    def _others(self) -> list[int]:
-        return [n for n in self._counts if n != self.threads]
-
-    def _choose_again(self) -> None:
-        timings = {n: statistics.median(self._ratios[n]) for n in self._others()} | {self.threads: 1.0}
-        chosen = _fastest(timings)
-        if chosen != self.threads:
-            logger.info("threads: %d for decode steps from now on (live steps: %s of %d's time)", chosen,
+        chosen = self.threads_batch if kind == "prefill" else self.threads
+        timings = self.checks[kind].observe(chosen, count, shape, role, seconds)
+        new = chosen if timings is None else _fastest(timings)
+        if new != chosen:
+            steps = "steps with a prefill" if kind == "prefill" else "decode steps"
+            logger.info("threads: %d for %s from now on (live steps: %s of %d's time)", new, steps,
                         ", ".join(f"{n} thread{'s' * (n != 1)} {ratio:.2f}x" for n, ratio in sorted(timings.items())
-                                  if n != self.threads), self.threads)
-            self.threads = chosen
-        self._ratios.clear()
+                                  if n != chosen), chosen)
+            if kind == "prefill":
+                self.threads_batch = new
+            else:
+                self.threads = new
 
 
 def usable_cores() -> int:
@@ -132,14 +154,21 @@ def choose(threads: int | None, threads_batch: int | None, decode_step: Callable
     if threads is None:
         budget.decode_ms = _time_each(candidates, decode_step, DECODE_PROBES)
         budget.threads = _fastest(budget.decode_ms)
-        best = min(budget.decode_ms.values())
-        budget.recheck([n for n in candidates if budget.decode_ms[n] <= RECHECK_WITHIN * best])
+        _recheck(budget, "decode", [n for n in candidates if budget.decode_ms[n] <= RECHECK_WITHIN * min(
+            budget.decode_ms.values())])
     if threads_batch is None:
         budget.prefill_ms = _time_each(candidates, prefill_chunk, PREFILL_PROBES, min)
         budget.threads_batch = _fastest(budget.prefill_ms)
+        _recheck(budget, "prefill", [n for n in candidates if n == candidates[-1] or budget.prefill_ms[n] <=
+                                     RECHECK_WITHIN * min(budget.prefill_ms.values())])
     logger.info("threads: %d for decode steps %s, %d for steps with a prefill %s", budget.threads,
                 _describe(budget.decode_ms), budget.threads_batch, _describe(budget.prefill_ms))
     return budget
+
+
+def _recheck(budget: ThreadBudget, kind: str, counts: list[int]) -> None:
+    if len(counts) > 1:
+        budget.checks[kind] = LiveCheck(tuple(counts), RECHECK_EVERY[kind])
 
 
 def _time_each(candidates: range, step: Callable[[], None], probes: int,

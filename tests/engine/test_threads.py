@@ -99,9 +99,9 @@ def test_live_steps_correct_a_start_up_choice_that_other_work_spoiled(clock, mon
     budget = threads.choose(None, 2, clock.step({1: 10.0, 2: 11.0}), clock.step(PREFILL_MS))  # the spoiled probes
     assert budget.threads == 1
     live = {1: 16.0, 2: 10.0}
-    _decode(budget, clock, live, threads.RECHECK_EVERY * threads.RECHECK_PAIRS)
+    _decode(budget, clock, live, threads.RECHECK_EVERY["decode"] * threads.RECHECK_PAIRS)
     assert budget.threads == 1  # one pair short
-    _decode(budget, clock, live, threads.RECHECK_EVERY + 2)
+    _decode(budget, clock, live, threads.RECHECK_EVERY["decode"] + 2)
     assert budget.threads == 2 and budget.counts() == (2, 2)
 
 
@@ -109,7 +109,7 @@ def test_the_live_re_check_keeps_the_rule_a_near_tie_goes_to_fewer_threads(clock
     budget = threads.choose(None, 2, clock.step(DECODE_MS), clock.step(PREFILL_MS))
     assert budget.threads == 1
     ran: list[int] = []
-    _decode(budget, clock, DECODE_MS, 4 * threads.RECHECK_EVERY * threads.RECHECK_PAIRS, ran=ran)
+    _decode(budget, clock, DECODE_MS, 4 * threads.RECHECK_EVERY["decode"] * threads.RECHECK_PAIRS, ran=ran)
     assert budget.threads == 1
     assert {2, 3} <= set(ran)  # the other counts did run, one step a pair
     assert ran.count(1) > 0.99 * len(ran)
@@ -119,7 +119,7 @@ def test_a_pair_is_two_consecutive_decode_steps_of_one_batch_size(clock, monkeyp
     monkeypatch.setattr(threads, "usable_cores", lambda: 2)
     budget = threads.choose(None, 2, clock.step({1: 10.0, 2: 11.0}), clock.step(PREFILL_MS))
     ran: list[int] = []
-    _decode(budget, clock, {1: 16.0, 2: 10.0}, 10 * threads.RECHECK_EVERY, rows=lambda i: 1 + i % 2, ran=ran)
+    _decode(budget, clock, {1: 16.0, 2: 10.0}, 10 * threads.RECHECK_EVERY["decode"], rows=lambda i: 1 + i % 2, ran=ran)
     assert ran == [1] * len(ran) and budget.threads == 1  # the batch size changed at every step: no pair
     _decode(budget, clock, {1: 16.0, 2: 10.0}, 1)  # a reference step, then a prefill step: the pair starts again
     budget.apply(has_prefill=True, rows=1)
@@ -134,7 +134,7 @@ def test_a_failed_steps_part_in_a_pair_does_not_pass_to_the_step_after_it(clock,
     failed step's half of a pair."""
     monkeypatch.setattr(threads, "usable_cores", lambda: 2)
     budget = threads.choose(None, 2, clock.step({1: 10.0, 2: 11.0}), clock.step(PREFILL_MS))
-    _decode(budget, clock, {1: 16.0, 2: 10.0}, threads.RECHECK_EVERY)  # the next decode step starts a pair ...
+    _decode(budget, clock, {1: 16.0, 2: 10.0}, threads.RECHECK_EVERY["decode"])  # the next decode step starts a pair ...
     budget.apply(has_prefill=False, rows=1)  # ... and fails
     budget.apply(has_prefill=True, rows=1)
     budget.observe(0.5)
@@ -148,14 +148,14 @@ def test_counts_far_slower_at_start_up_are_not_re_checked(clock):
     costs = {1: 10.0, 2: 10.3, 3: 25.0}
     budget = threads.choose(None, 2, clock.step(costs), clock.step(PREFILL_MS))
     ran: list[int] = []
-    _decode(budget, clock, costs, 4 * threads.RECHECK_EVERY * threads.RECHECK_PAIRS, ran=ran)
+    _decode(budget, clock, costs, 4 * threads.RECHECK_EVERY["decode"] * threads.RECHECK_PAIRS, ran=ran)
     assert set(ran) == {1, 2} and budget.threads == 1
 
 
 def test_given_counts_are_not_re_checked(clock):
     budget = threads.choose(2, 3, clock.step(DECODE_MS), clock.step(PREFILL_MS))
     ran: list[int] = []
-    _decode(budget, clock, DECODE_MS, 3 * threads.RECHECK_EVERY * threads.RECHECK_PAIRS, ran=ran)
+    _decode(budget, clock, DECODE_MS, 3 * threads.RECHECK_EVERY["decode"] * threads.RECHECK_PAIRS, ran=ran)
     assert set(ran) == {2} and budget.counts() == (2, 3)
 
 
@@ -180,3 +180,45 @@ def test_a_prefill_count_goes_by_its_fastest_probe(clock):
     budget = threads.choose(1, None, clock.step(DECODE_MS), prefill)
     assert budget.prefill_ms == pytest.approx(PREFILL_MS) and budget.threads_batch == 2
     assert threads.PREFILL_PROBES == 3
+
+
+def _prefill(budget: threads.ThreadBudget, clock: FakeClock, costs: dict[int, float], steps: int,
+             tokens=lambda i: 512, ran: list[int] | None = None) -> None:
+    """`steps` steps with a prefill chunk of `tokens(i)` tokens beside one decode, as EngineCore.step runs them."""
+    for i in range(steps):
+        budget.apply(has_prefill=True, rows=2, tokens=tokens(i))
+        if ran is not None:
+            ran.append(torch.get_num_threads())
+        start = clock.perf_counter()
+        clock.step(costs)()
+        budget.observe(clock.perf_counter() - start)
+
+
+def test_live_prefill_steps_correct_a_start_up_that_other_work_spoiled(clock, monkeypatch, caplog):
+    """The soak probe's start-up: 2 prefill threads' probes ran while other servers loaded the cores (179 ms on 1
+    thread, 572 on 2), so 1 was chosen where 2 prefill 1.7x faster; the live re-check moves it to 2. All the
+    cores stay in the re-check though their probes took over twice the fastest's."""
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    budget = threads.choose(1, None, clock.step(DECODE_MS), clock.step({1: 179.0, 2: 572.0}))
+    assert budget.threads_batch == 1
+    live = {1: 47.0, 2: 27.0}
+    every, pairs = threads.RECHECK_EVERY["prefill"], threads.RECHECK_PAIRS
+    with caplog.at_level(logging.INFO, logger=threads.logger.name):
+        _prefill(budget, clock, live, (every + 2) * pairs - 1)
+        assert budget.threads_batch == 1  # one step short
+        _prefill(budget, clock, live, 1)
+    assert budget.counts() == (1, 2)
+    assert "threads: 2 for steps with a prefill from now on (live steps: 2 threads 0.57x of 1's time)" in caplog.text
+
+
+def test_a_prefill_pair_is_two_consecutive_prefill_steps_of_one_shape(clock, monkeypatch):
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    budget = threads.choose(1, None, clock.step(DECODE_MS), clock.step({1: 179.0, 2: 572.0}))
+    ran: list[int] = []
+    live = {1: 47.0, 2: 27.0}
+    _prefill(budget, clock, live, 10 * threads.RECHECK_EVERY["prefill"], tokens=lambda i: 512 - i % 2, ran=ran)
+    assert ran == [1] * len(ran)  # the chunk's tokens changed at every step: no pair
+    for _ in range(10 * threads.RECHECK_EVERY["prefill"]):  # a decode step between any two prefill steps
+        _prefill(budget, clock, live, 1, ran=ran)
+        _decode(budget, clock, live, 1)
+    assert set(ran) == {1} and budget.threads_batch == 1
