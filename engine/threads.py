@@ -13,7 +13,8 @@ faster; one prefill thread where two prefilled an 8,000-token prompt in 27 s aga
 RECHECK_EVERY steps of a kind (decode-only, or with a prefill chunk), a pair of consecutive steps of that kind
 and the same shape (decode: the batch size; prefill: the batch size and the tokens, as a long prompt's chunks
 of a full token budget are) runs at the chosen count and then at another count, in turn; when each other count
-has RECHECK_PAIRS pairs, their median time ratios choose again by the start-up's rule.
+has RECHECK_PAIRS pairs, their median time ratios choose again by the start-up's rule. A round that keeps the
+choice doubles the kind's interval (up to RECHECK_BACKOFF times), a change starts it again.
 """
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ PREFILL_PROBES = 3
 # steps of a kind at the chosen count between two re-check pairs (one step in 200 or 20 at another count: a
 # slower one costs a fraction of a percent, or a few where prefill steps are all a server runs)
 RECHECK_EVERY = {"decode": 200, "prefill": 20}
+# each round of pairs that keeps the choice doubles the kind's interval, up to this many times its start: a
+# machine that the start-up judged right (another process holding a core for good, where all the cores prefill
+# 2-3x slower) pays for the re-check less and less
+RECHECK_BACKOFF = 16
 RECHECK_PAIRS = 5  # the latest pairs of each other count whose median ratio decides
 # counts whose start-up probes took more than this times the fastest's are not re-checked: many cores would
 # otherwise run one step in 200 at 1 thread, several times slower. For prefill, bound by arithmetic, all the
@@ -125,9 +130,15 @@ class ThreadBudget:
         kind, count, shape, role = self._running
         self._running = None
         chosen = self.threads_batch if kind == "prefill" else self.threads
-        timings = self.checks[kind].observe(chosen, count, shape, role, seconds)
-        new = chosen if timings is None else _fastest(timings)
-        if new != chosen:
+        check = self.checks[kind]
+        timings = check.observe(chosen, count, shape, role, seconds)
+        if timings is None:
+            return
+        new = _fastest(timings)
+        if new == chosen:
+            check.every = min(2 * check.every, RECHECK_BACKOFF * RECHECK_EVERY[kind])
+        else:
+            check.every = RECHECK_EVERY[kind]
             steps = "steps with a prefill" if kind == "prefill" else "decode steps"
             logger.info("threads: %d for %s from now on (live steps: %s of %d's time)", new, steps,
                         ", ".join(f"{n} thread{'s' * (n != 1)} {ratio:.2f}x" for n, ratio in sorted(timings.items())

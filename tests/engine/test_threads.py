@@ -222,3 +222,20 @@ def test_a_prefill_pair_is_two_consecutive_prefill_steps_of_one_shape(clock, mon
         _prefill(budget, clock, live, 1, ran=ran)
         _decode(budget, clock, live, 1)
     assert set(ran) == {1} and budget.threads_batch == 1
+
+
+def test_a_choice_the_re_check_keeps_is_re_checked_less_and_less_often(clock, monkeypatch):
+    """A start-up that judged right (another process holding one of 2 cores for good: 2 threads prefill 2.5x
+    slower): each round of pairs that keeps 1 thread doubles the steps before the next, up to 16 times."""
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    costs = {1: 40.0, 2: 100.0}
+    budget = threads.choose(1, None, clock.step(DECODE_MS), clock.step(costs))
+    assert budget.threads_batch == 1 and budget.checks["prefill"].counts == (1, 2)  # all the cores, though slower
+    ran: list[int] = []
+    every, pairs = threads.RECHECK_EVERY["prefill"], threads.RECHECK_PAIRS
+    intervals = []
+    for _ in range(6):  # six rounds of pairs, each kept 1 thread
+        intervals.append(budget.checks["prefill"].every)
+        _prefill(budget, clock, costs, (budget.checks["prefill"].every + 2) * pairs, ran=ran)
+    assert intervals == [every, 2 * every, 4 * every, 8 * every, 16 * every, 16 * every]
+    assert budget.threads_batch == 1 and ran.count(2) == 6 * pairs
