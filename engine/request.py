@@ -64,9 +64,14 @@ class Request:
         return self.num_computed_tokens < self.num_prompt_tokens
 
     @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose K/V is still to compute: the newest one alone in a decode."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
     def is_catching_up(self) -> bool:
         """More than the newest token left to compute: a prefill, or a preempted request recomputing its output."""
-        return self.num_tokens - self.num_computed_tokens > 1
+        return self.num_uncomputed_tokens > 1
 
     @property
     def is_finished(self) -> bool:

@@ -92,7 +92,7 @@ class Scheduler:
         shortened = self._schedule_running(out, budget)
         if not out.preempted:
             # while a prefill makes room, it is for requests shorter than half of what any such prefill has left
-            self._schedule_waiting(out, budget, min((self._left(c) for c in shortened), default=None))
+            self._schedule_waiting(out, budget, min((c.request.num_uncomputed_tokens for c in shortened), default=None))
         self._extend(shortened, budget)
         return out
 
@@ -111,7 +111,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            left = request.num_tokens - request.num_computed_tokens
+            left = request.num_uncomputed_tokens
             num_tokens = min(left, budget.room(request))
             halved = 2 * shortest_after.get(request.request_id, left) < left and num_tokens > budget.room(request) // 2
             if halved:
@@ -130,11 +130,6 @@ class Scheduler:
                     shortened.append(out.chunks[-1])
         return shortened
 
-    @staticmethod
-    def _left(chunk: ScheduledChunk) -> int:
-        """Tokens the chunk's request had left to compute before this step."""
-        return chunk.request.num_tokens - chunk.request.num_computed_tokens
-
     def _shortest_after(self, prefills: list[Request]) -> dict[str, int]:
         """For each running prefill, the fewest tokens left to any prefill after it: a later one, or a waiting
         request that may be admitted (its whole length: a cached prefix would only make it shorter)."""
@@ -144,7 +139,7 @@ class Scheduler:
         after = {}
         for request in reversed(prefills):
             after[request.request_id] = shortest
-            shortest = min(shortest, request.num_tokens - request.num_computed_tokens)
+            shortest = min(shortest, request.num_uncomputed_tokens)
         return after
 
     def _extend(self, shortened: list[ScheduledChunk], budget: _StepBudget) -> None:
@@ -154,7 +149,7 @@ class Scheduler:
             request = chunk.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted for a later running request's room
-            more = min(self._left(chunk) - chunk.num_tokens, budget.room(request))
+            more = min(request.num_uncomputed_tokens - chunk.num_tokens, budget.room(request))
             while more > 0 and not self.kv.allocate(request, chunk.num_tokens + more):
                 if not self.kv.release_pin_for_room():
                     more //= 2
