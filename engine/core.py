@@ -131,7 +131,9 @@ class EngineCore:
         self.validate(request.prompt_token_ids, request.params)
         if request.params.structured is not None and request.matcher is None:
             request.matcher = self.grammars.matcher(request.params.structured)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, request.params.stop)
+        params = request.params
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                             params.skip_special_tokens)
         self.requests[request.request_id] = request
         self.detokenizers[request.request_id] = detokenizer
         self.scheduler.add(request)
@@ -326,9 +328,14 @@ class EngineCore:
 
     def _stop_reason(self, request: Request, detok: IncrementalDetokenizer) -> str | None:
         token_id, params = request.output_token_ids[-1], request.params
-        if detok.update(request.output_token_ids):
+        is_eos = token_id in self.tokenizer.eos_token_ids and not params.ignore_eos
+        if is_eos or token_id in params.stop_token_ids:
+            request.stop_reason = None if is_eos else token_id
+            if params.include_stop_str_in_output:  # else its text is left out, as a stop string's is
+                detok.update(request.output_token_ids)
             return FinishReason.STOP
-        if (token_id in self.tokenizer.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+        if detok.update(request.output_token_ids):
+            request.stop_reason = detok.matched_stop
             return FinishReason.STOP
         if request.matcher is not None and request.matcher.is_terminated:
             return FinishReason.STOP
@@ -357,6 +364,7 @@ class EngineCore:
             num_output_tokens=len(request.output_token_ids),
             finished=request.is_finished,
             finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
             error=error,
             embedding=request.embedding,
             num_disk_cached_tokens=request.num_disk_cached_tokens,

@@ -12,10 +12,19 @@ from engine.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
+    """`include_stop`: the text ends after a stop string, not before it (vLLM's include_stop_str_in_output); nothing
+    is then held back, since what precedes a stop string is sent either way. `skip_special_tokens` False: special
+    tokens' text is part of the output."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], include_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
-        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
+        self._search_back = max((len(s) for s in self.stop), default=1) - 1  # where a stop string may start
+        self.holdback = 0 if include_stop else self._search_back
+        self.matched_stop: str | None = None  # the stop string found, once one is
         self._final = ""  # text of the tokens before read_offset: it never changes again
         self._tail = ""  # text of the tokens from read_offset on (may end in half a character)
         self._prefix_offset = 0
@@ -29,7 +38,7 @@ class IncrementalDetokenizer:
 
     def update(self, output_token_ids: list[int]) -> bool:
         """Decode the newest tokens; True if the text now contains a stop string (the text is cut before it)."""
-        window = self.tokenizer.decode(output_token_ids[self._prefix_offset:])
+        window = self._decode(output_token_ids[self._prefix_offset:])
         self._tail = window[self._prefix_len:]
         if self.stop and self._cut_at_stop():
             return True
@@ -42,20 +51,25 @@ class IncrementalDetokenizer:
     def _move_window(self, token_ids: list[int], window: str) -> None:
         """The new tokens become the context of the next ones; while they show no text (a special token,
         a lone leading space) the older context stays, or the next word would lose its space."""
-        context = self.tokenizer.decode(token_ids[self._read_offset:])
+        context = self._decode(token_ids[self._read_offset:])
         if context:
             self._prefix_offset, self._prefix_len = self._read_offset, len(context)
         else:
             self._prefix_len = len(window)
         self._read_offset = len(token_ids)
 
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
     def _cut_at_stop(self) -> bool:
-        search_from = max(0, self.num_sent - self.holdback)  # text released earlier cannot start a stop string
+        search_from = max(0, self.num_sent - self._search_back)  # earlier text cannot start a stop string
         recent = self._text_from(search_from)
-        hits = [i for i in (recent.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((recent.find(s), s) for s in self.stop) if i >= 0]
         if not hits:
             return False
-        self._final, self._tail = self.text[:search_from + min(hits)], ""
+        at, self.matched_stop = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
+        end = search_from + at + (len(self.matched_stop) if self.include_stop else 0)
+        self._final, self._tail = self.text[:end], ""
         return True
 
     def _text_from(self, start: int) -> str:

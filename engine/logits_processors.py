@@ -1,4 +1,4 @@
-"""Batched logits processing before sampling: logit bias, penalties, min_tokens and grammar masks.
+"""Batched logits processing before sampling: allowed tokens, logit bias, penalties, min_tokens and grammar masks.
 
 Each processor touches only the rows whose params ask for it, with one batched tensor op per
 processor; a batch where no row asks for anything costs one pass over the params and no tensor work.
@@ -30,12 +30,28 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], histo
     if not any(p.needs_logits_processing for p in params):
         return logits
     logits = logits.clone()
+    _allowed_tokens(logits, params)
     _logit_bias(logits, params)
     _min_tokens(logits, params, history, eos_token_ids)
     _presence_frequency(logits, params, history)
     _repetition(logits, params, history)
     _grammar(logits, history)
     return logits
+
+
+def _allowed_tokens(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """vLLM's allowed_token_ids: every other token's logit is -inf."""
+    rows, cols = [], []
+    for row, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            rows += [row] * len(p.allowed_token_ids)
+            cols += p.allowed_token_ids
+    if not rows:
+        return
+    allowed = torch.zeros_like(logits, dtype=torch.bool)
+    allowed[_ids(rows, logits), _ids(cols, logits)] = True
+    masked = _ids(sorted(set(rows)), logits)
+    logits[masked] = logits[masked].masked_fill(~allowed[masked], float("-inf"))
 
 
 def _logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:

@@ -26,6 +26,7 @@ class RequestOutput:
     num_output_tokens: int  # all tokens generated so far
     finished: bool = False
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id it ended at; None for EOS
     error: str | None = None
     error_is_request: bool = False  # the error is the request's own (its grammar gave up), not the engine's
     embedding: list[float] | None = None  # a pooling request's vector (SamplingParams.pooling)

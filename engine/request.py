@@ -42,6 +42,7 @@ class Request:
         self.pin_refused: str | None = None  # why a breakpoint was not pinned (a quota), if one was not
         self.block_hashes: list[BlockHash] = []
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # the stop string or stop token id it ended at (not EOS)
         self.embedding: list[float] | None = None  # set when a pooling request's prompt is computed
         self.matcher: StructuredMatcher | None = None  # set by the engine when params.structured is
         self._generator: torch.Generator | None = None  # built on the logits' device at the first sampled token

@@ -19,8 +19,10 @@ class SamplingParams:
     top_k: int = 0  # 0 (or -1) disables
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # stop strings, not part of the output
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # their text, as EOS's, not part of the output
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string (or stop token's text) ends the output
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # False: special tokens' text is part of the output
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: also the top k
     presence_penalty: float = 0.0  # OpenAI: over generated tokens
     frequency_penalty: float = 0.0
@@ -28,6 +30,7 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens below min_p * the top token's probability
     min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are out
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these may be sampled (None: any)
     structured: StructuredOutput | None = None  # a grammar every output token must follow
     # "last": generate nothing; the output is the prompt's last final hidden state, L2-normalized (an embedding);
     # "none": generate nothing, only compute (and cache) the prompt (POST /v1/cache/warm)
@@ -61,6 +64,8 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1]")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError("min_tokens must be in [0, max_tokens]")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
         for token_id, bias in self.logit_bias.items():
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(f"logit_bias keys must be token ids, got {token_id!r}")
@@ -74,7 +79,8 @@ class SamplingParams:
     @property
     def needs_logits_processing(self) -> bool:
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.min_tokens
-                    or self.repetition_penalty != 1.0 or self.structured is not None)
+                    or self.repetition_penalty != 1.0 or self.structured is not None
+                    or self.allowed_token_ids is not None)
 
 
 @dataclass(slots=True)
@@ -97,3 +103,6 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_s
                          f"exceeds the context length ({max_model_len})")
     if any(t >= vocab_size for t in params.logit_bias):
         raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        if any(not 0 <= t < vocab_size for t in getattr(params, name) or ()):
+            raise ValueError(f"{name} must be in [0, {vocab_size})")

@@ -27,17 +27,19 @@ class Tokenizer(Protocol):
     """The interface both backends offer."""
 
     eos_token_ids: set[int]
-    special_token_ids: frozenset[int]  # left out of decoded text
+    special_token_ids: frozenset[int]  # left out of decoded text unless asked for
     vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, token_ids: list[int]) -> str: ...
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
     def token_bytes(self, token_id: int) -> bytes: ...
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str: ...
+                            tools: list[dict] | None = None, **template_kwargs) -> str:
+        """`template_kwargs`: more variables for the template (they may override its special tokens' names)."""
+        ...
 
     def llguidance_tokenizer(self, n_vocab: int) -> "llguidance.LLTokenizer":
         """The vocabulary as the grammar library sees it, `n_vocab` wide, with every EOS id as the end."""
@@ -90,9 +92,9 @@ class HFTokenizer:
     def _encode_whole(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._lock:
-            text = self._backend.decode(token_ids, skip_special_tokens=True)
+            text = self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up_spaces else text
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -104,10 +106,10 @@ class HFTokenizer:
         return self._piece_bytes(piece) if piece is not None else b""
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, **template_kwargs) -> str:
         _check_messages(messages)
         return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                     **self._template_tokens)
+                                     **{**self._template_tokens, **template_kwargs})
 
     def llguidance_tokenizer(self, n_vocab: int) -> "llguidance.LLTokenizer":
         import llguidance
@@ -258,8 +260,9 @@ class TiktokenTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._enc.encode(text, **self._special)
 
-    def decode(self, token_ids: list[int]) -> str:
-        ids = [t for t in token_ids if t < self.vocab_size and t not in self._hidden]
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        hidden = self._hidden if skip_special_tokens else ()
+        ids = [t for t in token_ids if t < self.vocab_size and t not in hidden]
         try:
             return self._enc.decode(ids, errors="replace")
         except KeyError:  # an id in a gap of the vocabulary (cl100k_base has some): it has no text
@@ -276,10 +279,10 @@ class TiktokenTokenizer:
         return self._enc.decode_single_token_bytes(token_id)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, **template_kwargs) -> str:
         _check_messages(messages)
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     tools=tools)
+                                     tools=tools, **template_kwargs)
 
     def llguidance_tokenizer(self, n_vocab: int) -> "llguidance.LLTokenizer":
         import llguidance.tiktoken

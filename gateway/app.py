@@ -85,7 +85,8 @@ ENGINE_GAVE_UP = web.AppKey("engine_gave_up", EngineGaveUp)
 _ROUTES = (
     ("POST", "/v1/chat/completions", routes.chat_completions), ("POST", "/v1/completions", routes.completions),
     ("GET", "/v1/models", routes.models), ("GET", "/v1/models/{model_id:.+}", routes.model),
-    ("GET", "/health", routes.health), ("GET", "/metrics", routes.metrics), ("GET", "/openapi.json", routes.openapi),
+    ("GET", "/health", routes.health), ("GET", "/ping", routes.ping), ("POST", "/ping", routes.ping),
+    ("GET", "/version", routes.version), ("GET", "/metrics", routes.metrics), ("GET", "/openapi.json", routes.openapi),
     ("GET", "/v1/cache/stats", routes.cache_stats), ("GET", "/v1/cache", cache_routes.list_pins),
     ("DELETE", "/v1/cache", cache_routes.erase), ("POST", "/v1/cache/warm", cache_routes.warm),
     ("POST", "/v1/embeddings", embeddings),

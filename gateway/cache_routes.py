@@ -75,12 +75,12 @@ async def _prompt(request: web.Request, state: GatewayState, fields: _Fields,
         prompts = parse_prompts(body["prompt"], 1)
         return (await encode_prompts(tokenizer, prompts, "prompt"))[0], "prompt", []
     template = request.app[TOOL_TEMPLATE]
-    messages, template_tools, prompt = await render_body_chat(tokenizer, body, state.settings.gateway.max_messages,
-                                                              template, add_generation_prompt=False)
+    messages, template_tools, kwargs, prompt = await render_body_chat(
+        tokenizer, body, state.settings.gateway.max_messages, template, add_generation_prompt=False)
     # (the body's own cache_control is the whole prompt's TTL here, not a breakpoint)
     marks = chat_breakpoints({**body, "cache_control": None})
     marked = await chat_directives(tokenizer, messages, tuple(marks), prompt, template_tools, template,
-                                   max_pinned_blocks)
+                                   max_pinned_blocks, kwargs)
     return prompt, "messages", list(marked.breakpoints) if marked else []
 
 

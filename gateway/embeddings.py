@@ -17,7 +17,7 @@ from engine.sampling_params import SamplingParams
 from gateway.errors import invalid
 from gateway.generate import Choice, prompt_tokens_details
 from gateway.jsonbody import parse_body
-from gateway.protocol import _Fields, parse_prompts
+from gateway.protocol import _Fields, parse_prompts, truncate_prompt_tokens
 from gateway.render import encode_prompts
 from gateway.runner import RequestRun
 from gateway.state import STATE
@@ -32,6 +32,7 @@ class EmbeddingRequest:
     inputs: list[str | list[int]]
     encoding_format: str
     cache_salt: str | None
+    truncate_prompt_tokens: int | None  # vLLM's: embed each input's last k tokens (-1: as many as fit)
 
 
 def parse_embedding(body: Any, max_inputs: int) -> EmbeddingRequest:
@@ -47,7 +48,7 @@ def parse_embedding(body: Any, max_inputs: int) -> EmbeddingRequest:
         raise invalid(f"encoding_format must be one of {list(ENCODINGS)}", "encoding_format")
     fields.string("user", None)  # accepted, as OpenAI's API does; not used
     return EmbeddingRequest(model, parse_prompts(fields.body.get("input"), max_inputs, "input"), encoding,
-                            fields.string("cache_salt", None))
+                            fields.string("cache_salt", None), truncate_prompt_tokens(fields))
 
 
 def _encoded(vector: list[float], encoding: str) -> list[float] | str:
@@ -63,7 +64,8 @@ async def embeddings(request: web.Request) -> web.Response:
     req = parse_embedding(parse_body(await request.read()), state.settings.gateway.max_prompts)
     state.check_model(req.model)
     with state.admission.admit(tenant, len(req.inputs)):
-        prompts = await encode_prompts(state.engine.tokenizer, req.inputs, "input")
+        prompts = [state.truncated(p, req.truncate_prompt_tokens, generates=False)
+                   for p in await encode_prompts(state.engine.tokenizer, req.inputs, "input")]
         for prompt in prompts:
             state.check_prompt(len(prompt), "input", generates=False)
         response_id = f"embd-{uuid.uuid4().hex}"

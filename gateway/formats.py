@@ -50,7 +50,7 @@ class ChatFormat:
                 finish_reason = self._tool_finish(finish_reason)
         return {"index": choice.index, "message": message,
                 "logprobs": self.logprobs(choice, choice.logprobs),
-                "finish_reason": finish_reason}
+                "finish_reason": finish_reason, "stop_reason": choice.stop_reason}
 
     def first_chunks(self, choices: list[Choice]) -> list[dict[str, Any]]:
         """Each choice's role, a chunk each (as OpenAI and vLLM stream them: one choice a chunk)."""
@@ -77,7 +77,7 @@ class ChatFormat:
             if stream.num_calls:
                 finish_reason = self._tool_finish(finish_reason)
         return self.chunk([{"index": choice.index, "delta": delta, "logprobs": None,
-                            "finish_reason": finish_reason}])
+                            "finish_reason": finish_reason, "stop_reason": choice.stop_reason}])
 
     def _tool_finish(self, finish_reason: str | None) -> str | None:
         """A call that ended normally finishes with "tool_calls" ("function_call" for legacy requests);
@@ -157,7 +157,7 @@ class CompletionFormat(ChatFormat):
     def choice_body(self, choice: Choice) -> dict[str, Any]:
         return {"index": choice.index, "text": self._echo(choice) + "".join(choice.text),
                 "logprobs": self._completion_logprobs(choice, choice.logprobs, TextOffsets()),
-                "finish_reason": choice.finish_reason}
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
 
     def first_chunks(self, choices: list[Choice]) -> list[dict[str, Any]]:
         """With echo, each choice's prompt, a chunk each; else none."""
@@ -179,7 +179,7 @@ class CompletionFormat(ChatFormat):
 
     def finish_chunk(self, choice: Choice) -> dict[str, Any]:
         return self.chunk([{"index": choice.index, "text": "", "logprobs": None,
-                            "finish_reason": choice.finish_reason}])
+                            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}])
 
     def _completion_logprobs(self, choice: Choice, tokens: list[SampledToken] | None,
                              offsets: "TextOffsets") -> dict[str, Any] | None:

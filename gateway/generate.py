@@ -44,6 +44,7 @@ class Choice:
     pinned_until: float | None = None
     pin_refused: str | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id it ended at (vLLM's)
     embedding: list[float] | None = None  # a pooling request's vector, when it finished
 
     def add(self, out: RequestOutput) -> None:
@@ -59,6 +60,7 @@ class Choice:
         self.pin_refused = out.pin_refused
         if out.finished:
             self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
             self.embedding = out.embedding
 
 

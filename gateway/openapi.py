@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway import __version__
 from gateway.openapi_responses import ref, response_schemas
 from gateway.openapi_responses_api import responses_paths, responses_request, responses_schemas
 from gateway.protocol import MAX_SEED
+from gateway.sampling_fields import MAX_TOKEN_ID_LIST
 from gateway.settings import GatewaySettings
 
 OPENAPI_VERSION = "3.0.3"
@@ -22,10 +24,10 @@ _JSON = "application/json"
 def build_openapi(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[str, Any]:
     return {
         "openapi": OPENAPI_VERSION,
-        "info": {"title": "prefixgate", "version": "0.1.0",
+        "info": {"title": "prefixgate", "version": __version__,
                  "description": "OpenAI-compatible API with automatic prefix caching"},
         "paths": {
-            "/v1/chat/completions": _generation(_chat_request(model_name, limits), "ChatCompletion",
+            "/v1/chat/completions": _generation(_chat_request(model_name, vocab_size, limits), "ChatCompletion",
                                                 "Create a chat completion"),
             "/v1/completions": _generation(_completion_request(model_name, vocab_size, limits), "Completion",
                                            "Create a text completion"),
@@ -40,10 +42,13 @@ def build_openapi(model_name: str, vocab_size: int, limits: GatewaySettings) -> 
             "/v1/cache/stats": {"get": _operation("The caller's hit rate and the pool's occupancy", ref("CacheStats"),
                                                   secured=True)},
             "/v1/embeddings": {"post": _embeddings_operation(model_name, vocab_size, limits)},
-            "/tokenize": {"post": _tokenize_operation(model_name, limits)},
+            "/tokenize": {"post": _tokenize_operation(model_name, vocab_size, limits)},
             "/detokenize": {"post": _detokenize_operation(model_name, vocab_size)},
-            **responses_paths(_responses_request(model_name, limits), _operation),
+            **responses_paths(_responses_request(model_name, vocab_size, limits), _operation),
             "/health": {"get": _operation("Liveness of the engine loop", ref("Health"), errors=(503,))},
+            "/ping": {method: _operation("/health's answer (vLLM's and SageMaker's liveness probe)", ref("Health"),
+                                         errors=(503,)) for method in ("get", "post")},
+            "/version": {"get": _operation("The server's version", ref("Version"))},
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
                 "description": "exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
             "/openapi.json": {"get": {"summary": "This document", "responses": {
@@ -85,7 +90,11 @@ def _operation(summary: str, ok: dict[str, Any], *, secured: bool = False,
     return op
 
 
-def _common(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
+_TRUNCATE = {"type": "integer", "minimum": -1, "not": {"enum": [0]}, "nullable": True,
+             "description": "keep the prompt's last k tokens (-1: as many as fit)"}
+
+
+def _common(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[str, Any]:
     max_tokens: dict[str, Any] = {"type": "integer", "minimum": 1, "nullable": True}
     if limits.max_tokens_limit is not None:
         max_tokens["maximum"] = limits.max_tokens_limit
@@ -107,14 +116,16 @@ def _common(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
         "cache_salt": {"type": "string", "nullable": True,
                        "description": "narrows the caller's prefix cache; never widens it"},
         "ignore_eos": {"type": "boolean", "nullable": True},
-        **_output_fields(),
+        "truncate_prompt_tokens": {**_TRUNCATE, "description": _TRUNCATE["description"] + "; not with cache_control"},
+        **_output_fields(vocab_size),
     }
 
 
-def _output_fields() -> dict[str, Any]:
-    """Penalties, biases and output constraints (gateway/sampling_fields.py)."""
+def _output_fields(vocab_size: int) -> dict[str, Any]:
+    """Penalties, biases, stop tokens and output constraints (gateway/sampling_fields.py)."""
     penalty = {"type": "number", "minimum": -2, "maximum": 2, "nullable": True}
     text = {"type": "string", "minLength": 1}
+    token = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
     return {
         "presence_penalty": penalty,
         "frequency_penalty": penalty,
@@ -123,6 +134,17 @@ def _output_fields() -> dict[str, Any]:
         "min_tokens": {"type": "integer", "minimum": 0, "nullable": True, "description": "at most max_tokens"},
         "logit_bias": {"type": "object", "nullable": True, "description": "token id (a string) -> bias",
                        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+        "stop_token_ids": {"type": "array", "items": token, "maxItems": MAX_TOKEN_ID_LIST, "nullable": True,
+                           "description": "the answer ends at any of them; its text is left out, as a stop string's"},
+        "include_stop_str_in_output": {"type": "boolean", "nullable": True,
+                                       "description": "the stop string (or stop token's text) ends the answer"},
+        "skip_special_tokens": {"type": "boolean", "nullable": True,
+                                "description": "default true; false: special tokens' text is in the answer"},
+        "spaces_between_special_tokens": {"type": "boolean", "nullable": True,
+                                          "description": "accepted; no effect with a fast tokenizer (as in vLLM)"},
+        "allowed_token_ids": {"type": "array", "items": token, "minItems": 1, "maxItems": MAX_TOKEN_ID_LIST,
+                              "nullable": True, "description": "only these tokens may be sampled; not with an "
+                                                               "output constraint"},
         "response_format": {"type": "object", "nullable": True, "required": ["type"], "properties": {
             "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
             "json_schema": {"type": "object", "required": ["name"], "properties": {
@@ -153,7 +175,7 @@ def _top_level_cache_control(position: dict[str, Any]) -> dict[str, Any]:
             "description": "breakpoints for clients whose message types drop cache_control (at most 4 in all)"}
 
 
-def _chat_request(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
+def _chat_request(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[str, Any]:
     part = {"type": "object", "required": ["type", "text"],
             "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"},
                            "cache_control": _CACHE_CONTROL}}
@@ -176,7 +198,7 @@ def _chat_request(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
          "properties": {"role": {"type": "string", "enum": ["function"]}, "name": {"type": "string"},
                         "content": content}},
     ]}
-    properties = _common(model_name, limits)
+    properties = _common(model_name, vocab_size, limits)
     properties.update({
         "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": limits.max_messages},
         "max_completion_tokens": properties["max_tokens"],
@@ -187,6 +209,11 @@ def _chat_request(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
             "type": "integer", "description": "the index of the message it ends (default: the last)"}}),
         **_tool_fields(),
         **_PROMPT_ENDING,
+        "chat_template_kwargs": {"type": "object", "nullable": True, "description": (
+            "more chat template variables (e.g. enable_thinking); not messages, tools, add_generation_prompt or "
+            "documents")},
+        "documents": {"type": "array", "items": {"type": "object"}, "nullable": True,
+                      "description": "the chat template's documents"},
         "echo": {"type": "boolean", "enum": [False], "nullable": True,
                  "description": "offered on /v1/completions; a chat answer is not echoed"},
     })
@@ -235,7 +262,7 @@ def _completion_request(model_name: str, vocab_size: int, limits: GatewaySetting
         tokens,
         {"type": "array", "items": tokens, "minItems": 1, "maxItems": limits.max_prompts},
     ]}
-    properties = _common(model_name, limits)
+    properties = _common(model_name, vocab_size, limits)
     properties.update({
         "prompt": prompt,
         "logprobs": {"type": "integer", "minimum": 0, "maximum": limits.max_top_logprobs, "nullable": True},
@@ -249,7 +276,7 @@ def _completion_request(model_name: str, vocab_size: int, limits: GatewaySetting
 
 
 def _warm_operation(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[str, Any]:
-    chat = _chat_request(model_name, limits)["properties"]
+    chat = _chat_request(model_name, vocab_size, limits)["properties"]
     prompt = _completion_request(model_name, vocab_size, limits)["properties"]["prompt"]
     op = _operation("Compute and pin a prompt prefix without generating", ref("CacheWarm"), secured=True,
                     errors=(400, 404, 413, 429, 503))
@@ -271,12 +298,13 @@ def _embeddings_operation(model_name: str, vocab_size: int, limits: GatewaySetti
             "input": _completion_request(model_name, vocab_size, limits)["properties"]["prompt"],
             "encoding_format": {"type": "string", "enum": ["float", "base64"], "nullable": True},
             "user": {"type": "string", "nullable": True},
-            "cache_salt": {"type": "string", "nullable": True}}}}}}
+            "cache_salt": {"type": "string", "nullable": True},
+            "truncate_prompt_tokens": _TRUNCATE}}}}}
     return op
 
 
-def _tokenize_operation(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
-    chat = _chat_request(model_name, limits)["properties"]
+def _tokenize_operation(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[str, Any]:
+    chat = _chat_request(model_name, vocab_size, limits)["properties"]
     op = _operation("A prompt's tokens as this server counts them (a chat's through its template)", ref("Tokenized"),
                     secured=True, errors=(400, 404, 413))
     op["requestBody"] = {"required": True, "content": {_JSON: {"schema": {
@@ -300,5 +328,5 @@ def _detokenize_operation(model_name: str, vocab_size: int) -> dict[str, Any]:
     return op
 
 
-def _responses_request(model_name: str, limits: GatewaySettings) -> dict[str, Any]:
-    return responses_request(_chat_request(model_name, limits)["properties"])
+def _responses_request(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[str, Any]:
+    return responses_request(_chat_request(model_name, vocab_size, limits)["properties"])

@@ -15,6 +15,9 @@ _COUNT = {"type": "integer", "minimum": 0}
 _TEXT = {"type": "string"}
 _LOGPROB = {"type": "number", "maximum": 0}
 _CALL_ID = {"type": "string", "pattern": "^call_[0-9a-f]{24}$"}
+_STOP_REASON = {"nullable": True, "oneOf": [_TEXT, _COUNT], "description": (
+    "vLLM's: the stop string or stop token id the answer ended at; null for the end-of-sequence token, a length "
+    "or an error (in a stream: in the finish chunk)")}
 
 
 def response_schemas(model_name: str) -> dict[str, Any]:
@@ -30,25 +33,28 @@ def response_schemas(model_name: str) -> dict[str, Any]:
                 "finish_reason": {"type": "string", "enum": ["stop", "length", "tool_calls", "function_call"],
                                   "description": '"tool_calls" ("function_call" for legacy functions) when the '
                                                  'message holds calls and ended normally; a call cut short by '
-                                                 'max_tokens stays "length", its arguments as far as they go'}})},
+                                                 'max_tokens stays "length", its arguments as far as they go'},
+                "stop_reason": _STOP_REASON})},
             "usage": ref("Usage")}),
         "ChatCompletionChunk": closed({
             **_head("chat.completion.chunk", "chatcmpl-", model_name),
             "choices": {"type": "array", "description": "empty in the usage chunk", "items": closed({
                 "index": _COUNT, "delta": _chat_delta(), "logprobs": nullable(_chat_logprobs()),
-                "finish_reason": _nullable_enum("stop", "length", "tool_calls", "function_call")})},
+                "finish_reason": _nullable_enum("stop", "length", "tool_calls", "function_call"),
+                "stop_reason": _STOP_REASON}, optional=("stop_reason",))},
             "usage": nullable(usage, "null but in the last chunk, with stream_options.include_usage")}),
         "Completion": closed({
             **_head("text_completion", "cmpl-", model_name),
             "choices": {"type": "array", "items": closed({
                 "index": _COUNT, "text": _TEXT, "logprobs": nullable(_completion_logprobs()),
-                "finish_reason": {"type": "string", "enum": ["stop", "length"]}})},
+                "finish_reason": {"type": "string", "enum": ["stop", "length"]}, "stop_reason": _STOP_REASON})},
             "usage": ref("Usage")}),
         "CompletionChunk": closed({
             **_head("text_completion", "cmpl-", model_name),
             "choices": {"type": "array", "description": "empty in the usage chunk", "items": closed({
                 "index": _COUNT, "text": _TEXT, "logprobs": nullable(_completion_logprobs()),
-                "finish_reason": _nullable_enum("stop", "length")})},
+                "finish_reason": _nullable_enum("stop", "length"), "stop_reason": _STOP_REASON},
+                optional=("stop_reason",))},
             "usage": nullable(usage, "null but in the last chunk, with stream_options.include_usage")}),
         "Model": _model(model_name),
         "ModelList": closed({"object": const("list"), "data": {"type": "array", "items": ref("Model")}}),
@@ -83,6 +89,7 @@ def response_schemas(model_name: str) -> dict[str, Any]:
         "Tokenized": closed({"count": _COUNT, "max_model_len": _COUNT, "tokens": {"type": "array", "items": _COUNT},
                              "token_strs": {"type": "array", "items": {"type": "string"}, "nullable": True}}),
         "Detokenized": closed({"prompt": {"type": "string"}}),
+        "Version": closed({"version": _TEXT}),
         "Health": closed({"status": const("ok"), "replicas_up": _COUNT, "replicas": _COUNT},
                           optional=("replicas_up", "replicas")),
     }

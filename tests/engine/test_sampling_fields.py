@@ -1,4 +1,5 @@
-"""logit_bias, penalties, min_p, min_tokens: exact effects on crafted logits, and through the engine."""
+"""logit_bias, allowed_token_ids, penalties, min_p, min_tokens: exact effects on crafted logits, and through the
+engine."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,6 +34,17 @@ def test_logit_bias_adds_to_the_logits():
     assert _greedy(logits, logit_bias={2: 2.5}) == 2  # 0 + 2.5 > 2
     assert _greedy(logits, logit_bias={2: 1.5}) == 0  # 0 + 1.5 < 2
     assert _greedy(logits, logit_bias={0: -100}) == 1  # -100 bans a token
+
+
+def test_allowed_token_ids_mask_their_own_row_alone():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0]])
+    params = [SamplingParams(allowed_token_ids=(2, 3)), SamplingParams()]
+    out = process_logits(logits, params, [History(), History()], frozenset())
+    assert out[0].tolist() == [float("-inf"), float("-inf"), 0.0, -1.0] and out[1].tolist() == logits[1].tolist()
+    assert _greedy([2.0, 1.0, 0.0, -1.0], allowed_token_ids=(3, 1)) == 1
+    assert _greedy([2.0, 1.0, 0.0, -1.0], allowed_token_ids=(2,), logit_bias={0: 100}) == 2  # bias cannot undo it
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=())
 
 
 def test_frequency_penalty_counts_every_occurrence_presence_only_once():

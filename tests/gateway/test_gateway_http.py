@@ -306,7 +306,8 @@ async def test_stream_chunks(client):
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(e["object"] == "chat.completion.chunk" and e["id"] == first["id"] for e in events[:-1])
     assert all(e["choices"][0]["finish_reason"] is None for e in content)
-    assert finish["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert finish["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length",
+                                    "stop_reason": None}
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 5
     plain = await (await client.post("/v1/chat/completions", json={**body, "stream": False,
                                                                     "stream_options": None})).json()

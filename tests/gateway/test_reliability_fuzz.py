@@ -38,7 +38,8 @@ BUDGET = {
         ("/v1/models", "GET"), ("/v1/models/{model_id}", "GET"), ("/v1/cache", "GET"), ("/v1/cache", "DELETE"),
         ("/v1/cache/stats", "GET"), ("/v1/responses/{response_id}", "GET"), ("/v1/responses/{response_id}", "DELETE"),
         ("/v1/responses/{response_id}/input_items", "GET"), ("/v1/responses/{response_id}/cancel", "POST"),
-        ("/health", "GET"), ("/metrics", "GET"), ("/openapi.json", "GET")]},
+        ("/health", "GET"), ("/ping", "GET"), ("/ping", "POST"), ("/version", "GET"), ("/metrics", "GET"),
+        ("/openapi.json", "GET")]},
 }
 RAW_EXAMPLES = 600
 MIN_REQUESTS = 2000

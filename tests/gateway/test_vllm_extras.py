@@ -1,0 +1,250 @@
+"""vLLM's request extras that shape an answer's end and its text, through HTTP against the real server on a tiny
+model: stop_token_ids, include_stop_str_in_output, skip_special_tokens, allowed_token_ids, the choices'
+stop_reason, and the extras this server cannot honour (400s naming them, never ignored)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from engine.tokenizer import load_tokenizer
+from tests.support.gateway_helpers import LiveServer, is_error_body, tiny_settings
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    with LiveServer(tiny_settings(tiny_llama_dir)) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama_dir):
+    return load_tokenizer(tiny_llama_dir, set())
+
+
+def complete(server, **fields) -> dict:
+    body = {"model": server.state.model_name, "prompt": "the capital of France", "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True, **fields}
+    resp = requests.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]
+
+
+def streamed(server, path: str, **fields) -> tuple[str, list[dict]]:
+    """The text of a stream and its finish chunk's choice."""
+    body = {"model": server.state.model_name, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stream": True, **fields}
+    resp = requests.post(f"{server.url}{path}", json=body, timeout=60, stream=True)
+    assert resp.status_code == 200, resp.text
+    lines = [line.decode() for line in resp.iter_lines()]
+    choices = [json.loads(line[6:])["choices"] for line in lines
+               if line.startswith("data: ") and line != "data: [DONE]"]
+    choices = [c[0] for c in choices if c]
+    text = "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in choices)
+    return text, choices
+
+
+def test_a_stop_token_id_ends_the_answer_without_its_text(server, tok):
+    words = tok.encode(" the capital of Spain is Madrid")  # whole words, so each token's text is its own
+    free = complete(server, logprobs=0, allowed_token_ids=words)
+    ids = [tok.encode(t) for t in free["logprobs"]["tokens"]]
+    assert all(len(i) == 1 for i in ids)
+    ids = [i[0] for i in ids]
+    at = next(i for i, t in enumerate(ids) if i >= 1 and t not in ids[:i])  # a token's first time, not the first
+    stopped = complete(server, stop_token_ids=[ids[at]], allowed_token_ids=words)
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == ids[at]
+    assert stopped["text"] == tok.decode(ids[:at])
+    kept = complete(server, stop_token_ids=[ids[at]], allowed_token_ids=words, include_stop_str_in_output=True)
+    assert kept["text"] == tok.decode(ids[:at + 1]) and kept["stop_reason"] == ids[at]
+    assert free["stop_reason"] is None and free["finish_reason"] == "length"
+
+
+def test_a_stop_string_is_kept_with_include_stop_str_in_output(server, tok):
+    free = complete(server)["text"]
+    stop = free[4:7]
+    cut = complete(server, stop=[stop, "never in the text"])
+    assert cut["text"] == free[:free.index(stop)] and cut["stop_reason"] == stop
+    kept = complete(server, stop=[stop], include_stop_str_in_output=True)
+    assert kept["text"] == free[:free.index(stop) + len(stop)] and kept["stop_reason"] == stop
+    words = tok.encode(" the capital of Spain is Madrid")
+    for path, extra in (("/v1/completions", {"prompt": "the capital of France"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the capital"}]})):
+        extra["allowed_token_ids"] = words
+        whole = streamed(server, path, **extra)[0]
+        stop = whole[4:7]
+        text, choices = streamed(server, path, **extra, stop=[stop], include_stop_str_in_output=True)
+        assert text == whole[:whole.index(stop) + len(stop)]
+        assert choices[-1]["finish_reason"] == "stop" and choices[-1]["stop_reason"] == stop
+
+
+def test_special_tokens_show_when_skip_special_tokens_is_false(server, tok):
+    start = tok.encode("<|im_start|>")
+    assert len(start) == 1 and start[0] in tok.special_token_ids
+    hidden = complete(server, allowed_token_ids=start, max_tokens=3)
+    shown = complete(server, allowed_token_ids=start, max_tokens=3, skip_special_tokens=False)
+    assert hidden["text"] == "" and shown["text"] == "<|im_start|>" * 3
+    eos = sorted(tok.eos_token_ids)[0]  # EOS ends the answer and, as a stop token, is left out either way
+    ended = complete(server, allowed_token_ids=[eos], ignore_eos=False, skip_special_tokens=False)
+    assert ended["text"] == "" and ended["finish_reason"] == "stop" and ended["stop_reason"] is None
+
+
+def test_allowed_token_ids_limit_every_sampled_token(server, tok):
+    allowed = tok.encode(" the capital of Spain")
+    for sampling in ({"temperature": 0}, {"temperature": 1.5, "seed": 7}):
+        choice = complete(server, allowed_token_ids=allowed, logprobs=0, **sampling)
+        tokens = choice["logprobs"]["tokens"]
+        assert len(tokens) == 12 and {tok.encode(t)[0] for t in tokens} <= set(allowed)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("prompt_logprobs", 0), ("prompt_logprobs", 1), ("bad_words", ["Paris"]), ("use_beam_search", True),
+    ("logits_processors", ["my.module:Processor"]), ("priority", 5), ("stop_token_ids", [10**6]),
+    ("stop_token_ids", [1.5]), ("stop_token_ids", "2"), ("allowed_token_ids", []), ("allowed_token_ids", [-1]),
+    ("include_stop_str_in_output", "yes"), ("skip_special_tokens", 1), ("spaces_between_special_tokens", "no"),
+])
+def test_extras_it_cannot_honour_or_read_are_400s_naming_them(server, field, value):
+    for path, extra in (("/v1/completions", {"prompt": "hi"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        resp = requests.post(f"{server.url}{path}", json={"model": server.state.model_name, "max_tokens": 2,
+                                                          **extra, field: value}, timeout=60)
+        assert resp.status_code == 400 and is_error_body(resp.json()), (path, field, value, resp.text)
+        assert resp.json()["error"]["param"] == field
+
+
+def test_allowed_token_ids_beside_an_output_constraint_is_a_400(server, tok):
+    resp = requests.post(f"{server.url}/v1/chat/completions", json={
+        "model": server.state.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "allowed_token_ids": tok.encode(" the"), "response_format": {"type": "json_object"}}, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "allowed_token_ids"
+
+
+@pytest.mark.parametrize("field, value", [("priority", 0), ("bad_words", []), ("use_beam_search", False),
+                                          ("prompt_logprobs", None), ("spaces_between_special_tokens", False),
+                                          ("stop_token_ids", [])])
+def test_extras_that_ask_for_nothing_answer(server, field, value):
+    assert complete(server, **{field: value})["finish_reason"] == "length"
+
+
+# ---- chat template variables (chat_template_kwargs, documents)
+
+THINKING_TEMPLATE = (  # a Qwen3-style switch, a RAG template's documents, a number it adds to
+    "{% if budget is defined %}budget {{ budget + 1 }}\n{% endif %}"
+    "{% for d in documents or [] %}<|im_start|>document\n{{ d['title'] }}: {{ d['text'] }}<|im_end|>\n{% endfor %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+DOCS = [{"title": "France", "text": "Its capital is Paris."}]
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tiny_llama_dir, tmp_path_factory):
+    model = tmp_path_factory.mktemp("thinking-template")
+    for path in tiny_llama_dir.iterdir():
+        (model / path.name).write_bytes(path.read_bytes())
+    (model / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    with LiveServer(tiny_settings(model)) as live:
+        yield live
+
+
+def tokenized(server, **body) -> requests.Response:
+    return requests.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}], **body},
+                         timeout=60)
+
+
+def test_template_variables_reach_the_chat_template(thinking_server, tok):
+    server = thinking_server
+    plain = tokenized(server).json()["tokens"]
+    no_think = tokenized(server, chat_template_kwargs={"enable_thinking": False}).json()["tokens"]
+    assert tok.decode(no_think) == tok.decode(plain) + "<think>\n\n</think>\n\n"
+    assert tokenized(server, chat_template_kwargs={"enable_thinking": True}).json()["tokens"] == plain
+    with_docs = tokenized(server, documents=DOCS).json()["tokens"]
+    assert tok.decode(with_docs).startswith("document\nFrance: Its capital is Paris.")
+    body = {"model": server.state.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "chat_template_kwargs": {"enable_thinking": False}, "documents": DOCS}
+    answer = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+    both = tokenized(server, chat_template_kwargs={"enable_thinking": False}, documents=DOCS).json()["count"]
+    assert answer["usage"]["prompt_tokens"] == both == len(plain) + (len(no_think) - len(plain)) + (
+        len(with_docs) - len(plain))
+    warmed = requests.post(f"{server.url}/v1/cache/warm", json={
+        "messages": [{"role": "system", "content": "a system prompt " * 8}], "documents": DOCS}, timeout=60).json()
+    assert warmed["usage"]["prompt_tokens"] == tokenized(server, messages=[
+        {"role": "system", "content": "a system prompt " * 8}], documents=DOCS, add_generation_prompt=False).json()[
+        "count"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ({"documents": "x"}, "documents"), ({"documents": ["x"]}, "documents"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"chat_template_kwargs": {"budget": "many"}}, "messages"),  # the template's own TypeError: "many" + 1
+])
+def test_template_variables_it_cannot_use_are_400s(thinking_server, body, param):
+    for path, extra in (("/tokenize", {}), ("/v1/chat/completions", {"max_tokens": 2}), ("/v1/cache/warm", {})):
+        resp = requests.post(f"{thinking_server.url}{path}", json={
+            "model": thinking_server.state.model_name, "messages": [{"role": "user", "content": "hi"}],
+            **extra, **body}, timeout=60)
+        assert resp.status_code == 400 and is_error_body(resp.json()) and resp.json()["error"]["param"] == param
+
+
+def test_any_json_value_is_a_template_variable(thinking_server, tok):
+    assert tok.decode(tokenized(thinking_server, chat_template_kwargs={"budget": 5}).json()["tokens"]).startswith(
+        "budget 6\n")
+    for value in ({"nested": [1, None]}, [1, 2], "text", None, 2.5):
+        assert tokenized(thinking_server, chat_template_kwargs={"enable_thinking": value}).status_code == 200
+
+
+def test_ping_and_version(server):
+    for method in ("GET", "POST"):
+        resp = requests.request(method, f"{server.url}/ping", timeout=60)
+        assert resp.status_code == 200 and resp.json()["status"] == "ok"
+    version = requests.get(f"{server.url}/version", timeout=60).json()
+    assert version == {"version": requests.get(f"{server.url}/openapi.json", timeout=60).json()["info"]["version"]}
+    assert version["version"].count(".") == 2
+
+
+# ---- truncate_prompt_tokens
+
+def post(server, path: str, **body) -> requests.Response:
+    return requests.post(f"{server.url}{path}", json={"model": server.state.model_name, **body}, timeout=120)
+
+
+def test_truncation_keeps_the_prompts_last_tokens(server, tok):
+    ids = tok.encode("the capital of France is Paris and the capital of Spain is Madrid")
+    cut = post(server, "/v1/completions", prompt=ids, max_tokens=3, temperature=0, echo=True,
+               truncate_prompt_tokens=4).json()
+    last = post(server, "/v1/completions", prompt=ids[-4:], max_tokens=3, temperature=0, echo=True).json()
+    assert cut["usage"]["prompt_tokens"] == 4 and cut["choices"][0]["text"] == last["choices"][0]["text"]
+    assert cut["choices"][0]["text"].startswith(tok.decode(ids[-4:]))  # echo: the prompt that was served
+    chat = post(server, "/v1/chat/completions", messages=[{"role": "user", "content": "hello there"}], max_tokens=2,
+                truncate_prompt_tokens=5).json()
+    assert chat["usage"]["prompt_tokens"] == 5
+    whole = post(server, "/v1/embeddings", input=[ids[-3:]]).json()
+    embedded = post(server, "/v1/embeddings", input=[ids], truncate_prompt_tokens=3).json()
+    assert embedded["usage"]["prompt_tokens"] == 3 and embedded["data"][0]["embedding"] == whole["data"][0]["embedding"]
+
+
+def test_truncation_to_as_many_as_fit(server, tok):
+    limit = server.state.prompt_limit()
+    too_long = (tok.encode(" the capital of France") * limit)[:limit + 40]
+    assert post(server, "/v1/completions", prompt=too_long, max_tokens=1).status_code == 400
+    fitted = post(server, "/v1/completions", prompt=too_long, truncate_prompt_tokens=-1)
+    assert fitted.status_code == 200 and fitted.json()["usage"]["prompt_tokens"] == limit
+    assert fitted.json()["usage"]["completion_tokens"] == 1  # the default max_tokens, clamped to the context left
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0}),
+    ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": -2}),
+    ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 10**6}),
+    ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 5, "cache_control": {"type": "ephemeral"}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}], "truncate_prompt_tokens": 5}),
+    ("/v1/embeddings", {"input": "hi", "truncate_prompt_tokens": "5"}),
+    ("/v1/embeddings", {"input": "hi", "truncate_prompt_tokens": 10**6}),
+])
+def test_truncation_it_cannot_do_is_a_400(server, path, body):
+    resp = post(server, path, max_tokens=2, **body) if path != "/v1/embeddings" else post(server, path, **body)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncate_prompt_tokens", resp.text
