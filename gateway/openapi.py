@@ -111,7 +111,10 @@ def _common(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[s
         "n": {"type": "integer", "minimum": 1, "maximum": limits.max_n, "nullable": True},
         "stream": {"type": "boolean", "nullable": True},
         "stream_options": {"type": "object", "nullable": True,
-                           "properties": {"include_usage": {"type": "boolean", "nullable": True}}},
+                           "properties": {"include_usage": {"type": "boolean", "nullable": True},
+                                          "continuous_usage_stats": {
+                                              "type": "boolean", "nullable": True,
+                                              "description": "usage in every chunk; needs include_usage"}}},
         "user": {"type": "string", "nullable": True},
         "cache_salt": {"type": "string", "nullable": True,
                        "description": "narrows the caller's prefix cache; never widens it"},

@@ -15,6 +15,8 @@ _COUNT = {"type": "integer", "minimum": 0}
 _TEXT = {"type": "string"}
 _LOGPROB = {"type": "number", "maximum": 0}
 _CALL_ID = {"type": "string", "pattern": "^call_[0-9a-f]{24}$"}
+_CHUNK_USAGE = ("null but in the last chunk, with stream_options.include_usage (in every chunk, the usage so far, with "
+                "continuous_usage_stats too)")
 _STOP_REASON = {"nullable": True, "oneOf": [_TEXT, _COUNT], "description": (
     "vLLM's: the stop string or stop token id the answer ended at; null for the end-of-sequence token, a length "
     "or an error (in a stream: in the finish chunk)")}
@@ -42,7 +44,7 @@ def response_schemas(model_name: str) -> dict[str, Any]:
                 "index": _COUNT, "delta": _chat_delta(), "logprobs": nullable(_chat_logprobs()),
                 "finish_reason": _nullable_enum("stop", "length", "tool_calls", "function_call"),
                 "stop_reason": _STOP_REASON}, optional=("stop_reason",))},
-            "usage": nullable(usage, "null but in the last chunk, with stream_options.include_usage")}),
+            "usage": nullable(usage, _CHUNK_USAGE)}),
         "Completion": closed({
             **_head("text_completion", "cmpl-", model_name),
             "choices": {"type": "array", "items": closed({
@@ -55,7 +57,7 @@ def response_schemas(model_name: str) -> dict[str, Any]:
                 "index": _COUNT, "text": _TEXT, "logprobs": nullable(_completion_logprobs()),
                 "finish_reason": _nullable_enum("stop", "length"), "stop_reason": _STOP_REASON},
                 optional=("stop_reason",))},
-            "usage": nullable(usage, "null but in the last chunk, with stream_options.include_usage")}),
+            "usage": nullable(usage, _CHUNK_USAGE)}),
         "Model": _model(model_name),
         "ModelList": closed({"object": const("list"), "data": {"type": "array", "items": ref("Model")}}),
         "CachePins": closed({

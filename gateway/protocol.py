@@ -32,6 +32,7 @@ class GenerationRequest:
     logprobs: int | None  # the engine's: None none, 0 the chosen token's, k also the top k
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
     user: str | None
     cache_salt: str | None
     ignore_eos: bool
@@ -138,7 +139,11 @@ def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None, 
     stream_options = fields.body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise invalid("stream_options must be an object", "stream_options")
-    include_usage = _Fields(stream_options or {}, "stream_options.").boolean("include_usage", False)
+    options = _Fields(stream_options or {}, "stream_options.")
+    include_usage = options.boolean("include_usage", False)
+    continuous_usage = options.boolean("continuous_usage_stats", False)
+    if continuous_usage and not include_usage:
+        raise invalid("stream_options.continuous_usage_stats needs include_usage", "stream_options")
     if stream_options is not None and fields.body.get("stream") is not True:  # as OpenAI answers
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     return dict(
@@ -153,6 +158,7 @@ def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None, 
         logprobs=logprobs,
         stream=fields.boolean("stream", False),
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         user=fields.string("user", None),
         cache_salt=fields.string("cache_salt", None),
         ignore_eos=fields.boolean("ignore_eos", False),

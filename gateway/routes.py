@@ -163,7 +163,8 @@ async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, r
     run = RequestRun(state, tenant, req.cache_salt, choices, prompt_param)
     if req.stream:
         resp = await run.streamed(lambda outputs: stream_response(
-            request, fmt, choices, outputs, req.include_usage, state.settings.gateway.stream_write_timeout_s))
+            request, fmt, choices, outputs, req.include_usage, state.settings.gateway.stream_write_timeout_s,
+            req.continuous_usage))
         _log_done(fmt.response_id, tenant, choices)
         return resp
     await run.to_end()

@@ -5,7 +5,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -26,24 +26,27 @@ def encode_event(payload: dict[str, Any]) -> bytes:
 
 async def stream_response(request: web.Request, fmt: ChatFormat, choices: list[Choice],
                           outputs: AsyncIterator[tuple[Choice, RequestOutput]],
-                          include_usage: bool, write_timeout_s: float) -> web.StreamResponse:
+                          include_usage: bool, write_timeout_s: float,
+                          continuous_usage: bool = False) -> web.StreamResponse:
     """Headers go out with the first engine output, so a failure before it is a plain error response.
     A failure after it is one `data: {"error": ...}` event, then `data: [DONE]` (as vLLM ends it, so a
     client's SSE reader closes cleanly after raising the error). A client that stops
-    reading for write_timeout_s is dropped, so it cannot hold its admission slot and output forever."""
+    reading for write_timeout_s is dropped, so it cannot hold its admission slot and output forever.
+    `continuous_usage`: every chunk carries the usage so far (vLLM's continuous_usage_stats)."""
     resp: _Stream | None = None
+    so_far = (lambda chunk: {**chunk, "usage": usage(choices)}) if continuous_usage else (lambda chunk: chunk)
     try:
         async for choice, out in outputs:
             check_output(out)
             if resp is None:
-                resp = await _start(request, fmt, choices, write_timeout_s)
+                resp = await _start(request, fmt, choices, write_timeout_s, so_far)
             choice.add(out)
             if (chunk := fmt.delta_chunk(choice, out)) is not None:
-                await resp.write(encode_event(chunk))
+                await resp.write(encode_event(so_far(chunk)))
             if out.finished:
-                await resp.write(encode_event(fmt.finish_chunk(choice)))
+                await resp.write(encode_event(so_far(fmt.finish_chunk(choice))))
         if resp is None:
-            resp = await _start(request, fmt, choices, write_timeout_s)
+            resp = await _start(request, fmt, choices, write_timeout_s, so_far)
         if include_usage:
             await resp.write(encode_event(fmt.chunk([], usage(choices))))
         await resp.write(b"data: [DONE]\n\n")
@@ -81,11 +84,12 @@ class _Stream:
             await self.response.write(data)
 
 
-async def _start(request: web.Request, fmt: ChatFormat, choices: list[Choice], write_timeout_s: float) -> _Stream:
+async def _start(request: web.Request, fmt: ChatFormat, choices: list[Choice], write_timeout_s: float,
+                 so_far: Callable[[dict[str, Any]], dict[str, Any]]) -> _Stream:
     response = web.StreamResponse(status=200, headers=SSE_HEADERS)
     await response.prepare(request)
     resp = _Stream(response, write_timeout_s)
     for first in fmt.first_chunks(choices):
-        await resp.write(encode_event(first))
+        await resp.write(encode_event(so_far(first)))
     return resp
 

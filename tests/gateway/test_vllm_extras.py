@@ -248,3 +248,18 @@ def test_truncation_to_as_many_as_fit(server, tok):
 def test_truncation_it_cannot_do_is_a_400(server, path, body):
     resp = post(server, path, max_tokens=2, **body) if path != "/v1/embeddings" else post(server, path, **body)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncate_prompt_tokens", resp.text
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
+    body = {"model": server.state.model_name, "prompt": "the capital", "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    resp = requests.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    chunks = [json.loads(line[6:]) for line in resp.content.decode().split("\n")
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] > 0 for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 5 and chunks[-1]["choices"] == []
+    body["stream_options"] = {"continuous_usage_stats": True}
+    resp = requests.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_options"
