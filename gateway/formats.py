@@ -18,12 +18,17 @@ class ChatFormat:
     chunk_name = "chat.completion.chunk"
 
     def __init__(self, response_id: str, model: str, tokenizer: Any, *, fingerprint: str | None = None,
-                 tools: ToolRequest | None = None, tool_call_parser: str = "hermes") -> None:
+                 tools: ToolRequest | None = None, tool_call_parser: str = "hermes", token_ids: bool = False,
+                 tokens_as_ids: bool = False) -> None:
+        """`token_ids`: vLLM's return_token_ids (the prompt's and the answer's token ids beside the text);
+        `tokens_as_ids`: vLLM's return_tokens_as_token_ids (logprobs name each token `token_id:ID`)."""
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
         self.tokenizer = tokenizer
         self.fingerprint = fingerprint
+        self.token_ids = token_ids
+        self.tokens_as_ids = tokens_as_ids
         self.tool_parser = parser_for(tools, tool_call_parser)  # None: the text is never parsed for tool calls
         self.max_tool_calls = tools.max_calls if tools else None
         self.legacy_functions = tools is not None and tools.legacy  # answer with the deprecated `function_call`
@@ -31,8 +36,14 @@ class ChatFormat:
         self._call_ids: dict[tuple[int, int], str] = {}  # (choice index, call index) -> the call's id
 
     def response(self, choices: list[Choice], usage: dict[str, Any]) -> dict[str, Any]:
-        return {**self._head(self.object_name), "choices": [self.choice_body(c) for c in choices],
-                "usage": usage}
+        return {**self._head(self.object_name), **self._prompt_ids(choices[0]),
+                "choices": [self.choice_body(c) for c in choices], "usage": usage}
+
+    def _prompt_ids(self, choice: Choice) -> dict[str, Any]:
+        return {"prompt_token_ids": choice.prompt_ids} if self.token_ids else {}
+
+    def _output_ids(self, token_ids: list[int]) -> dict[str, Any]:
+        return {"token_ids": token_ids} if self.token_ids else {}
 
     def choice_body(self, choice: Choice) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(choice.text)}
@@ -50,24 +61,24 @@ class ChatFormat:
                 finish_reason = self._tool_finish(finish_reason)
         return {"index": choice.index, "message": message,
                 "logprobs": self.logprobs(choice, choice.logprobs),
-                "finish_reason": finish_reason, "stop_reason": choice.stop_reason}
+                "finish_reason": finish_reason, "stop_reason": choice.stop_reason, **self._output_ids(choice.token_ids)}
 
     def first_chunks(self, choices: list[Choice]) -> list[dict[str, Any]]:
         """Each choice's role, a chunk each (as OpenAI and vLLM stream them: one choice a chunk)."""
         return [self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}]) for c in choices]
+                             "logprobs": None, "finish_reason": None}], **self._prompt_ids(c)) for c in choices]
 
     def delta_chunk(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
         if self.tool_parser is None:
             delta = {"content": out.new_text} if out.new_text else {}
         else:
             delta = self._tool_delta(choice.index, self._tool_stream(choice).feed(out.new_text))
-        if not delta and not out.new_logprobs:
+        if not delta and not out.new_logprobs and not (self.token_ids and out.new_token_ids):
             return None
-        delta = delta or {"content": ""}  # logprobs of held-back text
+        delta = delta or {"content": ""}  # logprobs (or token ids) of held-back text
         return self.chunk([{"index": choice.index, "delta": delta,
                             "logprobs": self.logprobs(choice, out.new_logprobs),
-                            "finish_reason": None}])
+                            "finish_reason": None, **self._output_ids(out.new_token_ids)}])
 
     def finish_chunk(self, choice: Choice) -> dict[str, Any]:
         delta, finish_reason = {}, choice.finish_reason
@@ -118,8 +129,9 @@ class ChatFormat:
             delta["tool_calls"] = calls
         return delta
 
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {**self._head(self.chunk_name), "choices": choices, "usage": usage}
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+              **top: Any) -> dict[str, Any]:
+        return {**self._head(self.chunk_name), **top, "choices": choices, "usage": usage}
 
     def logprobs(self, choice: Choice, tokens: list[SampledToken] | None) -> dict[str, Any] | None:
         if choice.params.logprobs is None or not tokens:
@@ -130,7 +142,10 @@ class ChatFormat:
 
     def _token(self, token_id: int, logprob: float | None) -> dict[str, Any]:
         data = self.tokenizer.token_bytes(token_id)
-        return {"token": token_string(data), "logprob": logprob, "bytes": list(data)}
+        return {"token": self._token_name(token_id, data), "logprob": logprob, "bytes": list(data)}
+
+    def _token_name(self, token_id: int, data: bytes) -> str:
+        return f"token_id:{token_id}" if self.tokens_as_ids else token_string(data)
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.response_id, "object": object_name, "created": self.created,
@@ -149,37 +164,53 @@ class CompletionFormat(ChatFormat):
     chunk_name = "text_completion"
 
     def __init__(self, response_id: str, model: str, tokenizer: Any, echo_prompts: list[str] | None = None, *,
-                 fingerprint: str | None = None) -> None:
-        super().__init__(response_id, model, tokenizer, fingerprint=fingerprint)
+                 fingerprint: str | None = None, token_ids: bool = False, tokens_as_ids: bool = False) -> None:
+        super().__init__(response_id, model, tokenizer, fingerprint=fingerprint, token_ids=token_ids,
+                         tokens_as_ids=tokens_as_ids)
         self.echo_prompts = echo_prompts  # echo: each prompt's text, put before its choices' text
         self._offsets: dict[int, TextOffsets] = {}  # per choice, carried across a stream's chunks
+        self._unsent_prompt_ids: set[int] = set()  # choices whose stream has not sent their prompt's ids yet
+
+    def response(self, choices: list[Choice], usage: dict[str, Any]) -> dict[str, Any]:
+        return {**self._head(self.object_name), "choices": [self.choice_body(c) for c in choices], "usage": usage}
 
     def choice_body(self, choice: Choice) -> dict[str, Any]:
         return {"index": choice.index, "text": self._echo(choice) + "".join(choice.text),
                 "logprobs": self._completion_logprobs(choice, choice.logprobs, TextOffsets()),
-                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
+                **self._prompt_ids(choice), **self._output_ids(choice.token_ids)}
 
     def first_chunks(self, choices: list[Choice]) -> list[dict[str, Any]]:
         """With echo, each choice's prompt, a chunk each; else none."""
+        self._unsent_prompt_ids = {c.index for c in choices} if self.token_ids else set()
         if self.echo_prompts is None:
             return []
-        return [self.chunk([{"index": c.index, "text": self._echo(c), "logprobs": None, "finish_reason": None}])
-                for c in choices]
+        return [self.chunk([{"index": c.index, "text": self._echo(c), "logprobs": None, "finish_reason": None,
+                             **self._first_prompt_ids(c)}]) for c in choices]
+
+    def _first_prompt_ids(self, choice: Choice) -> dict[str, Any]:
+        """The prompt's token ids in a choice's first chunk only (vLLM's return_token_ids)."""
+        if choice.index not in self._unsent_prompt_ids:
+            return {}
+        self._unsent_prompt_ids.discard(choice.index)
+        return self._prompt_ids(choice)
 
     def _echo(self, choice: Choice) -> str:
         return "" if self.echo_prompts is None else self.echo_prompts[choice.prompt_index]
 
     def delta_chunk(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
-        if not out.new_text and not out.new_logprobs:
+        if not out.new_text and not out.new_logprobs and not (self.token_ids and out.new_token_ids):
             return None
         offsets = self._offsets.setdefault(choice.index, TextOffsets())  # carried across the stream's chunks
         return self.chunk([{"index": choice.index, "text": out.new_text,
                             "logprobs": self._completion_logprobs(choice, out.new_logprobs, offsets),
-                            "finish_reason": None}])
+                            "finish_reason": None, **self._first_prompt_ids(choice),
+                            **self._output_ids(out.new_token_ids)}])
 
     def finish_chunk(self, choice: Choice) -> dict[str, Any]:
         return self.chunk([{"index": choice.index, "text": "", "logprobs": None,
-                            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}])
+                            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
+                            **self._first_prompt_ids(choice)}])
 
     def _completion_logprobs(self, choice: Choice, tokens: list[SampledToken] | None,
                              offsets: "TextOffsets") -> dict[str, Any] | None:
@@ -190,9 +221,9 @@ class CompletionFormat(ChatFormat):
         starts = [offsets.start(d, t.token_id in tok.special_token_ids) for d, t in zip(data, tokens)]
         top = None
         if choice.params.logprobs > 0:
-            top = [{token_string(tok.token_bytes(i)): lp for i, lp in t.top_logprobs or ()} for t in tokens]
-        return {"tokens": [token_string(d) for d in data], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": top, "text_offset": starts}
+            top = [{self._token_name(i, tok.token_bytes(i)): lp for i, lp in t.top_logprobs or ()} for t in tokens]
+        return {"tokens": [self._token_name(t.token_id, d) for d, t in zip(data, tokens)],
+                "token_logprobs": [t.logprob for t in tokens], "top_logprobs": top, "text_offset": starts}
 
 
 def token_string(data: bytes) -> str:

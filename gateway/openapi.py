@@ -120,6 +120,10 @@ def _common(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[s
                        "description": "narrows the caller's prefix cache; never widens it"},
         "ignore_eos": {"type": "boolean", "nullable": True},
         "truncate_prompt_tokens": {**_TRUNCATE, "description": _TRUNCATE["description"] + "; not with cache_control"},
+        "return_token_ids": {"type": "boolean", "nullable": True,
+                             "description": "the prompt's and the answer's token ids beside the text"},
+        "return_tokens_as_token_ids": {"type": "boolean", "nullable": True,
+                                       "description": "logprobs name each token token_id:ID"},
         **_output_fields(vocab_size),
     }
 

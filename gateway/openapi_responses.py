@@ -15,6 +15,8 @@ _COUNT = {"type": "integer", "minimum": 0}
 _TEXT = {"type": "string"}
 _LOGPROB = {"type": "number", "maximum": 0}
 _CALL_ID = {"type": "string", "pattern": "^call_[0-9a-f]{24}$"}
+_IDS = {"type": "array", "items": _COUNT, "description": "with return_token_ids (in a stream: the prompt's in a "
+                                                          "choice's first chunk, the answer's as they come)"}
 _CHUNK_USAGE = ("null but in the last chunk, with stream_options.include_usage (in every chunk, the usage so far, with "
                 "continuous_usage_stats too)")
 _STOP_REASON = {"nullable": True, "oneOf": [_TEXT, _COUNT], "description": (
@@ -29,34 +31,36 @@ def response_schemas(model_name: str) -> dict[str, Any]:
         "Usage": usage,
         "ToolCall": _tool_call(),
         "ChatCompletion": closed({
-            **_head("chat.completion", "chatcmpl-", model_name),
+            **_head("chat.completion", "chatcmpl-", model_name), "prompt_token_ids": _IDS,
             "choices": {"type": "array", "items": closed({
                 "index": _COUNT, "message": _chat_message(), "logprobs": nullable(_chat_logprobs()),
                 "finish_reason": {"type": "string", "enum": ["stop", "length", "tool_calls", "function_call"],
                                   "description": '"tool_calls" ("function_call" for legacy functions) when the '
                                                  'message holds calls and ended normally; a call cut short by '
                                                  'max_tokens stays "length", its arguments as far as they go'},
-                "stop_reason": _STOP_REASON})},
-            "usage": ref("Usage")}),
+                "stop_reason": _STOP_REASON, "token_ids": _IDS}, optional=("token_ids",))},
+            "usage": ref("Usage")}, optional=("prompt_token_ids",)),
         "ChatCompletionChunk": closed({
-            **_head("chat.completion.chunk", "chatcmpl-", model_name),
+            **_head("chat.completion.chunk", "chatcmpl-", model_name), "prompt_token_ids": _IDS,
             "choices": {"type": "array", "description": "empty in the usage chunk", "items": closed({
                 "index": _COUNT, "delta": _chat_delta(), "logprobs": nullable(_chat_logprobs()),
                 "finish_reason": _nullable_enum("stop", "length", "tool_calls", "function_call"),
-                "stop_reason": _STOP_REASON}, optional=("stop_reason",))},
-            "usage": nullable(usage, _CHUNK_USAGE)}),
+                "stop_reason": _STOP_REASON, "token_ids": _IDS}, optional=("stop_reason", "token_ids"))},
+            "usage": nullable(usage, _CHUNK_USAGE)}, optional=("prompt_token_ids",)),
         "Completion": closed({
             **_head("text_completion", "cmpl-", model_name),
             "choices": {"type": "array", "items": closed({
                 "index": _COUNT, "text": _TEXT, "logprobs": nullable(_completion_logprobs()),
-                "finish_reason": {"type": "string", "enum": ["stop", "length"]}, "stop_reason": _STOP_REASON})},
+                "finish_reason": {"type": "string", "enum": ["stop", "length"]}, "stop_reason": _STOP_REASON,
+                "prompt_token_ids": _IDS, "token_ids": _IDS}, optional=("prompt_token_ids", "token_ids"))},
             "usage": ref("Usage")}),
         "CompletionChunk": closed({
             **_head("text_completion", "cmpl-", model_name),
             "choices": {"type": "array", "description": "empty in the usage chunk", "items": closed({
                 "index": _COUNT, "text": _TEXT, "logprobs": nullable(_completion_logprobs()),
-                "finish_reason": _nullable_enum("stop", "length"), "stop_reason": _STOP_REASON},
-                optional=("stop_reason",))},
+                "finish_reason": _nullable_enum("stop", "length"), "stop_reason": _STOP_REASON,
+                "prompt_token_ids": _IDS, "token_ids": _IDS},
+                optional=("stop_reason", "prompt_token_ids", "token_ids"))},
             "usage": nullable(usage, _CHUNK_USAGE)}),
         "Model": _model(model_name),
         "ModelList": closed({"object": const("list"), "data": {"type": "array", "items": ref("Model")}}),

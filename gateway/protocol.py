@@ -48,6 +48,8 @@ class GenerationRequest:
     allowed_token_ids: tuple[int, ...] | None  # None: every token
     structured: StructuredOutput | None
     truncate_prompt_tokens: int | None  # vLLM's: keep the prompt's last k tokens (-1: as many as fit)
+    return_token_ids: bool  # vLLM's: the prompt's and the answer's token ids beside the text
+    return_tokens_as_token_ids: bool  # vLLM's: logprobs name each token `token_id:ID`
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +165,8 @@ def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None, 
         cache_salt=fields.string("cache_salt", None),
         ignore_eos=fields.boolean("ignore_eos", False),
         truncate_prompt_tokens=truncate_prompt_tokens(fields),
+        return_token_ids=fields.boolean("return_token_ids", False),
+        return_tokens_as_token_ids=fields.boolean("return_tokens_as_token_ids", False),
         **sampling_fields(fields, defaults),
     )
 

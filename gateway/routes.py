@@ -49,7 +49,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         cache = await chat_directives(state.engine.tokenizer, req.messages, req.breakpoints, prompt, tools,
                                       tool_template, tenant.max_pinned_blocks, req.template_kwargs)
         fmt = ChatFormat(_new_id("chatcmpl-"), state.model_name, state.engine.tokenizer,
-                         fingerprint=_fingerprint(state), tools=req.tools, tool_call_parser=tool_template.parser)
+                         fingerprint=_fingerprint(state), tools=req.tools, tool_call_parser=tool_template.parser,
+                         token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids)
         return await _generate(request, state, tenant, req, [prompt], fmt, "messages", None, cache)
 
 
@@ -65,7 +66,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         echoed = req.prompts if req.truncate_prompt_tokens is None else prompts  # a cut prompt: what was served
         fmt = CompletionFormat(_new_id("cmpl-"), state.model_name, tokenizer,
                                [p if isinstance(p, str) else tokenizer.decode(p) for p in echoed]
-                               if req.echo else None, fingerprint=_fingerprint(state))
+                               if req.echo else None, fingerprint=_fingerprint(state),
+                               token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids)
         return await _generate(request, state, tenant, req, prompts, fmt, "prompt",
                                COMPLETIONS_DEFAULT_MAX_TOKENS,
                                directives(list(req.breakpoints), tenant.max_pinned_blocks))

@@ -87,6 +87,13 @@ def test_plain_chat_completion_with_logprobs(server, spec):
         (0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""})]
 
 
+def test_chat_completion_with_vllms_output_extras(server, spec):
+    body = {"messages": ask("Hello?"), "max_tokens": 4, "logprobs": True, "return_token_ids": True,
+            "return_tokens_as_token_ids": True, "stop": ["e"]}
+    answer, chunks = check_both_ways(server, spec, CHAT, body)
+    assert answer["prompt_token_ids"] and "prompt_token_ids" in chunks[0]
+
+
 def test_forced_tool_call_has_null_content(server, spec):
     body = {"messages": ask("Weather?"), "tools": [BOUNDED_WEATHER], "tool_choice": NAMED, "max_tokens": 200}
     answer, chunks = check_both_ways(server, spec, CHAT, body)
@@ -111,7 +118,9 @@ def test_tool_calls_parsed_from_text_keep_the_text_around_them(server, spec):
     ({"prompt": "the cache block of the prefix", "max_tokens": 4, "n": 2, "logprobs": 2}, 2),
     ({"prompt": ["the cache block", "of the prefix"], "max_tokens": 3, "echo": True}, 2),
     ({"prompt": [1, 2, 3], "max_tokens": 2, "logprobs": 0}, 1),
-], ids=["top-logprobs", "echo", "token-ids"])
+    ({"prompt": ["the cache block", "of the prefix"], "max_tokens": 3, "n": 2, "logprobs": 1,
+      "return_token_ids": True, "return_tokens_as_token_ids": True, "stop": ["e"]}, 4),
+], ids=["top-logprobs", "echo", "token-ids", "vllm-extras"])
 def test_text_completion(server, spec, body, num_choices):
     answer, _ = check_both_ways(server, spec, COMPLETIONS, body)
     assert len(answer["choices"]) == num_choices

@@ -263,3 +263,49 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
     body["stream_options"] = {"continuous_usage_stats": True}
     resp = requests.post(f"{server.url}/v1/completions", json=body, timeout=60)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_options"
+
+
+# ---- token ids beside the text
+
+def test_return_token_ids_gives_the_prompts_and_the_answers_ids(server, tok):
+    words = tok.encode(" the capital of Spain is Madrid")
+    base = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "allowed_token_ids": words,
+            "return_token_ids": True}
+    chat = post(server, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], **base).json()
+    assert len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
+    assert tok.decode(chat["prompt_token_ids"], skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    assert tok.decode(chat["choices"][0]["token_ids"]) == chat["choices"][0]["message"]["content"]
+    done = post(server, "/v1/completions", prompt=["the capital", "of Spain"], **base).json()
+    for choice, prompt in zip(done["choices"], ("the capital", "of Spain")):
+        assert choice["prompt_token_ids"] == tok.encode(prompt) and tok.decode(choice["token_ids"]) == choice["text"]
+    plain = post(server, "/v1/completions", prompt="the capital", max_tokens=2).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+    for path, extra in (("/v1/completions", {"prompt": "the capital", "n": 2}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        body = {"model": server.state.model_name, "stream": True, **base, **extra}
+        lines = requests.post(f"{server.url}{path}", json=body, timeout=60).content.decode().split("\n")
+        chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+        whole = post(server, path, **{**base, **extra}).json()
+        for index in range(len(whole["choices"])):
+            mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+            assert [c.get("token_ids") for c in mine].count(None) <= 2  # the role chunk and the finish chunk
+            assert sum((c.get("token_ids") or [] for c in mine), []) == whole["choices"][index]["token_ids"]
+            if path == "/v1/completions":  # the prompt's ids in each choice's first chunk alone
+                assert [("prompt_token_ids" in c) for c in mine] == [True] + [False] * (len(mine) - 1)
+        if path == "/v1/chat/completions":
+            assert [("prompt_token_ids" in c) for c in chunks] == [True] + [False] * (len(chunks) - 1)
+            assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, tok):
+    chat = post(server, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True,
+                return_token_ids=True).json()["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in chat["token_ids"]]
+    assert all(top["token"].startswith("token_id:") for c in content for top in c["top_logprobs"])
+    done = post(server, "/v1/completions", prompt="the capital", max_tokens=4, temperature=0, ignore_eos=True,
+                logprobs=2, return_tokens_as_token_ids=True, return_token_ids=True).json()["choices"][0]
+    assert done["logprobs"]["tokens"] == [f"token_id:{t}" for t in done["token_ids"]]
+    assert all(key.startswith("token_id:") for top in done["logprobs"]["top_logprobs"] for key in top)
