@@ -28,6 +28,7 @@ class Tokenizer(Protocol):
 
     eos_token_ids: set[int]
     special_token_ids: frozenset[int]  # left out of decoded text unless asked for
+    bos_token_ids: tuple[int, ...]  # what the tokenizer puts before a text it encodes with special tokens (BOS)
     vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
@@ -79,6 +80,7 @@ class HFTokenizer:
         self.special_token_ids = frozenset(i for i in named if i is not None)
         self._added = {i: t.content for i, t in added.items()}
         self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        self.bos_token_ids = self._added_before()
         self._template = _compile_chat_template(_chat_template(path, config) or CHATML_TEMPLATE)
         self._piece_bytes = _piece_decoder(self._backend.decoder)
         # the gateway encodes on the event loop while the engine thread decodes: a Rust tokenizer is not
@@ -91,6 +93,14 @@ class HFTokenizer:
 
     def _encode_whole(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids
+
+    def _added_before(self) -> tuple[int, ...]:
+        """The ids the post-processor puts before a text (Llama's BOS); one it would put after it (an EOS) is left
+        out: a prompt that ends in EOS would end its answer at once."""
+        plain = self._backend.encode("a", add_special_tokens=False).ids
+        added = self._backend.encode("a", add_special_tokens=True).ids
+        at = next((i for i in range(len(added) - len(plain) + 1) if added[i:i + len(plain)] == plain), 0)
+        return tuple(added[:at])
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._lock:
@@ -231,10 +241,12 @@ LLAMA3_TEMPLATE = (
 class TiktokenTokenizer:
     """A tiktoken encoding with a chat template rendered by jinja2."""
 
-    def __init__(self, encoding, eos_tokens: list[str], chat_template: str, parse_special: bool) -> None:
+    def __init__(self, encoding, eos_tokens: list[str], chat_template: str, parse_special: bool,
+                 bos_token: str | None = None) -> None:
         self._enc = encoding
         self.vocab_size = encoding.n_vocab
         self.eos_token_ids = {encoding.encode_single_token(t) for t in eos_tokens}
+        self.bos_token_ids = (encoding.encode_single_token(bos_token),) if bos_token else ()
         self._hidden = {encoding.encode_single_token(t) for t in encoding.special_tokens_set}  # not in output text
         self.special_token_ids = frozenset(self._hidden)
         env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined)
@@ -255,7 +267,8 @@ class TiktokenTokenizer:
         special = {token: len(ranks) + i for i, token in enumerate(LLAMA3_SPECIAL_TOKENS)}
         encoding = tiktoken.Encoding(name=path.parent.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
                                      special_tokens=special)
-        return cls(encoding, ["<|end_of_text|>", "<|eot_id|>"], LLAMA3_TEMPLATE, parse_special=True)
+        return cls(encoding, ["<|end_of_text|>", "<|eot_id|>"], LLAMA3_TEMPLATE, parse_special=True,
+                   bos_token="<|begin_of_text|>")
 
     def encode(self, text: str) -> list[int]:
         return self._enc.encode(text, **self._special)

@@ -103,12 +103,12 @@ def _add(found: list, breakpoint: Any, param: str) -> None:
 
 async def chat_directives(tokenizer: Any, messages: list[dict[str, Any]], breakpoints: tuple[ChatBreakpoint, ...],
                           prompt_ids: list[int], tools: list[dict[str, Any]] | None, tool_template: Any,
-                          max_pinned_blocks: int | None, kwargs: dict[str, Any] | None = None
+                          max_pinned_blocks: int | None, kwargs: dict[str, Any] | None = None, offset: int = 0
                           ) -> CacheDirectives | None:
     """A chat's breakpoints as prompt lengths: the conversation up to each, rendered alone, as far as its tokens
     agree with the whole prompt's (a template's end-of-message tokens, or a token merged across the boundary,
-    are not part of the prefix a later request shares). `kwargs`: the chat's template variables. None without
-    breakpoints."""
+    are not part of the prefix a later request shares). `kwargs`: the chat's template variables; `offset`: tokens
+    the prompt has before the rendered chat (a BOS). None without breakpoints."""
     out = []
     for breakpoint in breakpoints:
         message = dict(messages[breakpoint.message])
@@ -119,7 +119,7 @@ async def chat_directives(tokenizer: Any, messages: list[dict[str, Any]], breakp
                                     add_generation_prompt=False, kwargs=kwargs)
         except APIError:  # a template that refuses the cut conversation: that breakpoint pins nothing
             continue
-        out.append(CacheBreakpoint(_common_prefix(ids, prompt_ids), breakpoint.ttl_s))
+        out.append(CacheBreakpoint(offset + _common_prefix(ids, prompt_ids), breakpoint.ttl_s))
     return directives(out, max_pinned_blocks)
 
 

@@ -17,7 +17,7 @@ from gateway.errors import invalid
 from gateway.generate import Choice, prompt_tokens_details
 from gateway.jsonbody import parse_body
 from gateway.protocol import _Fields, parse_prompts
-from gateway.render import encode_prompts, render_body_chat
+from gateway.render import encode_prompts, render_body_chat, with_bos
 from gateway.responses import RESPONSE_STORE
 from gateway.runner import RequestRun, run_command
 from gateway.state import STATE, GatewayState
@@ -73,14 +73,16 @@ async def _prompt(request: web.Request, state: GatewayState, fields: _Fields,
     tokenizer = state.engine.tokenizer
     if body.get("prompt") is not None:
         prompts = parse_prompts(body["prompt"], 1)
-        return (await encode_prompts(tokenizer, prompts, "prompt"))[0], "prompt", []
+        bos = fields.boolean("add_special_tokens", True)  # as /v1/completions encodes a prompt
+        return (await encode_prompts(tokenizer, prompts, "prompt", bos))[0], "prompt", []
     template = request.app[TOOL_TEMPLATE]
-    messages, template_tools, kwargs, prompt = await render_body_chat(
+    messages, template_tools, kwargs, rendered = await render_body_chat(
         tokenizer, body, state.settings.gateway.max_messages, template, add_generation_prompt=False)
+    prompt = with_bos(tokenizer, rendered, fields.boolean("add_special_tokens", False))
     # (the body's own cache_control is the whole prompt's TTL here, not a breakpoint)
     marks = chat_breakpoints({**body, "cache_control": None})
-    marked = await chat_directives(tokenizer, messages, tuple(marks), prompt, template_tools, template,
-                                   max_pinned_blocks, kwargs)
+    marked = await chat_directives(tokenizer, messages, tuple(marks), rendered, template_tools, template,
+                                   max_pinned_blocks, kwargs, len(prompt) - len(rendered))
     return prompt, "messages", list(marked.breakpoints) if marked else []
 
 

@@ -33,6 +33,7 @@ class EmbeddingRequest:
     encoding_format: str
     cache_salt: str | None
     truncate_prompt_tokens: int | None  # vLLM's: embed each input's last k tokens (-1: as many as fit)
+    add_special_tokens: bool  # the tokenizer's BOS before each text input (vLLM's default)
 
 
 def parse_embedding(body: Any, max_inputs: int) -> EmbeddingRequest:
@@ -48,7 +49,8 @@ def parse_embedding(body: Any, max_inputs: int) -> EmbeddingRequest:
         raise invalid(f"encoding_format must be one of {list(ENCODINGS)}", "encoding_format")
     fields.string("user", None)  # accepted, as OpenAI's API does; not used
     return EmbeddingRequest(model, parse_prompts(fields.body.get("input"), max_inputs, "input"), encoding,
-                            fields.string("cache_salt", None), truncate_prompt_tokens(fields))
+                            fields.string("cache_salt", None), truncate_prompt_tokens(fields),
+                            fields.boolean("add_special_tokens", True))
 
 
 def _encoded(vector: list[float], encoding: str) -> list[float] | str:
@@ -65,7 +67,7 @@ async def embeddings(request: web.Request) -> web.Response:
     state.check_model(req.model)
     with state.admission.admit(tenant, len(req.inputs)):
         prompts = [state.truncated(p, req.truncate_prompt_tokens, generates=False)
-                   for p in await encode_prompts(state.engine.tokenizer, req.inputs, "input")]
+                   for p in await encode_prompts(state.engine.tokenizer, req.inputs, "input", req.add_special_tokens)]
         for prompt in prompts:
             state.check_prompt(len(prompt), "input", generates=False)
         response_id = f"embd-{uuid.uuid4().hex}"

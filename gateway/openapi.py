@@ -94,6 +94,10 @@ _TRUNCATE = {"type": "integer", "minimum": -1, "not": {"enum": [0]}, "nullable":
              "description": "keep the prompt's last k tokens (-1: as many as fit)"}
 
 
+_ADD_SPECIAL_TOKENS = {"type": "boolean", "nullable": True, "description": (
+    "the tokenizer's BOS (where it has one) first: default true for a text prompt, false for a chat")}
+
+
 def _common(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[str, Any]:
     max_tokens: dict[str, Any] = {"type": "integer", "minimum": 1, "nullable": True}
     if limits.max_tokens_limit is not None:
@@ -120,6 +124,7 @@ def _common(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[s
                        "description": "narrows the caller's prefix cache; never widens it"},
         "ignore_eos": {"type": "boolean", "nullable": True},
         "truncate_prompt_tokens": {**_TRUNCATE, "description": _TRUNCATE["description"] + "; not with cache_control"},
+        "add_special_tokens": _ADD_SPECIAL_TOKENS,
         "return_token_ids": {"type": "boolean", "nullable": True,
                              "description": "the prompt's and the answer's token ids beside the text"},
         "return_tokens_as_token_ids": {"type": "boolean", "nullable": True,
@@ -292,7 +297,8 @@ def _warm_operation(model_name: str, vocab_size: int, limits: GatewaySettings) -
         "properties": {"model": {**chat["model"], "nullable": True}, "messages": chat["messages"],
                        "tools": chat["tools"], "prompt": prompt,
                        "cache_control": {**_CACHE_CONTROL, "description": "the pin's TTL (default 5m)"},
-                       "cache_salt": chat["cache_salt"]}}}}}
+                       "cache_salt": chat["cache_salt"], "add_special_tokens": _ADD_SPECIAL_TOKENS,
+                       "chat_template_kwargs": chat["chat_template_kwargs"], "documents": chat["documents"]}}}}}
     return op
 
 
@@ -306,7 +312,7 @@ def _embeddings_operation(model_name: str, vocab_size: int, limits: GatewaySetti
             "encoding_format": {"type": "string", "enum": ["float", "base64"], "nullable": True},
             "user": {"type": "string", "nullable": True},
             "cache_salt": {"type": "string", "nullable": True},
-            "truncate_prompt_tokens": _TRUNCATE}}}}}
+            "truncate_prompt_tokens": _TRUNCATE, "add_special_tokens": _ADD_SPECIAL_TOKENS}}}}}
     return op
 
 
@@ -318,9 +324,9 @@ def _tokenize_operation(model_name: str, vocab_size: int, limits: GatewaySetting
         "type": "object", "description": "messages (with optional tools) or prompt, not both",
         "properties": {"model": {**chat["model"], "nullable": True}, "messages": chat["messages"],
                        "tools": chat["tools"], "prompt": {"type": "string"},
-                       **_PROMPT_ENDING,
-                       "add_special_tokens": {"type": "boolean", "enum": [False], "nullable": True,
-                                              "description": "no special tokens are added to a prompt here"},
+                       **_PROMPT_ENDING, "chat_template_kwargs": chat["chat_template_kwargs"],
+                       "documents": chat["documents"],
+                       "add_special_tokens": _ADD_SPECIAL_TOKENS,
                        "return_token_strs": {"type": "boolean", "nullable": True}}}}}}
     return op
 

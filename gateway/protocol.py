@@ -60,6 +60,7 @@ class ChatRequest(GenerationRequest):
     add_generation_prompt: bool = True  # vLLM's: the prompt ends with the assistant's header
     continue_final_message: bool = False  # vLLM's: the prompt ends inside the final assistant message
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # more chat template variables (vLLM's)
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS before the rendered chat too
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,7 @@ class CompletionRequest(GenerationRequest):
     best_of: int  # choices generated per prompt; the n with the highest cumulative logprob are returned
     echo: bool  # the prompt's text comes before each choice's
     breakpoints: tuple[CacheBreakpoint, ...] = ()  # cache_control, by prompt tokens
+    add_special_tokens: bool = True  # the tokenizer's BOS before each text prompt (vLLM's, transformers' default)
 
 
 def parse_chat(body: Any, limits: GatewaySettings, defaults: Mapping[str, Any] = SAMPLING_FIELDS) -> ChatRequest:
@@ -89,7 +91,8 @@ def parse_chat(body: Any, limits: GatewaySettings, defaults: Mapping[str, Any] =
     check_truncation(common["truncate_prompt_tokens"], breakpoints)
     return ChatRequest(**common, messages=messages, tools=parse_tools(fields.body),
                        breakpoints=breakpoints, add_generation_prompt=add_generation_prompt,
-                       continue_final_message=continue_final_message, template_kwargs=template_kwargs(fields.body))
+                       continue_final_message=continue_final_message, template_kwargs=template_kwargs(fields.body),
+                       add_special_tokens=fields.boolean("add_special_tokens", False))
 
 
 def prompt_ending(fields: "_Fields") -> tuple[bool, bool]:
@@ -113,7 +116,8 @@ def parse_completion(body: Any, limits: GatewaySettings,
     breakpoints = tuple(completion_breakpoints(fields.body))
     check_truncation(common["truncate_prompt_tokens"], breakpoints)
     return CompletionRequest(**common, prompts=parse_prompts(fields.body.get("prompt"), limits.max_prompts),
-                             breakpoints=breakpoints, **extras)
+                             breakpoints=breakpoints, add_special_tokens=fields.boolean("add_special_tokens", True),
+                             **extras)
 
 
 def truncate_prompt_tokens(fields: "_Fields") -> int | None:

@@ -146,9 +146,11 @@ async def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: lis
     return _render_chat(*args)
 
 
-async def encode_prompts(tokenizer: Any, prompts: list[str | list[int]], param: str) -> list[list[int]]:
-    """Texts tokenized, token-id lists checked: 400 naming `param` for an empty prompt or an unknown id."""
-    encoded = [await encode(tokenizer, p) if isinstance(p, str) else p for p in prompts]
+async def encode_prompts(tokenizer: Any, prompts: list[str | list[int]], param: str,
+                         add_special_tokens: bool = False) -> list[list[int]]:
+    """Texts tokenized (after the tokenizer's BOS with `add_special_tokens`), token-id lists taken as they are and
+    checked: 400 naming `param` for an empty prompt or an unknown id."""
+    encoded = [await encode(tokenizer, p, add_special_tokens) if isinstance(p, str) else p for p in prompts]
     if any(not p for p in encoded):
         raise invalid(f"{param} must not be empty", param)
     if any(not 0 <= t < tokenizer.vocab_size for p in encoded for t in p):
@@ -156,10 +158,14 @@ async def encode_prompts(tokenizer: Any, prompts: list[str | list[int]], param: 
     return encoded
 
 
-async def encode(tokenizer: Any, text: str) -> list[int]:
-    if len(text) > _OFFLOAD_CHARS:
-        return await asyncio.to_thread(tokenizer.encode, text)
-    return tokenizer.encode(text)
+async def encode(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
+    """`add_special_tokens`: the tokenizer's BOS first (vLLM's and transformers' default for a text prompt)."""
+    ids = await asyncio.to_thread(tokenizer.encode, text) if len(text) > _OFFLOAD_CHARS else tokenizer.encode(text)
+    return with_bos(tokenizer, ids, add_special_tokens)
+
+
+def with_bos(tokenizer: Any, ids: list[int], add_special_tokens: bool) -> list[int]:
+    return [*tokenizer.bos_token_ids, *ids] if add_special_tokens else ids
 
 
 async def decode(tokenizer: Any, token_ids: list[int]) -> str:

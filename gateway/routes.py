@@ -22,7 +22,7 @@ from gateway.generate import Choice, best_choices, usage
 from gateway.jsonbody import parse_body
 from gateway.openapi import build_openapi
 from gateway.protocol import GenerationRequest, parse_chat, parse_completion
-from gateway.render import encode_prompts, render_chat
+from gateway.render import encode_prompts, render_chat, with_bos
 from gateway.runner import RequestRun, sampling_params
 from gateway.sampling_fields import check_token_ids
 from gateway.state import STATE, GatewayState
@@ -43,11 +43,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tool_template = request.app[TOOL_TEMPLATE]
     with state.admission.admit(tenant, req.n):
         tools = tool_template.shown(req.tools)
-        prompt = state.truncated(await render_chat(state.engine.tokenizer, req.messages, tools, tool_template,
-                                                   req.add_generation_prompt, req.continue_final_message,
-                                                   req.template_kwargs), req.truncate_prompt_tokens)
-        cache = await chat_directives(state.engine.tokenizer, req.messages, req.breakpoints, prompt, tools,
-                                      tool_template, tenant.max_pinned_blocks, req.template_kwargs)
+        tokenizer = state.engine.tokenizer
+        rendered = await render_chat(tokenizer, req.messages, tools, tool_template, req.add_generation_prompt,
+                                     req.continue_final_message, req.template_kwargs)
+        prompt = state.truncated(with_bos(tokenizer, rendered, req.add_special_tokens), req.truncate_prompt_tokens)
+        cache = await chat_directives(tokenizer, req.messages, req.breakpoints, rendered, tools, tool_template,
+                                      tenant.max_pinned_blocks, req.template_kwargs,
+                                      len(prompt) - len(rendered))
         fmt = ChatFormat(_new_id("chatcmpl-"), state.model_name, state.engine.tokenizer,
                          fingerprint=_fingerprint(state), tools=req.tools, tool_call_parser=tool_template.parser,
                          token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids)
@@ -62,7 +64,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     with state.admission.admit(tenant, req.best_of * len(req.prompts)):
         tokenizer = state.engine.tokenizer
         prompts = [state.truncated(p, req.truncate_prompt_tokens)
-                   for p in await encode_prompts(tokenizer, req.prompts, "prompt")]
+                   for p in await encode_prompts(tokenizer, req.prompts, "prompt", req.add_special_tokens)]
         echoed = req.prompts if req.truncate_prompt_tokens is None else prompts  # a cut prompt: what was served
         fmt = CompletionFormat(_new_id("cmpl-"), state.model_name, tokenizer,
                                [p if isinstance(p, str) else tokenizer.decode(p) for p in echoed]

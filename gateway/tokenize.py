@@ -1,6 +1,6 @@
 """`POST /tokenize` and `POST /detokenize`, as vLLM serves them: a prompt's tokens as this server counts them (a
 chat's through its template and tools, as /v1/chat/completions renders it; a text as /v1/completions encodes it,
-no special tokens added), and token ids back to text. A client that keeps a long chat within the context counts
+after the tokenizer's BOS where it has one; `add_special_tokens` as vLLM takes it), and token ids back to text. A client that keeps a long chat within the context counts
 with them; nothing reaches the engine."""
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ from aiohttp import web
 from gateway.errors import invalid
 from gateway.jsonbody import parse_body
 from gateway.protocol import _Fields, prompt_ending
-from gateway.render import decode, encode, render_body_chat
+from gateway.render import decode, encode, render_body_chat, with_bos
 from gateway.state import STATE, GatewayState
 from gateway.tool_prompt import TOOL_TEMPLATE
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    """Body: `prompt` (a text) or `messages` (with optional `tools`, `add_generation_prompt` and
-    `continue_final_message`, as chat completions take them), optional `model` and `return_token_strs`. Answer:
+    """Body: `prompt` (a text) or `messages` (with optional `tools`, `add_generation_prompt`,
+    `continue_final_message` and template variables, as chat completions take them), optional `model`,
+    `add_special_tokens` and `return_token_strs`. Answer:
     `count`, `max_model_len`, `tokens`, `token_strs` (each token's own text, U+FFFD where it holds part of a
     character; null unless asked for)."""
     state, fields = await _checked(request)
@@ -24,15 +25,13 @@ async def tokenize(request: web.Request) -> web.Response:
     if (body.get("messages") is None) == (body.get("prompt") is None):
         raise invalid("send either prompt (a text) or messages (a chat, rendered by the model's template)",
                       "messages")
-    if fields.boolean("add_special_tokens", False):
-        raise invalid("this server adds no special tokens to a prompt (its completions do not either)",
-                      "add_special_tokens")
     want_strs = fields.boolean("return_token_strs", False)
-    if body.get("prompt") is not None:
-        tokens = await encode(tokenizer, fields.string("prompt", None))
+    if body.get("prompt") is not None:  # as /v1/completions encodes it: after the tokenizer's BOS, if it has one
+        tokens = await encode(tokenizer, fields.string("prompt", None), fields.boolean("add_special_tokens", True))
     else:
-        *_, tokens = await render_body_chat(tokenizer, body, state.settings.gateway.max_messages,
-                                            request.app[TOOL_TEMPLATE], *prompt_ending(fields))
+        *_, rendered = await render_body_chat(tokenizer, body, state.settings.gateway.max_messages,
+                                              request.app[TOOL_TEMPLATE], *prompt_ending(fields))
+        tokens = with_bos(tokenizer, rendered, fields.boolean("add_special_tokens", False))
     strs = [tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in tokens] if want_strs else None
     return web.json_response({"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens,
                               "token_strs": strs})

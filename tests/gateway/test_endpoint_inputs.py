@@ -378,7 +378,7 @@ def test_a_chat_prompt_ends_as_add_generation_prompt_and_continue_final_message_
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, "messages"),
     ("/tokenize", {"prompt": [1, 2]}, "prompt"),
     ("/tokenize", {"messages": [{"role": "robot", "content": "a"}]}, "messages[0].role"),
-    ("/tokenize", {"prompt": "a", "add_special_tokens": True}, "add_special_tokens"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
     ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True},
      "continue_final_message"),  # (with add_generation_prompt's default, true)
     ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True,

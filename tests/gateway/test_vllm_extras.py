@@ -309,3 +309,65 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, tok):
                 logprobs=2, return_tokens_as_token_ids=True, return_token_ids=True).json()["choices"][0]
     assert done["logprobs"]["tokens"] == [f"token_id:{t}" for t in done["token_ids"]]
     assert all(key.startswith("token_id:") for top in done["logprobs"]["top_logprobs"] for key in top)
+
+
+# ---- a tokenizer with a BOS (Llama's): text prompts start with it, as vLLM and transformers encode them
+
+@pytest.fixture(scope="module")
+def bos_model(tiny_llama_dir, tmp_path_factory):
+    from tokenizers import Tokenizer, processors
+    model = tmp_path_factory.mktemp("bos-model")
+    for path in tiny_llama_dir.iterdir():
+        (model / path.name).write_bytes(path.read_bytes())
+    backend = Tokenizer.from_file(str(model / "tokenizer.json"))
+    bos = backend.token_to_id("<|endoftext|>")
+    backend.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A", pair="<|endoftext|> $A $B",
+                                                           special_tokens=[("<|endoftext|>", bos)])
+    backend.save(str(model / "tokenizer.json"))
+    return model, bos
+
+
+@pytest.fixture(scope="module")
+def bos_server(bos_model):
+    with LiveServer(tiny_settings(bos_model[0])) as live:
+        yield live
+
+
+def test_the_tokenizers_bos_is_what_its_post_processor_adds(bos_model, tiny_llama_dir):
+    model, bos = bos_model
+    assert load_tokenizer(model, set()).bos_token_ids == (bos,)
+    assert load_tokenizer(tiny_llama_dir, set()).bos_token_ids == ()
+
+
+def test_text_prompts_start_with_the_bos_unless_asked_not_to(bos_server, bos_model):
+    server, bos = bos_server, bos_model[1]
+    tok = load_tokenizer(bos_model[0], set())
+    text = "the capital of France"
+    ids = tok.encode(text)
+    served = [post(server, "/v1/completions", prompt=prompt, max_tokens=2, return_token_ids=True).json()
+              for prompt in (text, ids)]
+    assert [d["choices"][0]["prompt_token_ids"] for d in served] == [[bos, *ids], ids]  # token ids: as they are
+    plain = post(server, "/v1/completions", prompt=text, max_tokens=2, return_token_ids=True,
+                 add_special_tokens=False).json()
+    assert plain["choices"][0]["prompt_token_ids"] == ids
+    assert post(server, "/v1/embeddings", input=text).json()["usage"]["prompt_tokens"] == len(ids) + 1
+    assert post(server, "/v1/embeddings", input=text, add_special_tokens=False).json()["usage"]["prompt_tokens"] == \
+        len(ids)
+    assert post(server, "/v1/cache/warm", prompt=text).json()["usage"]["prompt_tokens"] == len(ids) + 1
+    counted = [post(server, "/tokenize", prompt=text, **extra).json()["tokens"]
+               for extra in ({}, {"add_special_tokens": False})]
+    assert counted == [[bos, *ids], ids]
+
+
+def test_a_chat_gets_the_bos_only_when_asked(bos_server, bos_model):
+    server, bos = bos_server, bos_model[1]
+    messages = [{"role": "system", "content": "You answer in one short sentence. " * 6, "cache_control":
+                 {"type": "ephemeral"}}, {"role": "user", "content": "hi"}]
+    rendered = post(server, "/tokenize", messages=messages).json()["tokens"]
+    assert rendered[0] != bos
+    assert post(server, "/tokenize", messages=messages, add_special_tokens=True).json()["tokens"] == [bos, *rendered]
+    answers = [post(server, "/v1/chat/completions", messages=messages, max_tokens=2, return_token_ids=True,
+                    add_special_tokens=special).json() for special in (False, True)]
+    assert [a["prompt_token_ids"] for a in answers] == [rendered, [bos, *rendered]]
+    pinned = [a["usage"]["prompt_tokens_details"]["pinned_tokens"] for a in answers]
+    assert pinned[0] >= 32 and pinned[1] >= pinned[0]  # the system message's breakpoint, after the BOS too
