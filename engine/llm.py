@@ -29,7 +29,7 @@ class LLM:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         requests = []
         for prompt, p in zip(prompts, params_list, strict=True):
-            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            token_ids = self._encode(prompt)
             request = Request(f"llm-{next(self._ids)}", token_ids, p, cache_salt=cache_salt, tenant=tenant,
                               cache=cache)
             self.core.add_request(request)
@@ -48,7 +48,7 @@ class LLM:
         computed, and cached, like any other; nothing is generated)."""
         requests = []
         for prompt in prompts:
-            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            token_ids = self._encode(prompt)
             request = Request(f"llm-{next(self._ids)}", token_ids, SamplingParams(max_tokens=1, pooling="last"),
                               cache_salt=cache_salt)
             self.core.add_request(request)
@@ -56,6 +56,13 @@ class LLM:
         while self.core.has_unfinished():
             self.core.step()
         return [r.embedding for r in requests]
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        """A text after the tokenizer's BOS (where it has one), as the server's completions encode it; token ids
+        as they are."""
+        if isinstance(prompt, str):
+            return [*self.tokenizer.bos_token_ids, *self.tokenizer.encode(prompt)]
+        return list(prompt)
 
     def close(self) -> None:
         """Flushes the cached blocks to the disk tier (if any), for a warm restart."""

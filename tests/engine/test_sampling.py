@@ -197,5 +197,7 @@ def test_llama3_tiktoken_file_backend(tmp_path):
     assert chat_ids[0] == 256 + 11  # <|begin_of_text|> is one special token, right after the 267 ranks
     assert tok.decode(chat_ids) == "user\n\nhiassistant\n\n"  # special tokens are not output text
     assert tok.eos_token_ids == {267 + 1, 267 + 9}  # <|end_of_text|>, <|eot_id|>
+    assert tok.bos_token_ids == (267,)  # a text prompt starts with <|begin_of_text|>, as Meta's encode(bos=True)
+    assert llm.generate(text, SamplingParams(max_tokens=1))[0].prompt_token_ids == [267, *ids]
     out = llm.generate(chat_ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
