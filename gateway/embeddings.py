@@ -28,7 +28,7 @@ ENCODINGS = ("float", "base64")
 
 @dataclass(slots=True)
 class EmbeddingRequest:
-    model: str
+    model: str | None
     inputs: list[str | list[int]]
     encoding_format: str
     cache_salt: str | None
@@ -38,9 +38,7 @@ class EmbeddingRequest:
 
 def parse_embedding(body: Any, max_inputs: int) -> EmbeddingRequest:
     fields = _Fields(body)
-    model = fields.string("model", None)
-    if not model:
-        raise invalid("model is required", "model")
+    model = fields.string("model", None) or None  # None: the served model
     if fields.body.get("dimensions") is not None:
         raise invalid("dimensions is not supported: this server's embeddings have the model's hidden size",
                       "dimensions")

@@ -104,7 +104,8 @@ def _common(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[s
         max_tokens["maximum"] = limits.max_tokens_limit
     text = {"type": "string", "minLength": 1}
     return {
-        "model": {"type": "string", "enum": [model_name]},
+        "model": {"type": "string", "enum": [model_name], "nullable": True,
+                  "description": "left out: the served model (as vLLM and SGLang take it)"},
         "max_tokens": max_tokens,
         "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
         "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1, "nullable": True},
@@ -229,7 +230,7 @@ def _chat_request(model_name: str, vocab_size: int, limits: GatewaySettings) -> 
         "echo": {"type": "boolean", "enum": [False], "nullable": True,
                  "description": "offered on /v1/completions; a chat answer is not echoed"},
     })
-    return {"type": "object", "required": ["model", "messages"], "properties": properties}
+    return {"type": "object", "required": ["messages"], "properties": properties}
 
 
 _PROMPT_ENDING = {  # vLLM's: how a chat's prompt ends
@@ -284,7 +285,7 @@ def _completion_request(model_name: str, vocab_size: int, limits: GatewaySetting
         "cache_control": _top_level_cache_control({"tokens": {
             "type": "integer", "minimum": 1, "description": "pins this prompt prefix (default: the whole prompt)"}}),
     })
-    return {"type": "object", "required": ["model", "prompt"], "properties": properties}
+    return {"type": "object", "required": ["prompt"], "properties": properties}
 
 
 def _warm_operation(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[str, Any]:
@@ -306,8 +307,9 @@ def _embeddings_operation(model_name: str, vocab_size: int, limits: GatewaySetti
     op = _operation("Embed each input (last-token pooling, L2-normalized)", ref("EmbeddingList"), secured=True,
                     errors=(400, 404, 413, 429, 503))
     op["requestBody"] = {"required": True, "content": {_JSON: {"schema": {
-        "type": "object", "required": ["model", "input"], "properties": {
-            "model": {"type": "string", "enum": [model_name]},
+        "type": "object", "required": ["input"], "properties": {
+            "model": {"type": "string", "enum": [model_name], "nullable": True,
+                  "description": "left out: the served model (as vLLM and SGLang take it)"},
             "input": _completion_request(model_name, vocab_size, limits)["properties"]["prompt"],
             "encoding_format": {"type": "string", "enum": ["float", "base64"], "nullable": True},
             "user": {"type": "string", "nullable": True},

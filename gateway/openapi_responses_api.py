@@ -38,7 +38,7 @@ def responses_request(chat: dict[str, Any]) -> dict[str, Any]:
         "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
         "name": _TEXT, "schema": {"type": "object"}, "strict": {"type": "boolean"}},
         "description": "json_schema needs a name and a schema"}
-    return {"type": "object", "required": ["model", "input"], "properties": {
+    return {"type": "object", "required": ["input"], "properties": {
         "model": chat["model"],
         "input": {"oneOf": [_TEXT, {"type": "array", "items": item}],
                   "description": "not empty unless previous_response_id brings a conversation"},

@@ -21,7 +21,7 @@ MAX_SEED = 2**63 - 1
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    model: str
+    model: str | None  # None: left out, the served model (as vLLM and SGLang take it)
     max_tokens: int | None  # None: the route's default
     temperature: float
     top_p: float
@@ -137,9 +137,7 @@ def check_truncation(keep: int | None, breakpoints: tuple[Any, ...]) -> None:
 def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None, logprobs: int | None,
             defaults: Mapping[str, Any]) -> dict[str, Any]:
     """The fields chat and completions share; `defaults`: the sampling defaults in force (the model's)."""
-    model = fields.string("model", None)
-    if not model:
-        raise invalid("model is required", "model")
+    model = fields.string("model", None) or None
     if max_tokens is not None and limits.max_tokens_limit is not None and max_tokens > limits.max_tokens_limit:
         raise invalid(f"max_tokens must be <= {limits.max_tokens_limit}", "max_tokens")
     stream_options = fields.body.get("stream_options")

@@ -35,11 +35,11 @@ class GatewayState:
 
     def check_sent_model(self, fields: Any) -> None:
         """The body's `model` (protocol._Fields), where the route lets it leave one out (cache warm, tokenize)."""
-        if (model := fields.string("model", None)) is not None:
-            self.check_model(model)
+        self.check_model(fields.string("model", None))
 
-    def check_model(self, model: str) -> None:
-        if model not in self.model_names:
+    def check_model(self, model: str | None) -> None:
+        """404 for a model this server does not serve; None (left out, as vLLM and SGLang allow) is the served one."""
+        if model is not None and model not in self.model_names:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 

@@ -156,7 +156,7 @@ async def test_completions_default_max_tokens_is_16(client):
 @pytest.mark.parametrize("method, path, payload, status, param, code", [
     ("POST", "/v1/chat/completions", b"{not json", 400, None, None),
     ("POST", "/v1/chat/completions", b"[1, 2]", 400, None, None),
-    ("POST", "/v1/chat/completions", {"model": None}, 400, "model", None),
+    ("POST", "/v1/chat/completions", {"model": 5}, 400, "model", None),
     ("POST", "/v1/chat/completions", {"temperature": "hot"}, 400, "temperature", None),
     ("POST", "/v1/chat/completions", {"n": 99}, 400, "n", None),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", None),

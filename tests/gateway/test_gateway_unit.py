@@ -331,7 +331,7 @@ def test_chat_content_parts_and_roles():
 
 
 @pytest.mark.parametrize("change, param", [
-    ({"model": None}, "model"), ({"model": 3}, "model"),
+    ({"model": 3}, "model"), ({"model": ["m"]}, "model"),
     ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user", "content": "a"}] * 4}, "messages"),
     ({"messages": [{"role": "function", "content": "a"}]}, "messages[0].name"),  # a legacy answer names its function

@@ -371,3 +371,16 @@ def test_a_chat_gets_the_bos_only_when_asked(bos_server, bos_model):
     assert [a["prompt_token_ids"] for a in answers] == [rendered, [bos, *rendered]]
     pinned = [a["usage"]["prompt_tokens_details"]["pinned_tokens"] for a in answers]
     assert pinned[0] >= 32 and pinned[1] >= pinned[0]  # the system message's breakpoint, after the BOS too
+
+
+def test_a_request_without_a_model_is_served_by_the_served_model(server):
+    name = server.state.model_name
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": "hi"}), ("/v1/embeddings", {"input": "hi"}),
+                       ("/v1/responses", {"input": "hi"})):
+        for model in ({}, {"model": ""}, {"model": None}):
+            resp = requests.post(f"{server.url}{path}", json={**body, **model, "max_tokens": 2}
+                                 if path != "/v1/responses" else {**body, **model, "max_output_tokens": 2}, timeout=60)
+            assert resp.status_code == 200 and resp.json()["model"] == name, (path, model, resp.text)
+        wrong = requests.post(f"{server.url}{path}", json={**body, "model": "gpt-0"}, timeout=60)
+        assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
