@@ -123,7 +123,7 @@ class EngineCore:
     # ---- requests in and out
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        validate_prompt(prompt_token_ids, params, self.vocab_size, self.max_model_len)
+        validate_prompt(prompt_token_ids, params, self.vocab_size, self.max_model_len, self.tokenizer.eos_token_ids)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:

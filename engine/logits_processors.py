@@ -6,14 +6,12 @@ processor; a batch where no row asks for anything costs one pass over the params
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from engine.grammar import StructuredMatcher, allocate_bitmask, apply_bitmask
-
-if TYPE_CHECKING:
-    from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, stop_ids
 
 
 class TokenHistory(Protocol):
@@ -72,7 +70,7 @@ def _min_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], history:
     rows, cols = [], []
     for row, (p, h) in enumerate(zip(params, history)):
         if len(h.output_token_ids) < p.min_tokens and h.matcher is None:
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
+            stops = stop_ids(p, eos_token_ids)
             rows += [row] * len(stops)
             cols += sorted(stops)
     if rows:

@@ -154,7 +154,8 @@ class ProcessClient(RelayedEngineClient):
     # ---- requests
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        validate_prompt(prompt_token_ids, params, self.info.vocab_size, self.max_model_len)
+        validate_prompt(prompt_token_ids, params, self.info.vocab_size, self.max_model_len,
+                        frozenset(self.info.eos_token_ids))
 
     # ---- messages and supervision
 

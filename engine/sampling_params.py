@@ -91,7 +91,7 @@ class SampledToken:
 
 
 def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
-                    max_model_len: int) -> None:
+                    max_model_len: int, eos_token_ids: frozenset[int] | set[int] = frozenset()) -> None:
     """Raises ValueError for a request no engine of this model could serve."""
     if not prompt_token_ids:
         raise ValueError("the prompt is empty")
@@ -106,3 +106,12 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_s
     for name in ("stop_token_ids", "allowed_token_ids"):
         if any(not 0 <= t < vocab_size for t in getattr(params, name) or ()):
             raise ValueError(f"{name} must be in [0, {vocab_size})")
+    if params.min_tokens and params.allowed_token_ids is not None and stop_ids(params, eos_token_ids).issuperset(
+            params.allowed_token_ids):
+        raise ValueError("allowed_token_ids: every allowed token ends the answer, so none may come before "
+                         "min_tokens")
+
+
+def stop_ids(params: SamplingParams, eos_token_ids: frozenset[int] | set[int]) -> set[int]:
+    """The token ids that end this request's answer (masked before its min_tokens)."""
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))

@@ -218,7 +218,8 @@ class CompletionFormat(ChatFormat):
             return None
         tok = self.tokenizer
         data = [tok.token_bytes(t.token_id) for t in tokens]
-        starts = [offsets.start(d, t.token_id in tok.special_token_ids) for d, t in zip(data, tokens)]
+        hidden = tok.special_token_ids if choice.params.skip_special_tokens else frozenset()  # no text in the answer
+        starts = [offsets.start(d, t.token_id in hidden) for d, t in zip(data, tokens)]
         top = None
         if choice.params.logprobs > 0:
             top = [{self._token_name(i, tok.token_bytes(i)): lp for i, lp in t.top_logprobs or ()} for t in tokens]

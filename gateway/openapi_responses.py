@@ -17,8 +17,8 @@ _LOGPROB = {"type": "number", "maximum": 0}
 _CALL_ID = {"type": "string", "pattern": "^call_[0-9a-f]{24}$"}
 _IDS = {"type": "array", "items": _COUNT, "description": "with return_token_ids (in a stream: the prompt's in a "
                                                           "choice's first chunk, the answer's as they come)"}
-_CHUNK_USAGE = ("null but in the last chunk, with stream_options.include_usage (in every chunk, the usage so far, with "
-                "continuous_usage_stats too)")
+_CHUNK_USAGE = ("null but in the last chunk, with stream_options.include_usage (in every chunk, its choice's usage so "
+                "far, with continuous_usage_stats too)")
 _STOP_REASON = {"nullable": True, "oneOf": [_TEXT, _COUNT], "description": (
     "vLLM's: the stop string or stop token id the answer ended at; null for the end-of-sequence token, a length "
     "or an error (in a stream: in the finish chunk)")}

@@ -89,7 +89,11 @@ def parse_chat(body: Any, limits: GatewaySettings, defaults: Mapping[str, Any] =
     add_generation_prompt, continue_final_message = prompt_ending(fields)
     breakpoints = tuple(chat_breakpoints(fields.body))
     check_truncation(common["truncate_prompt_tokens"], breakpoints)
-    return ChatRequest(**common, messages=messages, tools=parse_tools(fields.body),
+    tools = parse_tools(fields.body)
+    if tools is not None and tools.forced and common["allowed_token_ids"] is not None:
+        raise invalid("allowed_token_ids cannot be combined with a forced tool call (its grammar picks the tokens)",
+                      "allowed_token_ids")
+    return ChatRequest(**common, messages=messages, tools=tools,
                        breakpoints=breakpoints, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, template_kwargs=template_kwargs(fields.body),
                        add_special_tokens=fields.boolean("add_special_tokens", False))

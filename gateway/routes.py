@@ -63,9 +63,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state.check_model(req.model)
     with state.admission.admit(tenant, req.best_of * len(req.prompts)):
         tokenizer = state.engine.tokenizer
-        prompts = [state.truncated(p, req.truncate_prompt_tokens)
-                   for p in await encode_prompts(tokenizer, req.prompts, "prompt", req.add_special_tokens)]
-        echoed = req.prompts if req.truncate_prompt_tokens is None else prompts  # a cut prompt: what was served
+        whole = await encode_prompts(tokenizer, req.prompts, "prompt", req.add_special_tokens)
+        prompts = [state.truncated(p, req.truncate_prompt_tokens) for p in whole]
+        # echo: the prompt as sent, or the text of what was served of a cut one
+        echoed = [sent if len(cut) == len(ids) else cut for sent, ids, cut in zip(req.prompts, whole, prompts)]
         fmt = CompletionFormat(_new_id("cmpl-"), state.model_name, tokenizer,
                                [p if isinstance(p, str) else tokenizer.decode(p) for p in echoed]
                                if req.echo else None, fingerprint=_fingerprint(state),
@@ -153,7 +154,7 @@ async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, r
                     prompts: list[list[int]], fmt: ChatFormat, prompt_param: str,
                     default_max_tokens: int | None, cache: CacheDirectives | None = None) -> web.StreamResponse:
     """`cache`: the breakpoints to pin, the same for every prompt."""
-    check_token_ids(req, state.engine.tokenizer.vocab_size)
+    check_token_ids(req, state.engine.tokenizer.vocab_size, state.engine.tokenizer.eos_token_ids)
     choices = []
     samples = getattr(req, "best_of", req.n)
     for prompt_index, prompt in enumerate(prompts):

@@ -35,7 +35,7 @@ class GatewayState:
 
     def check_sent_model(self, fields: Any) -> None:
         """The body's `model` (protocol._Fields), where the route lets it leave one out (cache warm, tokenize)."""
-        self.check_model(fields.string("model", None))
+        self.check_model(fields.string("model", None) or None)
 
     def check_model(self, model: str | None) -> None:
         """404 for a model this server does not serve; None (left out, as vLLM and SGLang allow) is the served one."""

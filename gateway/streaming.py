@@ -32,9 +32,12 @@ async def stream_response(request: web.Request, fmt: ChatFormat, choices: list[C
     A failure after it is one `data: {"error": ...}` event, then `data: [DONE]` (as vLLM ends it, so a
     client's SSE reader closes cleanly after raising the error). A client that stops
     reading for write_timeout_s is dropped, so it cannot hold its admission slot and output forever.
-    `continuous_usage`: every chunk carries the usage so far (vLLM's continuous_usage_stats)."""
+    `continuous_usage`: every chunk carries its choice's usage so far (vLLM's continuous_usage_stats)."""
     resp: _Stream | None = None
-    so_far = (lambda chunk: {**chunk, "usage": usage(choices)}) if continuous_usage else (lambda chunk: chunk)
+
+    def so_far(chunk: dict[str, Any], choice: Choice) -> dict[str, Any]:
+        return {**chunk, "usage": usage([choice])} if continuous_usage else chunk
+
     try:
         async for choice, out in outputs:
             check_output(out)
@@ -42,9 +45,9 @@ async def stream_response(request: web.Request, fmt: ChatFormat, choices: list[C
                 resp = await _start(request, fmt, choices, write_timeout_s, so_far)
             choice.add(out)
             if (chunk := fmt.delta_chunk(choice, out)) is not None:
-                await resp.write(encode_event(so_far(chunk)))
+                await resp.write(encode_event(so_far(chunk, choice)))
             if out.finished:
-                await resp.write(encode_event(so_far(fmt.finish_chunk(choice))))
+                await resp.write(encode_event(so_far(fmt.finish_chunk(choice), choice)))
         if resp is None:
             resp = await _start(request, fmt, choices, write_timeout_s, so_far)
         if include_usage:
@@ -85,11 +88,11 @@ class _Stream:
 
 
 async def _start(request: web.Request, fmt: ChatFormat, choices: list[Choice], write_timeout_s: float,
-                 so_far: Callable[[dict[str, Any]], dict[str, Any]]) -> _Stream:
+                 so_far: Callable[[dict[str, Any], Choice], dict[str, Any]]) -> _Stream:
     response = web.StreamResponse(status=200, headers=SSE_HEADERS)
     await response.prepare(request)
     resp = _Stream(response, write_timeout_s)
     for first in fmt.first_chunks(choices):
-        await resp.write(encode_event(so_far(first)))
+        await resp.write(encode_event(so_far(first, choices[first["choices"][0]["index"]])))
     return resp
 

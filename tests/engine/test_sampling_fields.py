@@ -11,6 +11,7 @@ from engine import LLM, SamplingParams
 from engine.logits_processors import process_logits
 from engine.request import Request
 from engine.sampling import Sampler, _filtered_probs
+from engine.sampling_params import validate_prompt
 
 EOS = 3
 
@@ -45,6 +46,12 @@ def test_allowed_token_ids_mask_their_own_row_alone():
     assert _greedy([2.0, 1.0, 0.0, -1.0], allowed_token_ids=(2,), logit_bias={0: 100}) == 2  # bias cannot undo it
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=())
+    for params in (SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=(EOS,)),
+                   SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=(1,), stop_token_ids=[1])):
+        with pytest.raises(ValueError, match="before min_tokens"):  # every allowed token would be masked
+            validate_prompt([0], params, 10, 100, {EOS})
+    validate_prompt([0], SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=(EOS,), ignore_eos=True), 10,
+                    100, {EOS})
 
 
 def test_frequency_penalty_counts_every_occurrence_presence_only_once():

@@ -250,16 +250,20 @@ def test_truncation_it_cannot_do_is_a_400(server, path, body):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncate_prompt_tokens", resp.text
 
 
-def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_its_chunks(server):
     body = {"model": server.state.model_name, "prompt": "the capital", "max_tokens": 5, "temperature": 0,
-            "ignore_eos": True, "stream": True,
+            "ignore_eos": True, "stream": True, "n": 2,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     resp = requests.post(f"{server.url}/v1/completions", json=body, timeout=60)
     chunks = [json.loads(line[6:]) for line in resp.content.decode().split("\n")
               if line.startswith("data: ") and line != "data: [DONE]"]
-    counts = [c["usage"]["completion_tokens"] for c in chunks]
-    assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] > 0 for c in chunks)
-    assert counts == sorted(counts) and counts[-1] == 5 and chunks[-1]["choices"] == []
+    *choice_chunks, last = chunks
+    prompt_tokens = last["usage"]["prompt_tokens"]  # one prompt, counted once
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 10
+    for index in (0, 1):
+        counts = [c["usage"]["completion_tokens"] for c in choice_chunks if c["choices"][0]["index"] == index]
+        assert counts == sorted(counts) and counts[-1] == 5
+    assert all(c["usage"]["prompt_tokens"] == prompt_tokens for c in choice_chunks)
     body["stream_options"] = {"continuous_usage_stats": True}
     resp = requests.post(f"{server.url}/v1/completions", json=body, timeout=60)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_options"
@@ -384,3 +388,45 @@ def test_a_request_without_a_model_is_served_by_the_served_model(server):
             assert resp.status_code == 200 and resp.json()["model"] == name, (path, model, resp.text)
         wrong = requests.post(f"{server.url}{path}", json={**body, "model": "gpt-0"}, timeout=60)
         assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
+
+
+
+def test_allowed_tokens_that_all_end_the_answer_cannot_wait_for_min_tokens(server, tok):
+    eos = sorted(tok.eos_token_ids)[0]
+    for extra in ({"allowed_token_ids": [eos]}, {"allowed_token_ids": [100], "stop_token_ids": [100]}):
+        for temperature in (0, 1):
+            resp = post(server, "/v1/completions", prompt="the capital", max_tokens=4, min_tokens=2,
+                        temperature=temperature, **extra)
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "allowed_token_ids", resp.text
+    fine = post(server, "/v1/completions", prompt="the capital", max_tokens=4, min_tokens=2,
+                allowed_token_ids=[eos, 100], return_token_ids=True).json()["choices"][0]
+    assert fine["token_ids"][:2] == [100, 100] and set(fine["token_ids"]) <= {eos, 100}
+
+
+def test_allowed_token_ids_beside_a_forced_tool_call_is_a_400(server):
+    tool = {"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}
+    for choice in ("required", {"type": "function", "function": {"name": "get"}}):
+        resp = post(server, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], tools=[tool],
+                    tool_choice=choice, allowed_token_ids=[100], max_tokens=4)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "allowed_token_ids", resp.text
+
+
+def test_text_offsets_count_special_tokens_text_when_it_is_shown(server, tok):
+    start = tok.encode("<|im_start|>")
+    for skip, offsets in ((True, [0, 0, 0]), (False, [0, 12, 24])):
+        choice = post(server, "/v1/completions", prompt="the capital", max_tokens=3, allowed_token_ids=start,
+                      logprobs=0, skip_special_tokens=skip).json()["choices"][0]
+        assert choice["logprobs"]["text_offset"] == offsets
+
+
+def test_an_empty_model_is_the_served_one_on_every_route(server):
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [100]}),
+                       ("/v1/cache/warm", {"prompt": "hi"}), ("/v1/responses/input_tokens", {"input": "hi"})):
+        assert requests.post(f"{server.url}{path}", json={**body, "model": ""}, timeout=60).status_code == 200, path
+
+
+def test_echo_of_a_prompt_the_truncation_did_not_cut_is_the_prompt_as_sent(server):
+    prompt = "<|im_start|>hello  world"
+    echoes = [post(server, "/v1/completions", prompt=prompt, max_tokens=1, echo=True, **extra).json()
+              ["choices"][0]["text"] for extra in ({}, {"truncate_prompt_tokens": 50})]
+    assert echoes[0].startswith(prompt) and echoes[1].startswith(prompt)
