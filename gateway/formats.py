@@ -50,7 +50,7 @@ class ChatFormat:
         finish_reason = choice.finish_reason
         if self.tool_parser is not None:
             parsed = extract(self.tool_parser, message["content"], self.max_tool_calls,
-                             cut_short=finish_reason == FinishReason.LENGTH)
+                             cut_short=_cut_short(choice))
             if parsed.calls:
                 message = {"role": "assistant", "content": parsed.content or None}
                 if self.legacy_functions:
@@ -84,7 +84,7 @@ class ChatFormat:
         delta, finish_reason = {}, choice.finish_reason
         if self.tool_parser is not None:
             stream = self._tool_stream(choice)
-            delta = self._tool_delta(choice.index, stream.finish(cut_short=finish_reason == FinishReason.LENGTH))
+            delta = self._tool_delta(choice.index, stream.finish(cut_short=_cut_short(choice)))
             if stream.num_calls:
                 finish_reason = self._tool_finish(finish_reason)
         return self.chunk([{"index": choice.index, "delta": delta, "logprobs": None,
@@ -150,6 +150,11 @@ class ChatFormat:
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.response_id, "object": object_name, "created": self.created,
                 "model": self.model, "system_fingerprint": self.fingerprint}
+
+
+def _cut_short(choice: Choice) -> bool:
+    """The text ended before the model ended it: at max_tokens, or at a stop string (a call in it stays a call)."""
+    return choice.finish_reason == FinishReason.LENGTH or isinstance(choice.stop_reason, str)
 
 
 def _tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:

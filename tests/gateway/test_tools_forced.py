@@ -164,6 +164,21 @@ def test_a_call_cut_short_by_max_tokens_stays_a_call(client, model, tool_choice)
     assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_call_cut_by_a_stop_string_stays_a_call_streamed_or_not(client, model, include):
+    kwargs = dict(model=model, messages=ask("Note this."), tools=[NOTE], tool_choice="required", temperature=0,
+                  max_tokens=64, stop=['"text"'], extra_body={"include_stop_str_in_output": include})
+    plain = client.chat.completions.create(**kwargs).choices[0]
+    assert plain.finish_reason == "tool_calls" and not plain.message.content
+    (call,) = plain.message.tool_calls
+    assert call.function.name == "take_note"
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    pieces = [p for c in chunks for p in c.delta.tool_calls or ()]
+    assert chunks[-1].finish_reason == "tool_calls" and not "".join(c.delta.content or "" for c in chunks)
+    assert pieces[0].function.name == "take_note"
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+
+
 def test_legacy_functions_get_the_legacy_shape(client, model):
     kwargs = dict(model=model, messages=ask("Weather?"), functions=[WEATHER["function"], TIME["function"]],
                   function_call={"name": "get_weather"}, temperature=0, max_tokens=200)
