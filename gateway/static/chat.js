@@ -64,9 +64,10 @@ function store(chat) {
   return setItem(CHAT_PREFIX + chat.id, JSON.stringify(chat));
 }
 
-function save(chat = currentChat()) {  // the chat that changed, and which one is open
+// the chat that changed, and which one is open; `touched` false: a change (a rename) that leaves its place in the list
+function save(chat = currentChat(), touched = true) {
   if (chat) {
-    chat.updated = Date.now();
+    if (touched) chat.updated = Date.now();
     if (streams.has(chat.id)) storeStreaming(chat, chat.messages.at(-1));  // (other tabs: still answering here)
     else store(chat);
   }
@@ -119,7 +120,7 @@ function editing() {  // an edit or a rename open: what this tab draws leaves it
 // false (and said) where an answer streams into the chat, here or in another tab: a second one would write over it
 function free(chat) {
   if (!chat || !streams.has(chat.id) && !answeringElsewhere(chat.id)) return true;
-  if (!streams.has(chat.id)) showError(ANSWERING_ELSEWHERE);
+  showError(streams.has(chat.id) ? ANSWERING_HERE : ANSWERING_ELSEWHERE);
   return false;
 }
 
@@ -171,6 +172,13 @@ function newChat() {
   current = chats[0].id;
   save(chats[0]);
   render();
+  $("input").focus();
+}
+
+// a button pressed from the keyboard (Enter or Space: a click of detail 0) hands the focus to the message box,
+// where the next keys go; a redraw would otherwise drop it on the page's body, at the top of the tab order
+function typeNext(event) {
+  if (event?.detail === 0) $("input").focus();
 }
 
 function button(className, text, title, onClick) {
@@ -201,27 +209,41 @@ function drawMessages(toBottom) {  // toBottom false: the reader's place is kept
   const follow = toBottom || atBottom(list);
   const top = list.scrollTop;
   const messages = currentChat()?.messages ?? [];
-  list.replaceChildren(...messages.map((m, index) => messageElement(m, index, messages.length)));
+  const elements = messages.map((m, index) => messageElement(m, index, messages.length));
+  const from = sentFrom(currentChat());
+  if (from > 0) elements[from].prepend(contextNote());
+  list.replaceChildren(...elements);
   list.scrollTop = follow ? list.scrollHeight : top;
+}
+
+function contextNote() {  // above the first message sent where a long chat no longer sends its oldest ones
+  const note = document.createElement("div");
+  note.className = "context-start";
+  note.textContent = "The messages above are no longer sent: this chat outgrew the model's context. "
+    + "The ones below are (+ New chat starts afresh).";
+  return note;
 }
 
 function chatItem(chat) {
   const item = document.createElement("li");
+  item.dataset.id = chat.id;
   item.classList.toggle("current", chat.id === current);
-  const open = button("open", chat.title, chat.title, () => {
+  const open = button("open", chat.title, chat.title, (event) => {
     current = chat.id;
-    document.body.classList.remove("sidebar-open");
+    showPanel(null);
     save(null);
     render();
+    typeNext(event);
   });
   const rename = button("rename", "✎", "Rename this chat", () => renameChat(item, open, chat));
-  const remove = button("delete", "×", "Delete this chat", () => {
+  const remove = button("delete", "×", "Delete this chat", (event) => {
     streams.get(chat.id)?.abort();  // its answer stops with it
     chats = chats.filter((other) => other.id !== chat.id);
     localStorage.removeItem(CHAT_PREFIX + chat.id);
     if (current === chat.id) current = chats[0]?.id ?? null;
     save(null);
     if (!chats.length) newChat(); else render();
+    typeNext(event);
   });
   item.append(open, rename, remove);
   return item;
@@ -233,21 +255,23 @@ function renameChat(item, open, { id, title }) {
   input.value = title;
   input.setAttribute("aria-label", "Chat title");
   let done = false;
-  const finish = (keep) => {
+  const finish = (keep, fromKeys) => {
     if (done) return;
     done = true;
     const chat = chats.find((c) => c.id === id);  // (another tab's save may have replaced this tab's copy)
     if (chat && keep && input.value.trim()) chat.title = input.value.trim();
     input.remove();  // (before drawing: the list is not drawn while a title is being typed)
     listDrawn = "";  // (its item lost its button to the input: drawn again even with the title unchanged)
-    if (chat) save(chat);
+    if (chat) save(chat, false);
     render();
+    if (fromKeys) $("chats").querySelector(`li[data-id="${CSS.escape(id)}"] .open`)?.focus();
   };
   input.addEventListener("keydown", (event) => {
-    if (event.key === "Enter") finish(true);
-    if (event.key === "Escape") finish(false);
+    if (event.key !== "Enter" && event.key !== "Escape") return;
+    event.preventDefault();  // (or the key, once the focus is back on the chat's button, would press it)
+    finish(event.key === "Enter", true);
   });
-  input.addEventListener("blur", () => finish(true));
+  input.addEventListener("blur", () => finish(true, false));
   open.replaceWith(input);
   input.focus();
   input.select();
@@ -329,14 +353,19 @@ function editBox(el, index) {
     }
     chat.messages[index].content = content;
     chat.messages.splice(index + 1);  // the edit replaces what followed it (no branches)
+    if (index < sentFrom(chat)) chat.contextFrom = 0;  // (an older message edited: sent again, left out if too long)
     answer(chat);
     $("input").focus();
   });
+  const cancel = (event) => {
+    render();
+    typeNext(event);
+  };
   text.addEventListener("keydown", (event) => {
-    if (event.key === "Escape") render();
+    if (event.key === "Escape") cancel({ detail: 0 });
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) saveButton.click();
   });
-  box.append(text, saveButton, button("cancel", "Cancel", "Escape", render));
+  box.append(text, saveButton, button("cancel", "Cancel", "Escape", cancel));
   el.querySelector(".body").replaceWith(box);
   el.querySelector(".actions").remove();
   text.focus();
@@ -451,6 +480,9 @@ function regenerate() {
 const CUT = { length: "cut at max_tokens or the context's end" };
 const EXPORTED_STREAMING = "unfinished: exported while it streamed";
 const ANSWERING_ELSEWHERE = "This chat is answering in another tab: wait for its answer to end.";
+const ANSWERING_HERE = "An answer is streaming into this chat: wait for it to end, or press Stop.";
+const TOO_LONG = "This message alone does not fit the model's context: Edit it to shorten it.";
+let serverError = null;  // the error shown for a server that was away or failed: cleared once it answers again
 
 // what a reload finds if the page closes before the answer ends; other tabs read it as streaming here while `at`
 // is recent, and as interrupted once the page closed (live false) (a chat deleted meanwhile is not brought back)
@@ -468,15 +500,19 @@ async function answer(chat) {
   const fields = sampling();
   if (!fields) return;
   const reply = { role: "assistant", content: "", stats: "" };
-  const history = answered(chat.messages).map(({ role, content }) => ({ role, content }));
   chat.messages.push(reply);
   chat.updated = Date.now();
   showError("");
   storeStreaming(chat, reply);
   render();
-  const messages = chat.system ? [{ role: "system", content: chat.system }, ...history] : history;
-  // logprobs: one entry per generated token, so a stopped answer still knows how many it got
-  const body = { model, messages, stream: true, stream_options: { include_usage: true }, logprobs: true, ...fields };
+  const body = () => {  // the conversation as it is sent now (sentFrom moves on where it outgrew the context)
+    const sent = chat.messages.slice(sentFrom(chat), chat.messages.indexOf(reply));
+    const history = answered(sent).map(({ role, content }) => ({ role, content }));
+    const messages = chat.system ? [{ role: "system", content: chat.system }, ...history] : history;
+    // logprobs: one entry per generated token, so a stopped answer still knows how many it got
+    return JSON.stringify({ model, messages, stream: true, stream_options: { include_usage: true }, logprobs: true,
+                            ...fields });
+  };
   const controller = new AbortController();
   streams.set(chat.id, controller);
   showBusy();
@@ -493,19 +529,29 @@ async function answer(chat) {
   const closing = () => storeStreaming(chat, reply, false);
   window.addEventListener("pagehide", closing);
   try {
-    const response = await fetch("/v1/chat/completions", {
-      method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal,
-    });
-    if (!response.ok) {
+    let response;
+    for (;;) {  // again with fewer old messages while the conversation is too long for the context
+      response = await fetch("/v1/chat/completions", {
+        method: "POST", headers: headers(), body: body(), signal: controller.signal,
+      });
+      if (response.ok) break;
       if (response.status === 401) {
         resendAfterKey = true;
         askKey("The server refused the key: enter another.");
       }
-      const error = await response.json().catch(() => ({}));
-      throw new Error(error.error?.message ?? `HTTP ${response.status}`);
+      const error = (await response.json().catch(() => ({}))).error ?? {};
+      const tooLong = error.code === "context_length_exceeded";
+      const later = tooLong ? laterStart(chat, reply) : null;
+      if (later === null) {
+        const message = error.message ?? `HTTP ${response.status}`;
+        throw Object.assign(new Error(tooLong ? `${message}. ${TOO_LONG}` : message), { status: response.status });
+      }
+      chat.contextFrom = later;
+      storeStreaming(chat, reply);
+      drawMessages(false);
     }
     for await (const event of serverEvents(response)) {
-      if (event.error) throw new Error(event.error.message);
+      if (event.error) throw Object.assign(new Error(event.error.message), { status: 500 });
       const choice = event.choices?.[0];
       tokens += choice?.logprobs?.content?.length ?? 0;
       if (choice?.delta?.content) {
@@ -526,6 +572,7 @@ async function answer(chat) {
       ending = "interrupted";
       const lost = error instanceof TypeError;  // fetch's own failure: no answer from the server at all
       showError(lost ? `The connection to the server was lost (${error.message}).` : error.message);
+      serverError = lost || error.status >= 500 ? $("error").textContent : null;
     }
   } finally {
     clearInterval(saving);
@@ -535,10 +582,28 @@ async function answer(chat) {
     if (unstarted) chat.messages.splice(chat.messages.indexOf(reply), 1);  // refused, failed or stopped at once
     streams.delete(chat.id);
     showBusy();
+    if ($("error").textContent === ANSWERING_HERE && !streams.has(current)) showError("");
     if (chats.includes(chat)) save(chat);
     if (chat.id === current) drawMessages(false); else drawList();
     refreshCache();
   }
+}
+
+// where the sent conversation starts: at chat.contextFrom (a user message), never past the last user message
+function sentFrom(chat) {
+  const last = (chat?.messages ?? []).findLastIndex((m) => m.role === "user");
+  return Math.max(0, Math.min(chat?.contextFrom ?? 0, last));
+}
+
+// the conversation is too long: it is sent from a later user message on, half of the older messages left out (so
+// that the turns after it keep the prefix cache's hits until it overflows again); null where only the message
+// being answered is left
+function laterStart(chat, reply) {
+  const from = sentFrom(chat);
+  const last = chat.messages.findLastIndex((m, i) => m.role === "user" && i < chat.messages.indexOf(reply));
+  if (last <= from) return null;
+  const half = from + Math.ceil((last - from) / 2);
+  return chat.messages.findIndex((m, i) => i >= half && m.role === "user");
 }
 
 function showBusy() {  // Stop where the chat on screen streams an answer here, Send elsewhere
@@ -617,6 +682,10 @@ async function refreshCache() {
       return;
     }
     const s = await response.json();
+    if (serverError !== null && $("error").textContent === serverError && !$("cache-status").hidden) {
+      showError("");  // the server was away (the figures went stale) and answers again
+    }
+    serverError = null;
     $("cache-tenant").textContent = s.tenant;
     $("cache-hit-rate").textContent = `${(100 * s.hit_rate).toFixed(1)} %`;
     $("cache-tokens").textContent = `${s.cached_tokens} / ${s.prompt_tokens}`;
@@ -695,7 +764,13 @@ $("input").addEventListener("keydown", (event) => {
     $("composer").requestSubmit();
   }
 });
-$("stop").addEventListener("click", () => streams.get(current)?.abort());
+$("stop").addEventListener("click", () => {
+  streams.get(current)?.abort();
+  $("input").focus();  // (Stop hides itself: the focus would fall to the page's body)
+});
+document.querySelector("main").addEventListener("click", (event) => {  // the phone layout: a tap beside a panel
+  if (!event.target.closest("#topbar")) showPanel(null);
+});
 $("new-chat").addEventListener("click", newChat);
 $("export").addEventListener("click", exportChat);
 $("import").addEventListener("click", () => $("import-file").click());
@@ -708,14 +783,14 @@ $("system").addEventListener("change", () => {
   if (chat) { chat.system = $("system").value; save(chat); }
 });
 for (const name of SAMPLING) $(name).addEventListener("input", saveSettings);
+function showPanel(open) {  // the phone layout: one panel at a time over the chat ("sidebar-open", "cache-open")
+  document.body.classList.remove("sidebar-open", "cache-open");
+  if (open) document.body.classList.add(open);
+  $("toggle-sidebar").setAttribute("aria-expanded", String(open === "sidebar-open"));
+  $("toggle-cache").setAttribute("aria-expanded", String(open === "cache-open"));
+}
 for (const [toggle, open] of [["toggle-sidebar", "sidebar-open"], ["toggle-cache", "cache-open"]]) {
-  $(toggle).addEventListener("click", () => {  // the phone layout: one panel at a time over the chat
-    const opened = !document.body.classList.contains(open);
-    document.body.classList.remove("sidebar-open", "cache-open");
-    document.body.classList.toggle(open, opened);
-    $("toggle-sidebar").setAttribute("aria-expanded", String(document.body.classList.contains("sidebar-open")));
-    $("toggle-cache").setAttribute("aria-expanded", String(document.body.classList.contains("cache-open")));
-  });
+  $(toggle).addEventListener("click", () => showPanel(document.body.classList.contains(open) ? null : open));
 }
 $("key-dialog").addEventListener("cancel", (event) => event.preventDefault());  // Escape: no page without a key
 $("key-form").addEventListener("submit", () => {

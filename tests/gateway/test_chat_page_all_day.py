@@ -1,0 +1,137 @@
+"""The chat page kept open all day, in a real browser (as tests/gateway/test_chat_page.py drives it): a chat that
+outgrows the model's context leaves its oldest messages out (and says so) instead of being refused from then on, a
+message too long by itself says so, the keyboard keeps its place, an error from a server that was away goes once it
+answers again, a rename keeps the list's order, and a tap beside the phone layout's chat list closes it."""
+from __future__ import annotations
+
+import re
+
+import pytest
+from playwright.sync_api import expect
+
+from tests.gateway.test_chat_page import (answer_stats, browser, cached, opened, send, server, settings,  # noqa: F401
+                                          slowed, start_streaming)
+from tests.support.gateway_helpers import LiveServer, tiny_settings
+
+pytestmark = pytest.mark.browser
+
+CONTEXT = 320  # tokens: about ten turns of the questions below fill it
+
+
+@pytest.fixture(scope="module")
+def short_server(tiny_llama_dir):
+    with LiveServer(tiny_settings(tiny_llama_dir, engine={"max_model_len": CONTEXT})) as live:
+        yield live
+
+
+def prompt_tokens(stats: str) -> int:
+    return int(re.search(r"prompt (\d+) tokens", stats).group(1))
+
+
+def question(i: int) -> str:
+    return f"question {i}: tell me about the capital of France"
+
+
+def test_a_chat_longer_than_the_context_leaves_its_oldest_messages_out(opened, short_server):
+    tab = opened(short_server.url + "/")
+    page = tab.page
+    settings(page, max_tokens="4", temperature="0")
+    turn = 0
+    while not page.locator(".context-start").count():
+        send(page, question(turn))
+        stats = answer_stats(page, turn)
+        assert prompt_tokens(stats) < CONTEXT
+        turn += 1
+        assert turn < 30, "the chat never outgrew the context"
+    expect(page.locator("#error")).to_be_hidden()
+    note = page.locator(".context-start")
+    expect(note).to_contain_text("no longer sent")
+    sent_from = page.locator(".message").evaluate_all(
+        "els => els.findIndex(el => el.querySelector('.context-start'))")
+    assert sent_from > 0 and page.locator(".message").nth(sent_from).get_attribute("class") == "message user"
+    send(page, question(turn))  # the next turn starts where the last one did: its prefix is cached
+    stats = answer_stats(page, turn)
+    assert cached(stats) > 0 and prompt_tokens(stats) < CONTEXT
+    expect(page.locator(".context-start")).to_have_count(1)
+    page.reload()  # the chat keeps where its sent part starts
+    expect(page.locator(".context-start")).to_have_count(1)
+    tab.errors.clear()  # the browser logs the 400s the page answered by leaving messages out
+
+
+def test_a_message_too_long_by_itself_says_so_and_the_next_one_is_answered(opened, short_server):
+    tab = opened(short_server.url + "/")
+    page = tab.page
+    settings(page, max_tokens="4", temperature="0")
+    send(page, "a very long paste " * 200)
+    expect(page.locator("#error")).to_contain_text("Edit it to shorten it")
+    send(page, "and now a short question")  # sent without the long one before it
+    stats = answer_stats(page, 0)
+    assert prompt_tokens(stats) < 40
+    expect(page.locator("#error")).to_be_hidden()
+    expect(page.locator(".message.user").last.locator(".context-start")).to_have_count(1)
+    tab.errors.clear()  # the browser logs the 400s
+
+
+def test_the_keyboard_keeps_its_place(opened, server):
+    page = opened().page
+    settings(page, max_tokens="4")
+    send(page, "first chat")
+    answer_stats(page, 0)
+    page.focus("#new-chat")
+    page.keyboard.press("Enter")
+    assert page.evaluate("document.activeElement.id") == "input"  # a new chat: type at once
+    page.locator("#chats li button.open", has_text="first chat").focus()
+    page.keyboard.press("Enter")
+    expect(page.locator(".message")).to_have_count(2)
+    assert page.evaluate("document.activeElement.id") == "input"
+    order = page.locator("#chats li button.open").all_inner_texts()
+    page.locator("#chats li", has_text="first chat").locator("button.rename").click()
+    page.fill("#chats li .title-input", "renamed")
+    page.press("#chats li .title-input", "Enter")
+    assert page.evaluate("[document.activeElement.className, document.activeElement.textContent]") == [
+        "open", "renamed"]
+    assert page.locator("#chats li button.open").all_inner_texts() == [
+        "renamed" if t == "first chat" else t for t in order]  # a rename keeps the chat's place in the list
+    page.locator(".message.user .actions .edit").click()
+    page.press(".edit-box textarea", "Escape")
+    assert page.evaluate("document.activeElement.id") == "input"
+
+
+def test_enter_while_an_answer_streams_says_why_and_stop_hands_back_the_keys(opened, server):
+    with slowed(server, 0.05):
+        page = opened().page
+        start_streaming(page, "count to a thousand", 300)
+        send(page, "the next question")
+        expect(page.locator("#error")).to_contain_text("press Stop")
+        assert page.input_value("#input") == "the next question"  # kept for later
+        page.click("#stop")
+        expect(page.locator("#error")).to_be_hidden()
+        assert page.evaluate("document.activeElement.id") == "input"
+        page.press("#input", "Enter")
+        expect(page.locator(".message.user")).to_have_count(2)
+    server.wait_idle(timeout=30)
+
+
+def test_the_error_of_a_server_that_was_away_goes_when_it_answers_again(opened, server):
+    tab = opened()
+    page = tab.page
+    settings(page, max_tokens="4")
+    expect(page.locator("#cache-used")).to_contain_text("/")
+    page.route("**/v1/**", lambda route: route.abort())  # the server away
+    send(page, "sent while it is away")
+    expect(page.locator("#error")).to_contain_text("connection to the server was lost")
+    expect(page.locator("#cache-status")).to_contain_text("server unreachable", timeout=10_000)
+    page.unroute("**/v1/**")
+    expect(page.locator("#cache-status")).to_be_hidden(timeout=10_000)
+    expect(page.locator("#error")).to_be_hidden()
+    tab.errors.clear()  # the browser logs the failed fetches
+
+
+def test_a_tap_beside_the_phone_layouts_chat_list_closes_it(opened):
+    page = opened(viewport={"width": 375, "height": 667}).page
+    expect(page.locator("#model-name")).not_to_be_empty()
+    page.click("#toggle-sidebar")
+    expect(page.locator("#chats")).to_be_visible()
+    page.mouse.click(360, 400)  # the chat beside the list
+    expect(page.locator("#sidebar")).to_be_hidden()
+    expect(page.locator("#toggle-sidebar")).to_have_attribute("aria-expanded", "false")
