@@ -482,6 +482,8 @@ const EXPORTED_STREAMING = "unfinished: exported while it streamed";
 const ANSWERING_ELSEWHERE = "This chat is answering in another tab: wait for its answer to end.";
 const ANSWERING_HERE = "An answer is streaming into this chat: wait for it to end, or press Stop.";
 const TOO_LONG = "This message alone does not fit the model's context: Edit it to shorten it.";
+const TOO_LONG_WITH_MAX_TOKENS = "This message and max_tokens do not fit the model's context: lower max_tokens in the "
+  + "settings, or Edit the message to shorten it.";
 let serverError = null;  // the error shown for a server that was away or failed: cleared once it answers again
 
 // what a reload finds if the page closes before the answer ends; other tabs read it as streaming here while `at`
@@ -544,7 +546,8 @@ async function answer(chat) {
       const later = tooLong ? laterStart(chat, reply) : null;
       if (later === null) {
         const message = error.message ?? `HTTP ${response.status}`;
-        throw Object.assign(new Error(tooLong ? `${message}. ${TOO_LONG}` : message), { status: response.status });
+        const why = error.param === "max_tokens" ? TOO_LONG_WITH_MAX_TOKENS : TOO_LONG;
+        throw Object.assign(new Error(tooLong ? `${message}. ${why}` : message), { status: response.status });
       }
       chat.contextFrom = later;
       storeStreaming(chat, reply);

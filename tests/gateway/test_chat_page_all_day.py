@@ -64,11 +64,16 @@ def test_a_message_too_long_by_itself_says_so_and_the_next_one_is_answered(opene
     settings(page, max_tokens="4", temperature="0")
     send(page, "a very long paste " * 200)
     expect(page.locator("#error")).to_contain_text("Edit it to shorten it")
+    settings(page, max_tokens=str(CONTEXT))  # a short message that max_tokens leaves no room for says that
+    send(page, "short")
+    expect(page.locator("#error")).to_contain_text("lower max_tokens")
+    settings(page, max_tokens="4")
     send(page, "and now a short question")  # sent without the long one before it
     stats = answer_stats(page, 0)
     assert prompt_tokens(stats) < 40
     expect(page.locator("#error")).to_be_hidden()
-    expect(page.locator(".message.user").last.locator(".context-start")).to_have_count(1)
+    expect(page.locator(".message.user")).to_have_count(3)  # the refused ones stay; the paste above the mark
+    expect(page.locator(".message.user").nth(1).locator(".context-start")).to_have_count(1)
     tab.errors.clear()  # the browser logs the 400s
 
 
