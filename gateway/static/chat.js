@@ -603,7 +603,8 @@ function sentFrom(chat) {
 // being answered is left
 function laterStart(chat, reply) {
   const from = sentFrom(chat);
-  const last = chat.messages.findLastIndex((m, i) => m.role === "user" && i < chat.messages.indexOf(reply));
+  const end = chat.messages.indexOf(reply);
+  const last = chat.messages.findLastIndex((m, i) => m.role === "user" && i < end);
   if (last <= from) return null;
   const half = from + Math.ceil((last - from) / 2);
   return chat.messages.findIndex((m, i) => i >= half && m.role === "user");
