@@ -36,8 +36,9 @@ async def list_pins(request: web.Request) -> web.Response:
 async def erase(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tenant = state.auth.authenticate(request)
+    # its conversations are its cache too; first, so that a database that cannot be written (a 503) leaves all as it was
+    responses = await request.app[RESPONSE_STORE].aerase(tenant.name)
     erased: CacheErased = await run_command(state.engine, state.engine.erase_cache(tenant.name))
-    responses = await request.app[RESPONSE_STORE].aerase(tenant.name)  # its conversations are its cache too
     return web.json_response({"object": "cache.deleted", "deleted": True, "blocks": erased.blocks,
                               "disk_blocks": erased.disk_blocks, "pins": erased.pins, "responses": responses})
 

@@ -1,6 +1,6 @@
 """DELETE /v1/cache erases the caller's stored responses with its cached blocks (their conversations hold the
-same prompts), and only the caller's; a database that cannot be written makes it a 503 to retry, never a
-silent half erasure."""
+same prompts), and only the caller's; a database that cannot be written makes it a 503 to retry that erased nothing,
+never a silent half erasure."""
 from __future__ import annotations
 
 import sqlite3
@@ -45,8 +45,15 @@ async def test_delete_cache_erases_the_callers_stored_responses_only(client):
     assert client.app[RESPONSE_STORE].num_stored == 1
 
 
-async def test_an_erase_the_database_refuses_is_a_503_to_retry(client):
+async def cached_tokens(client, headers) -> int:
+    resp = await client.post("/v1/completions", headers=headers, json={
+        "model": client.app[STATE].model_name, "prompt": list(range(10, 60)), "max_tokens": 1})
+    return (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def test_an_erase_the_database_refuses_is_a_503_to_retry_and_erases_nothing(client):
     await respond(client, ALICE)
+    await cached_tokens(client, ALICE)
     store: ResponseStore = client.app[RESPONSE_STORE].backend
     store._db.execute("PRAGMA busy_timeout = 10")  # the test holds the lock 10 ms, not 2 s
     other = sqlite3.connect(client.db, isolation_level=None)
@@ -56,4 +63,7 @@ async def test_an_erase_the_database_refuses_is_a_503_to_retry(client):
     other.close()
     assert refused.status == 503 and refused.headers["Retry-After"] == "1"
     assert (await refused.json())["error"]["code"] == "responses_store_busy"
-    assert (await (await client.delete("/v1/cache", headers=ALICE)).json())["responses"] == 1
+    assert await cached_tokens(client, ALICE) == 48  # the blocks are still there: nothing was erased
+    erased = await (await client.delete("/v1/cache", headers=ALICE)).json()
+    assert erased["responses"] == 1 and erased["blocks"] > 0
+    assert await cached_tokens(client, ALICE) == 0
