@@ -331,8 +331,8 @@ class EngineCore:
         is_eos = token_id in self.tokenizer.eos_token_ids and not params.ignore_eos
         if is_eos or token_id in params.stop_token_ids:
             request.stop_reason = None if is_eos else token_id
-            if params.include_stop_str_in_output:  # else its text is left out, as a stop string's is
-                detok.update(request.output_token_ids)
+            if params.include_stop_str_in_output:  # its whole text (vLLM checks stop tokens before stop strings)
+                detok.update(request.output_token_ids, stops=False)
             return FinishReason.STOP
         if detok.update(request.output_token_ids):
             request.stop_reason = detok.matched_stop

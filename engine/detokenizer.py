@@ -36,11 +36,12 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         return self._final + self._tail
 
-    def update(self, output_token_ids: list[int]) -> bool:
-        """Decode the newest tokens; True if the text now contains a stop string (the text is cut before it)."""
+    def update(self, output_token_ids: list[int], stops: bool = True) -> bool:
+        """Decode the newest tokens; True if the text now contains a stop string (the text is cut before it, or after
+        it with include_stop). `stops` False: no stop string is looked for (a stop token ended the answer first)."""
         window = self._decode(output_token_ids[self._prefix_offset:])
         self._tail = window[self._prefix_len:]
-        if self.stop and self._cut_at_stop():
+        if stops and self.stop and self._cut_at_stop():
             return True
         if not self._tail.endswith("\ufffd"):  # a clean boundary: the window moves on
             self._final += self._tail

@@ -38,8 +38,8 @@ class Tokenizer(Protocol):
     def token_bytes(self, token_id: int) -> bytes: ...
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **template_kwargs) -> str:
-        """`template_kwargs`: more variables for the template (they may override its special tokens' names)."""
+                            tools: list[dict] | None = None, variables: dict | None = None) -> str:
+        """`variables`: more for the template, any names (they may override its special tokens' names)."""
         ...
 
     def llguidance_tokenizer(self, n_vocab: int) -> "llguidance.LLTokenizer":
@@ -116,10 +116,10 @@ class HFTokenizer:
         return self._piece_bytes(piece) if piece is not None else b""
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **template_kwargs) -> str:
+                            tools: list[dict] | None = None, variables: dict | None = None) -> str:
         _check_messages(messages)
-        return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                     **{**self._template_tokens, **template_kwargs})
+        return self._template.render({**self._template_tokens, **(variables or {}), "messages": messages,
+                                      "tools": tools, "add_generation_prompt": add_generation_prompt})
 
     def llguidance_tokenizer(self, n_vocab: int) -> "llguidance.LLTokenizer":
         import llguidance
@@ -292,10 +292,10 @@ class TiktokenTokenizer:
         return self._enc.decode_single_token_bytes(token_id)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **template_kwargs) -> str:
+                            tools: list[dict] | None = None, variables: dict | None = None) -> str:
         _check_messages(messages)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     tools=tools, **template_kwargs)
+        return self._template.render({**(variables or {}), "messages": messages, "tools": tools,
+                                      "add_generation_prompt": add_generation_prompt})
 
     def llguidance_tokenizer(self, n_vocab: int) -> "llguidance.LLTokenizer":
         import llguidance.tiktoken

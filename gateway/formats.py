@@ -51,6 +51,7 @@ class ChatFormat:
         if self.tool_parser is not None:
             parsed = extract(self.tool_parser, message["content"], self.max_tool_calls,
                              cut_short=_cut_short(choice))
+            message["content"] = parsed.content  # (cut short: without what a stream held back as a call's start)
             if parsed.calls:
                 message = {"role": "assistant", "content": parsed.content or None}
                 if self.legacy_functions:
@@ -153,8 +154,9 @@ class ChatFormat:
 
 
 def _cut_short(choice: Choice) -> bool:
-    """The text ended before the model ended it: at max_tokens, or at a stop string (a call in it stays a call)."""
-    return choice.finish_reason == FinishReason.LENGTH or isinstance(choice.stop_reason, str)
+    """The text ended before the model ended it: at max_tokens, a stop string or a stop token id (a call in it stays
+    a call, as the stream sent it)."""
+    return choice.finish_reason == FinishReason.LENGTH or choice.stop_reason is not None
 
 
 def _tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:

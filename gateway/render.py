@@ -197,7 +197,7 @@ def _render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dic
         messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                             **(kwargs or {}))
+                                             variables=kwargs)
     # e.g. a template that wants alternating roles, or a template variable of a type it cannot use
     except (ValueError, TypeError, LookupError, jinja2.TemplateError) as exc:
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None

@@ -11,6 +11,7 @@ import pytest
 from pydantic import BaseModel
 
 from engine.async_engine import AsyncEngine
+from engine.tokenizer import load_tokenizer
 from tests.support.gateway_helpers import LiveServer, ask, sdk_client, tiny_settings
 
 BLOCK = 16
@@ -165,9 +166,18 @@ def test_a_call_cut_short_by_max_tokens_stays_a_call(client, model, tool_choice)
 
 
 @pytest.mark.parametrize("include", [False, True])
-def test_a_call_cut_by_a_stop_string_stays_a_call_streamed_or_not(client, model, include):
+@pytest.mark.parametrize("stop", ["string", "token id"])
+def test_a_call_cut_by_a_stop_stays_a_call_streamed_or_not(client, model, tiny_tools_dir, include, stop):
+    tokenizer = load_tokenizer(tiny_tools_dir, set())
     kwargs = dict(model=model, messages=ask("Note this."), tools=[NOTE], tool_choice="required", temperature=0,
-                  max_tokens=64, stop=['"text"'], extra_body={"include_stop_str_in_output": include})
+                  max_tokens=64)
+    if stop == "string":
+        kwargs.update(stop=['"text"'], extra_body={"include_stop_str_in_output": include})
+    else:  # a token of the call's text, where it first comes after the function's name
+        ids = client.chat.completions.create(**kwargs, extra_body={"return_token_ids": True}).choices[0].token_ids
+        named = next(i for i in range(len(ids)) if "take_note" in tokenizer.decode(ids[:i]))
+        at = next(i for i in range(named + 1, len(ids)) if ids[i] not in ids[:i])
+        kwargs.update(extra_body={"stop_token_ids": [ids[at]], "include_stop_str_in_output": include})
     plain = client.chat.completions.create(**kwargs).choices[0]
     assert plain.finish_reason == "tool_calls" and not plain.message.content
     (call,) = plain.message.tool_calls
@@ -177,6 +187,22 @@ def test_a_call_cut_by_a_stop_string_stays_a_call_streamed_or_not(client, model,
     assert chunks[-1].finish_reason == "tool_calls" and not "".join(c.delta.content or "" for c in chunks)
     assert pieces[0].function.name == "take_note"
     assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+
+
+def test_a_forced_call_stopped_anywhere_reads_the_same_streamed_or_not(client, model):
+    kwargs = dict(model=model, messages=ask("Note this."), tools=[NOTE], tool_choice="required", temperature=0,
+                  max_tokens=24)
+    ids = client.chat.completions.create(**kwargs, extra_body={"return_token_ids": True}).choices[0].token_ids
+    for at in [i for i in range(1, len(ids)) if ids[i] not in ids[:i]]:  # each token where it first comes
+        stopped = dict(kwargs, extra_body={"stop_token_ids": [ids[at]]})
+        plain = client.chat.completions.create(**stopped).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in plain.message.tool_calls or ()]
+        chunks = [c.choices[0] for c in client.chat.completions.create(**stopped, stream=True) if c.choices]
+        pieces = [p for c in chunks for p in c.delta.tool_calls or ()]
+        streamed = [(p.function.name, "".join(q.function.arguments or "" for q in pieces if q.index == p.index))
+                    for p in pieces if p.function.name]
+        assert (plain.message.content or "", calls, plain.finish_reason) == (
+            "".join(c.delta.content or "" for c in chunks), streamed, chunks[-1].finish_reason), at
 
 
 def test_legacy_functions_get_the_legacy_shape(client, model):

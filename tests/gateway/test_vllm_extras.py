@@ -194,6 +194,8 @@ def test_any_json_value_is_a_template_variable(thinking_server, tok):
         "budget 6\n")
     for value in ({"nested": [1, None]}, [1, 2], "text", None, 2.5):
         assert tokenized(thinking_server, chat_template_kwargs={"enable_thinking": value}).status_code == 200
+    for name in ("self", "not an identifier", "bos_token"):  # any name: a template could read it
+        assert tokenized(thinking_server, chat_template_kwargs={name: 1}).status_code == 200
 
 
 def test_ping_and_version(server):
@@ -430,3 +432,12 @@ def test_echo_of_a_prompt_the_truncation_did_not_cut_is_the_prompt_as_sent(serve
     echoes = [post(server, "/v1/completions", prompt=prompt, max_tokens=1, echo=True, **extra).json()
               ["choices"][0]["text"] for extra in ({}, {"truncate_prompt_tokens": 50})]
     assert echoes[0].startswith(prompt) and echoes[1].startswith(prompt)
+
+
+def test_a_stop_token_ends_the_answer_before_a_stop_string_its_own_text_completes(server, tok):
+    token = next(t for t in tok.encode(" the capital of Spain is Madrid") if len(tok.decode([t]).strip()) >= 3)
+    text = tok.decode([token])
+    for include, expected in ((True, text), (False, "")):
+        got = complete(server, allowed_token_ids=[token], stop_token_ids=[token], stop=[text.strip()[:2]],
+                       include_stop_str_in_output=include)
+        assert (got["text"], got["stop_reason"]) == (expected, token)  # as vLLM: stop tokens are checked first
