@@ -125,7 +125,28 @@ class HFTokenizer:
         import llguidance
         with self._lock:
             spec = self._backend.to_str()
-        return llguidance.LLTokenizer(spec, n_vocab=n_vocab, eos_token=sorted(self.eos_token_ids))
+        return llguidance.LLTokenizer(_plain_added_tokens_as_text(spec), n_vocab=n_vocab,
+                                      eos_token=sorted(self.eos_token_ids))
+
+
+def _plain_added_tokens_as_text(spec: str) -> str:
+    """The tokenizer as the grammar library should see it: llguidance takes every added token for a special one (no
+    text, only its id), so a grammar whose text holds a non-special one (Qwen's <tool_call>, <think>) could never
+    match the token the model writes it with. Those whose text a BPE vocabulary spells as it is (printable ASCII, no
+    space) move into the vocabulary, where they are that text."""
+    data = json.loads(spec)
+    vocab = data.get("model", {}).get("vocab")
+    plain = [t for t in data.get("added_tokens", []) if not t.get("special") and _spelled_as_is(t["content"])]
+    if not plain or not isinstance(vocab, dict):
+        return spec
+    moved = {t["id"] for t in plain}
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["id"] not in moved]
+    data["model"]["vocab"] = {**vocab, **{t["content"]: t["id"] for t in plain}}
+    return json.dumps(data)
+
+
+def _spelled_as_is(text: str) -> bool:
+    return bool(text) and all(33 <= ord(c) <= 126 for c in text)
 
 
 def _read_json(path: Path) -> dict:

@@ -205,6 +205,18 @@ def test_a_forced_call_stopped_anywhere_reads_the_same_streamed_or_not(client, m
             "".join(c.delta.content or "" for c in chunks), streamed, chunks[-1].finish_reason), at
 
 
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_a_grammar_may_hold_the_text_of_an_added_token(client, model, tiny_tools_dir, temperature):
+    """<tool_call> is an added token the tokenizer does not call special (as Qwen's): the model writes it as that one
+    token, which the grammar takes for its text."""
+    tokenizer = load_tokenizer(tiny_tools_dir, set())
+    assert len(tokenizer.encode("<tool_call>")) == 1
+    for extra in ({"guided_regex": "<tool_call>"}, {"guided_choice": ["<tool_call>", "<tool_response>"]}):
+        text = client.completions.create(model=model, prompt="hi", max_tokens=16, temperature=temperature,
+                                         extra_body=extra).choices[0].text
+        assert text in ("<tool_call>", "<tool_response>")
+
+
 def test_legacy_functions_get_the_legacy_shape(client, model):
     kwargs = dict(model=model, messages=ask("Weather?"), functions=[WEATHER["function"], TIME["function"]],
                   function_call={"name": "get_weather"}, temperature=0, max_tokens=200)
