@@ -38,8 +38,9 @@ class Tokenizer(Protocol):
     def token_bytes(self, token_id: int) -> bytes: ...
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, variables: dict | None = None) -> str:
-        """`variables`: more for the template, any names (they may override its special tokens' names)."""
+                            tools: list[dict] | None = None, variables: dict | None = None, **kwargs) -> str:
+        """`variables` (any names) and `kwargs` (transformers' way: enable_thinking=False): more for the template;
+        they may override its special tokens' names."""
         ...
 
     def llguidance_tokenizer(self, n_vocab: int) -> "llguidance.LLTokenizer":
@@ -116,28 +117,32 @@ class HFTokenizer:
         return self._piece_bytes(piece) if piece is not None else b""
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, variables: dict | None = None) -> str:
+                            tools: list[dict] | None = None, variables: dict | None = None, **kwargs) -> str:
         _check_messages(messages)
-        return self._template.render({**self._template_tokens, **(variables or {}), "messages": messages,
+        return self._template.render({**self._template_tokens, **(variables or {}), **kwargs, "messages": messages,
                                       "tools": tools, "add_generation_prompt": add_generation_prompt})
 
     def llguidance_tokenizer(self, n_vocab: int) -> "llguidance.LLTokenizer":
         import llguidance
         with self._lock:
             spec = self._backend.to_str()
-        return llguidance.LLTokenizer(_plain_added_tokens_as_text(spec), n_vocab=n_vocab,
+        return llguidance.LLTokenizer(_plain_added_tokens_as_text(spec, self.eos_token_ids), n_vocab=n_vocab,
                                       eos_token=sorted(self.eos_token_ids))
 
 
-def _plain_added_tokens_as_text(spec: str) -> str:
+def _plain_added_tokens_as_text(spec: str, eos_token_ids: set[int]) -> str:
     """The tokenizer as the grammar library should see it: llguidance takes every added token for a special one (no
     text, only its id), so a grammar whose text holds a non-special one (Qwen's <tool_call>, <think>) could never
     match the token the model writes it with. Those whose text a BPE vocabulary spells as it is (printable ASCII, no
-    space) move into the vocabulary, where they are that text."""
+    space) move into the vocabulary, where they are that text; not an end of sequence (a grammar must not take it
+    for text), nor one whose text the vocabulary holds under another id (that id would lose its text)."""
     data = json.loads(spec)
     vocab = data.get("model", {}).get("vocab")
-    plain = [t for t in data.get("added_tokens", []) if not t.get("special") and _spelled_as_is(t["content"])]
-    if not plain or not isinstance(vocab, dict):
+    if not isinstance(vocab, dict):
+        return spec
+    plain = [t for t in data.get("added_tokens", []) if not t.get("special") and _spelled_as_is(t["content"])
+             and t["id"] not in eos_token_ids and vocab.get(t["content"], t["id"]) == t["id"]]
+    if not plain:
         return spec
     moved = {t["id"] for t in plain}
     data["added_tokens"] = [t for t in data["added_tokens"] if t["id"] not in moved]
@@ -313,9 +318,9 @@ class TiktokenTokenizer:
         return self._enc.decode_single_token_bytes(token_id)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, variables: dict | None = None) -> str:
+                            tools: list[dict] | None = None, variables: dict | None = None, **kwargs) -> str:
         _check_messages(messages)
-        return self._template.render({**(variables or {}), "messages": messages, "tools": tools,
+        return self._template.render({**(variables or {}), **kwargs, "messages": messages, "tools": tools,
                                       "add_generation_prompt": add_generation_prompt})
 
     def llguidance_tokenizer(self, n_vocab: int) -> "llguidance.LLTokenizer":

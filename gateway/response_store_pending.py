@@ -169,11 +169,13 @@ class PendingPuts:
             log.debug("stored responses: %s deleted from memory; the database answered %s", response_id, exc.code)
 
     async def aerase(self, tenant: str) -> int:
-        async with self._writing:
+        """The database's first: where it cannot be written (a 503), the ones waiting here stay too."""
+        async with self._writing:  # (no retry writes one of the waiting ones meanwhile)
+            erased = await self.backend.aerase(tenant)
             mine = [r for r, stored in self._pending.items() if stored.tenant == tenant]
             for response_id in mine:
                 self._forget(response_id)
-        return len(mine) + await self.backend.aerase(tenant)
+        return len(mine) + erased
 
     async def aclose(self) -> None:
         if self._puts:

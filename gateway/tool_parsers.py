@@ -202,7 +202,7 @@ class HermesParser:
             body = text[body_at:] if close < 0 else text[body_at:close]
             pos = len(text) if close < 0 else close + len(self.end)
             call = self._block(body, final or close >= 0, _count_calls(items) < committed)
-            if call is None and close < 0 and not final:
+            if call is None and close < 0 and not final and body.lstrip(_WHITESPACE)[:1] in ("", "{"):
                 pending = True  # the name is not complete yet: this may still become a call
                 break
             items.append(call if call is not None else text[begin:pos])
@@ -245,8 +245,8 @@ class JsonCallsParser:
         if not text.startswith("{", pos):
             return self._not_calls(text, final)
         calls, broken = self._calls(text, pos, final, committed)
-        if broken and final and not committed:
-            return Parsed(text)
+        if broken and not committed:  # not all calls: all content, as soon as that is known
+            return self._not_calls(text, final)
         return Parsed("", calls)
 
     def _calls(self, text: str, pos: int, final: bool, committed: int) -> tuple[list[ToolCall], bool]:

@@ -351,9 +351,10 @@ function editBox(el, index) {
       render();
       return;
     }
+    const above = index < sentFrom(chat);  // (before the splice: after it, the edited message is the last one)
     chat.messages[index].content = content;
     chat.messages.splice(index + 1);  // the edit replaces what followed it (no branches)
-    if (index < sentFrom(chat)) chat.contextFrom = 0;  // (an older message edited: sent again, left out if too long)
+    if (above) chat.contextFrom = 0;  // an older message edited: all sent again, left out anew if too long
     answer(chat);
     $("input").focus();
   });
@@ -530,6 +531,7 @@ async function answer(chat) {
   }, PARTIAL_SAVE_MS);
   const closing = () => storeStreaming(chat, reply, false);
   window.addEventListener("pagehide", closing);
+  const startedFrom = chat.contextFrom;  // kept if leaving messages out does not make it fit
   try {
     let response;
     for (;;) {  // again with fewer old messages while the conversation is too long for the context
@@ -545,6 +547,7 @@ async function answer(chat) {
       const tooLong = error.code === "context_length_exceeded";
       const later = tooLong ? laterStart(chat, reply) : null;
       if (later === null) {
+        chat.contextFrom = startedFrom;
         const message = error.message ?? `HTTP ${response.status}`;
         const why = error.param === "max_tokens" ? TOO_LONG_WITH_MAX_TOKENS : TOO_LONG;
         throw Object.assign(new Error(tooLong ? `${message}. ${why}` : message), { status: response.status });

@@ -176,3 +176,19 @@ def test_a_grammar_that_gives_up_fails_its_request_alone_as_its_own(llm, monkeyp
     assert constrained.finish_reason == "error" and constrained.error_is_request
     assert constrained.error == "the output constraint failed: lexer error: too many expressions constructed"
     assert free.finish_reason == "length" and not free.error_is_request and free.num_output_tokens == 6
+
+
+def test_plain_added_tokens_reach_the_grammar_as_their_text_but_ends_and_special_ones_do_not():
+    import json
+
+    from engine.tokenizer import _plain_added_tokens_as_text
+
+    added = [{"id": i, "content": text, "special": special} for i, text, special in (
+        (5, "<x>", False), (6, "<tool_call>", False), (7, "<|im_end|>", False), (8, "<s>", True), (9, "a b", False),
+        (10, "a", False))]
+    spec = {"model": {"type": "BPE", "vocab": {"a": 0, "<x>": 5}}, "added_tokens": added}
+    out = json.loads(_plain_added_tokens_as_text(json.dumps(spec), {7}))
+    assert out["model"]["vocab"] == {"a": 0, "<x>": 5, "<tool_call>": 6}  # "a" keeps id 0's text
+    assert [t["id"] for t in out["added_tokens"]] == [7, 8, 9, 10]  # an end, a special one, a space, a clash
+    unigram = {"model": {"type": "Unigram", "vocab": [["a", 0.0]]}, "added_tokens": added}
+    assert json.loads(_plain_added_tokens_as_text(json.dumps(unigram), set())) == unigram  # a BPE vocabulary only

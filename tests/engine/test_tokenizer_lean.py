@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from bench.tiny_models import TOOLS_TEMPLATE
-from engine.tokenizer import HFTokenizer
+from engine.tokenizer import HFTokenizer, load_tokenizer
 
 TEXT = "Hello world, what's the capital of France? It's Paris . ünïcode 你好 <|im_start|> x  y"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is a block?"},
@@ -30,3 +30,10 @@ def test_the_lean_tokenizer_matches_transformers(model, request):
     if ref.chat_template == TOOLS_TEMPLATE:
         assert ours.apply_chat_template(MESSAGES, tools=[WEATHER]) == ref.apply_chat_template(
             MESSAGES, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
+
+
+def test_template_variables_come_as_a_mapping_or_as_keywords(tiny_llama_dir):
+    tok = load_tokenizer(tiny_llama_dir, set())
+    tok._template = tok._template.environment.from_string("{{ greeting }} {{ who }}")
+    assert tok.apply_chat_template([], variables={"greeting": "hi", "who": "me", "self": "x"}) == "hi me"
+    assert tok.apply_chat_template([], greeting="hello", variables={"who": "you"}) == "hello you"

@@ -67,3 +67,22 @@ async def test_an_erase_the_database_refuses_is_a_503_to_retry_and_erases_nothin
     erased = await (await client.delete("/v1/cache", headers=ALICE)).json()
     assert erased["responses"] == 1 and erased["blocks"] > 0
     assert await cached_tokens(client, ALICE) == 0
+
+
+async def test_a_refused_erase_keeps_the_responses_waiting_for_the_database_too(client):
+    store: ResponseStore = client.app[RESPONSE_STORE].backend
+    store._db.execute("PRAGMA busy_timeout = 10")
+    other = sqlite3.connect(client.db, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    try:
+        waiting = await respond(client, ALICE)  # the database locked: it waits in memory
+        assert client.app[RESPONSE_STORE].num_pending == 1
+        refused = await client.delete("/v1/cache", headers=ALICE)
+        assert refused.status == 503
+        assert (await client.get(f"/v1/responses/{waiting}", headers=ALICE)).status == 200  # erased nothing
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    erased = await (await client.delete("/v1/cache", headers=ALICE)).json()
+    assert erased["responses"] == 1
+    assert (await client.get(f"/v1/responses/{waiting}", headers=ALICE)).status == 404

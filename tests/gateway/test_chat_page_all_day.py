@@ -55,6 +55,13 @@ def test_a_chat_longer_than_the_context_leaves_its_oldest_messages_out(opened, s
     expect(page.locator(".context-start")).to_have_count(1)
     page.reload()  # the chat keeps where its sent part starts
     expect(page.locator(".context-start")).to_have_count(1)
+    first = prompt_tokens(answer_stats(page, 0))
+    page.locator(".message.user .actions .edit").nth(1).click()  # a message above the mark, edited
+    page.click(".edit-box .save")
+    expect(page.locator(".message")).to_have_count(4)
+    stats = answer_stats(page, 1)
+    assert prompt_tokens(stats) > first  # sent from the start again: the first turn with it
+    expect(page.locator(".context-start")).to_have_count(0)
     tab.errors.clear()  # the browser logs the 400s the page answered by leaving messages out
 
 
@@ -62,18 +69,25 @@ def test_a_message_too_long_by_itself_says_so_and_the_next_one_is_answered(opene
     tab = opened(short_server.url + "/")
     page = tab.page
     settings(page, max_tokens="4", temperature="0")
-    send(page, "a very long paste " * 200)
-    expect(page.locator("#error")).to_contain_text("Edit it to shorten it")
+    send(page, "a first question")
+    answer_stats(page, 0)
     settings(page, max_tokens=str(CONTEXT))  # a short message that max_tokens leaves no room for says that
     send(page, "short")
     expect(page.locator("#error")).to_contain_text("lower max_tokens")
+    expect(page.locator(".context-start")).to_have_count(0)  # nothing left out for a refusal it could not help
     settings(page, max_tokens="4")
+    page.locator(".message.user .actions .regenerate").click()  # "Answer": with the first turn, as it was
+    stats = answer_stats(page, 1)
+    assert 0 < cached(stats) and prompt_tokens(stats) < 60
+    send(page, "a very long paste " * 200)
+    expect(page.locator("#error")).to_contain_text("Edit it to shorten it")
+    expect(page.locator(".context-start")).to_have_count(0)
     send(page, "and now a short question")  # sent without the long one before it
-    stats = answer_stats(page, 0)
+    stats = answer_stats(page, 2)
     assert prompt_tokens(stats) < 40
     expect(page.locator("#error")).to_be_hidden()
-    expect(page.locator(".message.user")).to_have_count(3)  # the refused ones stay; the paste above the mark
-    expect(page.locator(".message.user").nth(1).locator(".context-start")).to_have_count(1)
+    expect(page.locator(".message.user")).to_have_count(4)  # the refused paste stays, above the mark
+    expect(page.locator(".message.user").nth(3).locator(".context-start")).to_have_count(1)
     tab.errors.clear()  # the browser logs the 400s
 
 

@@ -166,6 +166,9 @@ CUT_SHORT = {  # output cut by max_tokens: the call as far as it goes stays a ca
                              [("get_weather", '{"city"')]),
     "named function": (NamedCallParser("get_weather"), '{"city": "Par', "", [("get_weather", '{"city": "Par')]),
     "plain text keeps its spaces": (HERMES, "The capital is  ", "The capital is  ", []),
+    # text that can no longer become a call is content as soon as that shows
+    "hermes a tag that is no call": (HERMES, "see the <tool_call> tag", "see the <tool_call> tag", []),
+    "llama3 an object that is no call": (LLAMA3, '{"answer": 42}', '{"answer": 42}', []),
 }
 
 
