@@ -35,6 +35,9 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "use_beam_search": ("beam search is not supported", (None, False)),
     "logits_processors": ("custom logits processors are not supported", (None, [])),
     "priority": ("priority is not supported: requests are scheduled first come, cached prefixes first", (None, 0)),
+    "guided_whitespace_pattern": ("guided_whitespace_pattern is not supported", (None, "")),
+    "structural_tag": ("structural_tag is not supported; use response_format, guided_* or structured_outputs",
+                       (None, "")),
 }
 
 

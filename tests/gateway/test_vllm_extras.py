@@ -100,6 +100,7 @@ def test_allowed_token_ids_limit_every_sampled_token(server, tok):
 @pytest.mark.parametrize("field, value", [
     ("prompt_logprobs", 0), ("prompt_logprobs", 1), ("bad_words", ["Paris"]), ("use_beam_search", True),
     ("logits_processors", ["my.module:Processor"]), ("priority", 5), ("stop_token_ids", [10**6]),
+    ("guided_whitespace_pattern", r"[ ]?"), ("structural_tag", '{"structures": []}'),
     ("stop_token_ids", [1.5]), ("stop_token_ids", "2"), ("allowed_token_ids", []), ("allowed_token_ids", [-1]),
     ("include_stop_str_in_output", "yes"), ("skip_special_tokens", 1), ("spaces_between_special_tokens", "no"),
 ])
