@@ -109,8 +109,10 @@ def test_the_keyboard_keeps_its_place(opened, server):
     page.press("#chats li .title-input", "Enter")
     assert page.evaluate("[document.activeElement.className, document.activeElement.textContent]") == [
         "open", "renamed"]
-    assert page.locator("#chats li button.open").all_inner_texts() == [
-        "renamed" if t == "first chat" else t for t in order]  # a rename keeps the chat's place in the list
+    renamed = ["renamed" if t == "first chat" else t for t in order]
+    assert page.locator("#chats li button.open").all_inner_texts() == renamed  # a rename keeps the chat's place
+    page.reload()  # (the list is sorted by each chat's last change as it loads)
+    expect(page.locator("#chats li button.open")).to_have_text(renamed)
     page.locator(".message.user .actions .edit").click()
     page.press(".edit-box textarea", "Escape")
     assert page.evaluate("document.activeElement.id") == "input"
@@ -144,6 +146,20 @@ def test_the_error_of_a_server_that_was_away_goes_when_it_answers_again(opened, 
     expect(page.locator("#cache-status")).to_be_hidden(timeout=10_000)
     expect(page.locator("#error")).to_be_hidden()
     tab.errors.clear()  # the browser logs the failed fetches
+
+
+def test_the_error_of_a_server_that_answers_stays_until_the_next_send(opened, server):
+    tab = opened()
+    page = tab.page
+    settings(page, max_tokens="4")
+    expect(page.locator("#cache-used")).to_contain_text("/")
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(status=500, content_type="application/json",
+        body='{"error": {"message": "the engine failed", "type": "server_error", "param": null, "code": null}}'))
+    send(page, "a question the engine fails")
+    expect(page.locator("#error")).to_contain_text("the engine failed")
+    page.wait_for_timeout(4500)  # past two refreshes of the cache panel, which the server answered all along
+    expect(page.locator("#error")).to_contain_text("the engine failed")
+    tab.errors.clear()  # the browser logs the 500
 
 
 def test_a_tap_beside_the_phone_layouts_chat_list_closes_it(opened):

@@ -87,6 +87,8 @@ def test_special_tokens_show_when_skip_special_tokens_is_false(server, tok):
     eos = sorted(tok.eos_token_ids)[0]  # EOS ends the answer and, as a stop token, is left out either way
     ended = complete(server, allowed_token_ids=[eos], ignore_eos=False, skip_special_tokens=False)
     assert ended["text"] == "" and ended["finish_reason"] == "stop" and ended["stop_reason"] is None
+    ignored = complete(server, allowed_token_ids=[eos], ignore_eos=True, return_token_ids=True, max_tokens=3)
+    assert ignored["finish_reason"] == "length" and ignored["token_ids"] == [eos] * 3
 
 
 def test_allowed_token_ids_limit_every_sampled_token(server, tok):
@@ -101,6 +103,7 @@ def test_allowed_token_ids_limit_every_sampled_token(server, tok):
     ("prompt_logprobs", 0), ("prompt_logprobs", 1), ("bad_words", ["Paris"]), ("use_beam_search", True),
     ("logits_processors", ["my.module:Processor"]), ("priority", 5), ("stop_token_ids", [10**6]),
     ("guided_whitespace_pattern", r"[ ]?"), ("structural_tag", '{"structures": []}'),
+    ("priority", False), ("use_beam_search", 0),  # a boolean is not 0, nor 0 False: neither asks for nothing
     ("stop_token_ids", [1.5]), ("stop_token_ids", "2"), ("allowed_token_ids", []), ("allowed_token_ids", [-1]),
     ("include_stop_str_in_output", "yes"), ("skip_special_tokens", 1), ("spaces_between_special_tokens", "no"),
 ])
@@ -235,6 +238,10 @@ def test_truncation_to_as_many_as_fit(server, tok):
     assert post(server, "/v1/completions", prompt=too_long, max_tokens=1).status_code == 400
     fitted = post(server, "/v1/completions", prompt=too_long, truncate_prompt_tokens=-1)
     assert fitted.status_code == 200 and fitted.json()["usage"]["prompt_tokens"] == limit
+    exact = post(server, "/v1/completions", prompt=too_long, truncate_prompt_tokens=limit)
+    assert exact.status_code == 200 and exact.json()["usage"]["prompt_tokens"] == limit
+    over = post(server, "/v1/completions", prompt=too_long, truncate_prompt_tokens=limit + 1)
+    assert over.status_code == 400 and over.json()["error"]["param"] == "truncate_prompt_tokens"
     assert fitted.json()["usage"]["completion_tokens"] == 1  # the default max_tokens, clamped to the context left
 
 
