@@ -138,7 +138,7 @@ class ClusterEngine(StatsPublisher):
         return hash_full_blocks(prompt_token_ids, self._block_size, cache_salt=cache_salt, algo=self._hash_algo)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        validate_prompt(prompt_token_ids, params, self._vocab_size, self.max_model_len)
+        validate_prompt(prompt_token_ids, params, self._vocab_size, self.max_model_len, self.tokenizer.eos_token_ids)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        cache_salt: str | None = None, tenant: str | None = None,

@@ -101,15 +101,27 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_s
     if len(prompt_token_ids) + generated > max_model_len:
         raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                          f"exceeds the context length ({max_model_len})")
-    if any(t >= vocab_size for t in params.logit_bias):
-        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
-    for name in ("stop_token_ids", "allowed_token_ids"):
+    check_token_ids(params, vocab_size, eos_token_ids)
+
+
+class ParamError(ValueError):
+    """A request field no engine of this model could serve; `param` names it (the API's 400 says which)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int, eos_token_ids: frozenset[int] | set[int]) -> None:
+    """The token ids the params name are in the vocabulary, and allowed_token_ids leave a token to sample before
+    min_tokens."""
+    for name in ("logit_bias", "stop_token_ids", "allowed_token_ids"):
         if any(not 0 <= t < vocab_size for t in getattr(params, name) or ()):
-            raise ValueError(f"{name} must be in [0, {vocab_size})")
-    if params.min_tokens and params.allowed_token_ids is not None and stop_ids(params, eos_token_ids).issuperset(
-            params.allowed_token_ids):
-        raise ValueError("allowed_token_ids: every allowed token ends the answer, so none may come before "
-                         "min_tokens")
+            raise ParamError(f"{name} token ids must be in [0, {vocab_size})", name)
+    allowed = params.allowed_token_ids
+    if params.min_tokens and allowed is not None and stop_ids(params, eos_token_ids).issuperset(allowed):
+        raise ParamError("every allowed token ends the answer (EOS or a stop token id), so none may come before "
+                         "min_tokens", "allowed_token_ids")
 
 
 def stop_ids(params: SamplingParams, eos_token_ids: frozenset[int] | set[int]) -> set[int]:

@@ -24,7 +24,6 @@ from gateway.openapi import build_openapi
 from gateway.protocol import GenerationRequest, parse_chat, parse_completion
 from gateway.render import encode_prompts, render_chat, with_bos
 from gateway.runner import RequestRun, sampling_params
-from gateway.sampling_fields import check_token_ids
 from gateway.state import STATE, GatewayState
 from gateway.streaming import stream_response
 from gateway.tool_prompt import TOOL_TEMPLATE
@@ -45,10 +44,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         tools = tool_template.shown(req.tools)
         tokenizer = state.engine.tokenizer
         rendered = await render_chat(tokenizer, req.messages, tools, tool_template, req.add_generation_prompt,
-                                     req.continue_final_message, req.template_kwargs)
+                                     req.continue_final_message, req.template_variables)
         prompt = state.truncated(with_bos(tokenizer, rendered, req.add_special_tokens), req.truncate_prompt_tokens)
         cache = await chat_directives(tokenizer, req.messages, req.breakpoints, rendered, tools, tool_template,
-                                      tenant.max_pinned_blocks, req.template_kwargs,
+                                      tenant.max_pinned_blocks, req.template_variables,
                                       len(prompt) - len(rendered))
         fmt = ChatFormat(_new_id("chatcmpl-"), state.model_name, state.engine.tokenizer,
                          fingerprint=_fingerprint(state), tools=req.tools, tool_call_parser=tool_template.parser,
@@ -154,7 +153,6 @@ async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, r
                     prompts: list[list[int]], fmt: ChatFormat, prompt_param: str,
                     default_max_tokens: int | None, cache: CacheDirectives | None = None) -> web.StreamResponse:
     """`cache`: the breakpoints to pin, the same for every prompt."""
-    check_token_ids(req, state.engine.tokenizer.vocab_size, state.engine.tokenizer.eos_token_ids)
     choices = []
     samples = getattr(req, "best_of", req.n)
     for prompt_index, prompt in enumerate(prompts):

@@ -60,7 +60,7 @@ class RequestRun:
             try:
                 yield outputs
             except ValueError as exc:  # the engine's own checks, before any output
-                raise invalid(str(exc), self.param) from None
+                raise invalid(str(exc), getattr(exc, "param", self.param)) from None
 
 
 async def run_command(engine: EngineClient, command: Coroutine[Any, Any, R]) -> R:

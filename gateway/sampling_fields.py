@@ -12,7 +12,6 @@ from collections.abc import Mapping
 import json
 from typing import Any
 
-from engine.sampling_params import stop_ids
 from engine.structured import StructuredOutput, build_grammar
 from gateway.errors import invalid
 
@@ -74,7 +73,7 @@ def _among(value: Any, values: tuple[Any, ...]) -> bool:
 
 
 def _token_ids(body: dict[str, Any], name: str) -> tuple[int, ...] | None:
-    """A list of token ids (their range in the vocabulary checked with the tokenizer: check_token_ids)."""
+    """A list of token ids (their range in the vocabulary is the engine's check: sampling_params.check_token_ids)."""
     raw = body.get(name)
     if raw is None:
         return None
@@ -104,18 +103,6 @@ def _logit_bias(raw: Any) -> dict[int, float]:
                           "logit_bias")
         bias[int(key)] = float(value)
     return bias
-
-
-def check_token_ids(req: Any, vocab_size: int, eos_token_ids: set[int]) -> None:
-    """The token ids a request names (logit_bias, stop_token_ids, allowed_token_ids) are in the vocabulary, and
-    allowed_token_ids leave a token to sample before min_tokens."""
-    for name in ("logit_bias", "stop_token_ids", "allowed_token_ids"):
-        if any(t >= vocab_size for t in getattr(req, name) or ()):
-            raise invalid(f"{name} token ids must be in [0, {vocab_size})", name)
-    allowed = req.allowed_token_ids
-    if req.min_tokens and allowed is not None and stop_ids(req, eos_token_ids).issuperset(allowed):
-        raise invalid("every allowed token ends the answer (EOS or a stop token id), so none may come before "
-                      "min_tokens", "allowed_token_ids")
 
 
 def structured_output(body: dict[str, Any]) -> StructuredOutput | None:
