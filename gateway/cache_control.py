@@ -103,11 +103,11 @@ def _add(found: list, breakpoint: Any, param: str) -> None:
 
 async def chat_directives(tokenizer: Any, messages: list[dict[str, Any]], breakpoints: tuple[ChatBreakpoint, ...],
                           prompt_ids: list[int], tools: list[dict[str, Any]] | None, tool_template: Any,
-                          max_pinned_blocks: int | None, kwargs: dict[str, Any] | None = None, offset: int = 0
+                          max_pinned_blocks: int | None, variables: dict[str, Any] | None = None, offset: int = 0
                           ) -> CacheDirectives | None:
     """A chat's breakpoints as prompt lengths: the conversation up to each, rendered alone, as far as its tokens
     agree with the whole prompt's (a template's end-of-message tokens, or a token merged across the boundary,
-    are not part of the prefix a later request shares). `kwargs`: the chat's template variables; `offset`: tokens
+    are not part of the prefix a later request shares). `variables`: the chat's template variables; `offset`: tokens
     the prompt has before the rendered chat (a BOS). None without breakpoints."""
     out = []
     for breakpoint in breakpoints:
@@ -116,7 +116,7 @@ async def chat_directives(tokenizer: Any, messages: list[dict[str, Any]], breakp
             message["content"] = message["content"][:breakpoint.chars]
         try:
             ids = await render_chat(tokenizer, [*messages[:breakpoint.message], message], tools, tool_template,
-                                    add_generation_prompt=False, kwargs=kwargs)
+                                    add_generation_prompt=False, variables=variables)
         except APIError:  # a template that refuses the cut conversation: that breakpoint pins nothing
             continue
         out.append(CacheBreakpoint(offset + _common_prefix(ids, prompt_ids), breakpoint.ttl_s))

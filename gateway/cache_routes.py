@@ -77,13 +77,13 @@ async def _prompt(request: web.Request, state: GatewayState, fields: _Fields,
         bos = fields.boolean("add_special_tokens", True)  # as /v1/completions encodes a prompt
         return (await encode_prompts(tokenizer, prompts, "prompt", bos))[0], "prompt", []
     template = request.app[TOOL_TEMPLATE]
-    messages, template_tools, kwargs, rendered = await render_body_chat(
+    messages, template_tools, variables, rendered = await render_body_chat(
         tokenizer, body, state.settings.gateway.max_messages, template, add_generation_prompt=False)
     prompt = with_bos(tokenizer, rendered, fields.boolean("add_special_tokens", False))
     # (the body's own cache_control is the whole prompt's TTL here, not a breakpoint)
     marks = chat_breakpoints({**body, "cache_control": None})
     marked = await chat_directives(tokenizer, messages, tuple(marks), rendered, template_tools, template,
-                                   max_pinned_blocks, kwargs, len(prompt) - len(rendered))
+                                   max_pinned_blocks, variables, len(prompt) - len(rendered))
     return prompt, "messages", list(marked.breakpoints) if marked else []
 
 

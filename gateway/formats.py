@@ -36,8 +36,12 @@ class ChatFormat:
         self._call_ids: dict[tuple[int, int], str] = {}  # (choice index, call index) -> the call's id
 
     def response(self, choices: list[Choice], usage: dict[str, Any]) -> dict[str, Any]:
-        return {**self._head(self.object_name), **self._prompt_ids(choices[0]),
+        return {**self._head(self.object_name), **self._response_ids(choices),
                 "choices": [self.choice_body(c) for c in choices], "usage": usage}
+
+    def _response_ids(self, choices: list[Choice]) -> dict[str, Any]:
+        """A chat's one prompt: its token ids at the top of the response."""
+        return self._prompt_ids(choices[0])
 
     def _prompt_ids(self, choice: Choice) -> dict[str, Any]:
         return {"prompt_token_ids": choice.prompt_ids} if self.token_ids else {}
@@ -178,8 +182,8 @@ class CompletionFormat(ChatFormat):
         self._offsets: dict[int, TextOffsets] = {}  # per choice, carried across a stream's chunks
         self._unsent_prompt_ids: set[int] = set()  # choices whose stream has not sent their prompt's ids yet
 
-    def response(self, choices: list[Choice], usage: dict[str, Any]) -> dict[str, Any]:
-        return {**self._head(self.object_name), "choices": [self.choice_body(c) for c in choices], "usage": usage}
+    def _response_ids(self, choices: list[Choice]) -> dict[str, Any]:
+        return {}  # (each choice carries its own prompt's)
 
     def choice_body(self, choice: Choice) -> dict[str, Any]:
         return {"index": choice.index, "text": self._echo(choice) + "".join(choice.text),

@@ -98,14 +98,22 @@ _ADD_SPECIAL_TOKENS = {"type": "boolean", "nullable": True, "description": (
     "the tokenizer's BOS (where it has one) first: default true for a text prompt, false for a chat")}
 
 
+def _served_model(model_name: str) -> dict[str, Any]:
+    return {"type": "string", "enum": [model_name], "nullable": True,
+            "description": "left out: the served model (as vLLM and SGLang take it)"}
+
+
+def _token(vocab_size: int) -> dict[str, Any]:
+    return {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
+
+
 def _common(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[str, Any]:
     max_tokens: dict[str, Any] = {"type": "integer", "minimum": 1, "nullable": True}
     if limits.max_tokens_limit is not None:
         max_tokens["maximum"] = limits.max_tokens_limit
     text = {"type": "string", "minLength": 1}
     return {
-        "model": {"type": "string", "enum": [model_name], "nullable": True,
-                  "description": "left out: the served model (as vLLM and SGLang take it)"},
+        "model": _served_model(model_name),
         "max_tokens": max_tokens,
         "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
         "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1, "nullable": True},
@@ -138,7 +146,7 @@ def _output_fields(vocab_size: int) -> dict[str, Any]:
     """Penalties, biases, stop tokens and output constraints (gateway/sampling_fields.py)."""
     penalty = {"type": "number", "minimum": -2, "maximum": 2, "nullable": True}
     text = {"type": "string", "minLength": 1}
-    token = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
+    token = _token(vocab_size)
     return {
         "presence_penalty": penalty,
         "frequency_penalty": penalty,
@@ -267,8 +275,7 @@ def _tool_fields() -> dict[str, Any]:
 
 
 def _completion_request(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[str, Any]:
-    token = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
-    tokens = {"type": "array", "items": token, "minItems": 1}
+    tokens = {"type": "array", "items": _token(vocab_size), "minItems": 1}
     prompt = {"oneOf": [
         {"type": "string", "minLength": 1},
         {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": limits.max_prompts},
@@ -295,7 +302,7 @@ def _warm_operation(model_name: str, vocab_size: int, limits: GatewaySettings) -
                     errors=(400, 404, 413, 429, 503))
     op["requestBody"] = {"required": True, "content": {_JSON: {"schema": {
         "type": "object", "description": "messages (with optional tools) or prompt, not both",
-        "properties": {"model": {**chat["model"], "nullable": True}, "messages": chat["messages"],
+        "properties": {"model": chat["model"], "messages": chat["messages"],
                        "tools": chat["tools"], "prompt": prompt,
                        "cache_control": {**_CACHE_CONTROL, "description": "the pin's TTL (default 5m)"},
                        "cache_salt": chat["cache_salt"], "add_special_tokens": _ADD_SPECIAL_TOKENS,
@@ -308,8 +315,7 @@ def _embeddings_operation(model_name: str, vocab_size: int, limits: GatewaySetti
                     errors=(400, 404, 413, 429, 503))
     op["requestBody"] = {"required": True, "content": {_JSON: {"schema": {
         "type": "object", "required": ["input"], "properties": {
-            "model": {"type": "string", "enum": [model_name], "nullable": True,
-                  "description": "left out: the served model (as vLLM and SGLang take it)"},
+            "model": _served_model(model_name),
             "input": _completion_request(model_name, vocab_size, limits)["properties"]["prompt"],
             "encoding_format": {"type": "string", "enum": ["float", "base64"], "nullable": True},
             "user": {"type": "string", "nullable": True},
@@ -324,7 +330,7 @@ def _tokenize_operation(model_name: str, vocab_size: int, limits: GatewaySetting
                     secured=True, errors=(400, 404, 413))
     op["requestBody"] = {"required": True, "content": {_JSON: {"schema": {
         "type": "object", "description": "messages (with optional tools) or prompt, not both",
-        "properties": {"model": {**chat["model"], "nullable": True}, "messages": chat["messages"],
+        "properties": {"model": chat["model"], "messages": chat["messages"],
                        "tools": chat["tools"], "prompt": {"type": "string"},
                        **_PROMPT_ENDING, "chat_template_kwargs": chat["chat_template_kwargs"],
                        "documents": chat["documents"],
@@ -337,9 +343,7 @@ def _detokenize_operation(model_name: str, vocab_size: int) -> dict[str, Any]:
     op = _operation("Token ids back to text", ref("Detokenized"), secured=True, errors=(400, 404, 413))
     op["requestBody"] = {"required": True, "content": {_JSON: {"schema": {
         "type": "object", "required": ["tokens"],
-        "properties": {"model": {"type": "string", "enum": [model_name], "nullable": True},
-                       "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0,
-                                                             "maximum": vocab_size - 1}}}}}}}
+        "properties": {"model": _served_model(model_name), "tokens": {"type": "array", "items": _token(vocab_size)}}}}}}
     return op
 
 

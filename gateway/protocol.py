@@ -11,7 +11,7 @@ from engine.structured import StructuredOutput
 from gateway.cache_control import ChatBreakpoint, chat_breakpoints, completion_breakpoints
 from gateway.errors import invalid
 from gateway.generation_defaults import SAMPLING_FIELDS
-from gateway.render import normalize_messages, template_kwargs
+from gateway.render import normalize_messages, template_variables
 from gateway.sampling_fields import completion_extras, sampling_fields
 from gateway.settings import GatewaySettings
 from gateway.tools import ToolRequest, parse_tools
@@ -59,7 +59,7 @@ class ChatRequest(GenerationRequest):
     breakpoints: tuple[ChatBreakpoint, ...] = ()  # cache_control (gateway/cache_control.py)
     add_generation_prompt: bool = True  # vLLM's: the prompt ends with the assistant's header
     continue_final_message: bool = False  # vLLM's: the prompt ends inside the final assistant message
-    template_kwargs: dict[str, Any] = field(default_factory=dict)  # more chat template variables (vLLM's)
+    template_variables: dict[str, Any] = field(default_factory=dict)  # vLLM's chat_template_kwargs, documents
     add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS before the rendered chat too
 
 
@@ -95,7 +95,7 @@ def parse_chat(body: Any, limits: GatewaySettings, defaults: Mapping[str, Any] =
                       "allowed_token_ids")
     return ChatRequest(**common, messages=messages, tools=tools,
                        breakpoints=breakpoints, add_generation_prompt=add_generation_prompt,
-                       continue_final_message=continue_final_message, template_kwargs=template_kwargs(fields.body),
+                       continue_final_message=continue_final_message, template_variables=template_variables(fields.body),
                        add_special_tokens=fields.boolean("add_special_tokens", False))
 
 

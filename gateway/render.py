@@ -110,7 +110,7 @@ def content_text(content: Any, at: str, part_types: tuple[str, ...] = ("text",),
     return joiner.join(texts)
 
 
-def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+def template_variables(body: dict[str, Any]) -> dict[str, Any]:
     """vLLM's `chat_template_kwargs` (more variables for the chat template, e.g. Qwen3's `enable_thinking`) and
     `documents` (the template's `documents`, as transformers passes them); a request's own `chat_template` is
     refused: the model's template renders every chat."""
@@ -120,27 +120,27 @@ def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     raw = body.get("chat_template_kwargs")
     if raw is not None and not isinstance(raw, dict):
         raise invalid("chat_template_kwargs must be an object of template variables", "chat_template_kwargs")
-    kwargs = dict(raw or {})
+    variables = dict(raw or {})
     for name in _TEMPLATE_OWN:
-        if name in kwargs:
+        if name in variables:
             raise invalid(f"chat_template_kwargs.{name} is set by the request's own field", "chat_template_kwargs")
     documents = body.get("documents")
     if documents is not None:
         if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
             raise invalid("documents must be an array of objects", "documents")
-        kwargs["documents"] = documents
-    return kwargs
+        variables["documents"] = documents
+    return variables
 
 
 async def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                       tool_template: ToolTemplate | None = None, add_generation_prompt: bool = True,
-                      continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> list[int]:
+                      continue_final_message: bool = False, variables: dict[str, Any] | None = None) -> list[int]:
     """`tool_template` None: the template renders tools itself (or there are none). `continue_final_message`: the
-    prompt ends inside the final (assistant) message, for the answer to continue it. `kwargs`: more template
-    variables (template_kwargs)."""
+    prompt ends inside the final (assistant) message, for the answer to continue it. `variables`: more for the
+    template (template_variables)."""
     if tool_template is not None and not tool_template.native:
         messages, tools = hermes_messages(messages, tools), None
-    args = (tokenizer, messages, tools, add_generation_prompt, continue_final_message, kwargs or {})
+    args = (tokenizer, messages, tools, add_generation_prompt, continue_final_message, variables or {})
     if sum(len(m["content"]) for m in messages) > _OFFLOAD_CHARS:
         return await asyncio.to_thread(_render_chat, *args)
     return _render_chat(*args)
@@ -182,14 +182,14 @@ async def render_body_chat(tokenizer: Any, body: dict[str, Any], max_messages: i
     none: cache warm, tokenize)."""
     messages = normalize_messages(body["messages"], max_messages)
     template_tools = tool_template.shown(parse_tools(body))
-    kwargs = template_kwargs(body)
-    return messages, template_tools, kwargs, await render_chat(tokenizer, messages, template_tools, tool_template,
-                                                               add_generation_prompt, continue_final_message, kwargs)
+    variables = template_variables(body)
+    return messages, template_tools, variables, await render_chat(tokenizer, messages, template_tools, tool_template,
+                                                               add_generation_prompt, continue_final_message, variables)
 
 
 def _render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                  add_generation_prompt: bool = True, continue_final_message: bool = False,
-                 kwargs: dict[str, Any] | None = None) -> list[int]:
+                 variables: dict[str, Any] | None = None) -> list[int]:
     if continue_final_message:
         if messages[-1]["role"] != "assistant":
             raise invalid("continue_final_message needs an assistant message last (the one the answer continues)",
@@ -197,7 +197,7 @@ def _render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dic
         messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                             variables=kwargs)
+                                             variables=variables)
     # e.g. a template that wants alternating roles, or a template variable of a type it cannot use
     except (ValueError, TypeError, LookupError, jinja2.TemplateError) as exc:
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None

@@ -1,7 +1,7 @@
 """`POST /tokenize` and `POST /detokenize`, as vLLM serves them: a prompt's tokens as this server counts them (a
 chat's through its template and tools, as /v1/chat/completions renders it; a text as /v1/completions encodes it,
-after the tokenizer's BOS where it has one; `add_special_tokens` as vLLM takes it), and token ids back to text. A client that keeps a long chat within the context counts
-with them; nothing reaches the engine."""
+after the tokenizer's BOS where it has one; `add_special_tokens` as vLLM takes it), and token ids back to text. A
+client that keeps a long chat within the context counts with them; nothing reaches the engine."""
 from __future__ import annotations
 
 from aiohttp import web
