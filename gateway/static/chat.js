@@ -84,7 +84,10 @@ window.addEventListener("storage", (event) => {
   const theirs = event.newValue ? load(event.key, null) : null;
   const mine = chats.find((c) => c.id === id);
   if (streams.has(id)) {  // its messages are this tab's; a title or system prompt set there is taken
-    if (!theirs) streams.get(id).abort();
+    if (!theirs) {  // (a save of this tab's that raced the delete would bring it back: taken out again)
+      streams.get(id).abort();
+      localStorage.removeItem(event.key);
+    }
     else if (mine) Object.assign(mine, { title: theirs.title, system: theirs.system });
     if (theirs) { drawList(); return; }
   }
