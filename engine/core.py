@@ -8,7 +8,7 @@ from functools import partial
 
 import torch
 
-from engine import heap
+from engine import heap, prompt_logprobs
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.disk_tier import DiskTier, model_fingerprint, open_disk_tier
@@ -232,9 +232,15 @@ class EngineCore:
         for chunk in sched.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
         outputs: list[RequestOutput] = []
+        for request, first, prompt_logits in self.runner.prompt_logits:
+            outputs += self._guarded(request, self._score_prompt, first, prompt_logits)
+        self.runner.prompt_logits = []
         for chunk, hidden in pooled:
-            outputs += self._guarded(chunk.request, self._pool, hidden)
+            if not chunk.request.is_finished:  # (its prompt's scoring failed)
+                outputs += self._guarded(chunk.request, self._pool, hidden)
         for chunk, token in zip(sampled, tokens):
+            if chunk.request.is_finished:
+                continue
             if isinstance(token, Exception):
                 outputs += self._fail([chunk.request], "sampling failed", token)
             else:
@@ -302,6 +308,14 @@ class EngineCore:
             self.kv.pin_prompt(request)
         return self._emit(request, token)
 
+    def _score_prompt(self, request: Request, first: int, logits: torch.Tensor) -> None:
+        """The logprobs of prompt tokens first.. (a chunk's share); those scored before a preemption stay."""
+        done = len(request.prompt_logprobs)
+        if first <= done < first + len(logits):
+            targets = request.prompt_token_ids[done:first + len(logits)]
+            request.prompt_logprobs += prompt_logprobs.score(logits[done - first:], targets,
+                                                             request.params.prompt_logprobs)
+
     def _pool(self, request: Request, hidden: torch.Tensor) -> RequestOutput:
         """A pooling request's prompt is computed: its embedding is the last token's final hidden state."""
         if request.params.pooling == "last":
@@ -354,6 +368,9 @@ class EngineCore:
         return self._output(request, list(new_tokens), text, error)
 
     def _output(self, request: Request, new_tokens, text: str, error: str | None = None) -> RequestOutput:
+        scored = None
+        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            scored, request.prompt_logprobs_sent = request.prompt_logprobs, True
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=[t.token_id for t in new_tokens],
@@ -372,6 +389,7 @@ class EngineCore:
             num_pinned_tokens=request.num_pinned_tokens,
             pinned_until=request.pinned_until,
             pin_refused=request.pin_refused,
+            prompt_logprobs=scored,
         )
 
     def _cache_write_tokens(self, request: Request) -> int:

@@ -41,7 +41,8 @@ class LLM:
                 texts[out.request_id].append(out.new_text)
         return [CompletionOutput(r.request_id, r.prompt_token_ids, r.output_token_ids, "".join(texts[r.request_id]),
                                  r.num_cached_tokens or 0, r.finish_reason,
-                                 r.logprobs if r.params.logprobs is not None else None) for r in requests]
+                                 r.logprobs if r.params.logprobs is not None else None, r.prompt_logprobs)
+                for r in requests]
 
     def embed(self, prompts: list[str | list[int]], *, cache_salt: str | None = None) -> list[list[float]]:
         """One L2-normalized vector per prompt: the final hidden state of its last token (its prefill is

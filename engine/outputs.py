@@ -35,6 +35,9 @@ class RequestOutput:
     num_pinned_tokens: int = 0  # the longest pinned prefix of the prompt this request made or renewed
     pinned_until: float | None = None  # its expiry, time.time()
     pin_refused: str | None = None  # why a breakpoint of this request was not pinned (a quota), if one was not
+    # SamplingParams.prompt_logprobs: one per prompt token (the first without a logprob), in the first output
+    # after the prompt is computed
+    prompt_logprobs: list[SampledToken] | None = None
 
 
 @dataclass(slots=True)
@@ -48,3 +51,4 @@ class CompletionOutput:
     num_cached_tokens: int
     finish_reason: str | None
     logprobs: list[SampledToken] | None = field(default=None)
+    prompt_logprobs: list[SampledToken] | None = None  # SamplingParams.prompt_logprobs

@@ -31,6 +31,10 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)  # prompt + output
         self.output_token_ids: list[int] = []
         self.logprobs: list[SampledToken] = []
+        # prompt_logprobs: one per prompt token so far, the first without a logprob (nothing comes before it)
+        self.prompt_logprobs: list[SampledToken] | None = (
+            None if params.prompt_logprobs is None else [SampledToken(self.prompt_token_ids[0])])
+        self.prompt_logprobs_sent = False  # handed out in an output (once, complete)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V sit in the cache
         self.num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache; None until admitted

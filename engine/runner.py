@@ -46,6 +46,9 @@ class ModelRunner:
         self.hidden: torch.Tensor | None = None
         # the last step's greedy token of each logits row, where its path found them (the compiled CPU step)
         self.greedy_ids: np.ndarray | None = None
+        # the last step's logits of prompt positions, for requests that want their prompt's logprobs:
+        # (request, the prompt position of the first token they predict, logits [tokens, vocab])
+        self.prompt_logits: list[tuple[Request, int, torch.Tensor]] = []
         if compiled_kernels and device.type == "cpu":
             from engine.model import decode_step_cpu, paged_decode_cpu
             self.paged_kernel = paged_decode_cpu.supports(kv_cache.dtype, device)
@@ -59,6 +62,7 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Returns logits [num_sampled, vocab] and the chunks they belong to (those that reach the end)."""
         self.greedy_ids = None
+        self.prompt_logits = []
         if (self.compiled_decode is not None and len(chunks) <= self.max_compiled_rows
                 and all(c.num_tokens == 1 and _is_decode(c.request, c.request.num_computed_tokens,
                                                          c.request.num_computed_tokens + 1) for c in chunks)):
@@ -72,6 +76,8 @@ class ModelRunner:
         sampled: list[ScheduledChunk] = []
         sampled_rows: list[int] = []  # their rows' places among the step's rows
         rows: list[tuple[int, str, int]] = []  # (queries, request id, context end) of every chunk
+        prompt_idx: list[int] = []  # rows whose logits score the next prompt token (after the sampled rows')
+        scored: list[tuple[Request, int, int]] = []  # (request, first prompt position predicted, how many)
         for chunk in chunks:
             request = chunk.request
             start, end = request.num_computed_tokens, request.num_computed_tokens + chunk.num_tokens
@@ -89,6 +95,10 @@ class ModelRunner:
             elif not self.prefill_kernel:  # (the kernel reads block tables: no slot lists or masks to build)
                 prefills.append(PrefillSeq(q_start, chunk.num_tokens, self._tensor_of(slots[:end]),
                                            _chunk_mask(start, end, self.device)))
+            last = min(end, request.num_prompt_tokens - 1)  # position p's logits predict prompt token p + 1
+            if request.params.prompt_logprobs is not None and last > start:
+                prompt_idx += range(q_start, q_start + last - start)
+                scored.append((request, start + 1, last - start))
             if end == request.num_tokens:
                 logits_idx.append(len(input_ids) - 1)
                 sampled.append(chunk)
@@ -100,7 +110,7 @@ class ModelRunner:
                                        [end for _, _, end in decodes])
             return logits, sampled
         pooling = any(c.request.params.pooling for c in sampled)
-        if (self.graph_prefill is not None and not decode_only and not pooling
+        if (self.graph_prefill is not None and not decode_only and not pooling and not scored
                 and self.graph_prefill.holds(len(input_ids), len(rows))):
             logits = self.graph_prefill(input_ids, positions, slot_mapping, self._block_tables(rows))
             return (logits if len(sampled) == len(rows) else logits[self._tensor(sampled_rows)]), sampled
@@ -109,13 +119,17 @@ class ModelRunner:
                                      BlockTableBatch.build(self._block_tables(rows), self.block_size, self.device))
         else:
             meta = AttentionMetadata(self._tensor(slot_mapping), prefills, self._decode_batch(decodes))
+        indices = self._tensor(logits_idx + prompt_idx)
         if pooling:  # an embedding request's prompt ends in this step
             logits, self.hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_slots, meta,
-                                             self._tensor(logits_idx), return_hidden=True)
-            return logits, sampled
-        logits = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_slots, meta,
-                            self._tensor(logits_idx))
-        return logits, sampled
+                                             indices, return_hidden=True)
+        else:
+            logits = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_slots, meta, indices)
+        row = len(logits_idx)
+        for request, first, count in scored:
+            self.prompt_logits.append((request, first, logits[row:row + count]))
+            row += count
+        return logits[:len(logits_idx)], sampled
 
     def capture_cuda_graphs(self, max_rows: int, max_model_len: int, max_tokens: int) -> bool:
         """Records decode-only steps of up to max_rows rows (decode_graph_cuda.py), and steps with a prefill chunk

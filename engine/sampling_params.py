@@ -24,6 +24,9 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # False: special tokens' text is part of the output
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: also the top k
+    # each prompt token's logprob given the tokens before it (None: none; k: also the top k); such a request reads
+    # no cached blocks, since a hit's tokens never run through the model (vLLM's prompt_logprobs)
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0  # OpenAI: over generated tokens
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # HF/vLLM: over prompt and generated tokens; 1 disables
@@ -50,8 +53,9 @@ class SamplingParams:
             raise ValueError("top_k must be -1, 0 or positive")
         if self.pooling not in (None, "last", "none"):
             raise ValueError(f"unknown pooling {self.pooling!r}; expected 'last' or 'none'")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError("logprobs must be >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"{name} must be >= 0")
         self._check_processing_fields()
 
     def _check_processing_fields(self) -> None:
@@ -88,6 +92,7 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    rank: int | None = None  # 1 + the tokens more likely than it (prompt logprobs: vLLM's rank)
 
 
 def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,

@@ -47,6 +47,10 @@ class Tokenizer(Protocol):
         """The vocabulary as the grammar library sees it, `n_vocab` wide, with every EOS id as the end."""
         ...
 
+    def info(self) -> dict:
+        """Its class, named special tokens (text, or None) and chat template, as vLLM's /tokenizer_info tells them."""
+        ...
+
 
 def _check_messages(messages: list[dict]) -> None:
     for message in messages:
@@ -82,7 +86,10 @@ class HFTokenizer:
         self._added = {i: t.content for i, t in added.items()}
         self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self.bos_token_ids = self._added_before()
-        self._template = _compile_chat_template(_chat_template(path, config) or CHATML_TEMPLATE)
+        template = _chat_template(path, config) or CHATML_TEMPLATE
+        self._template = _compile_chat_template(template)
+        self._info = {"tokenizer_class": config.get("tokenizer_class") or "PreTrainedTokenizerFast",
+                      **{name: specials.get(name) for name in SPECIAL_TOKEN_NAMES}, "chat_template": template}
         self._piece_bytes = _piece_decoder(self._backend.decoder)
         # the gateway encodes on the event loop while the engine thread decodes: a Rust tokenizer is not
         # safe to share across threads ("Already borrowed")
@@ -121,6 +128,9 @@ class HFTokenizer:
         _check_messages(messages)
         return self._template.render({**self._template_tokens, **(variables or {}), **kwargs, "messages": messages,
                                       "tools": tools, "add_generation_prompt": add_generation_prompt})
+
+    def info(self) -> dict:
+        return dict(self._info)
 
     def llguidance_tokenizer(self, n_vocab: int) -> "llguidance.LLTokenizer":
         import llguidance
@@ -165,12 +175,12 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def _special_tokens(config: dict) -> dict:
     """The named special tokens (as text) and the extra ones (a list), as transformers' special_tokens_map."""
-    named = {name: _token_text(config.get(name)) for name in _SPECIAL_TOKEN_NAMES}
+    named = {name: _token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
     named = {name: text for name, text in named.items() if text is not None}
     extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
     if isinstance(extra, dict):  # transformers 5 may name them
@@ -277,6 +287,8 @@ class TiktokenTokenizer:
         self.special_token_ids = frozenset(self._hidden)
         env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined)
         self._template = env.from_string(chat_template)
+        self._info = {"tokenizer_class": "tiktoken", **dict.fromkeys(SPECIAL_TOKEN_NAMES),
+                      "bos_token": bos_token, "eos_token": eos_tokens[0], "chat_template": chat_template}
         # special tokens written in the text are parsed as such only where the template needs them
         self._special = {"allowed_special": "all"} if parse_special else {"disallowed_special": ()}
 
@@ -316,6 +328,9 @@ class TiktokenTokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._enc.decode_single_token_bytes(token_id)
+
+    def info(self) -> dict:
+        return dict(self._info)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, variables: dict | None = None, **kwargs) -> str:

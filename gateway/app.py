@@ -96,6 +96,7 @@ _ROUTES = (
     ("GET", "/v1/responses/{response_id}/input_items", responses.input_items),
     ("POST", "/v1/responses/{response_id}/cancel", responses.cancel),
     ("POST", "/tokenize", tokenize.tokenize), ("POST", "/detokenize", tokenize.detokenize),
+    ("GET", "/tokenizer_info", tokenize.tokenizer_info),
     ("GET", "/", routes.chat_page), ("GET", "/static/{name}", routes.static_file),
 )
 

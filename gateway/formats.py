@@ -19,9 +19,10 @@ class ChatFormat:
 
     def __init__(self, response_id: str, model: str, tokenizer: Any, *, fingerprint: str | None = None,
                  tools: ToolRequest | None = None, tool_call_parser: str = "hermes", token_ids: bool = False,
-                 tokens_as_ids: bool = False) -> None:
+                 tokens_as_ids: bool = False, prompt_logprobs: int | None = None) -> None:
         """`token_ids`: vLLM's return_token_ids (the prompt's and the answer's token ids beside the text);
-        `tokens_as_ids`: vLLM's return_tokens_as_token_ids (logprobs name each token `token_id:ID`)."""
+        `tokens_as_ids`: vLLM's return_tokens_as_token_ids (logprobs name each token `token_id:ID`);
+        `prompt_logprobs`: vLLM's (the prompt's logprobs, with the top k of each position, beside the answer)."""
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
@@ -29,6 +30,7 @@ class ChatFormat:
         self.fingerprint = fingerprint
         self.token_ids = token_ids
         self.tokens_as_ids = tokens_as_ids
+        self.prompt_logprobs = prompt_logprobs
         self.tool_parser = parser_for(tools, tool_call_parser)  # None: the text is never parsed for tool calls
         self.max_tool_calls = tools.max_calls if tools else None
         self.legacy_functions = tools is not None and tools.legacy  # answer with the deprecated `function_call`
@@ -40,8 +42,25 @@ class ChatFormat:
                 "choices": [self.choice_body(c) for c in choices], "usage": usage}
 
     def _response_ids(self, choices: list[Choice]) -> dict[str, Any]:
-        """A chat's one prompt: its token ids at the top of the response."""
-        return self._prompt_ids(choices[0])
+        """A chat's one prompt: its token ids and logprobs at the top of the response."""
+        return {**self._prompt_ids(choices[0]), **self._prompt_scores(choices[0])}
+
+    def _prompt_scores(self, choice: Choice) -> dict[str, Any]:
+        """vLLM's prompt_logprobs: per prompt token, null for the first, else {token id: {logprob, rank,
+        decoded_token}} of the prompt's token and of the top k of its position (ranks 1..k)."""
+        if self.prompt_logprobs is None:
+            return {}
+        scores: list[dict[str, Any] | None] = [None]
+        for t in choice.prompt_logprobs[1:]:
+            position = {str(t.token_id): self._scored(t.token_id, t.logprob, t.rank)}
+            for rank, (token_id, logprob) in enumerate((t.top_logprobs or [])[:self.prompt_logprobs], 1):
+                position.setdefault(str(token_id), self._scored(token_id, logprob, rank))
+            scores.append(position)
+        return {"prompt_logprobs": scores}
+
+    def _scored(self, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank,
+                "decoded_token": self._token_name(token_id, self.tokenizer.token_bytes(token_id))}
 
     def _prompt_ids(self, choice: Choice) -> dict[str, Any]:
         return {"prompt_token_ids": choice.prompt_ids} if self.token_ids else {}
@@ -175,29 +194,40 @@ class CompletionFormat(ChatFormat):
     chunk_name = "text_completion"
 
     def __init__(self, response_id: str, model: str, tokenizer: Any, echo_prompts: list[str] | None = None, *,
-                 fingerprint: str | None = None, token_ids: bool = False, tokens_as_ids: bool = False) -> None:
+                 fingerprint: str | None = None, token_ids: bool = False, tokens_as_ids: bool = False,
+                 prompt_logprobs: int | None = None, echo_logprobs: bool = False) -> None:
+        """`echo_logprobs`: echo with logprobs (the prompt's tokens and logprobs before the answer's)."""
         super().__init__(response_id, model, tokenizer, fingerprint=fingerprint, token_ids=token_ids,
-                         tokens_as_ids=tokens_as_ids)
+                         tokens_as_ids=tokens_as_ids, prompt_logprobs=prompt_logprobs)
         self.echo_prompts = echo_prompts  # echo: each prompt's text, put before its choices' text
+        self.echo_logprobs = echo_prompts is not None and echo_logprobs
         self._offsets: dict[int, TextOffsets] = {}  # per choice, carried across a stream's chunks
         self._unsent_prompt_ids: set[int] = set()  # choices whose stream has not sent their prompt's ids yet
+        self._unsent_echo: set[int] = set()  # choices whose echo waits for their prompt's logprobs (a stream's)
 
     def _response_ids(self, choices: list[Choice]) -> dict[str, Any]:
         return {}  # (each choice carries its own prompt's)
 
     def choice_body(self, choice: Choice) -> dict[str, Any]:
         return {"index": choice.index, "text": self._echo(choice) + "".join(choice.text),
-                "logprobs": self._completion_logprobs(choice, choice.logprobs, TextOffsets()),
-                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
-                **self._prompt_ids(choice), **self._output_ids(choice.token_ids)}
+                "logprobs": self._completion_logprobs(choice, self._echo_logprobs(choice) + choice.logprobs,
+                                                      TextOffsets()),
+                "finish_reason": _finish_reason(choice), "stop_reason": choice.stop_reason,
+                **self._prompt_ids(choice), **self._output_ids(choice.token_ids), **self._prompt_scores(choice)}
 
     def first_chunks(self, choices: list[Choice]) -> list[dict[str, Any]]:
-        """With echo, each choice's prompt, a chunk each; else none."""
+        """With echo, each choice's prompt, a chunk each (with logprobs, in the choice's first chunk, once they are
+        computed); else none."""
         self._unsent_prompt_ids = {c.index for c in choices} if self.token_ids else set()
         if self.echo_prompts is None:
             return []
+        self._unsent_echo = {c.index for c in choices} if self.echo_logprobs else set()
         return [self.chunk([{"index": c.index, "text": self._echo(c), "logprobs": None, "finish_reason": None,
-                             **self._first_prompt_ids(c)}]) for c in choices]
+                             **self._first_prompt_ids(c)}]) for c in choices if c.index not in self._unsent_echo]
+
+    def _echo_logprobs(self, choice: Choice) -> list[SampledToken]:
+        """With echo and logprobs, the prompt's tokens and their logprobs (the first has none), before the answer's."""
+        return choice.prompt_logprobs if self.echo_logprobs else []
 
     def _first_prompt_ids(self, choice: Choice) -> dict[str, Any]:
         """The prompt's token ids in a choice's first chunk only (vLLM's return_token_ids)."""
@@ -210,17 +240,23 @@ class CompletionFormat(ChatFormat):
         return "" if self.echo_prompts is None else self.echo_prompts[choice.prompt_index]
 
     def delta_chunk(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
-        if not out.new_text and not out.new_logprobs and not (self.token_ids and out.new_token_ids):
+        echo, echo_logprobs = "", []
+        if choice.index in self._unsent_echo:  # the first output: the prompt is scored
+            self._unsent_echo.discard(choice.index)
+            echo, echo_logprobs = self._echo(choice), self._echo_logprobs(choice)
+        if not echo_logprobs and not out.new_text and not out.new_logprobs and not (
+                self.token_ids and out.new_token_ids):
             return None
         offsets = self._offsets.setdefault(choice.index, TextOffsets())  # carried across the stream's chunks
-        return self.chunk([{"index": choice.index, "text": out.new_text,
-                            "logprobs": self._completion_logprobs(choice, out.new_logprobs, offsets),
+        return self.chunk([{"index": choice.index, "text": echo + out.new_text,
+                            "logprobs": self._completion_logprobs(choice, echo_logprobs + (out.new_logprobs or []),
+                                                                  offsets),
                             "finish_reason": None, **self._first_prompt_ids(choice),
                             **self._output_ids(out.new_token_ids)}])
 
     def finish_chunk(self, choice: Choice) -> dict[str, Any]:
         return self.chunk([{"index": choice.index, "text": "", "logprobs": None,
-                            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
+                            "finish_reason": _finish_reason(choice), "stop_reason": choice.stop_reason,
                             **self._first_prompt_ids(choice)}])
 
     def _completion_logprobs(self, choice: Choice, tokens: list[SampledToken] | None,
@@ -232,10 +268,17 @@ class CompletionFormat(ChatFormat):
         hidden = tok.special_token_ids if choice.params.skip_special_tokens else frozenset()  # no text in the answer
         starts = [offsets.start(d, t.token_id in hidden) for d, t in zip(data, tokens)]
         top = None
-        if choice.params.logprobs > 0:
-            top = [{self._token_name(i, tok.token_bytes(i)): lp for i, lp in t.top_logprobs or ()} for t in tokens]
+        if (k := choice.params.logprobs) > 0:  # (an echoed prompt's first token has no logprob: null, as vLLM's)
+            top = [None if t.logprob is None else
+                   {self._token_name(i, tok.token_bytes(i)): lp for i, lp in (t.top_logprobs or [])[:k]}
+                   for t in tokens]
         return {"tokens": [self._token_name(t.token_id, d) for d, t in zip(data, tokens)],
                 "token_logprobs": [t.logprob for t in tokens], "top_logprobs": top, "text_offset": starts}
+
+
+def _finish_reason(choice: Choice) -> str | None:
+    """A completion with max_tokens 0 (echo: the prompt scored, nothing generated) ends at its length, as OpenAI's."""
+    return FinishReason.LENGTH if choice.params.pooling == "none" else choice.finish_reason
 
 
 def token_string(data: bytes) -> str:

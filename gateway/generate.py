@@ -46,11 +46,14 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id it ended at (vLLM's)
     embedding: list[float] | None = None  # a pooling request's vector, when it finished
+    prompt_logprobs: list[SampledToken] | None = None  # SamplingParams.prompt_logprobs: one per prompt token
 
     def add(self, out: RequestOutput) -> None:
         self.text.append(out.new_text)
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.new_logprobs or ())
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.num_cached_tokens = out.num_cached_tokens
         self.num_disk_cached_tokens = out.num_disk_cached_tokens
         self.num_cache_write_tokens = out.num_cache_write_tokens

@@ -44,6 +44,9 @@ def build_openapi(model_name: str, vocab_size: int, limits: GatewaySettings) -> 
             "/v1/embeddings": {"post": _embeddings_operation(model_name, vocab_size, limits)},
             "/tokenize": {"post": _tokenize_operation(model_name, vocab_size, limits)},
             "/detokenize": {"post": _detokenize_operation(model_name, vocab_size)},
+            "/tokenizer_info": {"get": _operation("The tokenizer's class, special tokens and chat template (vLLM's; "
+                                                  "lm-evaluation-harness's remote tokenizer reads it)",
+                                                  ref("TokenizerInfo"), secured=True)},
             **responses_paths(_responses_request(model_name, vocab_size, limits), _operation),
             "/health": {"get": _operation("Liveness of the engine loop", ref("Health"), errors=(503,))},
             "/ping": {method: _operation("/health's answer (vLLM's and SageMaker's liveness probe)", ref("Health"),
@@ -138,6 +141,9 @@ def _common(model_name: str, vocab_size: int, limits: GatewaySettings) -> dict[s
                              "description": "the prompt's and the answer's token ids beside the text"},
         "return_tokens_as_token_ids": {"type": "boolean", "nullable": True,
                                        "description": "logprobs name each token token_id:ID"},
+        "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": limits.max_top_logprobs, "nullable": True,
+                            "description": "each prompt token's logprob, and the top k of each position; not with "
+                                           "stream; the prompt's cached blocks are not read"},
         **_output_fields(vocab_size),
     }
 
@@ -288,7 +294,10 @@ def _completion_request(model_name: str, vocab_size: int, limits: GatewaySetting
         "logprobs": {"type": "integer", "minimum": 0, "maximum": limits.max_top_logprobs, "nullable": True},
         "best_of": {"type": "integer", "minimum": 1, "maximum": limits.max_n, "nullable": True,
                     "description": ">= n; not with stream"},
-        "echo": {"type": "boolean", "nullable": True, "description": "not with logprobs"},
+        "echo": {"type": "boolean", "nullable": True,
+                 "description": "with logprobs, the prompt's tokens and logprobs come first (the first token's null)"},
+        "max_tokens": {**properties["max_tokens"], "minimum": 0,
+                       "description": "0 only with echo: the prompt alone (with logprobs, scored)"},
         "cache_control": _top_level_cache_control({"tokens": {
             "type": "integer", "minimum": 1, "description": "pins this prompt prefix (default: the whole prompt)"}}),
     })

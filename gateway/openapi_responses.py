@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.tokenizer import SPECIAL_TOKEN_NAMES
 from gateway.generation_defaults import SAMPLING_FIELDS
 
 _COUNT = {"type": "integer", "minimum": 0}
@@ -39,7 +40,8 @@ def response_schemas(model_name: str) -> dict[str, Any]:
                                                  'message holds calls and ended normally; a call cut short by '
                                                  'max_tokens stays "length", its arguments as far as they go'},
                 "stop_reason": _STOP_REASON, "token_ids": _IDS}, optional=("token_ids",))},
-            "usage": ref("Usage")}, optional=("prompt_token_ids",)),
+            "usage": ref("Usage"), "prompt_logprobs": _prompt_logprobs()},
+            optional=("prompt_token_ids", "prompt_logprobs")),
         "ChatCompletionChunk": closed({
             **_head("chat.completion.chunk", "chatcmpl-", model_name), "prompt_token_ids": _IDS,
             "choices": {"type": "array", "description": "empty in the usage chunk", "items": closed({
@@ -52,7 +54,8 @@ def response_schemas(model_name: str) -> dict[str, Any]:
             "choices": {"type": "array", "items": closed({
                 "index": _COUNT, "text": _TEXT, "logprobs": nullable(_completion_logprobs()),
                 "finish_reason": {"type": "string", "enum": ["stop", "length"]}, "stop_reason": _STOP_REASON,
-                "prompt_token_ids": _IDS, "token_ids": _IDS}, optional=("prompt_token_ids", "token_ids"))},
+                "prompt_token_ids": _IDS, "token_ids": _IDS, "prompt_logprobs": _prompt_logprobs()},
+                optional=("prompt_token_ids", "token_ids", "prompt_logprobs"))},
             "usage": ref("Usage")}),
         "CompletionChunk": closed({
             **_head("text_completion", "cmpl-", model_name),
@@ -95,6 +98,9 @@ def response_schemas(model_name: str) -> dict[str, Any]:
         "Tokenized": closed({"count": _COUNT, "max_model_len": _COUNT, "tokens": {"type": "array", "items": _COUNT},
                              "token_strs": {"type": "array", "items": {"type": "string"}, "nullable": True}}),
         "Detokenized": closed({"prompt": {"type": "string"}}),
+        "TokenizerInfo": closed({"tokenizer_class": _TEXT, "chat_template": _TEXT,
+                                 "model_max_length": {"type": "integer", "minimum": 1},
+                                 **{name: nullable(_TEXT) for name in SPECIAL_TOKEN_NAMES}}),
         "Version": closed({"version": _TEXT}),
         "Health": closed({"status": const("ok"), "replicas_up": _COUNT, "replicas": _COUNT},
                           optional=("replicas_up", "replicas")),
@@ -197,12 +203,21 @@ def _chat_logprobs() -> dict[str, Any]:
 
 
 def _completion_logprobs() -> dict[str, Any]:
-    top = {"type": "object", "additionalProperties": _LOGPROB}
+    top = {"type": "object", "additionalProperties": _LOGPROB, "nullable": True}
+    first = "; null for an echoed prompt's first token"
     return closed({"tokens": {"type": "array", "items": _TEXT},
-                    "token_logprobs": {"type": "array", "items": _LOGPROB},
+                    "token_logprobs": {"type": "array", "items": {**_LOGPROB, "nullable": True},
+                                       "description": "echo: the prompt's tokens' first" + first},
                     "top_logprobs": {"type": "array", "items": top, "nullable": True,
-                                     "description": "token -> logprob, when logprobs > 0"},
+                                     "description": "token -> logprob, when logprobs > 0" + first},
                     "text_offset": {"type": "array", "items": _COUNT}})
+
+
+def _prompt_logprobs() -> dict[str, Any]:
+    scored = closed({"logprob": _LOGPROB, "rank": {"type": "integer", "minimum": 1}, "decoded_token": _TEXT})
+    return {"type": "array", "items": {"type": "object", "additionalProperties": scored, "nullable": True},
+            "description": "vLLM's, with prompt_logprobs: per prompt token, null for the first, else token id -> "
+                           "its logprob, rank and text, for the prompt's token and the top k of its position"}
 
 
 def _model(model_name: str) -> dict[str, Any]:

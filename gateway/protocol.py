@@ -50,6 +50,7 @@ class GenerationRequest:
     truncate_prompt_tokens: int | None  # vLLM's: keep the prompt's last k tokens (-1: as many as fit)
     return_token_ids: bool  # vLLM's: the prompt's and the answer's token ids beside the text
     return_tokens_as_token_ids: bool  # vLLM's: logprobs name each token `token_id:ID`
+    prompt_logprobs: int | None  # vLLM's: each prompt token's logprob (k: and the top k), beside the answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +116,10 @@ def parse_completion(body: Any, limits: GatewaySettings,
                      defaults: Mapping[str, Any] = SAMPLING_FIELDS) -> CompletionRequest:
     fields = _Fields(body)
     logprobs = fields.integer("logprobs", None, 0, limits.max_top_logprobs)
-    common = _common(fields, limits, fields.integer("max_tokens", None, 1), logprobs, defaults)
-    extras = completion_extras(fields, common["n"], limits.max_n, common["stream"], logprobs)
+    common = _common(fields, limits, fields.integer("max_tokens", None, 0), logprobs, defaults)
+    extras = completion_extras(fields, common["n"], limits.max_n, common["stream"])
+    if common["max_tokens"] == 0 and not extras["echo"]:  # OpenAI's legacy scoring: the prompt echoed, nothing new
+        raise invalid("max_tokens must be >= 1 (0 only with echo: the prompt alone, with its logprobs)", "max_tokens")
     breakpoints = tuple(completion_breakpoints(fields.body))
     check_truncation(common["truncate_prompt_tokens"], breakpoints)
     return CompletionRequest(**common, prompts=parse_prompts(fields.body.get("prompt"), limits.max_prompts),
@@ -173,8 +176,18 @@ def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None, 
         truncate_prompt_tokens=truncate_prompt_tokens(fields),
         return_token_ids=fields.boolean("return_token_ids", False),
         return_tokens_as_token_ids=fields.boolean("return_tokens_as_token_ids", False),
+        prompt_logprobs=_prompt_logprobs(fields, limits),
         **sampling_fields(fields, defaults),
     )
+
+
+def _prompt_logprobs(fields: "_Fields", limits: GatewaySettings) -> int | None:
+    """vLLM's prompt_logprobs: k >= 0 (-1, the whole vocabulary, is not offered); not while streaming, as vLLM."""
+    k = fields.integer("prompt_logprobs", None, 0, limits.max_top_logprobs)
+    if k is not None and fields.body.get("stream") is True:
+        raise invalid("prompt_logprobs is not available with stream (as in vLLM); /v1/completions streams a prompt's "
+                      "logprobs with echo and logprobs", "prompt_logprobs")
+    return k
 
 
 def _seed(fields: "_Fields") -> int | None:

@@ -51,7 +51,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                       len(prompt) - len(rendered))
         fmt = ChatFormat(_new_id("chatcmpl-"), state.model_name, state.engine.tokenizer,
                          fingerprint=_fingerprint(state), tools=req.tools, tool_call_parser=tool_template.parser,
-                         token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids)
+                         token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids,
+                         prompt_logprobs=req.prompt_logprobs)
         return await _generate(request, state, tenant, req, [prompt], fmt, "messages", None, cache)
 
 
@@ -69,7 +70,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         fmt = CompletionFormat(_new_id("cmpl-"), state.model_name, tokenizer,
                                [p if isinstance(p, str) else tokenizer.decode(p) for p in echoed]
                                if req.echo else None, fingerprint=_fingerprint(state),
-                               token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids)
+                               token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids,
+                               prompt_logprobs=req.prompt_logprobs, echo_logprobs=req.logprobs is not None)
         return await _generate(request, state, tenant, req, prompts, fmt, "prompt",
                                COMPLETIONS_DEFAULT_MAX_TOKENS,
                                directives(list(req.breakpoints), tenant.max_pinned_blocks))

@@ -78,12 +78,17 @@ async def run_command(engine: EngineClient, command: Coroutine[Any, Any, R]) -> 
 
 def sampling_params(req: GenerationRequest, max_tokens: int, choice: int,
                     rank_by_logprob: bool = False) -> SamplingParams:
-    """The engine's parameters for choice `choice` of a chat or completion request (seeds differ by choice)."""
+    """The engine's parameters for choice `choice` of a chat or completion request (seeds differ by choice).
+    max_tokens 0 (completions' echo): the prompt computed and scored, nothing generated."""
     logprobs = 0 if rank_by_logprob and req.logprobs is None else req.logprobs
+    prompt_logprobs = req.prompt_logprobs
+    if getattr(req, "echo", False) and req.logprobs is not None:  # the echoed prompt's tokens come with logprobs
+        prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
     structured = req.structured
     if (tools := getattr(req, "tools", None)) is not None and tools.forced:  # the grammar forces a valid call
         structured = tools.structured_output()  # response_format set aside; protocol refuses vLLM's beside it
-    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+    return SamplingParams(max_tokens=max(max_tokens, 1), pooling="none" if max_tokens == 0 else None,
+                          prompt_logprobs=prompt_logprobs, temperature=req.temperature, top_p=req.top_p,
                           top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
                           stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
                           include_stop_str_in_output=req.include_stop_str_in_output,

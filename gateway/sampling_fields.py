@@ -28,8 +28,6 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "prediction": ("prediction (predicted outputs) is not supported", (None, "")),
     "audio": ("audio output is not supported", (None, "")),
     "web_search_options": ("web search is not supported", (None, "")),
-    "prompt_logprobs": ("prompt_logprobs is not supported: cached prefix tokens are never run through the model",
-                        (None,)),
     "bad_words": ("bad_words is not supported; logit_bias bans single tokens", (None, [])),
     "use_beam_search": ("beam search is not supported", (None, False)),
     "logits_processors": ("custom logits processors are not supported", (None, [])),
@@ -180,13 +178,10 @@ def _spec(kind: str, value: Any, param: str) -> StructuredOutput:
     return StructuredOutput(kind, value)
 
 
-def completion_extras(fields: Any, n: int, max_n: int, stream: bool, logprobs: int | None) -> dict[str, Any]:
-    """/v1/completions only: best_of (the n best of best_of by cumulative logprob) and echo."""
+def completion_extras(fields: Any, n: int, max_n: int, stream: bool) -> dict[str, Any]:
+    """/v1/completions only: best_of (the n best of best_of by cumulative logprob) and echo (the prompt before each
+    answer; with logprobs, the prompt's logprobs before the answer's)."""
     best_of = fields.integer("best_of", n, n, max_n)
     if best_of > n and stream:
         raise invalid("best_of cannot be used with stream (the best choices are known only at the end)", "best_of")
-    echo = fields.boolean("echo", False)
-    if echo and logprobs is not None:
-        raise invalid("echo with logprobs is not supported (the prompt's logprobs are not computed: cached "
-                      "prefix tokens are never run through the model)", "echo")
-    return dict(best_of=best_of, echo=echo)
+    return dict(best_of=best_of, echo=fields.boolean("echo", False))

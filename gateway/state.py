@@ -76,7 +76,7 @@ class GatewayState:
         server's (sampling_defaults' max_tokens), max_tokens_limit and the rest of the context. 400 when the
         prompt, or the prompt and the request's own max_tokens, cannot fit."""
         context = self.engine.max_model_len
-        self.check_prompt(num_prompt_tokens, prompt_param)
+        self.check_prompt(num_prompt_tokens, prompt_param, generates=max_tokens != 0)  # (0: echo, nothing new)
         if max_tokens is None:  # a default is clamped to the context, never refused
             server_cap = self.sampling_defaults.get("max_tokens")
             caps = (default_max_tokens, server_cap, self.settings.gateway.max_tokens_limit)

@@ -1,7 +1,8 @@
-"""`POST /tokenize` and `POST /detokenize`, as vLLM serves them: a prompt's tokens as this server counts them (a
-chat's through its template and tools, as /v1/chat/completions renders it; a text as /v1/completions encodes it,
-after the tokenizer's BOS where it has one; `add_special_tokens` as vLLM takes it), and token ids back to text. A
-client that keeps a long chat within the context counts with them; nothing reaches the engine."""
+"""`POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info`, as vLLM serves them: a prompt's tokens as this
+server counts them (a chat's through its template and tools, as /v1/chat/completions renders it; a text as
+/v1/completions encodes it, after the tokenizer's BOS where it has one; `add_special_tokens` as vLLM takes it), token
+ids back to text, and what the tokenizer is. A client that keeps a long chat within the context counts with them,
+lm-evaluation-harness tokenizes with them; nothing reaches the engine."""
 from __future__ import annotations
 
 from aiohttp import web
@@ -48,6 +49,14 @@ async def detokenize(request: web.Request) -> web.Response:
     if any(not 0 <= t < vocab for t in tokens):
         raise invalid(f"token ids must be in [0, {vocab})", "tokens")
     return web.json_response({"prompt": await decode(state.engine.tokenizer, tokens)})
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    """GET /tokenizer_info, as vLLM serves it: the tokenizer's class, named special tokens (text, or null) and chat
+    template, and the context length (lm-evaluation-harness tokenizes through /tokenize once it finds this)."""
+    state = request.app[STATE]
+    state.auth.authenticate(request)
+    return web.json_response({**state.engine.tokenizer.info(), "model_max_length": state.engine.max_model_len})
 
 
 async def _checked(request: web.Request) -> tuple[GatewayState, _Fields]:

@@ -60,8 +60,13 @@ class KVCacheManager:
         self._tenant_lookups: dict[str, tuple[int, int]] = {}  # tenant -> (queried, hit) tokens since last taken
 
     def num_hittable_blocks(self, request: Request) -> int:
-        """Blocks a hit may cover: the last prompt token is always computed, its logits give the next token."""
-        return (request.num_tokens - 1) // self.block_size
+        """Blocks a hit may cover: the last prompt token is always computed, its logits give the next token. A
+        request that wants its prompt's logprobs hits only prompt tokens it has scored (a preempted one's: a hit's
+        tokens never run through the model)."""
+        num_tokens = request.num_tokens - 1
+        if request.prompt_logprobs is not None:
+            num_tokens = min(num_tokens, len(request.prompt_logprobs) - 1)
+        return num_tokens // self.block_size
 
     def find_cached_prefix(self, request: Request) -> CachedPrefix:
         """Longest run of cached full blocks (RAM, then disk), covering at most num_tokens - 1 tokens."""

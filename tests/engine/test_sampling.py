@@ -198,6 +198,9 @@ def test_llama3_tiktoken_file_backend(tmp_path):
     assert tok.decode(chat_ids) == "user\n\nhiassistant\n\n"  # special tokens are not output text
     assert tok.eos_token_ids == {267 + 1, 267 + 9}  # <|end_of_text|>, <|eot_id|>
     assert tok.bos_token_ids == (267,)  # a text prompt starts with <|begin_of_text|>, as Meta's encode(bos=True)
+    info = tok.info()  # (GET /tokenizer_info)
+    assert (info["bos_token"], info["eos_token"], info["pad_token"]) == ("<|begin_of_text|>", "<|end_of_text|>", None)
+    assert tok.encode(info["eos_token"])[0] in tok.eos_token_ids and "{%" in info["chat_template"]
     assert llm.generate(text, SamplingParams(max_tokens=1))[0].prompt_token_ids == [267, *ids]
     out = llm.generate(chat_ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 4

@@ -94,6 +94,14 @@ def test_chat_completion_with_vllms_output_extras(server, spec):
     assert answer["prompt_token_ids"] and "prompt_token_ids" in chunks[0]
 
 
+@pytest.mark.parametrize("path, body", [(CHAT, {"messages": ask("Hello?")}), (COMPLETIONS, {"prompt": "Hello"})])
+def test_vllms_prompt_logprobs(server, spec, path, body):
+    """(not streamed: prompt_logprobs with stream is a 400, as in vLLM)"""
+    resp = post(server, path, {**body, "max_tokens": 2, "prompt_logprobs": 2})
+    assert resp.status_code == 200, resp.text
+    assert_matches(spec, response_schema(spec, path), resp.json())
+
+
 def test_forced_tool_call_has_null_content(server, spec):
     body = {"messages": ask("Weather?"), "tools": [BOUNDED_WEATHER], "tool_choice": NAMED, "max_tokens": 200}
     answer, chunks = check_both_ways(server, spec, CHAT, body)
@@ -120,7 +128,9 @@ def test_tool_calls_parsed_from_text_keep_the_text_around_them(server, spec):
     ({"prompt": [1, 2, 3], "max_tokens": 2, "logprobs": 0}, 1),
     ({"prompt": ["the cache block", "of the prefix"], "max_tokens": 3, "n": 2, "logprobs": 1,
       "return_token_ids": True, "return_tokens_as_token_ids": True, "stop": ["e"]}, 4),
-], ids=["top-logprobs", "echo", "token-ids", "vllm-extras"])
+    ({"prompt": ["the cache block", "of"], "max_tokens": 2, "logprobs": 2, "echo": True}, 2),
+    ({"prompt": [1, 2, 3], "max_tokens": 0, "logprobs": 0, "echo": True}, 1),
+], ids=["top-logprobs", "echo", "token-ids", "vllm-extras", "echo-logprobs", "echo-scored-alone"])
 def test_text_completion(server, spec, body, num_choices):
     answer, _ = check_both_ways(server, spec, COMPLETIONS, body)
     assert len(answer["choices"]) == num_choices

@@ -39,7 +39,7 @@ BUDGET = {
         ("/v1/cache/stats", "GET"), ("/v1/responses/{response_id}", "GET"), ("/v1/responses/{response_id}", "DELETE"),
         ("/v1/responses/{response_id}/input_items", "GET"), ("/v1/responses/{response_id}/cancel", "POST"),
         ("/health", "GET"), ("/ping", "GET"), ("/ping", "POST"), ("/version", "GET"), ("/metrics", "GET"),
-        ("/openapi.json", "GET")]},
+        ("/openapi.json", "GET"), ("/tokenizer_info", "GET")]},
 }
 RAW_EXAMPLES = 600
 MIN_REQUESTS = 2000

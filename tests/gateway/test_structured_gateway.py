@@ -224,7 +224,7 @@ def test_echo_prepends_the_prompt(client, model):
 
 @pytest.mark.parametrize("kwargs, param", [
     ({"suffix": "the end"}, "suffix"),
-    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"max_tokens": 0}, "max_tokens"),  # (0 only with echo)
     ({"best_of": 3, "stream": True}, "best_of"),
     ({"best_of": 1, "n": 2}, "best_of"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),

@@ -100,7 +100,7 @@ def test_allowed_token_ids_limit_every_sampled_token(server, tok):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("prompt_logprobs", 0), ("prompt_logprobs", 1), ("bad_words", ["Paris"]), ("use_beam_search", True),
+    ("bad_words", ["Paris"]), ("use_beam_search", True),
     ("logits_processors", ["my.module:Processor"]), ("priority", 5), ("stop_token_ids", [10**6]),
     ("guided_whitespace_pattern", r"[ ]?"), ("structural_tag", '{"structures": []}'),
     ("priority", False), ("use_beam_search", 0),  # a boolean is not 0, nor 0 False: neither asks for nothing
