@@ -147,7 +147,7 @@ async def _engine_ctx(settings: Settings, engine: EngineClient | None, auth: Aut
     if engine is None:
         engine = await _launch_engine(settings, app[ENGINE_GAVE_UP])
     served = settings.gateway.served_model_name
-    metrics = Metrics(api_model_name(settings, engine), auth.tenant_names)
+    metrics = Metrics(api_model_name(settings, engine), auth.tenant_names, vllm_names=settings.gateway.vllm_metrics)
     engine.add_stats_listener(metrics.on_step)
     app[CACHE_STATS] = CacheStats()
     engine.add_stats_listener(app[CACHE_STATS].on_step)

@@ -66,6 +66,8 @@ class GatewaySettings:
     metrics_api_key: str | None = field(default=None, repr=False, metadata={
         "help": "bearer key that /metrics requires (None: /metrics is open, and it lists tenant names)"})
     log_level: str = _knob("info", "debug | info | warning | error")
+    vllm_metrics: bool = _knob(True, "/metrics also shows the series vLLM exports under vLLM's names "
+                                     "(vllm:num_requests_waiting, ...): dashboards and autoscalers built for vLLM")
     served_model_name: tuple[str, ...] = _knob(
         (), "the model's names in the API, as vLLM's --served-model-name: answers carry the first, each selects the "
             "model; none: its own name (a .gguf file's is its stem and a hash of its path, size and mtime)")

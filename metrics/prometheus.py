@@ -241,6 +241,8 @@ class RequestMetrics:
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
         self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first output token.",
                                  LATENCY_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "First output token to finish (requests that "
+                                "produced a token).", LATENCY_BUCKETS)
         self.prompt_len = histogram("request_prompt_length_tokens", "Prompt length of finished requests.",
                                     TOKEN_BUCKETS)
         self.generation_len = histogram("request_generation_length_tokens",
@@ -261,6 +263,8 @@ class RequestMetrics:
             counter.inc()
         self.e2e.observe(request.e2e_latency)
         self.queue.observe(request.queue_time)
+        if request.num_output_tokens:
+            self.decode.observe(request.e2e_latency - request.ttft)
         self.prompt_len.observe(request.num_prompt_tokens)
         self.generation_len.observe(request.num_output_tokens)
 
@@ -439,10 +443,54 @@ class _WithoutCreated:
             yield family
 
 
+# our family (less PREFIX) -> vLLM's names for it: the series vLLM's Grafana dashboards, KEDA rules and the Gateway
+# API Inference Extension read (ITL twice: vLLM renamed time_per_output_token, and gpu_cache_usage to kv_cache_usage)
+VLLM_NAMES = {
+    "requests_running": ("vllm:num_requests_running",), "requests_waiting": ("vllm:num_requests_waiting",),
+    "kv_cache_usage_ratio": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "prompt_tokens": ("vllm:prompt_tokens",), "generation_tokens": ("vllm:generation_tokens",),
+    "prefix_cache_queries_tokens": ("vllm:prefix_cache_queries",),
+    "prefix_cache_hits_tokens": ("vllm:prefix_cache_hits",),
+    "preemptions": ("vllm:num_preemptions",), "requests_finished": ("vllm:request_success",),
+    "time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "inter_token_latency_seconds": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    "e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
+    "request_prefill_time_seconds": ("vllm:request_prefill_time_seconds",),
+    "request_decode_time_seconds": ("vllm:request_decode_time_seconds",),
+    "request_prompt_length_tokens": ("vllm:request_prompt_tokens",),
+    "request_generation_length_tokens": ("vllm:request_generation_tokens",),
+}
+VLLM_SUCCESS = ("stop", "length", "abort")  # vLLM's request_success counts these (its label: finished_reason)
+
+
+class _VllmNames:
+    """Our series of VLLM_NAMES again under vLLM's names, read from the registry at scrape time (one count kept,
+    two names shown): a dashboard or autoscaler built for vLLM reads them unchanged."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            names = VLLM_NAMES.get(family.name.removeprefix(PREFIX), ()) if family.name.startswith(PREFIX) else ()
+            for name in names:
+                renamed = Metric(name, f"{family.documentation} ({family.name}, under vLLM's name)", family.type)
+                renamed.samples = [s._replace(name=name + s.name[len(family.name):], labels=_vllm_labels(s.labels))
+                                   for s in family.samples if s.labels.get("finish_reason", "stop") in VLLM_SUCCESS]
+                yield renamed
+
+
+def _vllm_labels(labels: dict[str, str]) -> dict[str, str]:
+    return {("finished_reason" if key == "finish_reason" else key): value for key, value in labels.items()}
+
+
 class Metrics:
     """All of prefixgate's series in one registry (its own by default, so apps in one process don't clash)."""
 
-    def __init__(self, model_name: str, tenants: list[str], registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, tenants: list[str], registry: CollectorRegistry | None = None,
+                 vllm_names: bool = True) -> None:
+        """vllm_names: the series vLLM also exports, again under vLLM's names (VLLM_NAMES)."""
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         self.prefix_cache = PrefixCacheMetrics(self.registry, model_name)
@@ -460,6 +508,10 @@ class Metrics:
         if registry is None:  # process_* series (memory, CPU, fds) only in a registry we own
             ProcessCollector(registry=self.registry)
         self._lock = threading.Lock()  # the _Delta last-seen values, if steps ever come from two threads
+        self._exposed = CollectorRegistry(auto_describe=False)  # what /metrics shows: ours, and vLLM's names
+        self._exposed.register(_WithoutCreated(self.registry))
+        if vllm_names:
+            self._exposed.register(_VllmNames(_WithoutCreated(self.registry)))
 
     def on_step(self, stats: StepStats) -> None:
         """Called on the engine thread after every step."""
@@ -487,4 +539,4 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its Content-Type."""
-        return generate_latest(_WithoutCreated(self.registry)), CONTENT_TYPE_LATEST
+        return generate_latest(self._exposed), CONTENT_TYPE_LATEST

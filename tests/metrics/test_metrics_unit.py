@@ -231,7 +231,7 @@ def test_each_metrics_has_its_own_registry_and_series_names_are_prefixed():
     first.on_step(step(queries=10))
     assert value(scrape(second), "prefixgate_prefix_cache_queries_tokens_total") == 0
     names = {name for name, _ in scrape(first)}
-    assert all(name.startswith(("prefixgate_", "process_")) for name in names)
+    assert all(name.startswith(("prefixgate_", "process_", "vllm:")) for name in names)
     shared = CollectorRegistry()
     Metrics(MODEL, tenants=[], registry=shared)  # a registry given by the caller gets our series only
     assert shared.get_sample_value("prefixgate_prefix_cache_queries_tokens_total", {"model_name": MODEL}) == 0
@@ -310,3 +310,29 @@ def test_the_response_store_is_read_at_scrape_time():
     assert value(s, "prefixgate_responses_store_dropped_total") == 1
     assert value(s, "prefixgate_responses_store_pending") == 4
     assert value(s, "prefixgate_responses_store_lost_total") == 5
+
+
+def test_the_series_vllm_exports_show_under_vllms_names_too():
+    """Dashboards, KEDA rules and the Gateway API Inference Extension built for vLLM read its names: the same
+    values, finish reasons as its finished_reason (errors are no success there); off, none of them."""
+    metrics = Metrics(MODEL, tenants=[])
+    metrics.on_step(step(queries=128, hits=48, lookups=2, usage=0.5, running=2, waiting=3, preemptions=1,
+                         ttfts=[0.02], inter_token_latencies=[0.01],
+                         finished=[finished(reason="stop"), finished(reason="error"), finished(reason="length")]))
+    s = scrape(metrics)
+    assert value(s, "vllm:num_requests_waiting") == 3 and value(s, "vllm:num_requests_running") == 2
+    assert value(s, "vllm:kv_cache_usage_perc") == value(s, "vllm:gpu_cache_usage_perc") == 0.5
+    assert value(s, "vllm:prefix_cache_hits_total") == 48 and value(s, "vllm:prefix_cache_queries_total") == 128
+    assert value(s, "vllm:num_preemptions_total") == 1 and value(s, "vllm:prompt_tokens_total") == 3 * 64
+    assert {labels: v for (name, labels), v in s.items() if name == "vllm:request_success_total"} == {
+        frozenset({"model_name": MODEL, "finished_reason": reason}.items()): count
+        for reason, count in (("stop", 1), ("length", 1), ("abort", 0))}
+    for ours, theirs in (("time_to_first_token_seconds", "time_to_first_token_seconds"),
+                         ("inter_token_latency_seconds", "time_per_output_token_seconds"),
+                         ("e2e_request_latency_seconds", "e2e_request_latency_seconds"),
+                         ("request_decode_time_seconds", "request_decode_time_seconds"),
+                         ("request_prompt_length_tokens", "request_prompt_tokens")):
+        for suffix in ("_count", "_sum"):
+            assert value(s, f"vllm:{theirs}{suffix}") == value(s, f"prefixgate_{ours}{suffix}") > 0
+    assert value(s, "prefixgate_request_decode_time_seconds_sum") == pytest.approx(3 * (0.4 - 0.023))
+    assert not [name for name, _ in scrape(Metrics(MODEL, tenants=[], vllm_names=False)) if name.startswith("vllm:")]
