@@ -19,10 +19,11 @@ class ChatFormat:
 
     def __init__(self, response_id: str, model: str, tokenizer: Any, *, fingerprint: str | None = None,
                  tools: ToolRequest | None = None, tool_call_parser: str = "hermes", token_ids: bool = False,
-                 tokens_as_ids: bool = False, prompt_logprobs: int | None = None) -> None:
+                 tokens_as_ids: bool = False, prompt_logprobs: int | None = None, echo: str = "") -> None:
         """`token_ids`: vLLM's return_token_ids (the prompt's and the answer's token ids beside the text);
         `tokens_as_ids`: vLLM's return_tokens_as_token_ids (logprobs name each token `token_id:ID`);
-        `prompt_logprobs`: vLLM's (the prompt's logprobs, with the top k of each position, beside the answer)."""
+        `prompt_logprobs`: vLLM's (the prompt's logprobs, with the top k of each position, beside the answer);
+        `echo`: vLLM's (the continued assistant message's text, before each answer's content)."""
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
@@ -31,6 +32,7 @@ class ChatFormat:
         self.token_ids = token_ids
         self.tokens_as_ids = tokens_as_ids
         self.prompt_logprobs = prompt_logprobs
+        self.echo = echo
         self.tool_parser = parser_for(tools, tool_call_parser)  # None: the text is never parsed for tool calls
         self.max_tool_calls = tools.max_calls if tools else None
         self.legacy_functions = tools is not None and tools.legacy  # answer with the deprecated `function_call`
@@ -69,14 +71,15 @@ class ChatFormat:
         return {"token_ids": token_ids} if self.token_ids else {}
 
     def choice_body(self, choice: Choice) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(choice.text)}
+        message: dict[str, Any] = {"role": "assistant", "content": self.echo + "".join(choice.text)}
         finish_reason = choice.finish_reason
         if self.tool_parser is not None:
-            parsed = extract(self.tool_parser, message["content"], self.max_tool_calls,
+            parsed = extract(self.tool_parser, "".join(choice.text), self.max_tool_calls,
                              cut_short=_cut_short(choice))
-            message["content"] = parsed.content  # (cut short: without what a stream held back as a call's start)
+            # (cut short: without what a stream held back as a call's start)
+            message["content"] = self.echo + parsed.content
             if parsed.calls:
-                message = {"role": "assistant", "content": parsed.content or None}
+                message = {"role": "assistant", "content": message["content"] or None}
                 if self.legacy_functions:
                     message["function_call"] = {"name": parsed.calls[0].name, "arguments": parsed.calls[0].arguments}
                 else:
@@ -88,8 +91,8 @@ class ChatFormat:
                 "finish_reason": finish_reason, "stop_reason": choice.stop_reason, **self._output_ids(choice.token_ids)}
 
     def first_chunks(self, choices: list[Choice]) -> list[dict[str, Any]]:
-        """Each choice's role, a chunk each (as OpenAI and vLLM stream them: one choice a chunk)."""
-        return [self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+        """Each choice's role (and echo), a chunk each (as OpenAI and vLLM stream them: one choice a chunk)."""
+        return [self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": self.echo},
                              "logprobs": None, "finish_reason": None}], **self._prompt_ids(c)) for c in choices]
 
     def delta_chunk(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:

@@ -241,8 +241,9 @@ def _chat_request(model_name: str, vocab_size: int, limits: GatewaySettings) -> 
             "documents")},
         "documents": {"type": "array", "items": {"type": "object"}, "nullable": True,
                       "description": "the chat template's documents"},
-        "echo": {"type": "boolean", "enum": [False], "nullable": True,
-                 "description": "offered on /v1/completions; a chat answer is not echoed"},
+        "echo": {"type": "boolean", "nullable": True,
+                 "description": "vLLM's: an answer that continues the last message, an assistant's "
+                                "(continue_final_message), starts with its text"},
     })
     return {"type": "object", "required": ["messages"], "properties": properties}
 

@@ -62,6 +62,7 @@ class ChatRequest(GenerationRequest):
     continue_final_message: bool = False  # vLLM's: the prompt ends inside the final assistant message
     template_variables: dict[str, Any] = field(default_factory=dict)  # vLLM's chat_template_kwargs, documents
     add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS before the rendered chat too
+    echo: str = ""  # vLLM's echo: the last message's text (an assistant's) before the answer's
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +85,8 @@ def parse_chat(body: Any, limits: GatewaySettings, defaults: Mapping[str, Any] =
         max_tokens = fields.integer("max_tokens", None, 1)
     common = _common(fields, limits, max_tokens, (top or 0) if want_logprobs else None, defaults)
     messages = normalize_messages(fields.body.get("messages"), limits.max_messages)
-    if fields.boolean("echo", False):
-        raise invalid("echo is offered on /v1/completions; a chat completion's message holds the answer alone",
-                      "echo")
+    # vLLM's echo: an answer that continues the last message, an assistant's, starts with that message's text
+    echo = messages[-1]["content"] if fields.boolean("echo", False) and messages[-1]["role"] == "assistant" else ""
     add_generation_prompt, continue_final_message = prompt_ending(fields)
     breakpoints = tuple(chat_breakpoints(fields.body))
     check_truncation(common["truncate_prompt_tokens"], breakpoints)
@@ -97,7 +97,7 @@ def parse_chat(body: Any, limits: GatewaySettings, defaults: Mapping[str, Any] =
     return ChatRequest(**common, messages=messages, tools=tools,
                        breakpoints=breakpoints, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, template_variables=template_variables(fields.body),
-                       add_special_tokens=fields.boolean("add_special_tokens", False))
+                       add_special_tokens=fields.boolean("add_special_tokens", False), echo=echo)
 
 
 def prompt_ending(fields: "_Fields") -> tuple[bool, bool]:

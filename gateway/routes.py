@@ -52,7 +52,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         fmt = ChatFormat(_new_id("chatcmpl-"), state.model_name, state.engine.tokenizer,
                          fingerprint=_fingerprint(state), tools=req.tools, tool_call_parser=tool_template.parser,
                          token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids,
-                         prompt_logprobs=req.prompt_logprobs)
+                         prompt_logprobs=req.prompt_logprobs, echo=req.echo)
         return await _generate(request, state, tenant, req, [prompt], fmt, "messages", None, cache)
 
 

@@ -342,7 +342,7 @@ def test_chat_content_parts_and_roles():
     ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"),
     ({"n": 0}, "n"), ({"n": 5}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 101}, "max_tokens"),
     ({"max_completion_tokens": "5"}, "max_completion_tokens"),
-    ({"seed": "1"}, "seed"), ({"echo": True}, "echo"),
+    ({"seed": "1"}, "seed"), ({"echo": "yes"}, "echo"),
     ({"continue_final_message": True}, "continue_final_message"),  # (with add_generation_prompt's default, true)
     ({"stop": 3}, "stop"), ({"stop": ["a", "b", "c"]}, "stop"), ({"stop": [""]}, "stop"),
     ({"logprobs": 1}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),

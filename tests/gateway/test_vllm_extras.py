@@ -449,3 +449,25 @@ def test_a_stop_token_ends_the_answer_before_a_stop_string_its_own_text_complete
         got = complete(server, allowed_token_ids=[token], stop_token_ids=[token], stop=[text.strip()[:2]],
                        include_stop_str_in_output=include)
         assert (got["text"], got["stop_reason"]) == (expected, token)  # as vLLM: stop tokens are checked first
+
+
+def test_chat_echo_puts_the_continued_assistant_message_before_the_answer(server):
+    """vLLM's echo on chat: the last message, an assistant's, starts the answer's content (streamed: in the role
+    chunk); after a user's message, nothing is echoed."""
+    prefill = "The capital of France is"
+    base = {"model": server.state.model_name, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Name a capital."}, {"role": "assistant", "content": prefill}],
+            "add_generation_prompt": False, "continue_final_message": True}
+    plain = requests.post(f"{server.url}/v1/chat/completions", json=base, timeout=60).json()
+    answer = plain["choices"][0]["message"]["content"]
+    echoed = requests.post(f"{server.url}/v1/chat/completions", json={**base, "echo": True}, timeout=60).json()
+    assert echoed["choices"][0]["message"]["content"] == prefill + answer
+    assert [echoed["usage"][k] for k in ("prompt_tokens", "completion_tokens")] == [
+        plain["usage"][k] for k in ("prompt_tokens", "completion_tokens")]  # the echo is no answer token
+    text, choices = streamed(server, "/v1/chat/completions", **{k: v for k, v in base.items() if k != "model"},
+                             echo=True)
+    assert text == prefill + answer and choices[0]["delta"] == {"role": "assistant", "content": prefill}
+    asked = {**base, "messages": base["messages"][:1], "add_generation_prompt": True, "continue_final_message": False}
+    alone = requests.post(f"{server.url}/v1/chat/completions", json=asked, timeout=60).json()
+    with_echo = requests.post(f"{server.url}/v1/chat/completions", json={**asked, "echo": True}, timeout=60).json()
+    assert with_echo["choices"][0]["message"] == alone["choices"][0]["message"]
