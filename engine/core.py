@@ -309,12 +309,9 @@ class EngineCore:
         return self._emit(request, token)
 
     def _score_prompt(self, request: Request, first: int, logits: torch.Tensor) -> None:
-        """The logprobs of prompt tokens first.. (a chunk's share); those scored before a preemption stay."""
-        done = len(request.prompt_logprobs)
-        if first <= done < first + len(logits):
-            targets = request.prompt_token_ids[done:first + len(logits)]
-            request.prompt_logprobs += prompt_logprobs.score(logits[done - first:], targets,
-                                                             request.params.prompt_logprobs)
+        """The logprobs of prompt tokens first.. (a chunk's share: the runner leaves out those already scored)."""
+        targets = request.prompt_token_ids[first:first + len(logits)]
+        request.prompt_logprobs += prompt_logprobs.score(logits, targets, request.params.prompt_logprobs)
 
     def _pool(self, request: Request, hidden: torch.Tensor) -> RequestOutput:
         """A pooling request's prompt is computed: its embedding is the last token's final hidden state."""
@@ -456,8 +453,8 @@ class EngineCore:
 def _context_length(config: EngineConfig, hf_config, num_blocks: int) -> int:
     """The model's context, capped by what the KV pool holds: a longer request could never finish."""
     wanted = config.max_model_len or hf_config.max_position_embeddings
-    # the last sampled token is never fed back, so a request of N tokens holds K/V for N - 1
-    capacity = num_blocks * config.block_size + 1
+    # a request that generates nothing (an embedding, a scored prompt) holds K/V for every token of its prompt
+    capacity = num_blocks * config.block_size
     if wanted > capacity:
         logger.warning("context length %d exceeds the KV pool; serving %d tokens", wanted, capacity)
     return min(wanted, capacity)

@@ -6,7 +6,8 @@ import torch
 
 from engine.sampling_params import SampledToken
 
-# rows turned into logprobs at once: a 512-token chunk of a 150,000-token vocabulary is 300 MB of float32 at once
+# rows turned into logprobs at once: the chunk's logits are there already, but log_softmax, the comparison for
+# the ranks and topk each make a copy (a 512-token chunk of a 150,000-token vocabulary: 300 MB of float32 each)
 ROWS_PER_SLICE = 64
 
 

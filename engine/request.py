@@ -33,7 +33,7 @@ class Request:
         self.logprobs: list[SampledToken] = []
         # prompt_logprobs: one per prompt token so far, the first without a logprob (nothing comes before it)
         self.prompt_logprobs: list[SampledToken] | None = (
-            None if params.prompt_logprobs is None else [SampledToken(self.prompt_token_ids[0])])
+            None if params.prompt_logprobs is None else [SampledToken(t) for t in self.prompt_token_ids[:1]])
         self.prompt_logprobs_sent = False  # handed out in an output (once, complete)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V sit in the cache

@@ -95,10 +95,12 @@ class ModelRunner:
             elif not self.prefill_kernel:  # (the kernel reads block tables: no slot lists or masks to build)
                 prefills.append(PrefillSeq(q_start, chunk.num_tokens, self._tensor_of(slots[:end]),
                                            _chunk_mask(start, end, self.device)))
-            last = min(end, request.num_prompt_tokens - 1)  # position p's logits predict prompt token p + 1
-            if request.params.prompt_logprobs is not None and last > start:
-                prompt_idx += range(q_start, q_start + last - start)
-                scored.append((request, start + 1, last - start))
+            if request.prompt_logprobs is not None:  # position p's logits predict prompt token p + 1
+                first = max(start, len(request.prompt_logprobs) - 1)  # (not those scored before a preemption)
+                last = min(end, request.num_prompt_tokens - 1)
+                if last > first:
+                    prompt_idx += range(q_start + first - start, q_start + last - start)
+                    scored.append((request, first + 1, last - first))
             if end == request.num_tokens:
                 logits_idx.append(len(input_ids) - 1)
                 sampled.append(chunk)

@@ -24,8 +24,8 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # False: special tokens' text is part of the output
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: also the top k
-    # each prompt token's logprob given the tokens before it (None: none; k: also the top k); such a request reads
-    # no cached blocks, since a hit's tokens never run through the model (vLLM's prompt_logprobs)
+    # each prompt token's logprob given the tokens before it (None: none; k: also the top k); such a request hits
+    # no cached block but those of tokens it scored before a preemption: a hit's tokens never run through the model
     prompt_logprobs: int | None = None
     presence_penalty: float = 0.0  # OpenAI: over generated tokens
     frequency_penalty: float = 0.0

@@ -61,8 +61,10 @@ class ChatFormat:
         return {"prompt_logprobs": scores}
 
     def _scored(self, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        """vLLM's Logprob: the token's text (U+FFFD for part of a character), or token_id:ID with tokens_as_ids."""
+        text = self.tokenizer.token_bytes(token_id).decode("utf-8", "replace")
         return {"logprob": logprob, "rank": rank,
-                "decoded_token": self._token_name(token_id, self.tokenizer.token_bytes(token_id))}
+                "decoded_token": f"token_id:{token_id}" if self.tokens_as_ids else text}
 
     def _prompt_ids(self, choice: Choice) -> dict[str, Any]:
         return {"prompt_token_ids": choice.prompt_ids} if self.token_ids else {}
@@ -212,9 +214,10 @@ class CompletionFormat(ChatFormat):
         return {}  # (each choice carries its own prompt's)
 
     def choice_body(self, choice: Choice) -> dict[str, Any]:
+        echoed = self._echo_logprobs(choice)
         return {"index": choice.index, "text": self._echo(choice) + "".join(choice.text),
-                "logprobs": self._completion_logprobs(choice, self._echo_logprobs(choice) + choice.logprobs,
-                                                      TextOffsets()),
+                "logprobs": self._completion_logprobs(choice, echoed + choice.logprobs, TextOffsets(),
+                                                      self._echo(choice), len(echoed)),
                 "finish_reason": _finish_reason(choice), "stop_reason": choice.stop_reason,
                 **self._prompt_ids(choice), **self._output_ids(choice.token_ids), **self._prompt_scores(choice)}
 
@@ -253,7 +256,7 @@ class CompletionFormat(ChatFormat):
         offsets = self._offsets.setdefault(choice.index, TextOffsets())  # carried across the stream's chunks
         return self.chunk([{"index": choice.index, "text": echo + out.new_text,
                             "logprobs": self._completion_logprobs(choice, echo_logprobs + (out.new_logprobs or []),
-                                                                  offsets),
+                                                                  offsets, echo, len(echo_logprobs)),
                             "finish_reason": None, **self._first_prompt_ids(choice),
                             **self._output_ids(out.new_token_ids)}])
 
@@ -262,14 +265,21 @@ class CompletionFormat(ChatFormat):
                             "finish_reason": _finish_reason(choice), "stop_reason": choice.stop_reason,
                             **self._first_prompt_ids(choice)}])
 
-    def _completion_logprobs(self, choice: Choice, tokens: list[SampledToken] | None,
-                             offsets: "TextOffsets") -> dict[str, Any] | None:
+    def _completion_logprobs(self, choice: Choice, tokens: list[SampledToken] | None, offsets: "TextOffsets",
+                             echo: str = "", num_echoed: int = 0) -> dict[str, Any] | None:
+        """`tokens`: the echoed prompt's first (`num_echoed` of them, their text `echo`), then the answer's."""
         if choice.params.logprobs is None or not tokens:
             return None
         tok = self.tokenizer
         data = [tok.token_bytes(t.token_id) for t in tokens]
         hidden = tok.special_token_ids if choice.params.skip_special_tokens else frozenset()  # no text in the answer
-        starts = [offsets.start(d, t.token_id in hidden) for d, t in zip(data, tokens)]
+        starts = []
+        for i, (d, t) in enumerate(zip(data, tokens)):
+            if i < num_echoed:  # the echo holds a special token's text where the prompt did (not an added BOS)
+                shown = t.token_id not in tok.special_token_ids or offsets.reads(echo, d)
+            else:
+                shown = t.token_id not in hidden
+            starts.append(offsets.start(d, not shown))
         top = None
         if (k := choice.params.logprobs) > 0:  # (an echoed prompt's first token has no logprob: null, as vLLM's)
             top = [None if t.logprob is None else
@@ -300,6 +310,10 @@ class TextOffsets:
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._chars = 0
+
+    def reads(self, text: str, data: bytes) -> bool:
+        """Whether `text` (counted from where these offsets began) holds the token `data` at the current offset."""
+        return text.startswith(data.decode("utf-8", "replace"), self._chars)
 
     def start(self, data: bytes, special: bool) -> int:
         offset = self._chars

@@ -114,6 +114,8 @@ class KVCacheManager:
         return blocks
 
     def record_lookup(self, request: Request, prefix: CachedPrefix) -> None:
+        if request.prompt_logprobs is not None:
+            return  # no lookup: it may hit nothing, and would read as a miss in the hit rate (vLLM counts none either)
         self.num_lookups += 1
         self.num_queried_tokens += request.num_tokens
         self.num_hit_tokens += prefix.num_tokens

@@ -124,10 +124,11 @@ def test_context_length_is_capped_by_the_kv_pool(tiny_llama_dir):
     """A request longer than the pool could never finish (it would preempt itself forever)."""
     from engine.core import EngineCore
     core = EngineCore(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=8, block_size=16))
-    assert core.max_model_len == 8 * 16 + 1  # the last sampled token needs no slot
+    assert core.max_model_len == 8 * 16  # a prompt that generates nothing needs a slot for its every token
     with pytest.raises(ValueError, match="context length"):
-        core.validate(list(range(3, 100)), SamplingParams(max_tokens=33))
-    core.validate(list(range(3, 100)), SamplingParams(max_tokens=32))
+        core.validate(list(range(3, 100)), SamplingParams(max_tokens=32))
+    core.validate(list(range(3, 100)), SamplingParams(max_tokens=31))
+    core.validate(list(range(3, 131)), SamplingParams(pooling="last"))
 
 
 async def test_shutdown_aborts_what_is_left_and_ends_every_stream(tiny_llama_dir):

@@ -49,6 +49,8 @@ def test_prompt_logprobs_match_transformers_and_never_read_the_cache(tiny_llama_
     plain = llm.generate(prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
     assert plain.num_cached_tokens == (PROMPT_LEN - 1) // 16 * 16  # the scoring requests wrote the cache
     assert plain.token_ids == first.token_ids and plain.prompt_logprobs is None
+    stats = llm.stats()  # the scoring requests looked nothing up: the hit rate is the plain request's alone
+    assert (stats.requests, stats.queries, stats.hits) == (1, PROMPT_LEN, plain.num_cached_tokens)
     assert llm.core.kv.pool.num_free_blocks == 64
 
 

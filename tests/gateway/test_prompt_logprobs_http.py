@@ -151,3 +151,34 @@ def test_echo_beside_best_of_without_logprobs_shows_none(server):
     assert choice["logprobs"] is None and choice["text"].startswith("one two")
     choice = completion(server, prompt="one two", max_tokens=2, echo=True, best_of=2, prompt_logprobs=1)["choices"][0]
     assert choice["logprobs"] is None and len(choice["prompt_logprobs"]) >= 2
+
+
+def test_echoed_special_tokens_have_the_width_the_echoed_text_gives_them(server):
+    """A text prompt that writes a special token echoes its text, and its offsets count it; a token-id prompt's echo
+    (decoded, special tokens left out) gives it none. Every token's offset points at its own text."""
+    tok = server.state.engine.tokenizer
+    special = next(iter(sorted(tok.special_token_ids)))
+    name = tok.token_bytes(special).decode()
+    prompt = f"{name}user hello{name}"
+    for sent in (prompt, tok.encode(prompt)):
+        choice = completion(server, prompt=sent, max_tokens=2, echo=True, logprobs=1, temperature=0)["choices"][0]
+        text, logprobs = choice["text"], choice["logprobs"]
+        assert text.startswith(name if isinstance(sent, str) else "user hello")
+        for token, offset in zip(logprobs["tokens"], logprobs["text_offset"]):
+            if not token.startswith("bytes:"):  # (part of a character)
+                assert token == name or text.startswith(token, offset), (token, offset, text)
+
+
+def test_a_prompt_that_generates_nothing_still_fits_the_kv_pool(tiny_llama_dir):
+    """A KV pool of 4 blocks of 16 sets the context at 64 tokens: a prompt that generates nothing holds K/V for every
+    one of them, scored or embedded (the context was 65, since a request never holds K/V for its last generated
+    token; such a prompt of 65 was taken and never finished, and the queue behind it waited for ever)."""
+    with LiveServer(tiny_settings(tiny_llama_dir, engine={"num_kv_blocks": 4})) as small:
+        assert small.state.engine.max_model_len == 64
+        for path, field, extra in (("/v1/completions", "prompt", {"max_tokens": 0, "echo": True, "logprobs": 0}),
+                                   ("/v1/embeddings", "input", {})):
+            over = post(small, path, **{field: list(range(3, 68))}, **extra)
+            assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
+            assert post(small, path, **{field: list(range(3, 67))}, **extra).status_code == 200  # 64 tokens
+        assert post(small, "/v1/completions", prompt="hello", max_tokens=2).status_code == 200
+        assert_blocks_released(small.state.engine)
