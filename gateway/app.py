@@ -28,6 +28,7 @@ from gateway.salt_secret import SaltSecret, resolve_salt_secret
 from gateway.errors import APIError, error_middleware, error_response
 from gateway.generate import Shutdown
 from gateway.generation_defaults import parse_override, sampling_defaults
+from gateway.reasoning import template_thinks
 from gateway.settings import Settings
 from gateway.state import STATE, GatewayState, api_model_name
 from gateway.tool_prompt import TOOL_TEMPLATE, detect_tool_template
@@ -166,6 +167,7 @@ async def _engine_ctx(settings: Settings, engine: EngineClient | None, auth: Aut
     app[STATE] = GatewayState(settings, engine, auth, admission, metrics, names, app[IN_FLIGHT].shutdown, defaults)
     app[TOOL_TEMPLATE] = detect_tool_template(engine.tokenizer, settings.gateway.tool_call_parser,
                                               settings.gateway.exclude_tools_when_tool_choice_none)
+    app[STATE].splits_thinking = template_thinks(engine.tokenizer, settings.gateway.reasoning_parser)
     engine.start()
     log.info("serving model %s (context %d tokens)", app[STATE].model_name, engine.max_model_len)
     yield

@@ -9,6 +9,7 @@ from typing import Any
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SampledToken
 from gateway.generate import Choice
+from gateway.reasoning import ThinkingSplit, split_whole
 from gateway.tool_parsers import StreamDelta, ToolCallStream, extract, parser_for
 from gateway.tools import ToolRequest
 
@@ -19,11 +20,13 @@ class ChatFormat:
 
     def __init__(self, response_id: str, model: str, tokenizer: Any, *, fingerprint: str | None = None,
                  tools: ToolRequest | None = None, tool_call_parser: str = "hermes", token_ids: bool = False,
-                 tokens_as_ids: bool = False, prompt_logprobs: int | None = None, echo: str = "") -> None:
+                 tokens_as_ids: bool = False, prompt_logprobs: int | None = None, echo: str = "",
+                 thinking: bool | None = None) -> None:
         """`token_ids`: vLLM's return_token_ids (the prompt's and the answer's token ids beside the text);
         `tokens_as_ids`: vLLM's return_tokens_as_token_ids (logprobs name each token `token_id:ID`);
         `prompt_logprobs`: vLLM's (the prompt's logprobs, with the top k of each position, beside the answer);
-        `echo`: vLLM's (the continued assistant message's text, before each answer's content)."""
+        `echo`: vLLM's (the continued assistant message's text, before each answer's content);
+        `thinking`: None, answers are not split (gateway/reasoning.py); else whether they start in the thinking."""
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
@@ -33,6 +36,8 @@ class ChatFormat:
         self.tokens_as_ids = tokens_as_ids
         self.prompt_logprobs = prompt_logprobs
         self.echo = echo
+        self.thinking = thinking
+        self._thinking_splits: dict[int, ThinkingSplit] = {}  # per choice index, when streaming
         self.tool_parser = parser_for(tools, tool_call_parser)  # None: the text is never parsed for tool calls
         self.max_tool_calls = tools.max_calls if tools else None
         self.legacy_functions = tools is not None and tools.legacy  # answer with the deprecated `function_call`
@@ -73,11 +78,13 @@ class ChatFormat:
         return {"token_ids": token_ids} if self.token_ids else {}
 
     def choice_body(self, choice: Choice) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": self.echo + "".join(choice.text)}
+        reasoning, text = "", "".join(choice.text)
+        if self.thinking is not None:
+            reasoning, text = split_whole(text, self.thinking)
+        message: dict[str, Any] = {"role": "assistant", "content": self.echo + text}
         finish_reason = choice.finish_reason
         if self.tool_parser is not None:
-            parsed = extract(self.tool_parser, "".join(choice.text), self.max_tool_calls,
-                             cut_short=_cut_short(choice))
+            parsed = extract(self.tool_parser, text, self.max_tool_calls, cut_short=_cut_short(choice))
             # (cut short: without what a stream held back as a call's start)
             message["content"] = self.echo + parsed.content
             if parsed.calls:
@@ -88,6 +95,7 @@ class ChatFormat:
                     message["tool_calls"] = [_tool_call(self._call_id(choice.index, i), c.name, c.arguments)
                                              for i, c in enumerate(parsed.calls)]
                 finish_reason = self._tool_finish(finish_reason)
+        message.update(_reasoning(reasoning))
         return {"index": choice.index, "message": message,
                 "logprobs": self.logprobs(choice, choice.logprobs),
                 "finish_reason": finish_reason, "stop_reason": choice.stop_reason, **self._output_ids(choice.token_ids)}
@@ -98,10 +106,14 @@ class ChatFormat:
                              "logprobs": None, "finish_reason": None}], **self._prompt_ids(c)) for c in choices]
 
     def delta_chunk(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
+        reasoning, text = "", out.new_text
+        if self.thinking is not None:
+            reasoning, text = self._thinking_split(choice).feed(text)
         if self.tool_parser is None:
-            delta = {"content": out.new_text} if out.new_text else {}
+            delta = {"content": text} if text else {}
         else:
-            delta = self._tool_delta(choice.index, self._tool_stream(choice).feed(out.new_text))
+            delta = self._tool_delta(choice.index, self._tool_stream(choice).feed(text))
+        delta.update(_reasoning(reasoning))
         if not delta and not out.new_logprobs and not (self.token_ids and out.new_token_ids):
             return None
         delta = delta or {"content": ""}  # logprobs (or token ids) of held-back text
@@ -111,11 +123,17 @@ class ChatFormat:
 
     def finish_chunk(self, choice: Choice) -> dict[str, Any]:
         delta, finish_reason = {}, choice.finish_reason
+        reasoning, text = self._thinking_split(choice).finish() if self.thinking is not None else ("", "")
         if self.tool_parser is not None:
             stream = self._tool_stream(choice)
-            delta = self._tool_delta(choice.index, stream.finish(cut_short=_cut_short(choice)))
+            fed = stream.feed(text)  # what the split held back: whitespace, or the start of a <think> never written
+            done = stream.finish(cut_short=_cut_short(choice))
+            delta = self._tool_delta(choice.index, StreamDelta(fed.content + done.content, fed.calls + done.calls))
             if stream.num_calls:
                 finish_reason = self._tool_finish(finish_reason)
+        elif text:
+            delta = {"content": text}
+        delta.update(_reasoning(reasoning))
         return self.chunk([{"index": choice.index, "delta": delta, "logprobs": None,
                             "finish_reason": finish_reason, "stop_reason": choice.stop_reason}])
 
@@ -125,6 +143,11 @@ class ChatFormat:
         if finish_reason != FinishReason.STOP:
             return finish_reason
         return "function_call" if self.legacy_functions else "tool_calls"
+
+    def _thinking_split(self, choice: Choice) -> ThinkingSplit:
+        if choice.index not in self._thinking_splits:
+            self._thinking_splits[choice.index] = ThinkingSplit(self.thinking)
+        return self._thinking_splits[choice.index]
 
     def _tool_stream(self, choice: Choice) -> ToolCallStream:
         if choice.index not in self._tool_streams:
@@ -185,6 +208,11 @@ def _cut_short(choice: Choice) -> bool:
     """The text ended before the model ended it: at max_tokens, a stop string or a stop token id (a call in it stays
     a call, as the stream sent it)."""
     return choice.finish_reason == FinishReason.LENGTH or choice.stop_reason is not None
+
+
+def _reasoning(text: str) -> dict[str, str]:
+    """The thinking under vLLM's name and DeepSeek's / llama.cpp's (clients read one or the other)."""
+    return {"reasoning": text, "reasoning_content": text} if text else {}
 
 
 def _tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
@@ -305,7 +333,8 @@ def token_string(data: bytes) -> str:
 
 class TextOffsets:
     """Where each output token starts in the output text, counted over the tokens' raw bytes: a token
-    that continues a character starts where that character does; special tokens add no text."""
+    that continues a character starts where that character does; special tokens add no text; a character's start
+    that no continuation followed is the text's U+FFFD before the next token."""
 
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -316,7 +345,11 @@ class TextOffsets:
         return text.startswith(data.decode("utf-8", "replace"), self._chars)
 
     def start(self, data: bytes, special: bool) -> int:
+        if special:
+            return self._chars
+        held, _ = self._decoder.getstate()
+        if held and data and not 0x80 <= data[0] <= 0xBF:  # no continuation byte: the held bytes end as U+FFFD
+            self._chars += len(self._decoder.decode(b"", final=True))
         offset = self._chars
-        if not special:
-            self._chars += len(self._decoder.decode(data))
+        self._chars += len(self._decoder.decode(data))
         return offset

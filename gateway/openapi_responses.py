@@ -18,6 +18,9 @@ _LOGPROB = {"type": "number", "maximum": 0}
 _CALL_ID = {"type": "string", "pattern": "^call_[0-9a-f]{24}$"}
 _IDS = {"type": "array", "items": _COUNT, "description": "with return_token_ids (in a stream: the prompt's in a "
                                                           "choice's first chunk, the answer's as they come)"}
+_REASONING = {name: {**_TEXT, "minLength": 1, "description": "a reasoning model's thinking (--reasoning-parser): "
+                     "vLLM's reasoning, and DeepSeek's and llama.cpp's reasoning_content, the same text"}
+              for name in ("reasoning", "reasoning_content")}
 _CHUNK_USAGE = ("null but in the last chunk, with stream_options.include_usage (in every chunk, its choice's usage so "
                 "far, with continuous_usage_stats too)")
 _STOP_REASON = {"nullable": True, "oneOf": [_TEXT, _COUNT], "description": (
@@ -172,12 +175,15 @@ def _chat_message() -> dict[str, Any]:
     """Plain text, or tool calls with the text around them (null when there is none); a request that sent
     the deprecated `functions` gets its one call as `function_call`."""
     role = const("assistant")
+    thinking = ("reasoning", "reasoning_content")
     return {"oneOf": [
-        closed({"role": role, "content": _TEXT}),
+        closed({"role": role, "content": _TEXT, **_REASONING}, optional=thinking),
         closed({"role": role, "content": nullable(_TEXT),
-                 "tool_calls": {"type": "array", "items": ref("ToolCall"), "minItems": 1}}),
+                 "tool_calls": {"type": "array", "items": ref("ToolCall"), "minItems": 1}, **_REASONING},
+               optional=thinking),
         closed({"role": role, "content": nullable(_TEXT),
-                 "function_call": closed({"name": _TEXT, "arguments": {**_TEXT, "description": "JSON text"}})}),
+                 "function_call": closed({"name": _TEXT, "arguments": {**_TEXT, "description": "JSON text"}}),
+                 **_REASONING}, optional=thinking),
     ]}
 
 
@@ -190,8 +196,8 @@ def _chat_delta() -> dict[str, Any]:
     legacy = closed({"name": _TEXT, "arguments": _TEXT}, optional=("name",))
     return closed({"role": const("assistant"), "content": _TEXT,
                     "tool_calls": {"type": "array", "items": {"oneOf": [head, piece]}, "minItems": 1},
-                    "function_call": legacy},
-                   optional=("role", "content", "tool_calls", "function_call"))
+                    "function_call": legacy, **_REASONING},
+                   optional=("role", "content", "tool_calls", "function_call", "reasoning", "reasoning_content"))
 
 
 def _chat_logprobs() -> dict[str, Any]:

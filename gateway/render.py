@@ -54,6 +54,11 @@ def _normalize_message(message: Any, param: str) -> dict[str, Any]:
         out["tool_call_id"] = message["tool_call_id"]
     if tool_calls is not None:
         out["tool_calls"] = _tool_calls(tool_calls, f"{param}.tool_calls")
+    for name in ("reasoning", "reasoning_content") if role == "assistant" else ():
+        if message.get(name) is not None:  # an earlier answer's thinking, sent back: Qwen3's template may show it
+            if not isinstance(message[name], str):
+                raise invalid(f"a message's {name} must be a string", f"{param}.{name}")
+            out["reasoning_content"] = message[name]
     return out
 
 

@@ -14,6 +14,7 @@ import yaml
 
 from engine.config import EngineConfig
 from gateway.generation_defaults import parse_override
+from gateway.reasoning import PARSER_NAMES as REASONING_PARSERS
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 ANONYMOUS_TENANT = "anonymous"
@@ -72,6 +73,8 @@ class GatewaySettings:
         (), "the model's names in the API, as vLLM's --served-model-name: answers carry the first, each selects the "
             "model; none: its own name (a .gguf file's is its stem and a hash of its path, size and mtime)")
     tool_call_parser: str = _knob("auto", "auto (from the chat template) | hermes | llama3_json")
+    reasoning_parser: str = _knob("auto", "the answer's <think>...</think> in the message's reasoning: auto (when the "
+                                          "chat template writes either tag) | none | deepseek_r1 | qwen3 (vLLM's names)")
     exclude_tools_when_tool_choice_none: bool = _knob(
         False, "tool_choice none leaves the tools out of the prompt (vLLM's flag; off: shown, and no call is parsed)")
     allowed_origins: tuple[str, ...] = _knob((), "CORS: browser origins allowed to call the API ('*': any); none: off")
@@ -116,6 +119,8 @@ class GatewaySettings:
         _check(self.log_level in ("debug", "info", "warning", "error"), f"unknown log_level {self.log_level!r}")
         _check(self.tool_call_parser in ("auto", "hermes", "llama3_json"),
                f"unknown tool_call_parser {self.tool_call_parser!r}")
+        _check(self.reasoning_parser in REASONING_PARSERS, f"unknown reasoning_parser {self.reasoning_parser!r}; "
+               f"use one of {', '.join(REASONING_PARSERS)}")
 
     def replace(self, **changes: Any) -> "GatewaySettings":
         return dataclasses.replace(self, **changes)

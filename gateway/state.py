@@ -28,6 +28,7 @@ class GatewayState:
     # what requests that leave sampling fields out get (gateway/generation_defaults.py)
     sampling_defaults: dict[str, Any] = field(default_factory=lambda: dict(SAMPLING_FIELDS))
     created: int = field(default_factory=lambda: int(time.time()))
+    splits_thinking: bool = False  # chat answers' <think>...</think> go to `reasoning` (gateway/reasoning.py)
 
     @property
     def model_name(self) -> str:

@@ -46,7 +46,8 @@ function loadChats() {
 // without the empty answers the server never gave (a closed page's, or a refused request's from an earlier page:
 // their stats have no usage); one the model gave empty stays
 function answered(messages) {
-  const unstarted = (m) => m.role === "assistant" && m.content === "" && !String(m.stats ?? "").startsWith("prompt");
+  const unstarted = (m) => m.role === "assistant" && m.content === "" && !m.reasoning
+    && !String(m.stats ?? "").startsWith("prompt");
   return (Array.isArray(messages) ? messages : []).filter((m) => !unstarted(m));
 }
 
@@ -296,6 +297,7 @@ function messageElement(message, index, count) {
   const body = document.createElement("div");
   body.className = "body";
   if (message.role === "assistant") {
+    if (message.reasoning) body.append(thinkingElement(message));
     body.append(renderMarkdown(message.content));
     for (const pre of body.querySelectorAll("pre")) {
       const code = pre.querySelector("code").textContent;
@@ -317,6 +319,22 @@ function messageElement(message, index, count) {
     el.append(stats);
   }
   return el;
+}
+
+// A reasoning model's thinking (the stream's delta.reasoning): open while it is all there is, folded once the
+// answer begins, unless the reader opened or folded it (kept across the repaints of a streaming answer).
+function thinkingElement(message) {
+  const details = document.createElement("details");
+  details.className = "thinking";
+  details.open = message.thinkingOpen ?? message.content === "";
+  const summary = document.createElement("summary");
+  summary.textContent = "Thinking";
+  const text = document.createElement("div");
+  text.textContent = message.reasoning;
+  details.append(summary, text);
+  // (a click, or Enter or Space on the summary: the "toggle" event also follows setting `open` above)
+  summary.addEventListener("click", () => { message.thinkingOpen = !details.open; });
+  return details;
 }
 
 function actions(message, index, count, el) {
@@ -563,6 +581,11 @@ async function answer(chat) {
       if (event.error) throw Object.assign(new Error(event.error.message), { status: 500 });
       const choice = event.choices?.[0];
       tokens += choice?.logprobs?.content?.length ?? 0;
+      if (choice?.delta?.reasoning) {
+        first ??= performance.now();
+        reply.reasoning = (reply.reasoning ?? "") + choice.delta.reasoning;
+        paintLast(chat, reply);
+      }
       if (choice?.delta?.content) {
         first ??= performance.now();
         reply.content += choice.delta.content;
@@ -587,7 +610,7 @@ async function answer(chat) {
     clearInterval(saving);
     window.removeEventListener("pagehide", closing);
     reply.stats = statsLine(usage, tokens, sent, first, performance.now(), ending);
-    const unstarted = reply.content === "" && (ending === "stopped" || ending === "interrupted");
+    const unstarted = reply.content === "" && !reply.reasoning && (ending === "stopped" || ending === "interrupted");
     if (unstarted) chat.messages.splice(chat.messages.indexOf(reply), 1);  // refused, failed or stopped at once
     streams.delete(chat.id);
     showBusy();
@@ -648,7 +671,8 @@ function importedChat(raw) {  // only the fields the page uses, as text: an impo
     title: String(raw?.title ?? "Imported chat").slice(0, 200),
     system: String(raw?.system ?? ""),
     messages: answered(messages.filter((m) => ["user", "assistant"].includes(m?.role))
-      .map((m) => ({ role: m.role, content: String(m.content ?? ""), stats: String(m.stats ?? "") }))),
+      .map((m) => ({ role: m.role, content: String(m.content ?? ""), stats: String(m.stats ?? ""),
+                     ...(m.reasoning ? { reasoning: String(m.reasoning) } : {}) }))),
   };
 }
 

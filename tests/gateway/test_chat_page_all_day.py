@@ -170,3 +170,37 @@ def test_a_tap_beside_the_phone_layouts_chat_list_closes_it(opened):
     page.mouse.click(360, 400)  # the chat beside the list
     expect(page.locator("#sidebar")).to_be_hidden()
     expect(page.locator("#toggle-sidebar")).to_have_attribute("aria-expanded", "false")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tiny_tools_dir, tmp_path_factory):
+    """A model whose template thinks (Qwen3's way) and whose answers are scripted."""
+    from engine.async_engine import AsyncEngine
+    from tests.gateway.test_reasoning import QWEN3_STYLE, _model_with
+    from tests.gateway.test_tools_api import ScriptedEngine
+
+    settings = tiny_settings(_model_with(QWEN3_STYLE, tiny_tools_dir, tmp_path_factory, "page-thinks"),
+                             engine={"num_kv_blocks": 64})
+    engine = ScriptedEngine(AsyncEngine.from_config(settings.engine))
+    with LiveServer(settings, engine) as live:
+        live.scripted = engine
+        yield live
+
+
+def test_a_reasoning_models_thinking_shows_folded_above_its_answer(opened, thinking_server):
+    thinking_server.scripted.script = list("<think>The capital of France is Paris.</think>Paris.")
+    try:
+        page = opened(thinking_server.url + "/").page
+        send(page, "Capital of France?")
+        answer = page.locator(".message.assistant").last
+        expect(answer.locator(".stats")).to_contain_text("prompt", timeout=30_000)
+        thinking = answer.locator("details.thinking")
+        expect(thinking).to_contain_text("The capital of France is Paris.")
+        expect(answer.locator(".body")).to_contain_text("Paris.")
+        assert thinking.evaluate("el => !el.open")  # folded once the answer began
+        page.click(".message.assistant details.thinking summary")
+        assert thinking.evaluate("el => el.open")
+        page.reload()  # kept with the chat
+        expect(page.locator(".message.assistant details.thinking")).to_contain_text("The capital of France is Paris.")
+    finally:
+        thinking_server.scripted.script = None

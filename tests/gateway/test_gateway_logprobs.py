@@ -84,3 +84,16 @@ def _expected_starts(tokenizer, ids: list[int]) -> list[int]:
         starts.append(char_of_byte[pos])
         pos += len(tokenizer.token_bytes(i))
     return starts
+
+
+@pytest.mark.parametrize("tokens, text, starts", [
+    ([b"\xdd", b"ree"], "\ufffdree", [0, 1]),  # a lead byte nothing continued: its U+FFFD comes first
+    ([b"\xe4", b"\xbd", b"\xa0", b"x"], "\u4f60x", [0, 0, 0, 1]),  # a character in three tokens
+    ([b"\x80", b"a"], "\ufffda", [0, 1]),  # a lone continuation byte
+    ([b"\xe4\xbd", b"\xe4\xbd\xa0"], "\ufffd\u4f60", [0, 1]),
+    ([b"a", b"\xf0"], "a\ufffd", [0, 1]),  # (the answer's end)
+])
+def test_offsets_point_at_each_tokens_text(tokens, text, starts):
+    offsets = TextOffsets()
+    assert [offsets.start(t, False) for t in tokens] == starts
+    assert b"".join(tokens).decode("utf-8", "replace") == text
