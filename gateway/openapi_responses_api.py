@@ -30,6 +30,11 @@ def responses_request(chat: dict[str, Any]) -> dict[str, Any]:
             "type": {"type": "string", "enum": ["function_call_output"]}, "id": _TEXT, "call_id": _TEXT,
             "output": {"oneOf": [_TEXT, {"type": "object"}, {"type": "array"}],
                        "description": "text; any other JSON value is sent to the model as its JSON text"}}},
+        {"type": "object", "required": ["type"], "description": "an earlier answer's thinking: the next assistant "
+         "item's, for the template", "properties": {
+            "type": {"type": "string", "enum": ["reasoning"]}, "id": _TEXT,
+            "summary": {"type": "array", "items": _reasoning_part("summary_text")},
+            "content": {"type": "array", "items": _reasoning_part("reasoning_text")}}},
     ]}
     function = chat["tools"]["items"]["properties"]["function"]
     tool = {"type": "object", "required": ["type", "name"], "properties": {
@@ -85,6 +90,11 @@ def responses_schemas(model_name: str, usage: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _reasoning_part(part_type: str) -> dict[str, Any]:
+    return {"type": "object", "required": ["type", "text"], "properties": {
+        "type": {"type": "string", "enum": [part_type]}, "text": _TEXT}}
+
+
 def _response(model_name: str, usage: dict[str, Any]) -> dict[str, Any]:
     message = closed({"type": const("message"), "id": {"type": "string", "pattern": "^msg_[0-9a-f]{32}$"},
                       "status": _STATUS, "role": const("assistant"),
@@ -94,6 +104,10 @@ def _response(model_name: str, usage: dict[str, Any]) -> dict[str, Any]:
     call = closed({"type": const("function_call"), "id": {"type": "string", "pattern": "^fc_[0-9a-f]{32}$"},
                    "call_id": _TEXT, "name": _TEXT, "arguments": {**_TEXT, "description": "JSON text"},
                    "status": _STATUS})
+    reasoning = closed({"type": const("reasoning"), "id": {"type": "string", "pattern": "^rs_[0-9a-f]{32}$"},
+                        "summary": {"type": "array", "maxItems": 0}, "status": _STATUS,
+                        "content": {"type": "array", "items": closed({"type": const("reasoning_text"),
+                                                                       "text": _TEXT})}})
     echo = {"description": "as the request sent it"}
     return closed({
         "id": {"type": "string", "pattern": "^resp_[0-9a-f]{32}$"}, "object": const("response"),
@@ -101,7 +115,7 @@ def _response(model_name: str, usage: dict[str, Any]) -> dict[str, Any]:
         "status": {"type": "string", "enum": ["completed", "incomplete"]},
         "incomplete_details": nullable(closed({"reason": const("max_output_tokens")})),
         "error": nullable({"type": "object"}, "null: a failed response is an error object, not a response"),
-        "instructions": nullable(_TEXT), "output": {"type": "array", "items": {"oneOf": [message, call]}},
+        "instructions": nullable(_TEXT), "output": {"type": "array", "items": {"oneOf": [reasoning, message, call]}},
         "parallel_tool_calls": {"type": "boolean", "nullable": True, **echo}, "tool_choice": echo,
         "tools": {"type": "array", "items": {"type": "object"}, **echo},
         "temperature": nullable({"type": "number"}), "top_p": nullable({"type": "number"}),

@@ -25,6 +25,7 @@ from gateway.formats import ChatFormat
 from gateway.generate import Choice, check_output, usage
 from gateway.jsonbody import parse_body
 from gateway.protocol import ChatRequest, parse_chat
+from gateway.reasoning import prompt_opens_thinking
 from gateway.render import content_text, render_chat
 from gateway.response_store import Stored
 from gateway.response_store_pending import PendingPuts
@@ -39,9 +40,11 @@ HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpr
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _ITEM_FIELDS = {"message": ("id", "role", "content", "status"),  # the input item types taken, with their fields
                 "function_call": ("id", "call_id", "name", "arguments", "status"),
-                "function_call_output": ("id", "call_id", "output", "status")}
+                "function_call_output": ("id", "call_id", "output", "status"),
+                "reasoning": ("id", "summary", "content", "status")}
 ITEM_TYPES = tuple(_ITEM_FIELDS)
-_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}  # OpenAI's item id prefixes
+# OpenAI's item id prefixes
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 # chat parameter names as the Responses API calls them, for the 400s the chat parser raises
 PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
@@ -88,7 +91,7 @@ async def parse_responses(body: Any, state, tenant: str, store: PendingPuts) -> 
         raise invalid("previous_response_id must be a string", "previous_response_id")
     history = list((await _previous(store, tenant, previous_id)).messages) if previous_id else []
     items = _input_items(body.get("input"))
-    conversation = history + [m for i, item in enumerate(items) for m in _messages(item, f"input[{i}]")]
+    conversation = history + _conversation(items)
     _check_outputs_answer_calls(history, items)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -184,6 +187,36 @@ def _input_items(raw: Any) -> list[dict[str, Any]]:
     return items
 
 
+def _conversation(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input items as chat messages; a reasoning item's text is the next assistant message's reasoning_content
+    (the thinking that led to its text or calls, which a template like Qwen3's shows again in the same turn)."""
+    messages, thinking = [], None
+    for i, item in enumerate(items):
+        if item["type"] == "reasoning":
+            thinking = _reasoning_text(item, f"input[{i}]")
+            continue
+        for message in _messages(item, f"input[{i}]"):
+            if thinking is not None and message["role"] == "assistant":
+                message["reasoning_content"], thinking = thinking, None
+            messages.append(message)
+    return messages
+
+
+def _reasoning_text(item: dict[str, Any], at: str) -> str:
+    """A reasoning item's text: its reasoning_text parts (as this server writes them), else its summary's."""
+    for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") == part_type
+                                                  and isinstance(p.get("text"), str) for p in parts):
+            raise invalid(f'a reasoning item\'s {key} must be an array of {{"type": "{part_type}", "text"}} parts',
+                          f"{at}.{key}")
+        if parts:
+            return "".join(p["text"] for p in parts)
+    return ""
+
+
 def _messages(item: dict[str, Any], at: str) -> list[dict[str, Any]]:
     """One input item (at `at`, as `input[3]`) as chat messages."""
     if item["type"] == "function_call":
@@ -257,8 +290,11 @@ def _new_id(prefix: str) -> str:
 
 
 def _output_items(message: dict[str, Any], finish_reason: str | None) -> list[dict[str, Any]]:
-    """A chat answer as Responses output items: its text as a message, each tool call as a function_call."""
+    """A chat answer as Responses output items: its thinking as a reasoning item, its text as a message, each tool
+    call as a function_call."""
     items = []
+    if message.get("reasoning"):
+        items.append(_reasoning_item(message["reasoning"], "completed"))
     if message.get("content"):
         items.append({"type": "message", "id": _new_id("msg"), "status": "completed", "role": "assistant",
                       "content": [{"type": "output_text", "text": message["content"], "annotations": []}]})
@@ -268,6 +304,12 @@ def _output_items(message: dict[str, Any], finish_reason: str | None) -> list[di
                       "status": "completed"})
     _mark_cut_short(items, finish_reason)
     return items
+
+
+def _reasoning_item(text: str, status: str) -> dict[str, Any]:
+    """vLLM's reasoning output item: the thinking as one reasoning_text part, no summary."""
+    return {"type": "reasoning", "id": _new_id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": status}
 
 
 def _mark_cut_short(items: list[dict[str, Any]], finish_reason: str | None) -> None:
@@ -318,7 +360,9 @@ async def create(request: web.Request) -> web.StreamResponse:
                                       tool_template, tenant.max_pinned_blocks)
         response_id = _new_id("resp")
         fmt = ChatFormat(response_id, state.model_name, state.engine.tokenizer, tools=chat.tools,
-                         tool_call_parser=tool_template.parser)
+                         tool_call_parser=tool_template.parser,
+                         thinking=prompt_opens_thinking(state.engine.tokenizer, prompt) if state.splits_thinking
+                         else None)
         choice = Choice(0, 0, response_id, prompt, sampling_params(chat, max_tokens, 0), cache, stream=chat.stream)
         run = RequestRun(state, tenant, chat.cache_salt, [choice], "input")
         created = int(time.time())
@@ -351,6 +395,8 @@ async def _remember(store: PendingPuts, tenant: str, req: ResponsesRequest, resp
     if req.store:
         answer = {k: v for k, v in message.items() if k in ("role", "content", "tool_calls")}
         answer["content"] = answer.get("content") or ""
+        if message.get("reasoning"):  # the next turn renders this turn as the model wrote it
+            answer["reasoning_content"] = message["reasoning"]
         await store.aput(Stored(tenant, response, req.input_items, req.messages + [answer]))
 
 
@@ -400,6 +446,7 @@ class _Events:
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # output items in order, as they stand
         self.message: dict[str, Any] | None = None  # the open message item
+        self.reasoning: dict[str, Any] | None = None  # the reasoning item, once the thinking began
         self.calls: dict[int, dict[str, Any]] = {}  # tool call index -> its function_call item
         self.final: dict[str, Any] = {}
 
@@ -415,6 +462,21 @@ class _Events:
 
     def delta(self, delta: dict[str, Any]) -> list[bytes]:
         events = []
+        if delta.get("reasoning"):  # (all of it comes before the answer's text and calls)
+            if self.reasoning is None:
+                self.reasoning = {**_reasoning_item("", "in_progress"), "content": []}
+                self.items.append(self.reasoning)
+                index = len(self.items) - 1
+                events.append(self._event("response.output_item.added", output_index=index,
+                                          item=dict(self.reasoning)))
+                self.reasoning["content"].append({"type": "reasoning_text", "text": ""})
+                events.append(self._event("response.content_part.added", item_id=self.reasoning["id"],
+                                          output_index=index, content_index=0,
+                                          part=dict(self.reasoning["content"][0])))
+            self.reasoning["content"][0]["text"] += delta["reasoning"]
+            events.append(self._event("response.reasoning_text.delta", item_id=self.reasoning["id"],
+                                      output_index=self.items.index(self.reasoning), content_index=0,
+                                      delta=delta["reasoning"]))
         if delta.get("content"):
             if self.message is None:
                 self.message = {"type": "message", "id": _new_id("msg"), "status": "in_progress",
@@ -454,6 +516,12 @@ class _Events:
                 part = item["content"][0]
                 events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
                                        content_index=0, text=part["text"], logprobs=[]),
+                           self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                       content_index=0, part=part)]
+            elif item["type"] == "reasoning":
+                part = item["content"][0]
+                events += [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                       content_index=0, text=part["text"]),
                            self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                        content_index=0, part=part)]
             else:

@@ -16,8 +16,11 @@ from gateway.reasoning import ThinkingSplit, split_whole
 from tests.gateway.test_tools_api import CALL_TEXT, WEATHER, ScriptedEngine, pieces
 from tests.support.gateway_helpers import LiveServer, tiny_settings
 
-QWEN3_STYLE = (  # thinks unless enable_thinking is false, which closes an empty thinking in the prompt
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+QWEN3_STYLE = (  # thinks unless enable_thinking is false, which closes an empty thinking in the prompt; shows the
+    # thinking sent back with an answer
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
 DEEPSEEK_STYLE = (  # the prompt opens the thinking: the answer starts inside it
@@ -131,7 +134,13 @@ def test_thinking_sent_back_reaches_the_template(server):
     messages = [{"role": "user", "content": "hi"},
                 {"role": "assistant", "content": "Hello.", "reasoning_content": "greet back"},
                 {"role": "user", "content": "again"}]
-    assert requests.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=30).status_code == 200
+    def count(sent):
+        return requests.post(f"{server.url}/tokenize", json={"messages": sent}, timeout=30).json()["count"]
+
+    plain = [messages[0], {"role": "assistant", "content": "Hello."}, messages[2]]
+    renamed = [messages[0], {"role": "assistant", "content": "Hello.", "reasoning": "greet back"}, messages[2]]
+    if server.style == "qwen3":  # (its template shows it)
+        assert count(messages) == count(renamed) > count(plain)
     bad = requests.post(f"{server.url}/v1/chat/completions", timeout=30, json={
         "messages": [messages[0], {**messages[1], "reasoning": 3}, messages[2]], "max_tokens": 1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[1].reasoning"
@@ -145,3 +154,50 @@ def test_the_parser_off_keeps_the_tags_in_the_content(tiny_tools_dir, tmp_path_f
         live.scripted = engine
         message = chat(live, pieces("<think>x</think>y"))["choices"][0]["message"]
     assert message == {"role": "assistant", "content": "<think>x</think>y"}
+
+
+def _responses(server, script: list[str], **body):
+    server.scripted.script = script
+    try:
+        resp = requests.post(f"{server.url}/v1/responses", timeout=60, json={
+            "model": server.state.model_name, "input": "Capital of France?", **body})
+        assert resp.status_code == 200, resp.text
+        if not body.get("stream"):
+            return resp.json()
+        return [json.loads(line[6:]) for line in (raw.decode() for raw in resp.iter_lines())
+                if line.startswith("data: ")]
+    finally:
+        server.scripted.script = None
+
+
+def _input_tokens(server, **body) -> int:
+    resp = requests.post(f"{server.url}/v1/responses/input_tokens", timeout=30,
+                         json={"model": server.state.model_name, **body})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["input_tokens"]
+
+
+def test_the_responses_api_answers_with_a_reasoning_item(server):
+    """The thinking as a reasoning item (vLLM's: one reasoning_text part) before the message, whole and streamed;
+    continued by previous_response_id or sent back as an input item, it is the template's reasoning_content."""
+    answer = ("" if server.style == "deepseek_r1" else "<think>") + "It is Paris.</think>Paris."
+    response = _responses(server, pieces(answer))
+    reasoning, message = response["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["content"] == [{"type": "reasoning_text",
+                                                                          "text": "It is Paris."}]
+    assert message["content"][0]["text"] == "Paris."
+    events = _responses(server, pieces(answer, 2), stream=True)
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "It is Paris."
+    final = events[-1]["response"]
+    assert [(i["type"], i["status"]) for i in final["output"]] == [("reasoning", "completed"), ("message", "completed")]
+    assert final["output"][0]["content"] == reasoning["content"]
+    if server.style == "qwen3":  # (its template shows the thinking sent back)
+        continued = _input_tokens(server, previous_response_id=response["id"], input="And Spain?")
+        sent_back = _input_tokens(server, input=[
+            {"role": "user", "content": "Capital of France?"}, reasoning, message,
+            {"role": "user", "content": "And Spain?"}])
+        without = _input_tokens(server, input=[
+            {"role": "user", "content": "Capital of France?"}, message, {"role": "user", "content": "And Spain?"}])
+        assert continued == sent_back > without
