@@ -9,7 +9,7 @@ from typing import Any
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SampledToken
 from gateway.generate import Choice
-from gateway.reasoning import ThinkingSplit, split_whole
+from gateway.reasoning import ThinkingSplit
 from gateway.tool_parsers import StreamDelta, ToolCallStream, extract, parser_for
 from gateway.tools import ToolRequest
 
@@ -78,15 +78,19 @@ class ChatFormat:
         return {"token_ids": token_ids} if self.token_ids else {}
 
     def choice_body(self, choice: Choice) -> dict[str, Any]:
-        reasoning, text = "", "".join(choice.text)
-        if self.thinking is not None:
-            reasoning, text = split_whole(text, self.thinking)
-        message: dict[str, Any] = {"role": "assistant", "content": self.echo + text}
+        reasoning, echo, text = "", self.echo, "".join(choice.text)
+        if self.thinking is not None:  # split as the stream is: the echo (the message it continues) first
+            split = ThinkingSplit(self.thinking)
+            echo_reasoning, echo = split.feed(echo)
+            text_reasoning, text = split.feed(text)
+            held_reasoning, held = split.finish()
+            reasoning, text = echo_reasoning + text_reasoning + held_reasoning, text + held
+        message: dict[str, Any] = {"role": "assistant", "content": echo + text}
         finish_reason = choice.finish_reason
         if self.tool_parser is not None:
             parsed = extract(self.tool_parser, text, self.max_tool_calls, cut_short=_cut_short(choice))
             # (cut short: without what a stream held back as a call's start)
-            message["content"] = self.echo + parsed.content
+            message["content"] = echo + parsed.content
             if parsed.calls:
                 message = {"role": "assistant", "content": message["content"] or None}
                 if self.legacy_functions:
@@ -102,8 +106,14 @@ class ChatFormat:
 
     def first_chunks(self, choices: list[Choice]) -> list[dict[str, Any]]:
         """Each choice's role (and echo), a chunk each (as OpenAI and vLLM stream them: one choice a chunk)."""
-        return [self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": self.echo},
-                             "logprobs": None, "finish_reason": None}], **self._prompt_ids(c)) for c in choices]
+        return [self.chunk([{"index": c.index, "delta": self._first_delta(c), "logprobs": None,
+                             "finish_reason": None}], **self._prompt_ids(c)) for c in choices]
+
+    def _first_delta(self, choice: Choice) -> dict[str, Any]:
+        if self.thinking is None:
+            return {"role": "assistant", "content": self.echo}
+        reasoning, content = self._thinking_split(choice).feed(self.echo)
+        return {"role": "assistant", "content": content, **_reasoning(reasoning)}
 
     def delta_chunk(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
         reasoning, text = "", out.new_text

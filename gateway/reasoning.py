@@ -2,16 +2,17 @@
 </think> goes to the chat message's `reasoning` (vLLM's name; DeepSeek's and llama.cpp's `reasoning_content` too),
 the rest to its content, whole or streamed by the same splitter, so both read the same.
 
-The answer thinks first when it opens with <think>, or when the prompt already did (DeepSeek-R1's and Qwen3
-thinking models' templates end the prompt with it); Qwen3's `enable_thinking: false` closes it in the prompt, so
-the answer is all content. Thinking cut short (max_tokens) stays thinking."""
+The answer thinks first when it opens with <think>, or when the template's generation prompt already did
+(DeepSeek-R1's, QwQ's and Qwen3 thinking models' end with it; a <think> the model writes again is dropped); Qwen3's
+`enable_thinking: false` closes it there, so the answer is all content. Thinking cut short (max_tokens) stays
+thinking. An answer under an output constraint has no thinking: its grammar holds from the first token."""
 from __future__ import annotations
 
 from typing import Any
 
 START, END = "<think>", "</think>"
 PARSER_NAMES = ("auto", "none", "deepseek_r1", "qwen3")  # the last two: vLLM's names, one splitter here
-_PROMPT_TAIL_TOKENS = 64  # the generation prompt's end, where a template opens the thinking
+_PROBE = [{"role": "user", "content": "x"}]
 
 
 def template_thinks(tokenizer: Any, setting: str) -> bool:
@@ -24,22 +25,45 @@ def template_thinks(tokenizer: Any, setting: str) -> bool:
     return START in template or END in template
 
 
-def prompt_opens_thinking(tokenizer: Any, prompt: list[int]) -> bool:
-    """The prompt ends inside an open <think> (the answer starts in its thinking)."""
-    tail = tokenizer.decode(prompt[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-    return tail.rfind(START) > tail.rfind(END)
+def generation_opens_thinking(tokenizer: Any, variables: dict[str, Any]) -> bool:
+    """The template's generation prompt (with these template variables) leaves a <think> open: told from what
+    add_generation_prompt adds to a one-message chat, so no message's text can make it so (a question about the
+    <think> tag, a tool result that quotes one)."""
+    try:
+        with_prompt = tokenizer.apply_chat_template(_PROBE, add_generation_prompt=True, variables=variables)
+        without = tokenizer.apply_chat_template(_PROBE, add_generation_prompt=False, variables=variables)
+    except Exception:  # (a template that wants other messages: the request's own render says what is wrong)
+        return False
+    return opens_thinking(with_prompt.removeprefix(without))
+
+
+def opens_thinking(text: str) -> bool:
+    """`text` leaves a <think> open."""
+    return text.rfind(START) > text.rfind(END)
+
+
+def answer_starts_thinking(tokenizer: Any, chat: Any) -> bool:
+    """Whether a chat request's answer (gateway/protocol.py's ChatRequest) starts inside its thinking: where the
+    generation prompt opens it, or the final message it continues does; never under an output constraint (a grammar,
+    a forced tool call); with echo the echoed message is split first, from the message's start."""
+    if chat.structured is not None or (chat.tools is not None and chat.tools.forced) or chat.echo:
+        return False
+    if chat.continue_final_message:
+        return opens_thinking(chat.messages[-1]["content"])
+    return chat.add_generation_prompt and generation_opens_thinking(tokenizer, chat.template_variables)
 
 
 class ThinkingSplit:
     """Text as it comes -> (reasoning, content) pieces; a piece that may still become a tag waits for the next."""
 
     def __init__(self, thinking: bool) -> None:
-        self._state = "thinking" if thinking else "start"  # start: the answer may yet open with <think>
+        # start: the answer may yet open with <think>; opened: the prompt opened it, the model may write it again
+        self._state = "opened" if thinking else "start"
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, str]:
         text, self._held = self._held + text, ""
-        if self._state == "start":
+        if self._state in ("start", "opened"):
             opening = text.lstrip()
             if opening.startswith(START):
                 self._state, text = "thinking", opening[len(START):]
@@ -47,7 +71,7 @@ class ThinkingSplit:
                 self._held = text
                 return "", ""
             else:
-                self._state = "content"
+                self._state = "thinking" if self._state == "opened" else "content"
         if self._state == "content":
             return "", text
         if END in text:
@@ -61,15 +85,7 @@ class ThinkingSplit:
     def finish(self) -> tuple[str, str]:
         """What was held back: thinking that never closed stays thinking; a lone start is content."""
         held, self._held = self._held, ""
-        return (held, "") if self._state == "thinking" else ("", held)
-
-
-def split_whole(text: str, thinking: bool) -> tuple[str, str]:
-    """(reasoning, content) of a whole answer, as a stream of it splits them."""
-    splitter = ThinkingSplit(thinking)
-    reasoning, content = splitter.feed(text)
-    rest_reasoning, rest_content = splitter.finish()
-    return reasoning + rest_reasoning, content + rest_content
+        return (held, "") if self._state in ("thinking", "opened") else ("", held)
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -25,7 +25,7 @@ from gateway.formats import ChatFormat
 from gateway.generate import Choice, check_output, usage
 from gateway.jsonbody import parse_body
 from gateway.protocol import ChatRequest, parse_chat
-from gateway.reasoning import prompt_opens_thinking
+from gateway.reasoning import answer_starts_thinking
 from gateway.render import content_text, render_chat
 from gateway.response_store import Stored
 from gateway.response_store_pending import PendingPuts
@@ -188,17 +188,23 @@ def _input_items(raw: Any) -> list[dict[str, Any]]:
 
 
 def _conversation(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The input items as chat messages; a reasoning item's text is the next assistant message's reasoning_content
-    (the thinking that led to its text or calls, which a template like Qwen3's shows again in the same turn)."""
-    messages, thinking = [], None
+    """The input items as chat messages. An answer's items come back as they went out (reasoning, message, calls):
+    its message and the function calls right after it are one assistant message, as the answer was (and as a
+    conversation continued by previous_response_id holds it), so the prompt renders as the cache holds it; a
+    reasoning item's text is that message's reasoning_content (which a template like Qwen3's shows in the turn)."""
+    messages, thinking, answer = [], None, None  # answer: the assistant message function calls may still join
     for i, item in enumerate(items):
         if item["type"] == "reasoning":
-            thinking = _reasoning_text(item, f"input[{i}]")
+            thinking, answer = _reasoning_text(item, f"input[{i}]"), None
             continue
         for message in _messages(item, f"input[{i}]"):
+            if answer is not None and message["role"] == "assistant" and message.get("tool_calls"):
+                answer["tool_calls"] = answer.get("tool_calls", []) + message["tool_calls"]
+                continue
             if thinking is not None and message["role"] == "assistant":
                 message["reasoning_content"], thinking = thinking, None
             messages.append(message)
+            answer = message if message["role"] == "assistant" else None
     return messages
 
 
@@ -361,7 +367,7 @@ async def create(request: web.Request) -> web.StreamResponse:
         response_id = _new_id("resp")
         fmt = ChatFormat(response_id, state.model_name, state.engine.tokenizer, tools=chat.tools,
                          tool_call_parser=tool_template.parser,
-                         thinking=prompt_opens_thinking(state.engine.tokenizer, prompt) if state.splits_thinking
+                         thinking=answer_starts_thinking(state.engine.tokenizer, chat) if state.splits_thinking
                          else None)
         choice = Choice(0, 0, response_id, prompt, sampling_params(chat, max_tokens, 0), cache, stream=chat.stream)
         run = RequestRun(state, tenant, chat.cache_salt, [choice], "input")

@@ -22,7 +22,7 @@ from gateway.generate import Choice, best_choices, usage
 from gateway.jsonbody import parse_body
 from gateway.openapi import build_openapi
 from gateway.protocol import GenerationRequest, parse_chat, parse_completion
-from gateway.reasoning import prompt_opens_thinking
+from gateway.reasoning import answer_starts_thinking
 from gateway.render import encode_prompts, render_chat, with_bos
 from gateway.runner import RequestRun, sampling_params
 from gateway.state import STATE, GatewayState
@@ -54,7 +54,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                          fingerprint=_fingerprint(state), tools=req.tools, tool_call_parser=tool_template.parser,
                          token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids,
                          prompt_logprobs=req.prompt_logprobs, echo=req.echo,
-                         thinking=prompt_opens_thinking(tokenizer, prompt) if state.splits_thinking else None)
+                         thinking=answer_starts_thinking(tokenizer, req) if state.splits_thinking else None)
         return await _generate(request, state, tenant, req, [prompt], fmt, "messages", None, cache)
 
 

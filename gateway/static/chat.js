@@ -653,7 +653,8 @@ function exportChat() {
   if (!chat) return;
   if (streams.has(chat.id) || streamingElsewhere(chat)) {  // the answer so far (here or in another tab), marked
     const last = chat.messages.at(-1);
-    const marked = { role: last.role, content: last.content, stats: EXPORTED_STREAMING };
+    const marked = { role: last.role, content: last.content, stats: EXPORTED_STREAMING,
+                     ...(last.reasoning ? { reasoning: last.reasoning } : {}) };
     chat = { ...chat, messages: chat.messages.map((m) => (m === last ? marked : m)) };
   }
   const data = { format: EXPORT_FORMAT, version: 1, chats: [chat] };

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.async_engine import AsyncEngine
-from gateway.reasoning import ThinkingSplit, split_whole
+from gateway.reasoning import ThinkingSplit
 from tests.gateway.test_tools_api import CALL_TEXT, WEATHER, ScriptedEngine, pieces
 from tests.support.gateway_helpers import LiveServer, tiny_settings
 
@@ -28,6 +28,13 @@ DEEPSEEK_STYLE = (  # the prompt opens the thinking: the answer starts inside it
     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
 
 
+def split_whole(text: str, thinking: bool) -> tuple[str, str]:
+    splitter = ThinkingSplit(thinking)
+    reasoning, content = splitter.feed(text)
+    held_reasoning, held = splitter.finish()
+    return reasoning + held_reasoning, content + held
+
+
 @pytest.mark.parametrize("thinking, text, expected", [
     (False, "<think>Let me see.</think>\n\nParis.", ("Let me see.", "\n\nParis.")),
     (False, "\n <think>a</think>b", ("a", "b")),
@@ -36,6 +43,8 @@ DEEPSEEK_STYLE = (  # the prompt opens the thinking: the answer starts inside it
     (False, "<thi", ("", "<thi")),
     (False, "<think>cut short by max_tokens", ("cut short by max_tokens", "")),
     (True, "Hmm.</think>Paris", ("Hmm.", "Paris")),
+    (True, " <think>\nHmm</think>\n\nParis.", ("\nHmm", "\n\nParis.")),  # the open tag written again: dropped
+    (True, "<thi", ("<thi", "")),
     (True, "all thinking </thi", ("all thinking </thi", "")),
     (False, "", ("", "")),
 ])
@@ -201,3 +210,49 @@ def test_the_responses_api_answers_with_a_reasoning_item(server):
         without = _input_tokens(server, input=[
             {"role": "user", "content": "Capital of France?"}, message, {"role": "user", "content": "And Spain?"}])
         assert continued == sent_back > without
+
+
+def test_a_think_tag_in_a_message_opens_no_thinking(server):
+    """Only the template's generation prompt decides where the answer starts: a question about the tag does not."""
+    if server.style == "deepseek_r1":
+        pytest.skip("this template always opens the thinking")
+    message = chat(server, pieces("It marks reasoning."),
+                   messages=[{"role": "user", "content": "What does the <think> tag do?"}])["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "It marks reasoning."}
+
+
+def test_an_output_constraint_answers_without_thinking(server):
+    """Its grammar holds from the first token: the answer is content, even where the prompt opens the thinking."""
+    body = {"response_format": {"type": "json_object"}}
+    message = chat(server, ['{"a"', ': 1}'], **body)["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": '{"a": 1}'}
+    response = _responses(server, ['{"a"', ': 1}'], text={"format": {"type": "json_object"}})
+    assert [item["type"] for item in response["output"]] == ["message"]
+
+
+def test_an_echoed_message_is_split_as_the_answer_it_starts(server):
+    """continue_final_message with echo: the assistant message the answer continues opened the thinking."""
+    body = {"messages": [{"role": "user", "content": "Capital?"}, {"role": "assistant", "content": "<think>\nLet me"}],
+            "add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    script = pieces(" think.</think>Answer.")
+    message = chat(server, script, **body)["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == ("\nLet me think.", "Answer.")
+    chunks = chat(server, script, stream=True, **body)
+    assert (_joined(chunks, "reasoning"), _joined(chunks, "content")) == ("\nLet me think.", "Answer.")
+    plain = chat(server, script, **{**body, "echo": False})["choices"][0]["message"]
+    assert (plain["reasoning"], plain["content"]) == (" think.", "Answer.")
+
+
+def test_an_answer_with_text_and_a_call_sent_back_is_the_turn_continued(server):
+    """Its reasoning, message and function_call items sent back make one assistant message, as the stored turn
+    is: the same prompt either way (the cache holds that one)."""
+    answer = ("" if server.style == "deepseek_r1" else "<think>") + "I need the weather.</think>\n" + CALL_TEXT
+    response = _responses(server, pieces(answer), tools=[{"type": "function", **WEATHER["function"]}])
+    assert [item["type"] for item in response["output"]] == ["reasoning", "message", "function_call"]
+    call = response["output"][2]
+    result = {"type": "function_call_output", "call_id": call["call_id"], "output": "18 C"}
+    tools = [{"type": "function", **WEATHER["function"]}]
+    continued = _input_tokens(server, previous_response_id=response["id"], input=[result], tools=tools)
+    sent_back = _input_tokens(server, input=[{"role": "user", "content": "Capital of France?"}, *response["output"],
+                                             result], tools=tools)
+    assert continued == sent_back
