@@ -21,12 +21,13 @@ class ChatFormat:
     def __init__(self, response_id: str, model: str, tokenizer: Any, *, fingerprint: str | None = None,
                  tools: ToolRequest | None = None, tool_call_parser: str = "hermes", token_ids: bool = False,
                  tokens_as_ids: bool = False, prompt_logprobs: int | None = None, echo: str = "",
-                 thinking: bool | None = None) -> None:
+                 thinking: bool | None = None, echo_continued: bool = False) -> None:
         """`token_ids`: vLLM's return_token_ids (the prompt's and the answer's token ids beside the text);
         `tokens_as_ids`: vLLM's return_tokens_as_token_ids (logprobs name each token `token_id:ID`);
         `prompt_logprobs`: vLLM's (the prompt's logprobs, with the top k of each position, beside the answer);
         `echo`: vLLM's (the continued assistant message's text, before each answer's content);
-        `thinking`: None, answers are not split (gateway/reasoning.py); else whether they start in the thinking."""
+        `thinking`: None, answers are not split (gateway/reasoning.py); else whether they start in the thinking;
+        `echo_continued`: the answer continues the echoed message (continue_final_message), which is split with it."""
         self.response_id = response_id
         self.model = model
         self.created = int(time.time())
@@ -37,6 +38,7 @@ class ChatFormat:
         self.prompt_logprobs = prompt_logprobs
         self.echo = echo
         self.thinking = thinking
+        self.split_echo = thinking is not None and echo_continued
         self._thinking_splits: dict[int, ThinkingSplit] = {}  # per choice index, when streaming
         self.tool_parser = parser_for(tools, tool_call_parser)  # None: the text is never parsed for tool calls
         self.max_tool_calls = tools.max_calls if tools else None
@@ -79,9 +81,9 @@ class ChatFormat:
 
     def choice_body(self, choice: Choice) -> dict[str, Any]:
         reasoning, echo, text = "", self.echo, "".join(choice.text)
-        if self.thinking is not None:  # split as the stream is: the echo (the message it continues) first
+        if self.thinking is not None:  # split as the stream is: an echo the answer continues first
             split = ThinkingSplit(self.thinking)
-            echo_reasoning, echo = split.feed(echo)
+            echo_reasoning, echo = split.feed(echo) if self.split_echo else ("", echo)
             text_reasoning, text = split.feed(text)
             held_reasoning, held = split.finish()
             reasoning, text = echo_reasoning + text_reasoning + held_reasoning, text + held
@@ -110,7 +112,7 @@ class ChatFormat:
                              "finish_reason": None}], **self._prompt_ids(c)) for c in choices]
 
     def _first_delta(self, choice: Choice) -> dict[str, Any]:
-        if self.thinking is None:
+        if not self.split_echo:
             return {"role": "assistant", "content": self.echo}
         reasoning, content = self._thinking_split(choice).feed(self.echo)
         return {"role": "assistant", "content": content, **_reasoning(reasoning)}

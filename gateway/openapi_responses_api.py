@@ -65,7 +65,7 @@ def responses_request(chat: dict[str, Any]) -> dict[str, Any]:
         "truncation": {"type": "string", "enum": list(TRUNCATION), "nullable": True,
                        "description": "either runs untruncated: a conversation past the context is a 400"},
         "include": {"type": "array", "nullable": True, "items": {"type": "string", "enum": list(INCLUDABLE)},
-                    "description": "outputs this server never produces: accepted, nothing to add"},
+                    "description": "outputs and fields this server never produces: accepted, nothing to add"},
         "top_logprobs": {"type": "integer", "enum": [0], "nullable": True,
                          "description": "not offered here (chat completions return logprobs)"},
         "background": {"type": "boolean", "enum": [False], "nullable": True,

@@ -8,6 +8,8 @@ The answer thinks first when it opens with <think>, or when the template's gener
 thinking. An answer under an output constraint has no thinking: its grammar holds from the first token."""
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any
 
 START, END = "<think>", "</think>"
@@ -29,6 +31,12 @@ def generation_opens_thinking(tokenizer: Any, variables: dict[str, Any]) -> bool
     """The template's generation prompt (with these template variables) leaves a <think> open: told from what
     add_generation_prompt adds to a one-message chat, so no message's text can make it so (a question about the
     <think> tag, a tool result that quotes one)."""
+    return _generation_opens_thinking(tokenizer, json.dumps(variables, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=64)  # (two renders a request otherwise; the variables, as JSON, are the key)
+def _generation_opens_thinking(tokenizer: Any, variables_json: str) -> bool:
+    variables = json.loads(variables_json)
     try:
         with_prompt = tokenizer.apply_chat_template(_PROBE, add_generation_prompt=True, variables=variables)
         without = tokenizer.apply_chat_template(_PROBE, add_generation_prompt=False, variables=variables)
@@ -44,12 +52,12 @@ def opens_thinking(text: str) -> bool:
 
 def answer_starts_thinking(tokenizer: Any, chat: Any) -> bool:
     """Whether a chat request's answer (gateway/protocol.py's ChatRequest) starts inside its thinking: where the
-    generation prompt opens it, or the final message it continues does; never under an output constraint (a grammar,
-    a forced tool call); with echo the echoed message is split first, from the message's start."""
-    if chat.structured is not None or (chat.tools is not None and chat.tools.forced) or chat.echo:
+    generation prompt opens it, or the final message it continues does (echoed, that message is split first, from
+    its start); never under an output constraint (a grammar, a forced tool call)."""
+    if chat.structured is not None or (chat.tools is not None and chat.tools.forced):
         return False
     if chat.continue_final_message:
-        return opens_thinking(chat.messages[-1]["content"])
+        return not chat.echo and opens_thinking(chat.messages[-1]["content"])
     return chat.add_generation_prompt and generation_opens_thinking(tokenizer, chat.template_variables)
 
 

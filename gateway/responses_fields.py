@@ -10,8 +10,9 @@ from gateway.errors import invalid
 # OpenAI's limits on metadata: 16 pairs, keys of up to 64 characters, string values of up to 512
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 TRUNCATION = ("auto", "disabled")
-# what `include` may ask for: outputs of hosted tools, images and reasoning, none of which this server produces (so
-# there is nothing to add); message.output_text.logprobs is left out, as no Responses output carries logprobs here
+# what `include` may ask for: outputs of hosted tools and images, which this server never produces, and reasoning's
+# encrypted_content, which its reasoning items never carry (so there is nothing to add); message.output_text.logprobs
+# is left out, as no Responses output carries logprobs here
 INCLUDABLE = ("code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
               "message.input_image.image_url", "reasoning.encrypted_content", "web_search_call.action.sources",
               "web_search_call.results")
@@ -46,8 +47,8 @@ def _check_include(raw: Any) -> None:
         raise invalid("include must be an array of strings", "include")
     for i, value in enumerate(raw):
         if value not in INCLUDABLE:
-            raise invalid(f"include values this server accepts: {', '.join(INCLUDABLE)} (it produces none of "
-                          f"those outputs); got {value!r}", f"include[{i}]")
+            raise invalid(f"include values this server accepts: {', '.join(INCLUDABLE)} (with nothing to add: it "
+                          f"produces none of those outputs or fields); got {value!r}", f"include[{i}]")
 
 
 def _check_metadata(raw: Any) -> None:

@@ -54,7 +54,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                          fingerprint=_fingerprint(state), tools=req.tools, tool_call_parser=tool_template.parser,
                          token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids,
                          prompt_logprobs=req.prompt_logprobs, echo=req.echo,
-                         thinking=answer_starts_thinking(tokenizer, req) if state.splits_thinking else None)
+                         thinking=answer_starts_thinking(tokenizer, req) if state.splits_thinking else None,
+                         echo_continued=req.continue_final_message)
         return await _generate(request, state, tenant, req, [prompt], fmt, "messages", None, cache)
 
 
@@ -66,7 +67,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     with state.admission.admit(tenant, req.best_of * len(req.prompts)):
         tokenizer = state.engine.tokenizer
         whole = await encode_prompts(tokenizer, req.prompts, "prompt", req.add_special_tokens)
-        prompts = [state.truncated(p, req.truncate_prompt_tokens) for p in whole]
+        prompts = [state.truncated(p, req.truncate_prompt_tokens, generates=req.max_tokens != 0) for p in whole]
         # echo: the prompt as sent, or the text of what was served of a cut one
         echoed = [sent if len(cut) == len(ids) else cut for sent, ids, cut in zip(req.prompts, whole, prompts)]
         fmt = CompletionFormat(_new_id("cmpl-"), state.model_name, tokenizer,

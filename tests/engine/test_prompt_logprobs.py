@@ -55,9 +55,9 @@ def test_prompt_logprobs_match_transformers_and_never_read_the_cache(tiny_llama_
 
 
 def test_prompt_logprobs_across_a_preemption(tiny_llama_dir, reference):
-    prompt, expected = reference
     """Preempted in its prefill, a request keeps the logprobs it scored, hits the cache up to them on its return, and
     scores the rest (a chunk that overlaps both scores only the rest)."""
+    prompt, expected = reference
     # 10 blocks of 8 hold one of these prompts and its answer, not two: they preempt each other, mid-prefill too
     llm = LLM(str(tiny_llama_dir), block_size=8, num_kv_blocks=10, max_num_batched_tokens=16, max_num_seqs=2)
     params = SamplingParams(max_tokens=30, temperature=0, prompt_logprobs=1, ignore_eos=True)
@@ -118,3 +118,20 @@ def test_an_answer_scored_as_a_prompt_gets_the_logprobs_it_was_sampled_with(weig
     torch.testing.assert_close(torch.tensor([t.logprob for t in scored.prompt_logprobs[len(prompt):]]),
                                torch.tensor([t.logprob for t in answer.logprobs]), rtol=1e-3, atol=1e-3)
     assert all(t.rank == 1 for t in scored.prompt_logprobs[len(prompt):])  # greedy: each the most likely
+
+
+def test_a_scoring_request_hits_only_the_tokens_it_scored():
+    """A cache hit's tokens never run through the model: a request that scores its prompt may hit only blocks whose
+    every token it scored already (before a preemption), and it looks nothing up in the hit rate's counts."""
+    from engine.kv.kv_cache_manager import KVCacheManager
+
+    kv = KVCacheManager(num_blocks=16, block_size=16)
+    request = Request("r", list(range(3, 73)), SamplingParams(prompt_logprobs=0))
+    assert kv.num_hittable_blocks(request) == 0
+    request.prompt_logprobs += [request.prompt_logprobs[0]] * 39  # 40 scored: tokens 0..39, so 0..38 may be hit
+    assert kv.num_hittable_blocks(request) == 39 // 16
+    request.prompt_logprobs += [request.prompt_logprobs[0]] * 30  # the whole prompt: as any request
+    assert kv.num_hittable_blocks(request) == kv.num_hittable_blocks(Request("p", list(range(3, 73)),
+                                                                           SamplingParams())) == 69 // 16
+    kv.record_lookup(request, kv.find_cached_prefix(request))
+    assert (kv.num_lookups, kv.num_queried_tokens) == (0, 0)

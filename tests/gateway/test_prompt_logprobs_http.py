@@ -180,5 +180,8 @@ def test_a_prompt_that_generates_nothing_still_fits_the_kv_pool(tiny_llama_dir):
             over = post(small, path, **{field: list(range(3, 68))}, **extra)
             assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
             assert post(small, path, **{field: list(range(3, 67))}, **extra).status_code == 200  # 64 tokens
+        cut = post(small, "/v1/completions", prompt=list(range(3, 83)), max_tokens=0, echo=True,
+                   truncate_prompt_tokens=-1)  # as many as fit: all 64, nothing to generate
+        assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 64
         assert post(small, "/v1/completions", prompt="hello", max_tokens=2).status_code == 200
         assert_blocks_released(small.state.engine)

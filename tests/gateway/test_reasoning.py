@@ -256,3 +256,36 @@ def test_an_answer_with_text_and_a_call_sent_back_is_the_turn_continued(server):
     sent_back = _input_tokens(server, input=[{"role": "user", "content": "Capital of France?"}, *response["output"],
                                              result], tools=tools)
     assert continued == sent_back
+
+
+def test_an_echo_of_an_earlier_answer_is_content_before_a_new_answers_thinking(server):
+    """vLLM echoes the last assistant message also under a new generation prompt: the echo is content as it was,
+    and the new answer is split from the generation prompt's state."""
+    answer = ("" if server.style == "deepseek_r1" else "<think>") + "thinking</think>answer"
+    body = {"messages": [{"role": "user", "content": "Capital?"}, {"role": "assistant", "content": "Hi. "}],
+            "echo": True}
+    message = chat(server, pieces(answer), **body)["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == ("thinking", "Hi. answer")
+    chunks = chat(server, pieces(answer), stream=True, **body)
+    assert (_joined(chunks, "reasoning"), _joined(chunks, "content")) == ("thinking", "Hi. answer")
+
+
+def test_each_choice_of_a_stream_is_split_on_its_own(server):
+    answer = ("" if server.style == "deepseek_r1" else "<think>") + "It is Paris.</think>Paris."
+    chunks = chat(server, pieces(answer, 2), stream=True, n=2)
+    for index in (0, 1):
+        mine = [c for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert (_joined(mine, "reasoning"), _joined(mine, "content")) == ("It is Paris.", "Paris.")
+
+
+def test_answers_with_thinking_match_the_openapi_document(server):
+    from tests.gateway.test_openapi_responses import assert_matches, response_schema
+
+    spec = requests.get(f"{server.url}/openapi.json", timeout=30).json()
+    answer = ("" if server.style == "deepseek_r1" else "<think>") + "It is Paris.</think>Paris."
+    assert_matches(spec, response_schema(spec, "/v1/chat/completions"), chat(server, pieces(answer)))
+    chunk_schema = spec["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"][
+        "x-stream-chunk"]
+    for chunk in chat(server, pieces(answer), stream=True):
+        assert_matches(spec, chunk_schema, chunk)
+    assert_matches(spec, response_schema(spec, "/v1/responses"), _responses(server, pieces(answer)))

@@ -27,20 +27,20 @@ from tests.metrics.test_metrics_configs import DASHBOARD, dashboard_exprs, expan
 BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 8
 PROMPT_A = list(range(10, 74))  # 64 tokens: 4 blocks
-PROMPT_B = list(range(100, 228))  # 128 tokens: the whole pool
+PROMPT_B = list(range(100, 227))  # 127 tokens: the whole pool (the context it sets is 128: 127 + 1 generated)
 PROMPT_C = list(range(300, 308))  # 8 tokens: less than a block
 # (prompt, max_tokens, queried, hit, evicted blocks) per request, in order:
 WORKLOAD = [
     (PROMPT_A, 1, 64, 0, 0),  # caches A's 4 blocks
     (PROMPT_A, 1, 64, 48, 0),  # 3 blocks hit (the 4th holds the last prompt token, always computed)
-    (PROMPT_B, 1, 128, 0, 4),  # needs all 8 blocks: A's 4 cached blocks are evicted
-    (PROMPT_A, 1, 64, 0, 4),  # A is gone: 4 of B's 8 cached blocks make room
+    (PROMPT_B, 1, 127, 0, 4),  # needs all 8 blocks: A's 4 cached blocks are evicted
+    (PROMPT_A, 1, 64, 0, 3),  # A is gone: B's partial last block (no hash) and 3 of its 7 cached blocks make room
     (PROMPT_C, 5, 8, 0, 1),  # every free block is cached: taking one evicts one
 ]
 NUM_REQUESTS = len(WORKLOAD)
-QUERIED = sum(w[2] for w in WORKLOAD)  # 328
+QUERIED = sum(w[2] for w in WORKLOAD)  # 327
 HITS = sum(w[3] for w in WORKLOAD)  # 48
-EVICTED = sum(w[4] for w in WORKLOAD)  # 9
+EVICTED = sum(w[4] for w in WORKLOAD)  # 8
 CACHED_BLOCKS_AT_END = NUM_KV_BLOCKS - 1  # C's block holds no full block, so no hash
 
 
