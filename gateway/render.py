@@ -174,9 +174,11 @@ def with_bos(tokenizer: Any, ids: list[int], add_special_tokens: bool) -> list[i
 
 
 async def decode(tokenizer: Any, token_ids: list[int]) -> str:
+    """Token ids' text, special tokens' included (as transformers' decode and vLLM's /detokenize give it): the text
+    encodes to the same ids again."""
     if len(token_ids) > _OFFLOAD_TOKENS:
-        return await asyncio.to_thread(tokenizer.decode, token_ids)
-    return tokenizer.decode(token_ids)
+        return await asyncio.to_thread(tokenizer.decode, token_ids, False)
+    return tokenizer.decode(token_ids, skip_special_tokens=False)
 
 
 async def render_body_chat(tokenizer: Any, body: dict[str, Any], max_messages: int, tool_template: ToolTemplate,

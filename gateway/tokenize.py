@@ -39,8 +39,8 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    """Body: `tokens` (token ids), optional `model`. Answer: `prompt`, their text (special tokens left out, as an
-    answer's text leaves them)."""
+    """Body: `tokens` (token ids), optional `model`. Answer: `prompt`, their text, special tokens' included (as
+    vLLM's: lm-evaluation-harness sends a scored prompt back as this text, which must encode to the same ids)."""
     state, fields = await _checked(request)
     tokens = fields.body.get("tokens")
     vocab = state.engine.tokenizer.vocab_size

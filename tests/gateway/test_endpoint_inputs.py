@@ -410,3 +410,12 @@ def test_served_model_names_replace_the_models_own(tiny_llama_dir):
                             json={**CHAT, "model": live.state.engine.model_name})
         assert own.status_code == 404 and "team-model" in own.json()["error"]["message"]
         assert 'model_name="team-model"' in requests.get(live.url + "/metrics", timeout=30).text
+
+
+def test_detokenize_gives_text_that_encodes_to_the_same_ids(server):
+    """Special tokens' text included (as vLLM's /detokenize and transformers' decode): a chat's rendered prompt comes
+    back as text that /tokenize (a prompt, no BOS added) turns into the same ids."""
+    ids = post(server, "/tokenize", {"messages": [{"role": "user", "content": "Hello there"}]}).json()["tokens"]
+    text = post(server, "/detokenize", {"tokens": ids}).json()["prompt"]
+    assert text.startswith("<|im_start|>")
+    assert post(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"] == ids
