@@ -9,7 +9,7 @@ from typing import Any
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SampledToken
 from gateway.generate import Choice
-from gateway.reasoning import ThinkingSplit
+from gateway.reasoning import END, ThinkingSplit
 from gateway.tool_parsers import StreamDelta, ToolCallStream, extract, parser_for
 from gateway.tools import ToolRequest
 
@@ -79,14 +79,33 @@ class ChatFormat:
     def _output_ids(self, token_ids: list[int]) -> dict[str, Any]:
         return {"token_ids": token_ids} if self.token_ids else {}
 
+    def _split(self, choice: Choice) -> tuple[str, str, str, str]:
+        """(reasoning, echo, the answer's content, the answer's own reasoning) of a whole choice, split as its stream
+        is: an echo the answer continues first."""
+        echo, text = self.echo, "".join(choice.text)
+        if self.thinking is None:
+            return "", echo, text, ""
+        split = ThinkingSplit(self.thinking)
+        echo_reasoning, echo = split.feed(echo) if self.split_echo else ("", echo)
+        text_reasoning, text = split.feed(text)
+        held_reasoning, held = split.finish()
+        own = text_reasoning + held_reasoning
+        return echo_reasoning + own, echo, text + held, own
+
+    def count_reasoning_tokens(self, choice: Choice) -> None:
+        """usage's reasoning_tokens: the answer's tokens up to the output whose text ends its thinking (all of them
+        where it never ended)."""
+        if self.thinking is None:
+            return
+        text, own = "".join(choice.text), self._split(choice)[3]
+        if not own or END not in text:
+            choice.num_reasoning_tokens = len(choice.token_ids) if own else 0
+            return
+        end = text.index(END) + len(END)
+        choice.num_reasoning_tokens = next(tokens for chars, tokens in choice.text_marks if chars >= end)
+
     def choice_body(self, choice: Choice) -> dict[str, Any]:
-        reasoning, echo, text = "", self.echo, "".join(choice.text)
-        if self.thinking is not None:  # split as the stream is: an echo the answer continues first
-            split = ThinkingSplit(self.thinking)
-            echo_reasoning, echo = split.feed(echo) if self.split_echo else ("", echo)
-            text_reasoning, text = split.feed(text)
-            held_reasoning, held = split.finish()
-            reasoning, text = echo_reasoning + text_reasoning + held_reasoning, text + held
+        reasoning, echo, text, _ = self._split(choice)
         message: dict[str, Any] = {"role": "assistant", "content": echo + text}
         finish_reason = choice.finish_reason
         if self.tool_parser is not None:
@@ -134,6 +153,7 @@ class ChatFormat:
                             "finish_reason": None, **self._output_ids(out.new_token_ids)}])
 
     def finish_chunk(self, choice: Choice) -> dict[str, Any]:
+        self.count_reasoning_tokens(choice)  # (before the usage chunk)
         delta, finish_reason = {}, choice.finish_reason
         reasoning, text = self._thinking_split(choice).finish() if self.thinking is not None else ("", "")
         if self.tool_parser is not None:

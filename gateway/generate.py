@@ -47,10 +47,15 @@ class Choice:
     stop_reason: str | int | None = None  # the stop string or stop token id it ended at (vLLM's)
     embedding: list[float] | None = None  # a pooling request's vector, when it finished
     prompt_logprobs: list[SampledToken] | None = None  # SamplingParams.prompt_logprobs: one per prompt token
+    num_reasoning_tokens: int = 0  # output tokens of its thinking (a reasoning model's; gateway/formats.py counts)
+    # (characters of text, tokens) after each output: which tokens a stretch of the text came with
+    text_marks: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, out: RequestOutput) -> None:
         self.text.append(out.new_text)
         self.token_ids.extend(out.new_token_ids)
+        self.text_marks.append(((self.text_marks[-1][0] if self.text_marks else 0) + len(out.new_text),
+                                len(self.token_ids)))
         self.logprobs.extend(out.new_logprobs or ())
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
@@ -109,7 +114,8 @@ def usage(choices: list[Choice]) -> dict[str, Any]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": prompt_tokens_details(leaders.values()),
-        "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,  # as OpenAI sends them
+        "completion_tokens_details": {"reasoning_tokens": sum(c.num_reasoning_tokens for c in choices),
+                                      "audio_tokens": 0,  # as OpenAI sends them
                                       "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
     }
 

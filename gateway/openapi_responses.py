@@ -155,9 +155,12 @@ def _usage() -> dict[str, Any]:
             "pin_refused": {"type": "string", "enum": ["tenant_quota", "pool_quota", "not_cached"],
                             "description": "only when a breakpoint was not pinned: the quota it would exceed"}},
             optional=("pin_refused",)),
-        "completion_tokens_details": {**closed({name: {**_COUNT, "enum": [0]} for name in (
-            "reasoning_tokens", "audio_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")}),
-            "description": "always zeros (no reasoning, audio or predicted outputs), as OpenAI sends them"},
+        "completion_tokens_details": {**closed({
+            "reasoning_tokens": {**_COUNT, "description": "a reasoning model's thinking (--reasoning-parser)"},
+            **{name: {**_COUNT, "enum": [0]} for name in (
+                "audio_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")}}),
+            "description": "zeros but for a reasoning model's thinking (no audio or predicted outputs), as OpenAI "
+                           "sends them"},
     })
 
 

@@ -126,7 +126,7 @@ def _response(model_name: str, usage: dict[str, Any]) -> dict[str, Any]:
         "prompt_cache_key": nullable({**_TEXT, **echo}), "service_tier": const("default"),
         "usage": closed({
             "input_tokens": _COUNT, "input_tokens_details": usage["properties"]["prompt_tokens_details"],
-            "output_tokens": _COUNT, "output_tokens_details": closed({"reasoning_tokens": {**_COUNT, "enum": [0]}}),
+            "output_tokens": _COUNT, "output_tokens_details": closed({"reasoning_tokens": _COUNT}),
             "total_tokens": _COUNT}),
     })
 

@@ -343,7 +343,8 @@ def _response(response_id: str, req: ResponsesRequest, model: str, created: int,
         "usage": None if use is None else {
             "input_tokens": use["prompt_tokens"],
             "input_tokens_details": use["prompt_tokens_details"],
-            "output_tokens": use["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": use["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": use["completion_tokens_details"]["reasoning_tokens"]},
             "total_tokens": use["total_tokens"]},
     }
 
@@ -376,6 +377,7 @@ async def create(request: web.Request) -> web.StreamResponse:
             return await run.streamed(lambda outputs: _stream(request, req, fmt, choice, outputs, created, store,
                                                               tenant.name))
         await run.to_end()
+    fmt.count_reasoning_tokens(choice)
     body = fmt.choice_body(choice)
     output = _output_items(body["message"], body["finish_reason"])
     response = _response(response_id, req, state.model_name, created, output, body["finish_reason"], usage([choice]))

@@ -176,6 +176,8 @@ async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, r
         _log_done(fmt.response_id, tenant, choices)
         return resp
     await run.to_end()
+    for choice in choices:
+        fmt.count_reasoning_tokens(choice)
     _log_done(fmt.response_id, tenant, choices)
     returned = best_choices(choices, req.n, req.logprobs is not None) if samples > req.n else choices
     return web.json_response(fmt.response(returned, usage(choices)))  # usage counts every sample generated

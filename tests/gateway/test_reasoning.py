@@ -289,3 +289,22 @@ def test_answers_with_thinking_match_the_openapi_document(server):
     for chunk in chat(server, pieces(answer), stream=True):
         assert_matches(spec, chunk_schema, chunk)
     assert_matches(spec, response_schema(spec, "/v1/responses"), _responses(server, pieces(answer)))
+
+
+def test_usage_counts_the_thinkings_tokens(server):
+    """reasoning_tokens: the answer's tokens up to the one whose text ends the thinking; all of them when it never
+    ended; none without thinking; whole, streamed and in the Responses API alike."""
+    opening = "" if server.style == "deepseek_r1" else "<think>"
+    script = pieces(opening + "It is Paris.</think>Paris.", 1)  # a character a token
+    thinking = len(opening + "It is Paris.</think>")
+    details = chat(server, script)["usage"]["completion_tokens_details"]
+    assert details["reasoning_tokens"] == thinking
+    streamed = chat(server, script, stream=True, stream_options={"include_usage": True})
+    assert streamed[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] == thinking
+    response = _responses(server, script)
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == thinking
+    cut = pieces(opening + "never ends", 1)
+    assert chat(server, cut)["usage"]["completion_tokens_details"]["reasoning_tokens"] == len(cut)
+    if server.style == "qwen3":
+        plain = chat(server, pieces("Paris.", 1))["usage"]["completion_tokens_details"]["reasoning_tokens"]
+        assert plain == 0
