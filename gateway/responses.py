@@ -456,6 +456,7 @@ class _Events:
         self.message: dict[str, Any] | None = None  # the open message item
         self.reasoning: dict[str, Any] | None = None  # the reasoning item, once the thinking began
         self.calls: dict[int, dict[str, Any]] = {}  # tool call index -> its function_call item
+        self.num_done = 0  # items before this one are done (their output_item.done sent)
         self.final: dict[str, Any] = {}
 
     def _event(self, kind: str, **fields: Any) -> bytes:
@@ -468,15 +469,26 @@ class _Events:
         return [self._event("response.created", response=response),
                 self._event("response.in_progress", response=response)]
 
+    def _add(self, item: dict[str, Any]) -> list[bytes]:
+        """A new output item; the one before it is done where nothing more can come to it (the thinking, a call
+        whose arguments ended as the next began), as OpenAI closes an item before the next opens. A message stays
+        open: text may still come after the calls."""
+        events = []
+        if self.items and self.items[-1]["type"] != "message" and self.num_done == len(self.items) - 1:
+            self.items[-1]["status"] = "completed"
+            events += self._done(len(self.items) - 1)
+            self.num_done = len(self.items)
+        self.items.append(item)
+        return events + [self._event("response.output_item.added", output_index=len(self.items) - 1,
+                                     item=dict(item))]
+
     def delta(self, delta: dict[str, Any]) -> list[bytes]:
         events = []
         if delta.get("reasoning"):  # (all of it comes before the answer's text and calls)
             if self.reasoning is None:
                 self.reasoning = {**_reasoning_item("", "in_progress"), "content": []}
-                self.items.append(self.reasoning)
+                events += self._add(self.reasoning)
                 index = len(self.items) - 1
-                events.append(self._event("response.output_item.added", output_index=index,
-                                          item=dict(self.reasoning)))
                 self.reasoning["content"].append({"type": "reasoning_text", "text": ""})
                 events.append(self._event("response.content_part.added", item_id=self.reasoning["id"],
                                           output_index=index, content_index=0,
@@ -489,9 +501,8 @@ class _Events:
             if self.message is None:
                 self.message = {"type": "message", "id": _new_id("msg"), "status": "in_progress",
                                 "role": "assistant", "content": []}
-                self.items.append(self.message)
+                events += self._add(self.message)
                 index = len(self.items) - 1
-                events.append(self._event("response.output_item.added", output_index=index, item=dict(self.message)))
                 self.message["content"].append({"type": "output_text", "text": "", "annotations": []})
                 events.append(self._event("response.content_part.added", item_id=self.message["id"],
                                           output_index=index, content_index=0, part=dict(self.message["content"][0])))
@@ -505,9 +516,7 @@ class _Events:
                 item = {"type": "function_call", "id": _new_id("fc"), "call_id": call.get("id") or _new_id("call"),
                         "name": call["function"].get("name"), "arguments": "", "status": "in_progress"}
                 self.calls[call["index"]] = item
-                self.items.append(item)
-                events.append(self._event("response.output_item.added", output_index=len(self.items) - 1,
-                                          item=dict(item)))
+                events += self._add(item)
             if fragment := call["function"].get("arguments"):
                 item["arguments"] += fragment
                 events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
@@ -519,27 +528,26 @@ class _Events:
         for item in self.items:
             item["status"] = "completed"
         _mark_cut_short(self.items, finish_reason)
-        for index, item in enumerate(self.items):
-            if item["type"] == "message":
-                part = item["content"][0]
-                events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                       content_index=0, text=part["text"], logprobs=[]),
-                           self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                       content_index=0, part=part)]
-            elif item["type"] == "reasoning":
-                part = item["content"][0]
-                events += [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                                       content_index=0, text=part["text"]),
-                           self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                       content_index=0, part=part)]
-            else:
-                events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
-                                          output_index=index, arguments=item["arguments"]))
-            events.append(self._event("response.output_item.done", output_index=index, item=item))
+        for index in range(self.num_done, len(self.items)):
+            events += self._done(index)
         self.final = self.response(self.items, finish_reason, use)
         kind = "response.incomplete" if self.final["status"] == "incomplete" else "response.completed"
         events.append(self._event(kind, response=self.final))
         return events
+
+    def _done(self, index: int) -> list[bytes]:
+        item = self.items[index]
+        if item["type"] == "function_call":
+            events = [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  arguments=item["arguments"])]
+        else:
+            part = item["content"][0]
+            text_done = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
+            events = [self._event(text_done, item_id=item["id"], output_index=index, content_index=0, text=part["text"],
+                                  **({"logprobs": []} if item["type"] == "message" else {})),
+                      self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                  content_index=0, part=part)]
+        return events + [self._event("response.output_item.done", output_index=index, item=item)]
 
     def failed(self, err: APIError) -> list[bytes]:
         """A failure after the first event: an `error` event, then response.failed (the stream's last)."""

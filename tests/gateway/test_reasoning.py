@@ -308,3 +308,20 @@ def test_usage_counts_the_thinkings_tokens(server):
     if server.style == "qwen3":
         plain = chat(server, pieces("Paris.", 1))["usage"]["completion_tokens_details"]["reasoning_tokens"]
         assert plain == 0
+
+
+def test_the_responses_stream_closes_an_item_before_the_next_opens(server):
+    """As OpenAI streams them: the thinking is done before the message opens, a call before the next call (a
+    message stays open to the end: text may come after the calls)."""
+    opening = "" if server.style == "deepseek_r1" else "<think>"
+    calls = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    events = _responses(server, pieces(opening + "Two cities.</think>" + calls), stream=True,
+                        tools=[{"type": "function", **WEATHER["function"]}])
+    opened_closed = [(e["type"].rsplit(".", 1)[-1], e["output_index"]) for e in events
+                     if e["type"] in ("response.output_item.added", "response.output_item.done")]
+    assert opened_closed == [("added", 0), ("done", 0), ("added", 1), ("done", 1), ("added", 2), ("done", 2)]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]["response"]
+    assert [(i["type"], i["status"]) for i in final["output"]] == [
+        ("reasoning", "completed"), ("function_call", "completed"), ("function_call", "completed")]
