@@ -480,6 +480,9 @@ function sampling() {  // null (and the error shown) where a field is not a fini
     if (raw === "") continue;
     fields[name] = Number(raw);
   }
+  if (!$("thinking-label").hidden && !$("thinking").checked) {  // a template with Qwen3's switch, switched off
+    fields.chat_template_kwargs = { enable_thinking: false };
+  }
   return fields;
 }
 
@@ -744,10 +747,23 @@ function restoreSettings() {
   for (const name of SAMPLING) {
     if (typeof saved[name] === "string") $(name).value = saved[name];
   }
+  $("thinking").checked = saved.thinking !== false;
 }
 
 function saveSettings() {
-  setItem(SETTINGS, JSON.stringify(Object.fromEntries(SAMPLING.map((n) => [n, $(n).value]))));
+  setItem(SETTINGS, JSON.stringify({ ...Object.fromEntries(SAMPLING.map((n) => [n, $(n).value])),
+                                     thinking: $("thinking").checked }));
+}
+
+// A reasoning model whose template takes Qwen3's enable_thinking gets a switch for it in the settings.
+async function showThinkingSwitch() {
+  try {
+    const response = await fetch("/tokenizer_info", { headers: headers() });
+    const info = response.ok ? await response.json() : {};
+    $("thinking-label").hidden = !String(info.chat_template ?? "").includes("enable_thinking");
+  } catch {  // (the server away: no switch until the page starts again)
+    $("thinking-label").hidden = true;
+  }
 }
 
 async function start() {
@@ -779,6 +795,7 @@ async function start() {
   }
   render();
   refreshCache();
+  showThinkingSwitch();
   const chat = currentChat();
   if (resendAfterKey && chat?.messages.at(-1)?.role === "user" && free(chat)) answer(chat);
   resendAfterKey = false;
@@ -818,6 +835,7 @@ $("system").addEventListener("change", () => {
   if (chat) { chat.system = $("system").value; save(chat); }
 });
 for (const name of SAMPLING) $(name).addEventListener("input", saveSettings);
+$("thinking").addEventListener("change", saveSettings);
 function showPanel(open) {  // the phone layout: one panel at a time over the chat ("sidebar-open", "cache-open")
   document.body.classList.remove("sidebar-open", "cache-open");
   if (open) document.body.classList.add(open);

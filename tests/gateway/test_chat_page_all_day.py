@@ -204,3 +204,30 @@ def test_a_reasoning_models_thinking_shows_folded_above_its_answer(opened, think
         expect(page.locator(".message.assistant details.thinking")).to_contain_text("The capital of France is Paris.")
     finally:
         thinking_server.scripted.script = None
+
+
+def test_a_template_with_qwen3s_switch_gets_a_thinking_setting(opened, thinking_server, server):
+    """Shown where the chat template takes enable_thinking (not for the tiny default's); unchecked, a request
+    asks for no thinking, and the choice is kept across a reload."""
+    bodies = []
+    page = opened(thinking_server.url + "/").page
+    page.route("**/v1/chat/completions", lambda route: (bodies.append(route.request.post_data_json),
+                                                         route.continue_()))
+    page.click("#settings summary")
+    expect(page.locator("#thinking-label")).to_be_visible(timeout=10_000)
+    page.uncheck("#thinking")
+    thinking_server.scripted.script = list("Paris.")
+    try:
+        send(page, "Capital of France?")
+        expect(page.locator(".message.assistant .stats")).to_contain_text("prompt", timeout=30_000)
+    finally:
+        thinking_server.scripted.script = None
+    assert bodies[-1]["chat_template_kwargs"] == {"enable_thinking": False}
+    page.reload()
+    page.click("#settings summary")
+    expect(page.locator("#thinking")).not_to_be_checked()
+    plain = opened(server.url + "/").page  # ChatML: no switch
+    plain.click("#settings summary")
+    expect(plain.locator("#model-name")).not_to_be_empty()
+    plain.wait_for_timeout(500)
+    assert plain.evaluate("document.getElementById('thinking-label').hidden")
