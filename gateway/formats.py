@@ -79,30 +79,35 @@ class ChatFormat:
     def _output_ids(self, token_ids: list[int]) -> dict[str, Any]:
         return {"token_ids": token_ids} if self.token_ids else {}
 
-    def _split(self, choice: Choice) -> tuple[str, str, str, str]:
-        """(reasoning, echo, the answer's content, the answer's own reasoning) of a whole choice, split as its stream
+    def _split(self, choice: Choice) -> tuple[str, str, str, bool]:
+        """(reasoning, echo, the answer's content, whether the answer thinks) of a whole choice, split as its stream
         is: an echo the answer continues first."""
         echo, text = self.echo, "".join(choice.text)
         if self.thinking is None:
-            return "", echo, text, ""
+            return "", echo, text, False
         split = ThinkingSplit(self.thinking)
         echo_reasoning, echo = split.feed(echo) if self.split_echo else ("", echo)
+        thinks = split.thinks_next(text)
         text_reasoning, text = split.feed(text)
         held_reasoning, held = split.finish()
-        own = text_reasoning + held_reasoning
-        return echo_reasoning + own, echo, text + held, own
+        return echo_reasoning + text_reasoning + held_reasoning, echo, text + held, thinks
 
     def count_reasoning_tokens(self, choice: Choice) -> None:
-        """usage's reasoning_tokens: the answer's tokens up to the output whose text ends its thinking (all of them
-        where it never ended)."""
+        """usage's reasoning_tokens: the answer's tokens up to the one whose bytes complete </think> (all of them
+        where the thinking never ended; none where the answer does not think)."""
         if self.thinking is None:
             return
-        text, own = "".join(choice.text), self._split(choice)[3]
-        if not own or END not in text:
-            choice.num_reasoning_tokens = len(choice.token_ids) if own else 0
+        choice.num_reasoning_tokens = 0
+        if not self._split(choice)[3]:
             return
-        end = text.index(END) + len(END)
-        choice.num_reasoning_tokens = next(tokens for chars, tokens in choice.text_marks if chars >= end)
+        data, end = bytearray(), END.encode()
+        for count, token_id in enumerate(choice.token_ids, 1):
+            start = max(0, len(data) - len(end) + 1)  # (where this token's bytes may complete it)
+            data += self.tokenizer.token_bytes(token_id)
+            if data.find(end, start) >= 0:
+                choice.num_reasoning_tokens = count
+                return
+        choice.num_reasoning_tokens = len(choice.token_ids)
 
     def choice_body(self, choice: Choice) -> dict[str, Any]:
         reasoning, echo, text, _ = self._split(choice)

@@ -48,14 +48,10 @@ class Choice:
     embedding: list[float] | None = None  # a pooling request's vector, when it finished
     prompt_logprobs: list[SampledToken] | None = None  # SamplingParams.prompt_logprobs: one per prompt token
     num_reasoning_tokens: int = 0  # output tokens of its thinking (a reasoning model's; gateway/formats.py counts)
-    # (characters of text, tokens) after each output: which tokens a stretch of the text came with
-    text_marks: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, out: RequestOutput) -> None:
         self.text.append(out.new_text)
         self.token_ids.extend(out.new_token_ids)
-        self.text_marks.append(((self.text_marks[-1][0] if self.text_marks else 0) + len(out.new_text),
-                                len(self.token_ids)))
         self.logprobs.extend(out.new_logprobs or ())
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs

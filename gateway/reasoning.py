@@ -90,6 +90,11 @@ class ThinkingSplit:
         self._held = text[len(text) - keep:]
         return text[:len(text) - keep], ""
 
+    def thinks_next(self, text: str) -> bool:
+        """Whether `text`, fed next, is (or begins with) thinking, an empty one included."""
+        return self._state in ("opened", "thinking") or (
+            self._state == "start" and (self._held + text).lstrip().startswith(START))
+
     def finish(self) -> tuple[str, str]:
         """What was held back: thinking that never closed stays thinking; a lone start is content."""
         held, self._held = self._held, ""

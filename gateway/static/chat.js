@@ -480,8 +480,8 @@ function sampling() {  // null (and the error shown) where a field is not a fini
     if (raw === "") continue;
     fields[name] = Number(raw);
   }
-  if (!$("thinking-label").hidden && !$("thinking").checked) {  // a template with Qwen3's switch, switched off
-    fields.chat_template_kwargs = { enable_thinking: false };
+  if (!$("thinking-label").hidden) {  // a template with Qwen3's switch (on by default there; not everywhere)
+    fields.chat_template_kwargs = { enable_thinking: $("thinking").checked };
   }
   return fields;
 }
@@ -786,6 +786,7 @@ async function start() {
   if (notReady || resendAfterKey) showError("");  // (its own message only: a full storage's stays)
   notReady = false;
   const card = (await response.json()).data[0];
+  await showThinkingSwitch();  // (before `model` is set, which lets a message be sent)
   model = card.id;
   $("model-name").textContent = model;
   const cap = card.sampling_defaults?.max_tokens;  // what a request without max_tokens gets
@@ -795,7 +796,6 @@ async function start() {
   }
   render();
   refreshCache();
-  showThinkingSwitch();
   const chat = currentChat();
   if (resendAfterKey && chat?.messages.at(-1)?.role === "user" && free(chat)) answer(chat);
   resendAfterKey = false;

@@ -207,8 +207,8 @@ def test_a_reasoning_models_thinking_shows_folded_above_its_answer(opened, think
 
 
 def test_a_template_with_qwen3s_switch_gets_a_thinking_setting(opened, thinking_server, server):
-    """Shown where the chat template takes enable_thinking (not for the tiny default's); unchecked, a request
-    asks for no thinking, and the choice is kept across a reload."""
+    """Shown where the chat template takes enable_thinking (not for the tiny default's); each request says whether
+    to think, and the choice is kept across a reload."""
     bodies = []
     page = opened(thinking_server.url + "/").page
     page.route("**/v1/chat/completions", lambda route: (bodies.append(route.request.post_data_json),

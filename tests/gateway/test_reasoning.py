@@ -292,22 +292,45 @@ def test_answers_with_thinking_match_the_openapi_document(server):
 
 
 def test_usage_counts_the_thinkings_tokens(server):
-    """reasoning_tokens: the answer's tokens up to the one whose text ends the thinking; all of them when it never
-    ended; none without thinking; whole, streamed and in the Responses API alike."""
+    """reasoning_tokens: the answer's tokens up to the one that completes </think>; all of them when it never ended;
+    none without thinking; an empty thinking its tags; whole, streamed and in the Responses API alike, and whatever
+    text a stop string holds back (counted from the tokens, not from when their text arrived)."""
     opening = "" if server.style == "deepseek_r1" else "<think>"
-    script = pieces(opening + "It is Paris.</think>Paris.", 1)  # a character a token
-    thinking = len(opening + "It is Paris.</think>")
-    details = chat(server, script)["usage"]["completion_tokens_details"]
-    assert details["reasoning_tokens"] == thinking
-    streamed = chat(server, script, stream=True, stream_options={"include_usage": True})
-    assert streamed[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] == thinking
-    response = _responses(server, script)
-    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == thinking
-    cut = pieces(opening + "never ends", 1)
-    assert chat(server, cut)["usage"]["completion_tokens_details"]["reasoning_tokens"] == len(cut)
-    if server.style == "qwen3":
-        plain = chat(server, pieces("Paris.", 1))["usage"]["completion_tokens_details"]["reasoning_tokens"]
-        assert plain == 0
+    server.scripted.script_ids = True  # (a character a token: the ids spell the scripted text)
+    try:
+        script = pieces(opening + "It is Paris.</think>Paris.", 1)
+        thinking = len(opening + "It is Paris.</think>")
+        details = chat(server, script)["usage"]["completion_tokens_details"]
+        assert details["reasoning_tokens"] == thinking
+        streamed = chat(server, script, stream=True, stream_options={"include_usage": True})
+        assert streamed[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] == thinking
+        response = _responses(server, script)
+        assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == thinking
+        cut = pieces(opening + "never ends", 1)
+        assert chat(server, cut)["usage"]["completion_tokens_details"]["reasoning_tokens"] == len(cut)
+        empty = pieces(opening + "</think>Paris.", 1)
+        assert chat(server, empty)["usage"]["completion_tokens_details"]["reasoning_tokens"] == len(opening) + 8
+        if server.style == "qwen3":
+            plain = chat(server, pieces("Paris.", 1))["usage"]["completion_tokens_details"]["reasoning_tokens"]
+            assert plain == 0
+    finally:
+        server.scripted.script_ids = False
+
+
+def test_reasoning_tokens_follow_the_tokens_not_a_stop_strings_hold_back(tiny_tools_dir):
+    """The engine's detokenizer holds text back while it may still become a stop string, so </think>'s text arrives
+    some tokens after the token that wrote it: the count reads the tokens' own bytes."""
+    from engine.tokenizer import load_tokenizer
+    from engine.sampling_params import SamplingParams
+    from gateway.formats import ChatFormat
+    from gateway.generate import Choice
+
+    tok = load_tokenizer(tiny_tools_dir, set())
+    ids = [tok.encode(c)[0] for c in "<think>abc</think>def ghi jkl"]
+    choice = Choice(0, 0, "r", [1], SamplingParams(stop=["a long stop string never met"]))
+    choice.token_ids, choice.text = ids, ["", "<think>abc</think>def ghi jkl"]  # the text came with the last token
+    ChatFormat("c", "m", tok, thinking=False).count_reasoning_tokens(choice)
+    assert choice.num_reasoning_tokens == len("<think>abc</think>")
 
 
 def test_the_responses_stream_closes_an_item_before_the_next_opens(server):

@@ -35,6 +35,7 @@ class ScriptedEngine:
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self.script: list[str] | None = None
+        self.script_ids = False  # True: each piece is one token of the vocabulary, and the outputs carry its id
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -48,8 +49,11 @@ class ScriptedEngine:
             sent = 0
             async for out in gen:
                 if script is not None:
-                    out.new_text = "".join(script[sent:sent + len(out.new_token_ids)])
-                    sent += len(out.new_token_ids)
+                    pieces = script[sent:sent + len(out.new_token_ids)]
+                    out.new_text = "".join(pieces)
+                    if self.script_ids:
+                        out.new_token_ids = [self._engine.tokenizer.encode(piece)[0] for piece in pieces]
+                    sent += len(pieces)
                     if out.finished:
                         out.finish_reason = FinishReason.STOP
                 yield out
