@@ -445,6 +445,11 @@ async def _stream(request: web.Request, req: ResponsesRequest, fmt: ChatFormat, 
     return resp
 
 
+# a text item's part type (and its events' names), what its part and its text events carry besides (OpenAI's)
+_TEXT_PARTS = {"message": ("output_text", {"annotations": []}, {"logprobs": []}),
+               "reasoning": ("reasoning_text", {}, {})}
+
+
 class _Events:
     """Turns chat deltas (text, tool call fragments) into Responses stream events."""
 
@@ -485,31 +490,12 @@ class _Events:
     def delta(self, delta: dict[str, Any]) -> list[bytes]:
         events = []
         if delta.get("reasoning"):  # (all of it comes before the answer's text and calls)
-            if self.reasoning is None:
-                self.reasoning = {**_reasoning_item("", "in_progress"), "content": []}
-                events += self._add(self.reasoning)
-                index = len(self.items) - 1
-                self.reasoning["content"].append({"type": "reasoning_text", "text": ""})
-                events.append(self._event("response.content_part.added", item_id=self.reasoning["id"],
-                                          output_index=index, content_index=0,
-                                          part=dict(self.reasoning["content"][0])))
-            self.reasoning["content"][0]["text"] += delta["reasoning"]
-            events.append(self._event("response.reasoning_text.delta", item_id=self.reasoning["id"],
-                                      output_index=self.items.index(self.reasoning), content_index=0,
-                                      delta=delta["reasoning"]))
+            self.reasoning = self.reasoning or {**_reasoning_item("", "in_progress"), "content": []}
+            events += self._text(self.reasoning, delta["reasoning"])
         if delta.get("content"):
-            if self.message is None:
-                self.message = {"type": "message", "id": _new_id("msg"), "status": "in_progress",
-                                "role": "assistant", "content": []}
-                events += self._add(self.message)
-                index = len(self.items) - 1
-                self.message["content"].append({"type": "output_text", "text": "", "annotations": []})
-                events.append(self._event("response.content_part.added", item_id=self.message["id"],
-                                          output_index=index, content_index=0, part=dict(self.message["content"][0])))
-            self.message["content"][0]["text"] += delta["content"]
-            events.append(self._event("response.output_text.delta", item_id=self.message["id"],
-                                      output_index=self.items.index(self.message), content_index=0,
-                                      delta=delta["content"], logprobs=[]))
+            self.message = self.message or {"type": "message", "id": _new_id("msg"), "status": "in_progress",
+                                             "role": "assistant", "content": []}
+            events += self._text(self.message, delta["content"])
         for call in delta.get("tool_calls") or ():
             item = self.calls.get(call["index"])
             if item is None:
@@ -522,6 +508,19 @@ class _Events:
                 events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
                                           output_index=self.items.index(item), delta=fragment))
         return events
+
+    def _text(self, item: dict[str, Any], text: str) -> list[bytes]:
+        """The next piece of a text item's (a message's, the thinking's) one part, the item and part opened first."""
+        kind, part_extra, extra = _TEXT_PARTS[item["type"]]
+        events = []
+        if not item["content"]:
+            events += self._add(item)
+            item["content"].append({"type": kind, "text": "", **part_extra})
+            events.append(self._event("response.content_part.added", item_id=item["id"],
+                                      output_index=len(self.items) - 1, content_index=0, part=dict(item["content"][0])))
+        item["content"][0]["text"] += text
+        return events + [self._event(f"response.{kind}.delta", item_id=item["id"], output_index=self.items.index(item),
+                                     content_index=0, delta=text, **extra)]
 
     def finish(self, finish_reason: str | None, use: dict[str, Any]) -> list[bytes]:
         events = []
@@ -541,10 +540,9 @@ class _Events:
             events = [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   arguments=item["arguments"])]
         else:
-            part = item["content"][0]
-            text_done = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
-            events = [self._event(text_done, item_id=item["id"], output_index=index, content_index=0, text=part["text"],
-                                  **({"logprobs": []} if item["type"] == "message" else {})),
+            part, (kind, _, extra) = item["content"][0], _TEXT_PARTS[item["type"]]
+            events = [self._event(f"response.{kind}.done", item_id=item["id"], output_index=index, content_index=0,
+                                  text=part["text"], **extra),
                       self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                   content_index=0, part=part)]
         return events + [self._event("response.output_item.done", output_index=index, item=item)]
