@@ -429,20 +429,6 @@ class ResponseStoreMetrics:
             yield metric
 
 
-class _WithoutCreated:
-    """A registry's families without the `_created` twin that prometheus-client adds to every counter
-    and histogram (a second series per series, which nothing here reads). Only this registry's
-    exposition changes; prometheus_client.disable_created_metrics() would change the whole process."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._registry = registry
-
-    def collect(self) -> Iterator[Metric]:
-        for family in self._registry.collect():
-            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
-            yield family
-
-
 # our family (less PREFIX) -> vLLM's names for it: the series vLLM's Grafana dashboards, KEDA rules and the Gateway
 # API Inference Extension read (ITL twice: vLLM renamed time_per_output_token, and gpu_cache_usage to kv_cache_usage)
 VLLM_NAMES = {
@@ -464,25 +450,35 @@ VLLM_NAMES = {
 VLLM_SUCCESS = ("stop", "length", "abort")  # vLLM's request_success counts these (its label: finished_reason)
 
 
-class _VllmNames:
-    """Our series of VLLM_NAMES again under vLLM's names, read from the registry at scrape time (one count kept,
-    two names shown): a dashboard or autoscaler built for vLLM reads them unchanged."""
+def _vllm_labels(labels: dict[str, str]) -> dict[str, str]:
+    return {("finished_reason" if key == "finish_reason" else key): value for key, value in labels.items()}
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+
+class _Exposition:
+    """What /metrics shows of a registry, read in one pass a scrape: its families without the `_created` twin that
+    prometheus-client adds to every counter and histogram (a second series per series, which nothing here reads;
+    prometheus_client.disable_created_metrics() would change the whole process), and with `vllm_names` each family
+    of VLLM_NAMES again under vLLM's names (one count kept, two names shown): a dashboard or autoscaler built for
+    vLLM reads them unchanged."""
+
+    def __init__(self, registry: CollectorRegistry, vllm_names: bool) -> None:
         self._registry = registry
+        self._vllm_names = vllm_names
 
     def collect(self) -> Iterator[Metric]:
         for family in self._registry.collect():
-            names = VLLM_NAMES.get(family.name.removeprefix(PREFIX), ()) if family.name.startswith(PREFIX) else ()
-            for name in names:
-                renamed = Metric(name, f"{family.documentation} ({family.name}, under vLLM's name)", family.type)
-                renamed.samples = [s._replace(name=name + s.name[len(family.name):], labels=_vllm_labels(s.labels))
-                                   for s in family.samples if s.labels.get("finish_reason", "stop") in VLLM_SUCCESS]
-                yield renamed
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+            if self._vllm_names and family.name.startswith(PREFIX):
+                yield from _under_vllm_names(family)
 
 
-def _vllm_labels(labels: dict[str, str]) -> dict[str, str]:
-    return {("finished_reason" if key == "finish_reason" else key): value for key, value in labels.items()}
+def _under_vllm_names(family: Metric) -> Iterator[Metric]:
+    for name in VLLM_NAMES.get(family.name.removeprefix(PREFIX), ()):
+        renamed = Metric(name, f"{family.documentation} ({family.name}, under vLLM's name)", family.type)
+        renamed.samples = [s._replace(name=name + s.name[len(family.name):], labels=_vllm_labels(s.labels))
+                           for s in family.samples if s.labels.get("finish_reason", "stop") in VLLM_SUCCESS]
+        yield renamed
 
 
 class Metrics:
@@ -508,10 +504,7 @@ class Metrics:
         if registry is None:  # process_* series (memory, CPU, fds) only in a registry we own
             ProcessCollector(registry=self.registry)
         self._lock = threading.Lock()  # the _Delta last-seen values, if steps ever come from two threads
-        self._exposed = CollectorRegistry(auto_describe=False)  # what /metrics shows: ours, and vLLM's names
-        self._exposed.register(_WithoutCreated(self.registry))
-        if vllm_names:
-            self._exposed.register(_VllmNames(_WithoutCreated(self.registry)))
+        self._exposed = _Exposition(self.registry, vllm_names)
 
     def on_step(self, stats: StepStats) -> None:
         """Called on the engine thread after every step."""
