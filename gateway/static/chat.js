@@ -13,6 +13,7 @@ const SAMPLING = ["temperature", "top_p", "max_tokens", "seed"];
 const EXPORT_FORMAT = "prefixgate.chats";
 const CACHE_REFRESH_MS = 2000;
 const START_RETRY_MS = 2000;
+const RETRY_MAX_MS = 16000;  // the server away: each failed try waits twice as long as the one before, up to this
 const PARTIAL_SAVE_MS = 1000;  // a streaming answer is saved this often, so a reload keeps what came
 const LIVE_MS = 5 * PARTIAL_SAVE_MS;  // an answer another tab saved this recently still streams there
 
@@ -22,6 +23,9 @@ let model = null;
 const streams = new Map();  // chat id -> the AbortController of the answer streaming into it (Stop aborts it)
 let resendAfterKey = false;  // a message refused for want of a key: answered once a key is given
 let notReady = false;  // the server answered /v1/models with an error: start() tries again
+let startDelay = START_RETRY_MS;
+let cacheTimer = null;
+let cacheDelay = CACHE_REFRESH_MS;
 
 function load(name, fallback) {
   try { return JSON.parse(localStorage.getItem(name)) ?? fallback; } catch { return fallback; }
@@ -711,7 +715,13 @@ function cacheStale(why) {  // the figures stay, dimmed, with their age, until a
   if (why) $("cache-status").textContent = `${why}: figures from ${cacheShownAt ?? "no time yet"}`;
 }
 
+function refreshCacheIn(ms) {  // one timer, whoever asks (an answer's end, the last refresh, the tab shown again)
+  clearTimeout(cacheTimer);
+  cacheTimer = setTimeout(refreshCache, ms);
+}
+
 async function refreshCache() {
+  refreshCacheIn(cacheDelay);  // (before the fetch: a refresh asked for meanwhile replaces this one)
   if (!model || document.visibilityState !== "visible") return;  // (no model yet: waiting for a key)
   try {
     const response = await fetch("/v1/cache/stats", { headers: headers() });
@@ -735,8 +745,10 @@ async function refreshCache() {
     $("cache-disk").textContent = s.disk ? `${s.disk.blocks} blocks, ${formatBytes(s.disk.bytes)}` : "off";
     cacheShownAt = new Date().toTimeString().slice(0, 8);  // HH:MM:SS
     cacheStale(null);
-  } catch {  // the server down or restarting: the next refresh tries again
+    if (cacheDelay !== CACHE_REFRESH_MS) refreshCacheIn(cacheDelay = CACHE_REFRESH_MS);
+  } catch {  // the server down or restarting: the next refresh tries again, later each time
     cacheStale("server unreachable");
+    refreshCacheIn(cacheDelay = Math.min(2 * cacheDelay, RETRY_MAX_MS));
   }
 }
 
@@ -777,12 +789,14 @@ async function start() {
     askKey(localStorage.getItem(KEY) ? "The server refused this key: enter another." : "");
     return;
   }
-  if (!response.ok) {  // a server starting, restarting or draining: try again
+  if (!response.ok) {  // a server starting, restarting or draining: try again, later each time
     showError(`The server is not ready (${response.status}): trying again.`);
     notReady = true;
-    setTimeout(start, START_RETRY_MS);
+    setTimeout(start, startDelay);
+    startDelay = Math.min(2 * startDelay, RETRY_MAX_MS);
     return;
   }
+  startDelay = START_RETRY_MS;
   if (notReady || resendAfterKey) showError("");  // (its own message only: a full storage's stays)
   notReady = false;
   const card = (await response.json()).data[0];
@@ -850,6 +864,10 @@ $("key-form").addEventListener("submit", () => {
   setItem(KEY, $("key-input").value.trim());
   start();
 });
+document.addEventListener("visibilitychange", () => {  // a tab shown again reads the figures at once
+  if (document.visibilityState !== "visible") return;
+  cacheDelay = CACHE_REFRESH_MS;
+  refreshCacheIn(0);
+});
 restoreSettings();
-setInterval(refreshCache, CACHE_REFRESH_MS);
 start();

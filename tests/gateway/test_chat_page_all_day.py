@@ -1,7 +1,8 @@
 """The chat page kept open all day, in a real browser (as tests/gateway/test_chat_page.py drives it): a chat that
 outgrows the model's context leaves its oldest messages out (and says so) instead of being refused from then on, a
 message too long by itself says so, the keyboard keeps its place, an error from a server that was away goes once it
-answers again, a rename keeps the list's order, and a tap beside the phone layout's chat list closes it."""
+answers again, a server away is asked less and less often, a rename keeps the list's order, and a tap beside the
+phone layout's chat list closes it."""
 from __future__ import annotations
 
 import re
@@ -146,6 +147,54 @@ def test_the_error_of_a_server_that_was_away_goes_when_it_answers_again(opened, 
     expect(page.locator("#cache-status")).to_be_hidden(timeout=10_000)
     expect(page.locator("#error")).to_be_hidden()
     tab.errors.clear()  # the browser logs the failed fetches
+
+
+# each fetch of the cache's figures: its time on the page's clock, and a promise that settles after the page's
+# own handlers of that fetch have run
+POLL_LOG = """
+const pageFetch = window.fetch;
+window.polls = [];
+window.lastPoll = Promise.resolve();
+window.fetch = (url, ...rest) => {
+  const reply = pageFetch(url, ...rest);
+  if (String(url).includes("/v1/cache/stats")) {
+    window.polls.push(Date.now());
+    window.lastPoll = reply.then(() => {}, () => {});
+  }
+  return reply;
+};
+"""
+
+
+def test_a_server_away_is_asked_less_often_and_a_tab_shown_again_asks_at_once(browser, server):
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.clock.install()
+        page.add_init_script(POLL_LOG)
+        page.goto(server.url + "/")
+        expect(page.locator("#cache-used")).to_contain_text("/")
+        page.clock.pause_at(page.evaluate("Date.now()") + 10)  # from here on the clock moves only when told
+
+        def run(seconds: int) -> list[int]:  # the gaps between the polls of these seconds
+            before = page.evaluate("window.polls.length")
+            for _ in range(seconds):
+                page.clock.run_for(1000)
+                page.evaluate("() => window.lastPoll")  # (its failure handled before the clock moves on)
+            polls = page.evaluate("window.polls")[before - 1:]
+            return [b - a for a, b in zip(polls, polls[1:])]
+
+        assert run(10) == [2000] * 5  # the server answers: every 2 s
+        page.route("**/v1/cache/stats", lambda route: route.abort())  # the server away
+        assert run(80) == [2000, 4000, 8000, 16000, 16000, 16000, 16000]
+        expect(page.locator("#cache-status")).to_contain_text("server unreachable")
+        page.unroute("**/v1/cache/stats")
+        page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")  # the tab shown again
+        page.clock.run_for(1)
+        expect(page.locator("#cache-status")).to_be_hidden()
+        assert run(10) == [2000] * 5  # from the poll of the tab shown again on, every 2 s again
+    finally:
+        context.close()
 
 
 def test_the_error_of_a_server_that_answers_stays_until_the_next_send(opened, server):
