@@ -6,7 +6,7 @@ from typing import Any
 
 from gateway.openapi_responses import closed, const, nullable, ref
 from gateway.responses_fields import (DEFAULT_ITEMS_PAGE, INCLUDABLE, MAX_ITEMS_PAGE, MAX_METADATA_PAIRS,
-                                      MAX_METADATA_VALUE, TRUNCATION)
+                                      MAX_METADATA_VALUE, TRUNCATION, VLLM_EXTRAS)
 
 _TEXT = {"type": "string"}
 _COUNT = {"type": "integer", "minimum": 0}
@@ -71,6 +71,7 @@ def responses_request(chat: dict[str, Any]) -> dict[str, Any]:
         "background": {"type": "boolean", "enum": [False], "nullable": True,
                        "description": "background mode is not offered"},
         "cache_control": chat["cache_control"],
+        **{name: chat[name] for name in VLLM_EXTRAS if name in chat},  # (vLLM's; as chat checks them)
     }}
 
 

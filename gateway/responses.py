@@ -29,7 +29,7 @@ from gateway.reasoning import answer_starts_thinking
 from gateway.render import content_text, render_chat
 from gateway.response_store import Stored
 from gateway.response_store_pending import PendingPuts
-from gateway.responses_fields import check_fields, items_page
+from gateway.responses_fields import VLLM_EXTRAS, check_fields, items_page
 from gateway.runner import RequestRun, sampling_params
 from gateway.state import STATE
 from gateway.streaming import SSE_HEADERS, encode_event
@@ -105,7 +105,8 @@ async def parse_responses(body: Any, state, tenant: str, store: PendingPuts) -> 
     chat_body = {"model": body.get("model"), "messages": messages, "stream": body.get("stream", False),
                  "max_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
                  "top_p": body.get("top_p"), "user": body.get("user"), "cache_salt": body.get("cache_salt"),
-                 "cache_control": body.get("cache_control")}  # breakpoints by message index (docs/prompt-caching.md)
+                 "cache_control": body.get("cache_control"),  # breakpoints by message index (docs/prompt-caching.md)
+                 **{name: body.get(name) for name in VLLM_EXTRAS}}
     if tools:
         chat_body["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
                                                                 if k in t}} for t in tools]

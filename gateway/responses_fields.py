@@ -1,5 +1,5 @@
 """The Responses API's fields that shape no chat request: checked (a field this server cannot honour is a 400, never
-a silent 200), and the paging of a stored response's input items."""
+a silent 200), and the paging of a stored response's input items; and vLLM's sampling extras, which it passes on."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -16,6 +16,10 @@ TRUNCATION = ("auto", "disabled")
 INCLUDABLE = ("code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
               "message.input_image.image_url", "reasoning.encrypted_content", "web_search_call.action.sources",
               "web_search_call.results")
+# the sampling fields vLLM's /v1/responses takes beside OpenAI's, passed on as chat completions take them (the same
+# checks and 400s; priority: a non-zero one is refused there)
+VLLM_EXTRAS = ("top_k", "repetition_penalty", "seed", "stop", "ignore_eos", "skip_special_tokens",
+               "include_stop_str_in_output", "logit_bias", "structured_outputs", "priority")
 MAX_ITEMS_PAGE = 100  # input_items' limit: 1 to 100, 20 by default (OpenAI's)
 DEFAULT_ITEMS_PAGE = 20
 

@@ -1,6 +1,6 @@
 """The Responses API through the openai SDK: plain, streamed (the documented events), continued with
-previous_response_id (the second turn a cache hit over the whole first), function tools, text.format, the
-stored responses' routes, and tenants that never see each other's response ids."""
+previous_response_id (the second turn a cache hit over the whole first), function tools, text.format, vLLM's
+sampling extras, the stored responses' routes, and tenants that never see each other's response ids."""
 from __future__ import annotations
 
 import json
@@ -236,4 +236,46 @@ def test_a_forced_call_with_a_text_format_is_the_call(server):
                                 text={"format": {"type": "json_schema", "name": "City", "strict": True,
                                                  "schema": City.model_json_schema() | {"additionalProperties": False}}})
     assert [o.type for o in resp.output] == ["function_call"] and resp.output[0].name == "get_weather"
+    server.wait_idle()
+
+
+def test_vllms_sampling_extras_shape_the_answer_as_on_chat(server):
+    """vLLM's /v1/responses extras (top_k, seed, stop, logit_bias, repetition_penalty, structured_outputs, ...) give
+    the answer chat completions give with the same fields, each where it changes the answer; a dropped one would
+    give another (they were dropped until 2026-12-01)."""
+    sdk, model = client(server), server.state.model_name
+    question = "tell me about the capital of France"
+
+    def both(**fields) -> tuple[str, str]:  # (the response's text, the chat answer's)
+        extra, temperature = dict(fields), fields.pop("temperature", 0)
+        extra.pop("temperature", None)
+        resp = sdk.responses.create(model=model, input=question, max_output_tokens=12, temperature=temperature,
+                                    extra_body=extra)
+        chat = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                           max_tokens=12, temperature=temperature, extra_body=extra)
+        return resp.output_text, chat.choices[0].message.content
+
+    greedy = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": question}], max_tokens=12,
+                                         temperature=0, extra_body={"return_token_ids": True}).choices[0]
+    assert both() == (greedy.message.content,) * 2
+    seeded = both(temperature=1.0, seed=11)
+    assert seeded[0] == seeded[1] == both(temperature=1.0, seed=11)[0] != greedy.message.content
+    assert both(temperature=1.0, seed=11, top_k=1) == (greedy.message.content,) * 2  # top 1: the greedy token
+    stop = greedy.message.content[len(greedy.message.content) // 2:][:3]
+    cut = both(stop=[stop])
+    assert cut[0] == cut[1] == greedy.message.content[:greedy.message.content.index(stop)]
+    assert both(stop=[stop], include_stop_str_in_output=True)[0] == cut[0] + stop
+    banned = both(logit_bias={str(greedy.token_ids[0]): -100})
+    assert banned[0] == banned[1] != greedy.message.content
+    penalized = both(repetition_penalty=2.0)
+    assert penalized[0] == penalized[1]
+    chosen = both(structured_outputs={"choice": ["Paris", "Lyon"]})
+    assert chosen[0] == chosen[1] and chosen[0] in ("Paris", "Lyon")
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.responses.create(model=model, input=question, extra_body={"priority": 1})
+    assert refused.value.param == "priority"
+    with pytest.raises(openai.BadRequestError) as twice:  # one output constraint a request, as on chat
+        sdk.responses.create(model=model, input=question, text={"format": {"type": "json_object"}},
+                             extra_body={"structured_outputs": {"choice": ["Paris"]}})
+    assert twice.value.param in ("structured_outputs", "text.format")
     server.wait_idle()
