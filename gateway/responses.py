@@ -412,16 +412,24 @@ async def _remember(store: PendingPuts, tenant: str, req: ResponsesRequest, resp
 async def _stream(request: web.Request, req: ResponsesRequest, fmt: ChatFormat, choice: Choice, outputs,
                   created: int, store: PendingPuts, tenant: str) -> web.StreamResponse:
     """The documented event sequence, each event with its sequence_number; a client that goes away ends it
-    (its request aborted), as a chat stream."""
+    (its request aborted), as a chat stream. As a chat stream's, the headers (and response.created) go out with the
+    engine's first output, so a request the engine refuses (a logit_bias token past the vocabulary) is a plain 400,
+    not a 200 stream that breaks."""
     events = _Events(fmt.response_id, lambda output, reason, use: _response(
         fmt.response_id, req, fmt.model, created, output, reason, use))
-    resp = web.StreamResponse(headers=SSE_HEADERS)
-    await resp.prepare(request)
-    try:
+    resp: web.StreamResponse | None = None
+
+    async def opened() -> web.StreamResponse:
+        stream = web.StreamResponse(headers=SSE_HEADERS)
+        await stream.prepare(request)
         for event in events.start():
-            await resp.write(event)
+            await stream.write(event)
+        return stream
+
+    try:
         async for _, out in outputs:
             check_output(out)
+            resp = resp or await opened()
             choice.add(out)
             if (chunk := fmt.delta_chunk(choice, out)) is not None:
                 for event in events.delta(chunk["choices"][0]["delta"]):
@@ -429,6 +437,7 @@ async def _stream(request: web.Request, req: ResponsesRequest, fmt: ChatFormat, 
             if out.finished:
                 for event in events.delta(fmt.finish_chunk(choice)["choices"][0]["delta"]):
                     await resp.write(event)
+        resp = resp or await opened()
         body = fmt.choice_body(choice)
         finish = events.finish(body["finish_reason"], usage([choice]))
         # stored before the client hears it is: a client may continue it the moment response.completed arrives
@@ -436,8 +445,10 @@ async def _stream(request: web.Request, req: ResponsesRequest, fmt: ChatFormat, 
         for event in finish:
             await resp.write(event)
     except ConnectionResetError:
-        return resp
+        return resp or web.StreamResponse()
     except APIError as err:
+        if resp is None:  # nothing sent yet: a plain error response
+            raise
         with contextlib.suppress(ConnectionResetError):
             for event in events.failed(err):
                 await resp.write(event)

@@ -14,6 +14,7 @@ const EXPORT_FORMAT = "prefixgate.chats";
 const CACHE_REFRESH_MS = 2000;
 const START_RETRY_MS = 2000;
 const RETRY_MAX_MS = 16000;  // the server away: each failed try waits twice as long as the one before, up to this
+const CACHE_TIMEOUT_MS = 10000;  // a stats fetch the server has not answered by then counts as failed
 const PARTIAL_SAVE_MS = 1000;  // a streaming answer is saved this often, so a reload keeps what came
 const LIVE_MS = 5 * PARTIAL_SAVE_MS;  // an answer another tab saved this recently still streams there
 
@@ -26,6 +27,8 @@ let notReady = false;  // the server answered /v1/models with an error: start() 
 let startDelay = START_RETRY_MS;
 let cacheTimer = null;
 let cacheDelay = CACHE_REFRESH_MS;
+let cacheFetching = false;  // one stats fetch at a time: the next is timed from when it settles
+let cacheAgain = false;  // a refresh asked for while one was fetching: done as that one settles
 
 function load(name, fallback) {
   try { return JSON.parse(localStorage.getItem(name)) ?? fallback; } catch { return fallback; }
@@ -721,10 +724,20 @@ function refreshCacheIn(ms) {  // one timer, whoever asks (an answer's end, the 
 }
 
 async function refreshCache() {
-  refreshCacheIn(cacheDelay);  // (before the fetch: a refresh asked for meanwhile replaces this one)
-  if (!model || document.visibilityState !== "visible") return;  // (no model yet: waiting for a key)
+  if (cacheFetching) {
+    cacheAgain = true;
+    return;
+  }
+  if (!model || document.visibilityState !== "visible") {  // (no model yet: waiting for a key)
+    refreshCacheIn(cacheDelay);
+    return;
+  }
+  clearTimeout(cacheTimer);
+  cacheFetching = true;
+  cacheAgain = false;
   try {
-    const response = await fetch("/v1/cache/stats", { headers: headers() });
+    const response = await fetch("/v1/cache/stats", { headers: headers(),
+                                                      signal: AbortSignal.timeout(CACHE_TIMEOUT_MS) });
     if (!response.ok) {
       cacheStale(`not updated (HTTP ${response.status})`);
       return;
@@ -745,10 +758,13 @@ async function refreshCache() {
     $("cache-disk").textContent = s.disk ? `${s.disk.blocks} blocks, ${formatBytes(s.disk.bytes)}` : "off";
     cacheShownAt = new Date().toTimeString().slice(0, 8);  // HH:MM:SS
     cacheStale(null);
-    if (cacheDelay !== CACHE_REFRESH_MS) refreshCacheIn(cacheDelay = CACHE_REFRESH_MS);
-  } catch {  // the server down or restarting: the next refresh tries again, later each time
+    cacheDelay = CACHE_REFRESH_MS;
+  } catch {  // the server down, restarting or not answering: the next refresh tries again, later each time
     cacheStale("server unreachable");
-    refreshCacheIn(cacheDelay = Math.min(2 * cacheDelay, RETRY_MAX_MS));
+    cacheDelay = Math.min(2 * cacheDelay, RETRY_MAX_MS);
+  } finally {
+    cacheFetching = false;
+    refreshCacheIn(cacheAgain ? 0 : cacheDelay);
   }
 }
 

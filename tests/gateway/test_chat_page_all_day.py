@@ -1,8 +1,8 @@
 """The chat page kept open all day, in a real browser (as tests/gateway/test_chat_page.py drives it): a chat that
 outgrows the model's context leaves its oldest messages out (and says so) instead of being refused from then on, a
 message too long by itself says so, the keyboard keeps its place, an error from a server that was away goes once it
-answers again, a server away is asked less and less often, a rename keeps the list's order, and a tap beside the
-phone layout's chat list closes it."""
+answers again, a server away (or hanging) is asked less and less often, one request at a time, a rename keeps the
+list's order, and a tap beside the phone layout's chat list closes it."""
 from __future__ import annotations
 
 import re
@@ -190,9 +190,29 @@ def test_a_server_away_is_asked_less_often_and_a_tab_shown_again_asks_at_once(br
         expect(page.locator("#cache-status")).to_contain_text("server unreachable")
         page.unroute("**/v1/cache/stats")
         page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")  # the tab shown again
-        page.clock.run_for(1)
+        page.clock.run_for(0)
         expect(page.locator("#cache-status")).to_be_hidden()
         assert run(10) == [2000] * 5  # from the poll of the tab shown again on, every 2 s again
+    finally:
+        context.close()
+
+
+def test_a_server_that_does_not_answer_gets_one_fetch_of_the_figures_at_a_time(browser, server):
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.clock.install()
+        page.add_init_script(POLL_LOG)
+        page.goto(server.url + "/")
+        expect(page.locator("#cache-used")).to_contain_text("/")
+        page.clock.pause_at(page.evaluate("Date.now()") + 10)
+        page.route("**/v1/cache/stats", lambda route: None)  # a server that takes the request and never answers
+        before = page.evaluate("window.polls.length")
+        for _ in range(60):
+            page.clock.run_for(1000)
+        polls = page.evaluate("window.polls")[before - 1:]
+        # from the last answered poll: one fetch, given up after 10 s, then the next 4 s later; 8 s; 16 s
+        assert [b - a for a, b in zip(polls, polls[1:])] == [2000, 14000, 18000, 26000]
     finally:
         context.close()
 

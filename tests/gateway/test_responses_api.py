@@ -278,4 +278,8 @@ def test_vllms_sampling_extras_shape_the_answer_as_on_chat(server):
         sdk.responses.create(model=model, input=question, text={"format": {"type": "json_object"}},
                              extra_body={"structured_outputs": {"choice": ["Paris"]}})
     assert twice.value.param in ("structured_outputs", "text.format")
+    for stream in (False, True):  # the engine's own refusal: a plain 400 even for a stream (its headers not sent)
+        with pytest.raises(openai.BadRequestError) as past_vocabulary:
+            sdk.responses.create(model=model, input=question, stream=stream, extra_body={"logit_bias": {"999999": 5}})
+        assert past_vocabulary.value.param == "logit_bias"
     server.wait_idle()
