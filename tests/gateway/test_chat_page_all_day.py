@@ -149,72 +149,85 @@ def test_the_error_of_a_server_that_was_away_goes_when_it_answers_again(opened, 
     tab.errors.clear()  # the browser logs the failed fetches
 
 
-# each fetch of the cache's figures: its time on the page's clock, and a promise that settles after the page's
-# own handlers of that fetch have run
+# each fetch of the cache's figures: its time on the page's clock, and `lastPoll`, a promise that settles once the
+# page has handled its answer (its failure, or its body's JSON read): each settles a microtask after the page's own
+# handler, which was queued after this script's (registered first)
 POLL_LOG = """
 const pageFetch = window.fetch;
+const pageJson = Response.prototype.json;
+const polled = (url) => String(url).includes("/v1/cache/stats");
+const afterPage = (promise) => promise.then(() => null, () => null).then(() => null);
+let settle = () => {};
 window.polls = [];
 window.lastPoll = Promise.resolve();
 window.fetch = (url, ...rest) => {
   const reply = pageFetch(url, ...rest);
-  if (String(url).includes("/v1/cache/stats")) {
+  if (polled(url)) {
     window.polls.push(Date.now());
-    window.lastPoll = reply.then(() => {}, () => {});
+    window.lastPoll = new Promise((resolve) => { settle = resolve; });
+    reply.then((r) => { if (!r.ok) afterPage(Promise.resolve()).then(settle); },
+               () => afterPage(Promise.resolve()).then(settle));
   }
   return reply;
+};
+Response.prototype.json = function () {
+  const parsed = pageJson.call(this);
+  if (polled(this.url)) afterPage(parsed).then(settle);
+  return parsed;
 };
 """
 
 
-def test_a_server_away_is_asked_less_often_and_a_tab_shown_again_asks_at_once(browser, server):
-    context = browser.new_context()
-    try:
-        page = context.new_page()
-        page.clock.install()
-        page.add_init_script(POLL_LOG)
-        page.goto(server.url + "/")
-        expect(page.locator("#cache-used")).to_contain_text("/")
-        page.clock.pause_at(page.evaluate("Date.now()") + 10)  # from here on the clock moves only when told
+class PausedPage:
+    """The page on a clock of its own, paused once the page has read the figures: it moves only when told, so the
+    time between fetches is exact."""
 
-        def run(seconds: int) -> list[int]:  # the gaps between the polls of these seconds
-            before = page.evaluate("window.polls.length")
-            for _ in range(seconds):
-                page.clock.run_for(1000)
-                page.evaluate("() => window.lastPoll")  # (its failure handled before the clock moves on)
-            polls = page.evaluate("window.polls")[before - 1:]
-            return [b - a for a, b in zip(polls, polls[1:])]
+    def __init__(self, browser, server) -> None:
+        self.context = browser.new_context()
+        self.page = self.context.new_page()
+        self.page.clock.install()
+        self.page.add_init_script(POLL_LOG)
+        self.page.goto(server.url + "/")
+        expect(self.page.locator("#cache-used")).to_contain_text("/")
+        self.page.clock.pause_at(self.page.evaluate("Date.now()") + 10)
+        self.page.evaluate("() => window.lastPoll")  # (the next fetch timed from a clock that has stopped)
 
-        assert run(10) == [2000] * 5  # the server answers: every 2 s
-        page.route("**/v1/cache/stats", lambda route: route.abort())  # the server away
-        assert run(80) == [2000, 4000, 8000, 16000, 16000, 16000, 16000]
-        expect(page.locator("#cache-status")).to_contain_text("server unreachable")
-        page.unroute("**/v1/cache/stats")
-        page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")  # the tab shown again
-        page.clock.run_for(0)
-        expect(page.locator("#cache-status")).to_be_hidden()
-        assert run(10) == [2000] * 5  # from the poll of the tab shown again on, every 2 s again
-    finally:
-        context.close()
+    def run(self, seconds: int, settle: bool = True) -> list[int]:
+        """The gaps between the fetches of the figures made in the next `seconds` of the page's clock; `settle`:
+        each second's fetch answered or failed (and handled) before the clock moves on."""
+        before = self.page.evaluate("window.polls.length")
+        for _ in range(seconds):
+            self.page.clock.run_for(1000)
+            if settle:
+                self.page.evaluate("() => window.lastPoll")
+        polls = self.page.evaluate("window.polls")[before:]
+        return [b - a for a, b in zip(polls, polls[1:])]
 
 
-def test_a_server_that_does_not_answer_gets_one_fetch_of_the_figures_at_a_time(browser, server):
-    context = browser.new_context()
-    try:
-        page = context.new_page()
-        page.clock.install()
-        page.add_init_script(POLL_LOG)
-        page.goto(server.url + "/")
-        expect(page.locator("#cache-used")).to_contain_text("/")
-        page.clock.pause_at(page.evaluate("Date.now()") + 10)
-        page.route("**/v1/cache/stats", lambda route: None)  # a server that takes the request and never answers
-        before = page.evaluate("window.polls.length")
-        for _ in range(60):
-            page.clock.run_for(1000)
-        polls = page.evaluate("window.polls")[before - 1:]
-        # from the last answered poll: one fetch, given up after 10 s, then the next 4 s later; 8 s; 16 s
-        assert [b - a for a, b in zip(polls, polls[1:])] == [2000, 14000, 18000, 26000]
-    finally:
-        context.close()
+@pytest.fixture
+def paused(browser, server):
+    on_clock = PausedPage(browser, server)
+    yield on_clock
+    on_clock.context.close()
+
+
+def test_a_server_away_is_asked_less_often_and_a_tab_shown_again_asks_at_once(paused):
+    page = paused.page
+    assert paused.run(10) == [2000] * 4  # the server answers: every 2 s
+    page.route("**/v1/cache/stats", lambda route: route.abort())  # the server away
+    assert paused.run(80) == [4000, 8000, 16000, 16000, 16000, 16000]
+    expect(page.locator("#cache-status")).to_contain_text("server unreachable")
+    page.unroute("**/v1/cache/stats")
+    page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")  # the tab shown again
+    page.clock.run_for(0)
+    expect(page.locator("#cache-status")).to_be_hidden()
+    assert paused.run(10) == [2000] * 4  # every 2 s again
+
+
+def test_a_server_that_does_not_answer_gets_one_fetch_of_the_figures_at_a_time(paused):
+    paused.page.route("**/v1/cache/stats", lambda route: None)  # a server that takes the request, never answers
+    # one fetch at a time: each given up after 10 s, the next then 4, 8, 16 s later
+    assert paused.run(60, settle=False) == [14000, 18000, 26000]
 
 
 def test_the_error_of_a_server_that_answers_stays_until_the_next_send(opened, server):
