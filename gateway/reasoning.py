@@ -12,6 +12,8 @@ import functools
 import json
 from typing import Any
 
+from gateway.tool_parsers import partial_tag_length
+
 START, END = "<think>", "</think>"
 PARSER_NAMES = ("auto", "none", "deepseek_r1", "qwen3")  # the last two: vLLM's names, one splitter here
 _PROBE = [{"role": "user", "content": "x"}]
@@ -86,7 +88,7 @@ class ThinkingSplit:
             reasoning, content = text.split(END, 1)
             self._state = "content"
             return reasoning, content
-        keep = _partial_suffix(text, END)
+        keep = partial_tag_length(text, END)
         self._held = text[len(text) - keep:]
         return text[:len(text) - keep], ""
 
@@ -100,10 +102,3 @@ class ThinkingSplit:
         held, self._held = self._held, ""
         return (held, "") if self._state in ("thinking", "opened") else ("", held)
 
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0

@@ -309,16 +309,17 @@ def _compose(items: list[str | ToolCall], final: bool, pending: bool, start_tag:
         if not last or pending:
             item = item.rstrip(_WHITESPACE)
         elif not final:
-            item = _hold_partial_tag(item, start_tag).rstrip(_WHITESPACE)
+            item = item[:len(item) - partial_tag_length(item, start_tag)].rstrip(_WHITESPACE)
         content.append(item)
     return Parsed("".join(content), [item for item in merged if isinstance(item, ToolCall)])
 
 
-def _hold_partial_tag(text: str, tag: str) -> str:
+def partial_tag_length(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (a stream holds it back: the tag may be coming)."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:size]):
-            return text[:-size]
-    return text
+            return size
+    return 0
 
 
 def make_parser(name: str) -> ToolParser:

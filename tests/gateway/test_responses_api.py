@@ -246,9 +246,7 @@ def test_vllms_sampling_extras_shape_the_answer_as_on_chat(server):
     sdk, model = client(server), server.state.model_name
     question = "tell me about the capital of France"
 
-    def both(**fields) -> tuple[str, str]:  # (the response's text, the chat answer's)
-        extra, temperature = dict(fields), fields.pop("temperature", 0)
-        extra.pop("temperature", None)
+    def both(temperature: float = 0, **extra) -> tuple[str, str]:  # (the response's text, the chat answer's)
         resp = sdk.responses.create(model=model, input=question, max_output_tokens=12, temperature=temperature,
                                     extra_body=extra)
         chat = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
