@@ -204,11 +204,16 @@ def _chat_delta() -> dict[str, Any]:
 
 
 def _chat_logprobs() -> dict[str, Any]:
+    return closed({"content": {"type": "array", "items": token_logprob()}})
+
+
+def token_logprob() -> dict[str, Any]:
+    """One answer token's logprob as chat's logprobs.content and a Responses output_text's logprobs list it."""
     token = {"token": {**_TEXT, "description": 'a token holding part of a UTF-8 character: "bytes:\\xNN..."'},
              "logprob": _LOGPROB, "bytes": {"type": "array", "items": {"type": "integer", "minimum": 0,
                                                                         "maximum": 255}}}
     top = {"type": "array", "items": closed(token), "description": "top_logprobs of them; [] without it"}
-    return closed({"content": {"type": "array", "items": closed({**token, "top_logprobs": top})}})
+    return closed({**token, "top_logprobs": top})
 
 
 def _completion_logprobs() -> dict[str, Any]:

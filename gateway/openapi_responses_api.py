@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.openapi_responses import closed, const, nullable, ref
+from gateway.openapi_responses import closed, const, nullable, ref, token_logprob
 from gateway.responses_fields import (DEFAULT_ITEMS_PAGE, INCLUDABLE, MAX_ITEMS_PAGE, MAX_METADATA_PAIRS,
                                       MAX_METADATA_VALUE, TRUNCATION, VLLM_EXTRAS)
 
@@ -65,9 +65,10 @@ def responses_request(chat: dict[str, Any]) -> dict[str, Any]:
         "truncation": {"type": "string", "enum": list(TRUNCATION), "nullable": True,
                        "description": "either runs untruncated: a conversation past the context is a 400"},
         "include": {"type": "array", "nullable": True, "items": {"type": "string", "enum": list(INCLUDABLE)},
-                    "description": "outputs and fields this server never produces: accepted, nothing to add"},
-        "top_logprobs": {"type": "integer", "enum": [0], "nullable": True,
-                         "description": "not offered here (chat completions return logprobs)"},
+                    "description": "message.output_text.logprobs: the message text's logprobs; the others name "
+                                   "outputs and fields this server never produces: accepted, nothing to add"},
+        "top_logprobs": {**chat["top_logprobs"], "description": "alternatives at each token of the logprobs that "
+                                                                "include asks for (0 by default); > 0 needs it"},
         "background": {"type": "boolean", "enum": [False], "nullable": True,
                        "description": "background mode is not offered"},
         "cache_control": chat["cache_control"],
@@ -101,7 +102,10 @@ def _response(model_name: str, usage: dict[str, Any]) -> dict[str, Any]:
                       "status": _STATUS, "role": const("assistant"),
                       "content": {"type": "array", "items": closed({
                           "type": const("output_text"), "text": _TEXT,
-                          "annotations": {"type": "array", "maxItems": 0}})}})
+                          "annotations": {"type": "array", "maxItems": 0},
+                          "logprobs": {"type": "array", "items": token_logprob(),
+                                       "description": "with include message.output_text.logprobs: the text's "
+                                                      "tokens (after any thinking); else []"}})}})
     call = closed({"type": const("function_call"), "id": {"type": "string", "pattern": "^fc_[0-9a-f]{32}$"},
                    "call_id": _TEXT, "name": _TEXT, "arguments": {**_TEXT, "description": "JSON text"},
                    "status": _STATUS})

@@ -29,7 +29,7 @@ from gateway.reasoning import answer_starts_thinking
 from gateway.render import content_text, render_chat
 from gateway.response_store import Stored
 from gateway.response_store_pending import PendingPuts
-from gateway.responses_fields import VLLM_EXTRAS, check_fields, items_page
+from gateway.responses_fields import VLLM_EXTRAS, check_fields, items_page, logprobs_fields
 from gateway.runner import RequestRun, sampling_params
 from gateway.state import STATE
 from gateway.streaming import SSE_HEADERS, encode_event
@@ -106,7 +106,7 @@ async def parse_responses(body: Any, state, tenant: str, store: PendingPuts) -> 
                  "max_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
                  "top_p": body.get("top_p"), "user": body.get("user"), "cache_salt": body.get("cache_salt"),
                  "cache_control": body.get("cache_control"),  # breakpoints by message index (docs/prompt-caching.md)
-                 **{name: body.get(name) for name in VLLM_EXTRAS}}
+                 **{name: body.get(name) for name in VLLM_EXTRAS}, **logprobs_fields(body)}
     if tools:
         chat_body["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
                                                                 if k in t}} for t in tools]
@@ -296,21 +296,31 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _output_items(message: dict[str, Any], finish_reason: str | None) -> list[dict[str, Any]]:
-    """A chat answer as Responses output items: its thinking as a reasoning item, its text as a message, each tool
-    call as a function_call."""
+def _output_items(message: dict[str, Any], finish_reason: str | None,
+                  logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A chat answer as Responses output items: its thinking as a reasoning item, its text as a message (with
+    `logprobs`, message_logprobs' list), each tool call as a function_call."""
     items = []
     if message.get("reasoning"):
         items.append(_reasoning_item(message["reasoning"], "completed"))
     if message.get("content"):
         items.append({"type": "message", "id": _new_id("msg"), "status": "completed", "role": "assistant",
-                      "content": [{"type": "output_text", "text": message["content"], "annotations": []}]})
+                      "content": [{"type": "output_text", "text": message["content"], "annotations": [],
+                                   "logprobs": logprobs}]})
     for call in message.get("tool_calls") or ():
         items.append({"type": "function_call", "id": _new_id("fc"), "call_id": call["id"],
                       "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                       "status": "completed"})
     _mark_cut_short(items, finish_reason)
     return items
+
+
+def message_logprobs(fmt: ChatFormat, choice: Choice, first: int = 0) -> list[dict[str, Any]]:
+    """The logprobs of the answer's tokens after its thinking, from its first-th on, as chat's logprobs.content
+    lists them (token, logprob, bytes, top_logprobs): [] where the request asked for none. Tokens that a tool
+    parser turned into function calls are among them (as vLLM's are): a call item carries no logprobs."""
+    start = max(first, choice.num_reasoning_tokens)
+    return (fmt.logprobs(choice, choice.logprobs[start:]) or {"content": []})["content"]
 
 
 def _reasoning_item(text: str, status: str) -> dict[str, Any]:
@@ -380,7 +390,7 @@ async def create(request: web.Request) -> web.StreamResponse:
         await run.to_end()
     fmt.count_reasoning_tokens(choice)
     body = fmt.choice_body(choice)
-    output = _output_items(body["message"], body["finish_reason"])
+    output = _output_items(body["message"], body["finish_reason"], message_logprobs(fmt, choice))
     response = _response(response_id, req, state.model_name, created, output, body["finish_reason"], usage([choice]))
     await _remember(store, tenant.name, req, response, body["message"])
     return web.json_response(response)
@@ -415,8 +425,19 @@ async def _stream(request: web.Request, req: ResponsesRequest, fmt: ChatFormat, 
     (its request aborted), as a chat stream. As a chat stream's, the headers (and response.created) go out with the
     engine's first output, so a request the engine refuses (a logit_bias token past the vocabulary) is a plain 400,
     not a 200 stream that breaks."""
+    given: int | None = None  # the answer's tokens whose logprobs went out with the message's text
+
+    def take_logprobs() -> list[dict[str, Any]]:
+        nonlocal given
+        if choice.params.logprobs is None:
+            return []
+        if given is None:  # (the message's first text: the thinking, if any, is over)
+            fmt.count_reasoning_tokens(choice)
+        entries, given = message_logprobs(fmt, choice, given or 0), len(choice.logprobs)
+        return entries
+
     events = _Events(fmt.response_id, lambda output, reason, use: _response(
-        fmt.response_id, req, fmt.model, created, output, reason, use))
+        fmt.response_id, req, fmt.model, created, output, reason, use), take_logprobs)
     resp: web.StreamResponse | None = None
 
     async def opened() -> web.StreamResponse:
@@ -439,7 +460,7 @@ async def _stream(request: web.Request, req: ResponsesRequest, fmt: ChatFormat, 
                     await resp.write(event)
         resp = resp or await opened()
         body = fmt.choice_body(choice)
-        finish = events.finish(body["finish_reason"], usage([choice]))
+        finish = events.finish(body["finish_reason"], usage([choice]), message_logprobs(fmt, choice))
         # stored before the client hears it is: a client may continue it the moment response.completed arrives
         await _remember(store, tenant, req, events.final, body["message"])
         for event in finish:
@@ -457,17 +478,17 @@ async def _stream(request: web.Request, req: ResponsesRequest, fmt: ChatFormat, 
     return resp
 
 
-# a text item's part type (and its events' names), what its part and its text events carry besides (OpenAI's)
-_TEXT_PARTS = {"message": ("output_text", {"annotations": []}, {"logprobs": []}),
-               "reasoning": ("reasoning_text", {}, {})}
+# a text item's part type (and its events' names)
+_TEXT_PARTS = {"message": "output_text", "reasoning": "reasoning_text"}
 
 
 class _Events:
     """Turns chat deltas (text, tool call fragments) into Responses stream events."""
 
-    def __init__(self, response_id: str, response) -> None:
+    def __init__(self, response_id: str, response, take_logprobs) -> None:
         self.response_id = response_id
         self.response = response  # (output, finish_reason, usage) -> the response object
+        self.take_logprobs = take_logprobs  # () -> the logprobs of the message's text not yet sent
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # output items in order, as they stand
         self.message: dict[str, Any] | None = None  # the open message item
@@ -523,21 +544,27 @@ class _Events:
 
     def _text(self, item: dict[str, Any], text: str) -> list[bytes]:
         """The next piece of a text item's (a message's, the thinking's) one part, the item and part opened first."""
-        kind, part_extra, extra = _TEXT_PARTS[item["type"]]
+        kind, message = _TEXT_PARTS[item["type"]], item["type"] == "message"
         events = []
         if not item["content"]:
             events += self._add(item)
-            item["content"].append({"type": kind, "text": "", **part_extra})
+            # (OpenAI's output_text part: annotations, none here, and logprobs, [] until its done event)
+            item["content"].append({"type": kind, "text": "", **({"annotations": [], "logprobs": []} if message
+                                                                 else {})})
             events.append(self._event("response.content_part.added", item_id=item["id"],
                                       output_index=len(self.items) - 1, content_index=0, part=dict(item["content"][0])))
         item["content"][0]["text"] += text
+        extra = {"logprobs": self.take_logprobs()} if message else {}
         return events + [self._event(f"response.{kind}.delta", item_id=item["id"], output_index=self.items.index(item),
                                      content_index=0, delta=text, **extra)]
 
-    def finish(self, finish_reason: str | None, use: dict[str, Any]) -> list[bytes]:
+    def finish(self, finish_reason: str | None, use: dict[str, Any], logprobs: list[dict[str, Any]]) -> list[bytes]:
+        """The last events; `logprobs`: the message text's whole list (message_logprobs)."""
         events = []
         for item in self.items:
             item["status"] = "completed"
+        if self.message is not None:
+            self.message["content"][0]["logprobs"] = logprobs
         _mark_cut_short(self.items, finish_reason)
         for index in range(self.num_done, len(self.items)):
             events += self._done(index)
@@ -552,7 +579,8 @@ class _Events:
             events = [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   arguments=item["arguments"])]
         else:
-            part, (kind, _, extra) = item["content"][0], _TEXT_PARTS[item["type"]]
+            part, kind = item["content"][0], _TEXT_PARTS[item["type"]]
+            extra = {"logprobs": part["logprobs"]} if item["type"] == "message" else {}
             events = [self._event(f"response.{kind}.done", item_id=item["id"], output_index=index, content_index=0,
                                   text=part["text"], **extra),
                       self._event("response.content_part.done", item_id=item["id"], output_index=index,

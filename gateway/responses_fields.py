@@ -10,12 +10,13 @@ from gateway.errors import invalid
 # OpenAI's limits on metadata: 16 pairs, keys of up to 64 characters, string values of up to 512
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 TRUNCATION = ("auto", "disabled")
-# what `include` may ask for: outputs of hosted tools and images, which this server never produces, and reasoning's
-# encrypted_content, which its reasoning items never carry (so there is nothing to add); message.output_text.logprobs
-# is left out, as no Responses output carries logprobs here
-INCLUDABLE = ("code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
-              "message.input_image.image_url", "reasoning.encrypted_content", "web_search_call.action.sources",
-              "web_search_call.results")
+# what `include` may ask for: the message text's logprobs (honoured), and outputs of hosted tools and images, which
+# this server never produces, and reasoning's encrypted_content, which its reasoning items never carry (so there is
+# nothing to add)
+LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = (LOGPROBS, "code_interpreter_call.outputs", "computer_call_output.output.image_url",
+              "file_search_call.results", "message.input_image.image_url", "reasoning.encrypted_content",
+              "web_search_call.action.sources", "web_search_call.results")
 # the sampling fields vLLM's /v1/responses takes beside OpenAI's, passed on as chat completions take them (the same
 # checks and 400s; priority: a non-zero one is refused there)
 VLLM_EXTRAS = ("top_k", "repetition_penalty", "seed", "stop", "ignore_eos", "skip_special_tokens",
@@ -32,9 +33,6 @@ def check_fields(body: dict[str, Any]) -> None:
     if body.get("prompt") is not None:
         raise invalid("stored prompt templates are not offered by this server; send instructions and input",
                       "prompt")
-    if body.get("top_logprobs") not in (None, 0):
-        raise invalid("top_logprobs is not offered on /v1/responses; /v1/chat/completions returns logprobs",
-                      "top_logprobs")
     if body.get("truncation") is not None and body["truncation"] not in TRUNCATION:
         raise invalid(f"truncation must be one of {', '.join(TRUNCATION)}", "truncation")
     _check_include(body.get("include"))
@@ -51,8 +49,24 @@ def _check_include(raw: Any) -> None:
         raise invalid("include must be an array of strings", "include")
     for i, value in enumerate(raw):
         if value not in INCLUDABLE:
-            raise invalid(f"include values this server accepts: {', '.join(INCLUDABLE)} (with nothing to add: it "
-                          f"produces none of those outputs or fields); got {value!r}", f"include[{i}]")
+            raise invalid(f"include values this server accepts: {', '.join(INCLUDABLE)} (all but the first with "
+                          f"nothing to add: it produces none of those outputs or fields); got {value!r}",
+                          f"include[{i}]")
+
+
+def logprobs_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat fields for the Responses way of asking for logprobs: `include` message.output_text.logprobs, with
+    top_logprobs alternatives at each token (0 by default, as OpenAI and vLLM). top_logprobs without that include
+    would return nothing (OpenAI drops it in silence): a 400."""
+    top = body.get("top_logprobs")
+    if LOGPROBS in (body.get("include") or ()):
+        return {"logprobs": True, "top_logprobs": 0 if top is None else top}  # (chat checks top_logprobs)
+    if top is None or type(top) is int and top == 0:
+        return {}
+    if type(top) is not int:
+        raise invalid("top_logprobs must be an integer", "top_logprobs")
+    raise invalid(f"top_logprobs needs include [{LOGPROBS!r}] (the logprobs come with the message's text)",
+                  "top_logprobs")
 
 
 def _check_metadata(raw: Any) -> None:

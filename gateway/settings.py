@@ -55,7 +55,7 @@ class GatewaySettings:
     max_prompts: int = _knob(64, "largest number of prompts in one /v1/completions request")
     max_stop_sequences: int = _knob(4, "most stop strings per request")
     max_messages: int = _knob(1024, "most chat messages per request")
-    max_top_logprobs: int = _knob(20, "largest top_logprobs (chat) / logprobs (completions)")
+    max_top_logprobs: int = _knob(20, "largest top_logprobs (chat, responses) / logprobs (completions)")
     shutdown_timeout_s: float = _knob(10.0, "on SIGTERM/SIGINT, how long in-flight requests may finish")
     stream_write_timeout_s: float = _knob(
         30.0, "a streaming client that reads nothing for this long is dropped (its request aborted)")

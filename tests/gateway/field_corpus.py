@@ -20,9 +20,9 @@ TOP_LEVEL = {
     "instructions": (5, ["a"], {"a": 1}), "previous_response_id": (5, []), "store": ("yes", 5),
     "max_output_tokens": ("5", 0, 2.5, []), "temperature": ("0", -1, 3), "top_p": ("x", 2), "stream": ("true", 5),
     "metadata": (5, []), "user": (5, []), "cache_salt": (5, {}), "model": (5, []), "background": (True,),
-    "text": (5, "json"), "tools": (5, {"a": 1}),
+    "text": (5, "json"), "tools": (5, {"a": 1}), "top_logprobs": ("3", 2.5, -1, 3),  # (3: without its include)
     # fields it cannot honour: refused, never dropped in silence
-    "conversation": ("conv_1", {"id": "conv_1"}), "prompt": ({"id": "pmpt_1"},), "top_logprobs": (3,),
+    "conversation": ("conv_1", {"id": "conv_1"}), "prompt": ({"id": "pmpt_1"},),
     "truncation": (5, "x"), "include": (5, "reasoning.encrypted_content"),
 }
 

@@ -187,7 +187,10 @@ def test_the_newer_endpoints_answer_as_the_document_describes(server):
         schema = spec["paths"][path][method]["responses"]["200"]["content"]["application/json"]["schema"]
         assert_matches(spec, schema, body)
 
-    answer = post(server, "/v1/responses", {"input": "hello", "max_output_tokens": 2, "metadata": {"k": "v"}})
+    answer = post(server, "/v1/responses", {"input": "hello", "max_output_tokens": 2, "metadata": {"k": "v"},
+                                            "include": ["message.output_text.logprobs"], "top_logprobs": 2,
+                                            "ignore_eos": True})
+    assert len(answer.json()["output"][0]["content"][0]["logprobs"]) == 2
     assert answer.status_code == 200, answer.text
     check("/v1/responses", "post", answer.json())
     response_id = answer.json()["id"]
@@ -204,11 +207,13 @@ def test_the_newer_endpoints_answer_as_the_document_describes(server):
 @pytest.mark.parametrize("extra, param", [
     ({"conversation": "conv_123"}, "conversation"),  # no Conversations API: never a silent 200 without its state
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),  # (without include message.output_text.logprobs: nothing to return)
+    ({"top_logprobs": "3"}, "top_logprobs"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 10**6}, "top_logprobs"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": -1}, "top_logprobs"),
     ({"truncation": "x"}, "truncation"),
     ({"include": "reasoning.encrypted_content"}, "include"),
     ({"include": ["reasoning.encrypted_content", "x"]}, "include[1]"),
-    ({"include": ["message.output_text.logprobs"]}, "include[0]"),
     ({"metadata": {"k": 5}}, "metadata.k"),
     ({"metadata": {"k" * 65: "v"}}, "metadata"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),

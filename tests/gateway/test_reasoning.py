@@ -317,6 +317,26 @@ def test_usage_counts_the_thinkings_tokens(server):
         server.scripted.script_ids = False
 
 
+def test_the_message_logprobs_leave_the_thinking_out(server):
+    """A Responses message's logprobs are its text's tokens: those after the one completing </think>, whole and
+    streamed (the deltas' and the done event's alike), none of the reasoning item's."""
+    opening = "" if server.style == "deepseek_r1" else "<think>"
+    server.scripted.script_ids = True  # (a character a token: the ids spell the scripted text)
+    try:
+        script = pieces(opening + "It is Paris.</think>Paris.", 1)
+        asked = {"include": ["message.output_text.logprobs"], "top_logprobs": 1}
+        message = _responses(server, script, **asked)["output"][-1]
+        assert message["type"] == "message" and len(message["content"][0]["logprobs"]) == len("Paris.")
+        events = _responses(server, script, stream=True, **asked)
+        streamed = [entry for e in events if e["type"] == "response.output_text.delta" for entry in e["logprobs"]]
+        done = next(e for e in events if e["type"] == "response.output_text.done")["logprobs"]
+        assert len(streamed) == len("Paris.") and streamed == done == events[-1]["response"]["output"][-1][
+            "content"][0]["logprobs"]
+        assert all(len(entry["top_logprobs"]) == 1 for entry in done)
+    finally:
+        server.scripted.script_ids = False
+
+
 def test_reasoning_tokens_follow_the_tokens_not_a_stop_strings_hold_back(tiny_tools_dir):
     """The engine's detokenizer holds text back while it may still become a stop string, so </think>'s text arrives
     some tokens after the token that wrote it: the count reads the tokens' own bytes."""

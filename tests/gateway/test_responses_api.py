@@ -153,6 +153,45 @@ def test_a_stream_sends_the_documented_events(server):
     server.wait_idle()
 
 
+def test_logprobs_come_with_the_message_text_as_on_chat(server):
+    """include message.output_text.logprobs (with top_logprobs) gives the text's tokens and their alternatives, as
+    chat completions give them for the same greedy answer; streamed, the text deltas carry them as they come and
+    the done event and the final response the whole list."""
+    sdk, model = client(server), server.state.model_name
+    question = "tell me about the capital of France"
+    chat = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": question}], max_tokens=8,
+                                       temperature=0, logprobs=True, top_logprobs=2,
+                                       extra_body={"ignore_eos": True}).choices[0]
+    expected = [t.model_dump() for t in chat.logprobs.content]
+    assert len(expected) == 8 and all(len(t["top_logprobs"]) == 2 for t in expected)
+
+    def same(entries) -> None:  # tokens, bytes and alternatives exactly; logprobs to the rounding of another batch
+        got = [e if isinstance(e, dict) else e.model_dump() for e in entries]
+        assert [(e["token"], e["bytes"], [a["token"] for a in e["top_logprobs"]]) for e in got] == \
+            [(e["token"], e["bytes"], [a["token"] for a in e["top_logprobs"]]) for e in expected]
+        assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in expected], abs=1e-4)
+
+    body = dict(model=model, input=question, max_output_tokens=8, temperature=0,
+                include=["message.output_text.logprobs"], top_logprobs=2, extra_body={"ignore_eos": True})
+    resp = sdk.responses.create(**body)
+    assert resp.output_text == chat.message.content
+    same(resp.output[0].content[0].logprobs)
+    same(sdk.responses.retrieve(resp.id).output[0].content[0].logprobs)  # stored with them
+    events = list(sdk.responses.create(**body, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    same([entry for e in deltas for entry in e.logprobs])
+    same(next(e for e in events if e.type == "response.output_text.done").logprobs)
+    same(events[-1].response.output[0].content[0].logprobs)
+    plain = sdk.responses.create(model=model, input=question, max_output_tokens=8, temperature=0,
+                                 include=["message.output_text.logprobs"], extra_body={"ignore_eos": True})
+    # (top_logprobs 0, the default: the tokens alone)
+    assert [e.token for e in plain.output[0].content[0].logprobs] == [e["token"] for e in expected]
+    assert all(e.top_logprobs == [] for e in plain.output[0].content[0].logprobs)
+    unasked = sdk.responses.create(model=model, input=question, max_output_tokens=8, temperature=0)
+    assert unasked.output[0].content[0].logprobs == []  # (OpenAI's field, empty when not asked for)
+    server.wait_idle()
+
+
 def test_a_function_tool_round_trip(server):
     sdk, model = client(server), server.state.model_name
     resp = sdk.responses.create(model=model, input="What is the weather in Paris?", tools=[WEATHER],
