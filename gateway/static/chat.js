@@ -738,8 +738,9 @@ async function refreshCache() {
   try {
     const response = await fetch("/v1/cache/stats", { headers: headers(),
                                                       signal: AbortSignal.timeout(CACHE_TIMEOUT_MS) });
-    if (!response.ok) {
+    if (!response.ok) {  // a server draining or restarting (503), a key revoked (401): asked less often too
       cacheStale(`not updated (HTTP ${response.status})`);
+      cacheDelay = Math.min(2 * cacheDelay, RETRY_MAX_MS);
       return;
     }
     const s = await response.json();

@@ -224,6 +224,19 @@ def test_a_server_away_is_asked_less_often_and_a_tab_shown_again_asks_at_once(pa
     assert paused.run(10) == [2000] * 4  # every 2 s again
 
 
+def test_a_server_that_answers_with_an_error_is_asked_less_often_too(paused):
+    page = paused.page
+    page.route("**/v1/cache/stats", lambda route: route.fulfill(  # a server draining: each fetch a 503
+        status=503, content_type="application/json", body='{"error": {"message": "draining", "type": "x"}}'))
+    assert paused.run(60) == [4000, 8000, 16000, 16000]
+    expect(page.locator("#cache-status")).to_contain_text("HTTP 503")
+    page.unroute("**/v1/cache/stats")
+    page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")
+    page.clock.run_for(0)
+    expect(page.locator("#cache-status")).to_be_hidden()
+    assert paused.run(10) == [2000] * 4
+
+
 def test_a_server_that_does_not_answer_gets_one_fetch_of_the_figures_at_a_time(paused):
     paused.page.route("**/v1/cache/stats", lambda route: None)  # a server that takes the request, never answers
     # one fetch at a time: each given up after 10 s, the next then 4, 8, 16 s later
