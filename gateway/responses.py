@@ -89,7 +89,7 @@ async def parse_responses(body: Any, state, tenant: str, store: PendingPuts) -> 
     previous_id = body.get("previous_response_id")
     if previous_id is not None and not isinstance(previous_id, str):
         raise invalid("previous_response_id must be a string", "previous_response_id")
-    history = list((await _previous(store, tenant, previous_id)).messages) if previous_id else []
+    history = list((await _previous(store, tenant, previous_id)).messages) if previous_id is not None else []
     items = _input_items(body.get("input"))
     conversation = history + _conversation(items)
     _check_outputs_answer_calls(history, items)
@@ -102,6 +102,8 @@ async def parse_responses(body: Any, state, tenant: str, store: PendingPuts) -> 
     if not messages:
         raise invalid("input must not be empty", "input")
     tools = _tools(body.get("tools"))
+    if not tools and body.get("tool_choice") not in (None, "auto", "none"):  # (as OpenAI: not a choice dropped)
+        raise invalid("tool_choice other than auto or none needs tools", "tool_choice")
     chat_body = {"model": body.get("model"), "messages": messages, "stream": body.get("stream", False),
                  "max_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
                  "top_p": body.get("top_p"), "user": body.get("user"), "cache_salt": body.get("cache_salt"),
@@ -345,8 +347,11 @@ def _response(response_id: str, req: ResponsesRequest, model: str, created: int,
         "completed_at": int(time.time()) if use is not None and not incomplete else None,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete and use is not None else None,
         "error": None, "instructions": body.get("instructions"), "output": output,
-        "parallel_tool_calls": body.get("parallel_tool_calls", True), "tool_choice": body.get("tool_choice", "auto"),
+        # (a field sent as null echoed as its default: the SDK's types want a value)
+        "parallel_tool_calls": _or(body.get("parallel_tool_calls"), True), "tool_choice": _or(body.get("tool_choice"),
+                                                                                                "auto"),
         "tools": req.tools, "temperature": req.chat.temperature, "top_p": req.chat.top_p,
+        "top_logprobs": req.chat.logprobs or 0,
         "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": req.previous_response_id,
         "store": req.store, "metadata": body.get("metadata") or {}, "user": body.get("user"),
         "text": body.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
@@ -358,6 +363,10 @@ def _response(response_id: str, req: ResponsesRequest, model: str, created: int,
             "output_tokens_details": {"reasoning_tokens": use["completion_tokens_details"]["reasoning_tokens"]},
             "total_tokens": use["total_tokens"]},
     }
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 async def create(request: web.Request) -> web.StreamResponse:
@@ -461,8 +470,10 @@ async def _stream(request: web.Request, req: ResponsesRequest, fmt: ChatFormat, 
         resp = resp or await opened()
         body = fmt.choice_body(choice)
         finish = events.finish(body["finish_reason"], usage([choice]), message_logprobs(fmt, choice))
-        # stored before the client hears it is: a client may continue it the moment response.completed arrives
-        await _remember(store, tenant, req, events.final, body["message"])
+        # stored before the client hears it is: a client may continue it the moment response.completed arrives; as
+        # streamed (where the tool parser's stream and a parse of the whole text disagree, a malformed call, the
+        # calls' ids are those the client holds)
+        await _remember(store, tenant, req, events.final, events.answer())
         for event in finish:
             await resp.write(event)
     except ConnectionResetError:
@@ -587,6 +598,17 @@ class _Events:
                                   content_index=0, part=part)]
         return events + [self._event("response.output_item.done", output_index=index, item=item)]
 
+    def answer(self) -> dict[str, Any]:
+        """The answer as the events gave it, as a chat message (gateway/formats.py's choice_body's shape)."""
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": self.message["content"][0]["text"] if self.message else ""}
+        if calls := [item for item in self.items if item["type"] == "function_call"]:
+            message["tool_calls"] = [{"id": c["call_id"], "type": "function",
+                                      "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+        if self.reasoning is not None:
+            message["reasoning"] = self.reasoning["content"][0]["text"]
+        return message
+
     def failed(self, err: APIError) -> list[bytes]:
         """A failure after the first event: an `error` event, then response.failed (the stream's last)."""
         body = err.body()["error"]
@@ -601,7 +623,7 @@ class _Events:
 async def retrieve(request: web.Request) -> web.Response:
     """GET /v1/responses/{response_id}."""
     tenant = request.app[STATE].auth.authenticate(request)
-    if request.query.get("stream", "false") != "false":  # (the SDK's retrieve(stream=True) would read no event)
+    if request.query.get("stream", "false").lower() != "false":  # (the SDK's retrieve(stream=True) would read none)
         raise invalid("streaming a stored response's events is for background responses, which this server does "
                       "not offer", "stream")
     stored = await request.app[RESPONSE_STORE].aget(tenant.name, request.match_info["response_id"])
@@ -622,8 +644,8 @@ async def input_items(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
     stored = await request.app[RESPONSE_STORE].aget(tenant.name, response_id)
     # an item sent without an id gets one from its response and place, the same at every read (pages go by ids)
-    items = [{"id": item.get("id") or f"{_ITEM_PREFIX[item['type']]}_{response_id.removeprefix('resp_')}_{i}",
-              "status": "completed", **item} for i, item in enumerate(stored.input_items)]
+    items = [{**item, "id": item.get("id") or f"{_ITEM_PREFIX[item['type']]}_{response_id.removeprefix('resp_')}_{i}",
+              "status": item.get("status") or "completed"} for i, item in enumerate(stored.input_items)]
     return web.json_response(items_page(items, request.query))
 
 

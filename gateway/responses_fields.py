@@ -61,6 +61,8 @@ def logprobs_fields(body: dict[str, Any]) -> dict[str, Any]:
     top = body.get("top_logprobs")
     if LOGPROBS in (body.get("include") or ()):
         return {"logprobs": True, "top_logprobs": 0 if top is None else top}  # (chat checks top_logprobs)
+    if isinstance(top, float) and top.is_integer():  # (2.0 as 2, as chat's integer fields take it)
+        top = int(top)
     if top is None or type(top) is int and top == 0:
         return {}
     if type(top) is not int:
@@ -91,7 +93,7 @@ def items_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[st
     if order not in ("asc", "desc"):
         raise invalid("order must be asc or desc", "order")
     limit = query.get("limit", str(DEFAULT_ITEMS_PAGE))
-    if not limit.isdigit() or not 1 <= int(limit) <= MAX_ITEMS_PAGE:
+    if not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= MAX_ITEMS_PAGE:  # ("²" is a digit)
         raise invalid(f"limit must be an integer from 1 to {MAX_ITEMS_PAGE}", "limit")
     ordered = items if order == "asc" else items[::-1]
     start = 0

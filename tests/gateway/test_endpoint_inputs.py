@@ -213,6 +213,8 @@ def test_the_newer_endpoints_answer_as_the_document_describes(server):
     ({"include": ["message.output_text.logprobs"], "top_logprobs": -1}, "top_logprobs"),
     ({"truncation": "x"}, "truncation"),
     ({"include": "reasoning.encrypted_content"}, "include"),
+    ({"tool_choice": "required"}, "tool_choice"),  # (no tools: a forced call would be dropped in silence)
+    ({"previous_response_id": ""}, "previous_response_id"),  # (not taken as absent)
     ({"include": ["reasoning.encrypted_content", "x"]}, "include[1]"),
     ({"metadata": {"k": 5}}, "metadata.k"),
     ({"metadata": {"k" * 65: "v"}}, "metadata"),
@@ -229,9 +231,17 @@ def test_responses_fields_it_cannot_honour_are_400s(server, extra, param):
 
 def test_responses_fields_it_accepts_answer(server):
     resp = post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 2, "truncation": "auto",
-                                          "include": ["reasoning.encrypted_content"], "top_logprobs": 0,
-                                          "metadata": {f"k{i}": "v" * 512 for i in range(16)}})
+                                          "include": ["reasoning.encrypted_content"], "top_logprobs": 0.0,
+                                          "metadata": {f"k{i}": "v" * 512 for i in range(16)},
+                                          "tool_choice": "none", "parallel_tool_calls": None})
     assert resp.status_code == 200, resp.text
+    # echoed as OpenAI's Response types them: a null sent is its default
+    assert (resp.json()["top_logprobs"], resp.json()["parallel_tool_calls"]) == (0, True)
+    asked = post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 2, "top_logprobs": 3.0,
+                                           "include": ["message.output_text.logprobs"], "tool_choice": None})
+    assert (asked.json()["top_logprobs"], asked.json()["tool_choice"]) == (3, "auto"), asked.text
+    stored = requests.get(f"{server.url}/v1/responses/{asked.json()['id']}", params={"stream": "False"}, timeout=30)
+    assert stored.status_code == 200, stored.text
 
 
 @pytest.mark.parametrize("tool_choice, param", [
@@ -310,8 +320,14 @@ def test_input_items_come_in_pages(server):
     second = requests.get(url, params={"limit": 2, "order": "asc", "after": first["last_id"]}, timeout=30).json()
     assert text(second) == ["turn 2", "turn 3"] and second["has_more"]
     for query, param in (({"limit": "abc"}, "limit"), ({"limit": 0}, "limit"), ({"limit": 101}, "limit"),
-                         ({"order": "bad"}, "order"), ({"after": "msg_nope"}, "after")):
-        assert_400(requests.get(url, params=query, timeout=30), param)
+                         ({"limit": "²"}, "limit"), ({"order": "bad"}, "order"), ({"after": "msg_nope"}, "after")):
+        assert_400(requests.get(url, params=query, timeout=30), param)  # ("²": a digit to str.isdigit, was a 500)
+    # an item sent with null for its id or status is listed with the ones it would have had, as the SDK types them
+    nulls = [{"role": "user", "content": "hi", "id": None, "status": None}, {"role": "user", "content": "again"}]
+    response_id = post(server, "/v1/responses", {"input": nulls, "max_output_tokens": 2}).json()["id"]
+    listed = requests.get(f"{server.url}/v1/responses/{response_id}/input_items", timeout=30).json()["data"]
+    assert all(isinstance(i["id"], str) and i["status"] == "completed" for i in listed), listed
+    assert len({i["id"] for i in listed}) == 2
 
 
 def test_warming_honours_and_bounds_the_messages_own_breakpoints(server):

@@ -167,6 +167,26 @@ def test_malformed_call_is_returned_as_content(server, client, model):
     assert resp.choices[0].finish_reason == "stop"
 
 
+def test_a_streamed_responses_calls_are_the_ones_its_next_turn_answers(server, client, model):
+    """A call whose arguments break after its name has streamed (a parse of the whole text makes it text) stays the
+    call the client saw: the stored turn holds the streamed calls and ids, so an output for either call continues
+    the conversation (the second call's output was a 400 "no function call found", the first's rendered as the
+    second's answer)."""
+    tools = [{"type": "function", **WEATHER["function"]}, {"type": "function", **TIME["function"]}]
+    server.scripted.script = pieces('<tool_call>\n{"name": "get_weather", "arguments": BAD}\n</tool_call>\n'
+                                    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', 2)
+    events = list(client.responses.create(model=model, input="Weather and time?", tools=tools, stream=True))
+    calls = [item for item in events[-1].response.output if item.type == "function_call"]
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    for call in calls:
+        server.scripted.script = pieces("Done.")
+        answer = client.responses.create(model=model, previous_response_id=events[-1].response.id, tools=tools,
+                                         input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                 "output": "sunny"}])
+        assert answer.output_text == "Done."
+    server.scripted.script = None
+
+
 def test_tools_reach_the_prompt_through_the_chat_template(server, client, model, tiny_tools_dir):
     messages = ask("Weather?")
     tok = load_tokenizer(tiny_tools_dir, set())
