@@ -39,7 +39,7 @@ def parse_ttl(raw: Any, param: str) -> float:
     if raw.get("type") != "ephemeral":
         raise invalid('cache_control.type must be "ephemeral"', f"{param}.type")
     ttl = raw.get("ttl", DEFAULT_TTL)
-    if ttl not in TTLS:
+    if not isinstance(ttl, str) or ttl not in TTLS:  # (a list or object: unhashable, not a TTL)
         raise invalid(f"cache_control.ttl must be one of {', '.join(TTLS)}", f"{param}.ttl")
     return TTLS[ttl]
 

@@ -32,7 +32,7 @@ from gateway.response_store_pending import PendingPuts
 from gateway.responses_fields import VLLM_EXTRAS, check_fields, items_page, logprobs_fields
 from gateway.runner import RequestRun, sampling_params
 from gateway.state import STATE
-from gateway.streaming import SSE_HEADERS, encode_event
+from gateway.streaming import SSE_HEADERS, TimedStream, encode_event, end, end_on_error
 from gateway.tool_prompt import TOOL_TEMPLATE
 
 HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
@@ -447,11 +447,12 @@ async def _stream(request: web.Request, req: ResponsesRequest, fmt: ChatFormat, 
 
     events = _Events(fmt.response_id, lambda output, reason, use: _response(
         fmt.response_id, req, fmt.model, created, output, reason, use), take_logprobs)
-    resp: web.StreamResponse | None = None
+    resp: TimedStream | None = None
 
-    async def opened() -> web.StreamResponse:
-        stream = web.StreamResponse(headers=SSE_HEADERS)
-        await stream.prepare(request)
+    async def opened() -> TimedStream:
+        stream = TimedStream(web.StreamResponse(headers=SSE_HEADERS),
+                             request.app[STATE].settings.gateway.stream_write_timeout_s)
+        await stream.response.prepare(request)
         for event in events.start():
             await stream.write(event)
         return stream
@@ -476,17 +477,9 @@ async def _stream(request: web.Request, req: ResponsesRequest, fmt: ChatFormat, 
         await _remember(store, tenant, req, events.final, events.answer())
         for event in finish:
             await resp.write(event)
-    except ConnectionResetError:
-        return resp or web.StreamResponse()
-    except APIError as err:
-        if resp is None:  # nothing sent yet: a plain error response
-            raise
-        with contextlib.suppress(ConnectionResetError):
-            for event in events.failed(err):
-                await resp.write(event)
-    with contextlib.suppress(ConnectionResetError):
-        await resp.write_eof()
-    return resp
+    except Exception as exc:  # (a client that stopped reading is dropped, as a chat stream's)
+        return await end_on_error(request, resp, exc, events.failed)
+    return await end(resp)
 
 
 # a text item's part type (and its events' names)

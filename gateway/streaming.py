@@ -33,7 +33,7 @@ async def stream_response(request: web.Request, fmt: ChatFormat, choices: list[C
     client's SSE reader closes cleanly after raising the error). A client that stops
     reading for write_timeout_s is dropped, so it cannot hold its admission slot and output forever.
     `continuous_usage`: every chunk carries its choice's usage so far (vLLM's continuous_usage_stats)."""
-    resp: _Stream | None = None
+    resp: TimedStream | None = None
 
     def so_far(chunk: dict[str, Any], choice: Choice) -> dict[str, Any]:
         return {**chunk, "usage": usage([choice])} if continuous_usage else chunk
@@ -53,29 +53,12 @@ async def stream_response(request: web.Request, fmt: ChatFormat, choices: list[C
         if include_usage:
             await resp.write(encode_event(fmt.chunk([], usage(choices))))
         await resp.write(b"data: [DONE]\n\n")
-    except ConnectionResetError:
-        log.info("client disconnected mid-stream")
-        return resp.response if resp else web.StreamResponse()
-    except TimeoutError:
-        log.info("client read nothing for %.0fs; dropping its stream", write_timeout_s)
-        if request.transport is not None:
-            request.transport.close()
-        return resp.response if resp else web.StreamResponse()
     except Exception as exc:
-        if resp is None:
-            raise
-        err = exc if isinstance(exc, APIError) else APIError(500, "internal server error", code="internal_error")
-        if not isinstance(exc, APIError):
-            log.exception("error while streaming")
-        with contextlib.suppress(ConnectionResetError, TimeoutError):
-            await resp.write(encode_event(err.body()))
-            await resp.write(b"data: [DONE]\n\n")
-    with contextlib.suppress(ConnectionResetError, TimeoutError):
-        await resp.response.write_eof()
-    return resp.response
+        return await end_on_error(request, resp, exc, lambda err: [encode_event(err.body()), b"data: [DONE]\n\n"])
+    return await end(resp)
 
 
-class _Stream:
+class TimedStream:
     """A prepared SSE response whose writes give up after a timeout (a client that stopped reading)."""
 
     def __init__(self, response: web.StreamResponse, timeout_s: float) -> None:
@@ -87,11 +70,42 @@ class _Stream:
             await self.response.write(data)
 
 
+async def end(resp: TimedStream) -> web.StreamResponse:
+    with contextlib.suppress(ConnectionResetError, TimeoutError):
+        await resp.response.write_eof()
+    return resp.response
+
+
+async def end_on_error(request: web.Request, resp: TimedStream | None, exc: Exception,
+                       error_events: Callable[[APIError], list[bytes]]) -> web.StreamResponse:
+    """How a stream ends on `exc`: a client gone, or one that read nothing for the write timeout (dropped, its
+    connection closed: it holds no admission slot and no output), is left; any other failure before the headers
+    is raised (a plain error response), after them written as the stream's error_events (an unexpected one as a
+    500 internal_error) and the stream ended."""
+    if isinstance(exc, ConnectionResetError):
+        log.info("client disconnected mid-stream")
+        return resp.response if resp else web.StreamResponse()
+    if isinstance(exc, TimeoutError):
+        log.info("client read nothing for %.0fs; dropping its stream", resp.timeout_s if resp else 0)
+        if request.transport is not None:
+            request.transport.close()
+        return resp.response if resp else web.StreamResponse()
+    if resp is None:
+        raise exc
+    err = exc if isinstance(exc, APIError) else APIError(500, "internal server error", code="internal_error")
+    if not isinstance(exc, APIError):
+        log.exception("error while streaming")
+    with contextlib.suppress(ConnectionResetError, TimeoutError):
+        for event in error_events(err):
+            await resp.write(event)
+    return await end(resp)
+
+
 async def _start(request: web.Request, fmt: ChatFormat, choices: list[Choice], write_timeout_s: float,
-                 so_far: Callable[[dict[str, Any], Choice], dict[str, Any]]) -> _Stream:
+                 so_far: Callable[[dict[str, Any], Choice], dict[str, Any]]) -> TimedStream:
     response = web.StreamResponse(status=200, headers=SSE_HEADERS)
     await response.prepare(request)
-    resp = _Stream(response, write_timeout_s)
+    resp = TimedStream(response, write_timeout_s)
     for first in fmt.first_chunks(choices):
         await resp.write(encode_event(so_far(first, choices[first["choices"][0]["index"]])))
     return resp

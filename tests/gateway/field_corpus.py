@@ -87,6 +87,10 @@ def _warm(model: str) -> list[tuple[str, bytes, str]]:
     for key, value, param in (
             ("cache_control", {"type": "forever"}, "cache_control.type"),
             ("cache_control", {"type": "ephemeral", "ttl": 5}, "cache_control.ttl"),
+            ("cache_control", {"type": "ephemeral", "ttl": []}, "cache_control.ttl"),  # (unhashable: was a 500)
+            ("cache_control", {"type": "ephemeral", "ttl": {}}, "cache_control.ttl"),
+            ("messages", [{"role": "user", "content": "x", "cache_control": {"type": "ephemeral", "ttl": ["5m"]}}],
+             "messages[0].cache_control.ttl"),
             ("messages", 5, "messages"), ("messages", [5], "messages[0]"),
             ("messages", [{"role": ["user"], "content": "x"}], "messages[0].role"),
             ("messages", [{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content[0].text")):

@@ -31,8 +31,11 @@ async def test_health_and_models_answer_while_a_step_is_in_progress(client):  # 
     assert (await pending).status == 200
 
 
-async def test_a_client_that_stops_reading_is_dropped_and_its_blocks_released(make_client, monkeypatch):  # noqa: F811
-    """Model a reader that stopped: after the first event every write waits for a drain that never comes."""
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+async def test_a_client_that_stops_reading_is_dropped_and_its_blocks_released(make_client, monkeypatch,  # noqa: F811
+                                                                              path):
+    """Model a reader that stopped: after the first event every write waits for a drain that never comes. (A
+    Responses stream held its admission slot until the socket closed, until 2026-12-01.)"""
     from aiohttp import web
 
     from tests.gateway.test_gateway_http import wait_released
@@ -52,8 +55,10 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_blocks_released(ma
     reasons = []
     engine.add_stats_listener(lambda stats: reasons.extend(f.finish_reason for f in stats.finished))
     monkeypatch.setattr(web.StreamResponse, "write", stalled_write)
-    resp = await client.post("/v1/chat/completions",
-                             json=chat(client, stream=True, max_tokens=3000, ignore_eos=True))
+    body = chat(client, stream=True, max_tokens=3000, ignore_eos=True)
+    if path == "/v1/responses":
+        body = {"model": body["model"], "input": "hi", "stream": True, "max_output_tokens": 3000, "ignore_eos": True}
+    resp = await client.post(path, json=body)
     assert resp.status == 200
     with pytest.raises(aiohttp.ClientPayloadError):  # the server closed the connection mid-stream
         await asyncio.wait_for(resp.read(), 30)
