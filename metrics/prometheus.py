@@ -202,11 +202,11 @@ class TokenMetrics:
         self.generation = Counter(f"{PREFIX}generation_tokens_total", "Tokens generated.", labels,
                                   registry=registry).labels(model_name)
         self.prompt = Counter(f"{PREFIX}prompt_tokens_total",
-                              "Prompt tokens of finished requests (usage.prompt_tokens).", labels,
+                              "Prompt tokens of finished sequences (n sequences: n times usage.prompt_tokens).", labels,
                               registry=registry).labels(model_name)
         self.prompt_cached = Counter(f"{PREFIX}prompt_tokens_cached_total",
-                                     "Prompt tokens of finished requests served from the prefix cache "
-                                     "(usage.prompt_tokens_details.cached_tokens).", labels,
+                                     "Prompt tokens of finished sequences served from the prefix cache "
+                                     "(one sequence: usage.prompt_tokens_details.cached_tokens).", labels,
                                      registry=registry).labels(model_name)
 
     def on_step(self, stats: StepStats) -> None:

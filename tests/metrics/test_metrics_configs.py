@@ -5,6 +5,7 @@ up every local file it (and the Dockerfile) refers to.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -15,7 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+import engine.stats
+from engine.stats import SchedulerStats, StepStats
 from metrics import Metrics
+from metrics.prometheus import PIN_RELEASE_REASONS
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "configs/grafana/dashboards/prefixgate.json"
@@ -78,6 +82,40 @@ def test_dashboard_only_uses_series_that_metrics_exposes():
     exposed |= SERIES
     used = {name for expr in dashboard_exprs() for name in re.findall(r"prefixgate_\w+", expr)}
     assert used and used <= exposed, sorted(used - exposed)
+
+
+def _filled(cls, keys: dict[str, int]):
+    """A stats dataclass with every field set: numbers non-zero, dicts holding `keys`, nested stats filled too."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        kind = str(f.type)
+        if "Stats" in kind:
+            values[f.name] = _filled(getattr(engine.stats, kind.split("|")[0].strip()), keys)
+        elif kind.startswith("dict"):
+            values[f.name] = dict(keys)
+        else:
+            values[f.name] = 0.5 if kind == "float" else 3
+    return cls(**values)
+
+
+def test_cluster_wide_series_are_taken_with_max_not_sum():
+    """Behind the cluster mode's gateways each gateway shows the series read from the scheduler's snapshot (levels,
+    and the cache, preemption, disk and pin counters) for the whole cluster, where the rest (tokens computed,
+    latencies, per-tenant lookups) are each gateway's own share: a dashboard that sums the first over gateway pods
+    counts them once a pod. So they are aggregated with max (on one gateway the same figure), and a fallback joined
+    with `or` is one `on()` it, not a series of its own beside the others."""
+    metrics = Metrics("m", tenants=["alice"])
+    keys = {"alice": 2, "no_space": 1, "permission": 1, "io": 1, **{reason: 1 for reason in PIN_RELEASE_REASONS}}
+    metrics.on_step(StepStats(scheduler=_filled(SchedulerStats, keys)))  # a snapshot alone: no step's own counts
+    snapshot = {line.split("{")[0] for line in metrics.render()[0].decode().splitlines()
+                if line.startswith("prefixgate_") and float(line.rsplit(" ", 1)[1]) > 0}
+    assert {"prefixgate_requests_running", "prefixgate_prefix_cache_hits_tokens_total",
+            "prefixgate_pins_released_total", "prefixgate_kv_disk_writes_blocks_total"} <= snapshot
+    assert "prefixgate_prompt_tokens_computed_total" not in snapshot
+    for expr in dashboard_exprs():
+        for name in re.findall(r"\bsum(?: by \([^)]*\) )?\((?:rate\()?(prefixgate_\w+)", expr):
+            assert name not in snapshot, f"sum over gateways of {name}: {expr}"
+        assert " or label_replace" not in expr, expr
 
 
 def test_dashboard_has_the_panels_and_variables():
