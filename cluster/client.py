@@ -21,6 +21,7 @@ from ray.serve.handle import DeploymentHandle
 from cluster.kv_event_log import event_log
 from cluster.prefix_index import PrefixIndex, index_for
 from cluster.replica import Report
+from cluster.report_buffer import later_snapshot
 from engine.client import StatsPublisher
 from engine.config import EngineConfig, HashAlgo
 from engine.kv.hashing import hash_full_blocks
@@ -269,7 +270,7 @@ class ClusterEngine(StatsPublisher):
         scheduler stats of the whole cluster: the counters of every replica ever seen (they never go down
         when one dies), the levels of those up."""
         replica, stats = report
-        self._snapshots[replica] = stats.scheduler
+        self._snapshots[replica] = later_snapshot(self._snapshots.get(replica), stats.scheduler)
         live = set(self._index.replicas)
         merged = SchedulerStats.merged([s for r, s in self._snapshots.items() if r in live],
                                        gone=[s for r, s in self._snapshots.items() if r not in live])

@@ -37,3 +37,11 @@ class ReportBuffer:
         with self._lock:
             taken, self._kv_events = self._kv_events, []
             return taken
+
+
+def later_snapshot(held: SchedulerStats | None, stats: SchedulerStats) -> SchedulerStats:
+    """The later of a replica's two scheduler snapshots, by its engine's steps. Its reports reach a gateway on the
+    streams of separate requests, so an older one may arrive after a newer; kept, its counters would drop, which
+    the metrics read as an engine restart, adding their whole value again. (A replica's steps only grow: a
+    replica whose engine failed is replaced by a new one, with its own id.)"""
+    return stats if held is None or stats.num_steps >= held.num_steps else held

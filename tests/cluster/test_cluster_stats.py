@@ -3,8 +3,9 @@ reach the gateway whole, in /metrics and /v1/cache/stats, is tested on a local R
 where the run's one Ray instance starts."""
 from __future__ import annotations
 
-from cluster.report_buffer import ReportBuffer
+from cluster.report_buffer import ReportBuffer, later_snapshot
 from engine.stats import PrefixCacheStats, SchedulerStats, StepStats
+from metrics import Metrics
 
 BLOCKS = 9
 
@@ -23,3 +24,17 @@ def test_a_replica_report_is_its_engine_steps_merged_without_kv_events():
                               tenant_regrets={"alice": 2})
     assert reports.take_kv_events() == [("stored", b"h1"), ("removed", b"h1")]
     assert reports.take() == StepStats(latest)  # nothing since: the latest snapshot alone
+
+
+def test_a_report_older_than_the_one_held_leaves_the_counters_where_they_are():
+    """Reports travel on separate request streams: one taken at step 11 may reach the gateway after one taken at
+    step 12. The held snapshot stays the later, so the cache's hit counter reads 1,200, not 1,200 plus 1,100 (a
+    drop read as an engine restart)."""
+    metrics, held = Metrics("m", tenants=[]), None
+    for steps, hits in ((10, 1000), (12, 1200), (11, 1100)):
+        held = later_snapshot(held, SchedulerStats(num_steps=steps, prefix_cache=PrefixCacheStats(hits=hits)))
+        metrics.on_step(StepStats(held))
+    assert held.num_steps == 12
+    exposed = metrics.render()[0].decode()
+    assert 'prefixgate_prefix_cache_hits_tokens_total{model_name="m"} 1200.0' in exposed
+    assert later_snapshot(held, SchedulerStats(num_steps=12)).prefix_cache.hits == 0  # (as new as it: the report's)
