@@ -202,8 +202,8 @@ class Scheduler:
 
     def _allocate_waiting(self, request: Request, num_tokens: int, prefix) -> bool:
         while not self.kv.allocate(request, num_tokens, prefix):
-            # nothing runs that would free blocks: pins give way (a pin never keeps a request waiting; its
-            # blocks stay cached and the hit found stays valid)
+            # nothing runs that would free blocks: pins give way (while requests run, this one waits for their
+            # blocks, as without pins; a released pin's blocks stay cached and the hit found stays valid)
             if self.running or not self.kv.release_pin_for_room():
                 return False
         return True

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from engine.config import EvictionPolicy
@@ -215,12 +215,17 @@ class BlockPool:
         taken, self._tenant_regrets = self._tenant_regrets, {}
         return taken
 
-    def erase(self, tenant: str | None) -> int:
+    def erase(self, tenant: str | None, pinned_by: Mapping[int, str | None] | None = None) -> int:
         """Forgets every hash a block of `tenant` holds (DELETE /v1/cache), free or in use; returns how many
-        cached hashes went. A block in use keeps its K/V for its request, but nothing hits it any more."""
+        cached hashes went. A block in use keeps its K/V for its request, but nothing hits it any more.
+        `pinned_by`: block id -> the tenant of a pin holding it (tenants sharing a salt share blocks): such a
+        block stays cached, that tenant's now, as its pin needs its hash."""
         before = self.evictions["erase"]
         for block in self.blocks:
             if block.block_hash is None or block.tenant != tenant:
+                continue
+            if pinned_by and block.block_id in pinned_by:
+                block.tenant = pinned_by[block.block_id]
                 continue
             free = block.ref_cnt == 0
             if free:

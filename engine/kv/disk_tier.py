@@ -27,6 +27,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -320,14 +321,14 @@ class DiskTier:
             copy.write_errors = dict(self.stats.write_errors)
             return copy
 
-    def erase(self, tenant: str | None) -> int:
-        """Deletes every block file `tenant` cached (DELETE /v1/cache); returns how many. Reads each file's
-        header only. Called on the engine thread, the only one that queues writes: after the flush nothing
-        of the tenant's is pending."""
+    def erase(self, tenant: str | None, keep: Collection[BlockHash] = ()) -> int:
+        """Deletes every block file `tenant` cached (DELETE /v1/cache) but those of `keep` (blocks another
+        tenant's pin holds); returns how many. Reads each file's header only. Called on the engine thread, the
+        only one that queues writes: after the flush nothing of the tenant's is pending."""
         self.flush()
         tag, erased = tenant_tag(tenant), 0
         with self._lock:
-            hashes = list(self._index)
+            hashes = [h for h in self._index if h not in keep]
         for block_hash in hashes:
             try:
                 with self._path(block_hash).open("rb", buffering=0) as f:

@@ -294,9 +294,13 @@ class KVCacheManager:
     def erase(self, tenant: str | None) -> CacheErased:
         """Forgets every cached block of `tenant`, pinned or not, in RAM and on disk (DELETE /v1/cache)."""
         erased = CacheErased(pins=self.pins.erase(tenant))
-        erased.blocks = self.pool.erase(tenant)
+        # another tenant's pin on blocks this one cached (a salt they share) keeps them, in RAM and on disk: a
+        # pinned block keeps its hash (the pin's next hit renews it, the pins saved beside the disk tier name its
+        # blocks by it and read them back from there at a restart)
+        pinned = [(block, pin.tenant) for pin in self.pins.pins.values() for block in pin.blocks]
+        erased.blocks = self.pool.erase(tenant, {block.block_id: owner for block, owner in pinned})
         if self.disk is not None and not self.disk.closed:
-            erased.disk_blocks = self.disk.erase(tenant)
+            erased.disk_blocks = self.disk.erase(tenant, keep={block.block_hash for block, _ in pinned})
         return erased
 
     def save_pins(self) -> None:

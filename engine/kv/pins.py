@@ -6,8 +6,9 @@ cover it), so a pinned block never sits in the free queue and is never evicted; 
 as they are. An expired or released pin drops those references: blocks nobody else holds go back to the
 free queue like blocks a request frees, in the normal eviction order. The table holds at most `max_blocks`
 distinct blocks, a tenant at most its key's quota; a pin beyond either is refused (never an error). Pins
-never keep a request from running: where one could not get blocks otherwise, the scheduler releases pins,
-the soonest to expire first (`release_one`).
+never cost a running request its blocks, nor keep a waiting one out when nothing running would free blocks:
+there the scheduler releases pins, the soonest to expire first (`release_one`); while requests run, a waiting
+one waits for their blocks, as it would without pins.
 """
 from __future__ import annotations
 

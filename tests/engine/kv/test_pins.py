@@ -243,6 +243,26 @@ def test_erase_forgets_one_tenants_blocks_pinned_or_not():
     check_invariants(engine)
 
 
+def test_erase_keeps_the_blocks_another_tenants_pin_holds():
+    """Tenants sharing a salt share blocks: b's pin on blocks a cached keeps them cached (b's now) when a erases
+    its cache. They lost their hashes before, so b's pin held hashless blocks, b's next request missed them, and
+    with a disk tier saving the pins (a block's hash by name) crashed the engine loop at its next idle."""
+    engine = MiniEngine(num_blocks=12, max_pinned_blocks=6)
+    prefix = list(range(1, 9))
+    engine.add(prefix + [999], "a", None)
+    engine.drain()
+    engine.add(prefix + [999], "b", pin_all())
+    engine.drain()
+    assert engine.kv.pins.tenant_blocks("b") > 0
+    erased = engine.kv.erase("a")
+    check_invariants(engine)  # ("a pinned block lost its hash" before)
+    pinned = [b for pin in engine.kv.pins.pins.values() for b in pin.blocks]
+    assert (erased.pins, erased.blocks) == (0, 0) and {b.tenant for b in pinned} == {"b"}
+    again = engine.add(prefix + [998], "b", None)
+    engine.drain()
+    assert again.num_cached_tokens == len(pinned) * BS
+
+
 # ---- property
 
 _op = st.one_of(
@@ -329,6 +349,25 @@ def test_erasing_a_tenant_clears_its_ram_and_disk_blocks_and_spares_the_others(t
     assert (alice.num_cached_tokens, bob.num_cached_tokens) == (0, len(HOT))
     assert llm.core.cache_command(CacheCommand(2, "list", "alice")) == PinList([], 0)
     assert len(llm.core.cache_command(CacheCommand(3, "list", "bob")).pins) == 1
+
+
+def test_a_shared_salts_pin_survives_the_other_tenants_erase_and_a_restart(tiny_llama_dir, tmp_path):
+    """bob pins a prefix alice computed under the salt they share; alice's erase leaves bob's pinned blocks cached,
+    in RAM and on disk, so bob's next request hits them, the engine saves the pins at its next idle (it failed
+    on the hashless blocks before), and the pin comes back after a restart."""
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=24, kv_disk_dir=str(tmp_path))
+    llm.generate(HOT + [5], greedy(), tenant="alice", cache_salt="shared")
+    llm.generate(HOT + [6], greedy(), tenant="bob", cache_salt="shared", cache=pin_all(ttl_s=3600))
+    llm.core.kv.flush_to_disk()
+    erased = llm.core.cache_command(CacheCommand(1, "erase", "alice"))
+    assert (erased.blocks, erased.disk_blocks) == (0, 0)  # every block alice cached is under bob's pin
+    [bob] = llm.generate(HOT + [7], greedy(), tenant="bob", cache_salt="shared")
+    assert bob.num_cached_tokens == len(HOT)
+    llm.core.idle(True)  # saves the pins
+    llm.close()
+    again = LLM(str(tiny_llama_dir), num_kv_blocks=24, kv_disk_dir=str(tmp_path))
+    assert [p.num_tokens for p in again.core.kv.pins.list("bob")] == [len(HOT)]
+    again.close()
 
 
 def test_pins_survive_a_restart_with_their_wall_clock_expiry(tiny_llama_dir, tmp_path):
