@@ -54,7 +54,10 @@ class StepLoop:
             self._take(self.inbox.receive(0 if busy else COMPILE_POLL_S if self._compiling else IDLE_WAIT_S))
             self._admit_compiled()
             if not self.core.has_unfinished():
-                self.core.idle(just_idle=busy)  # pins expire; the disk tier catches up, off the step path
+                try:
+                    self.core.idle(just_idle=busy)  # pins expire; the disk tier catches up, off the step path
+                except Exception:  # housekeeping that fails loses its own work, never the engine (as a step)
+                    logger.exception("idle housekeeping failed")
                 busy = False
                 self._emit([])  # aborts leave no step behind: report them now
                 continue

@@ -61,6 +61,29 @@ async def test_failed_step_fails_its_requests_and_the_engine_keeps_serving(engin
     assert_blocks_released(engine)
 
 
+async def test_failed_idle_housekeeping_leaves_the_engine_serving(engine, monkeypatch):
+    """The idle loop's housekeeping (pins' expiry, the disk tier's write-behind, saving the pins) raised straight
+    out of the step loop, which killed the engine: every later request failed (a pin on hashless blocks did it,
+    2026-12-01)."""
+    calls = []
+
+    def broken_idle(just_idle: bool) -> None:
+        calls.append(just_idle)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine.core, "idle", broken_idle)
+    for request_id in ("h", "i"):
+        outs = await _collect(engine, request_id, list(range(3, 40)), SamplingParams(max_tokens=2, temperature=0,
+                                                                                    ignore_eos=True))
+        assert outs[-1].finish_reason == "length"
+        for _ in range(100):  # the idle loop ran (and failed) after the request
+            if True in calls:
+                break
+            await asyncio.sleep(0.01)
+        assert True in calls and engine.is_alive()
+        calls.clear()
+
+
 async def test_invalid_prompts_raise_before_anything_runs(engine):
     with pytest.raises(ValueError, match="empty"):
         await _collect(engine, "e", [], SamplingParams())
