@@ -332,21 +332,24 @@ class KVCacheManager:
     def _restore_pin(self, record: dict) -> bool:
         if record["expires_at"] <= self.pins.clock():
             return False
-        blocks, loaded = [], []
+        blocks, held = [], []  # held: a reference on each block taken so far, so no allocation below evicts one
         for hash_hex, tokens in record["blocks"]:
             block_hash, tokens = BlockHash(bytes.fromhex(hash_hex)), tuple(tokens)
             block = self.pool.get_cached_block(block_hash, tokens)
-            if block is None:
+            if block is not None:
+                self.pool.touch([block])
+                held.append(block)
+            else:
                 if block_hash not in self.disk or not self.pool.num_free_blocks:
                     break
                 [block] = self.pool.allocate(1)
-                loaded.append(block)
+                held.append(block)
                 if not self._read_back(block, block_hash, tokens, record["tenant"]):
                     break
             blocks.append(block)
         pin = self.pins.restore(record["tenant"], blocks, record["ttl_s"], record["created_at"],
                                 record["expires_at"], record["hits"]) if blocks else None
-        self.pool.free(reversed(loaded))  # the pin holds them now (refused, they stay cached; unread, they are empty)
+        self.pool.free(reversed(held))  # the pin holds them now (refused, they stay cached; unread, they are empty)
         return pin is not None
 
 

@@ -149,3 +149,42 @@ def test_a_duplicate_taking_over_a_hash_invalidates_remembered_hits():
     assert kv.allocate(taker, 3 * BS)  # takes the holder's three blocks: both hashes pass to the copies
     assert kv.pool.num_evictions == evictions
     assert [b.block_id for b in kv.find_cached_prefix(waiting).blocks] == kv.block_ids("copy")[:2]
+
+
+class _SavedBlocks:
+    """A disk tier holding some blocks' K/V and the pins of a last run (what restore_pins reads of one)."""
+
+    closed = False
+
+    def __init__(self, hashes, pins: list[dict]) -> None:
+        self.hashes, self.pins = set(hashes), pins
+
+    def __contains__(self, block_hash) -> bool:
+        return block_hash in self.hashes
+
+    def load(self, block_hash, tokens):
+        return b"kv" if block_hash in self.hashes else None
+
+    def load_pins(self) -> list[dict]:
+        return self.pins
+
+
+def test_restoring_a_pin_never_evicts_a_block_it_already_found_in_ram(monkeypatch):
+    """The first saved pin (3 blocks, over the cap of 2) is read back and refused: its blocks stay cached and
+    free, the last of them first in line for eviction. The second pin starts with that block, found in RAM, and
+    reads its next one from disk: the block found was not held, so the allocation evicted it and the pin held one
+    block twice, the K/V of its second block under the first's place (a pin restored over a full pool)."""
+    kv = KVCacheManager(3, BS, max_pinned_blocks=2)
+    tokens = {name: tuple(range(i * BS, (i + 1) * BS)) for i, name in enumerate("xbac")}
+    hashes = {name: bytes([i]) * 32 for i, name in enumerate("xbac")}
+
+    def record(names: str, created_at: float) -> dict:
+        return {"tenant": "t", "ttl_s": 300.0, "created_at": created_at, "expires_at": kv.pins.clock() + 300,
+                "hits": 0, "blocks": [[hashes[n].hex(), list(tokens[n])] for n in names]}
+
+    kv.disk = _SavedBlocks(hashes.values(), [record("xba", 1.0), record("ac", 2.0)])
+    monkeypatch.setattr(kv, "kv_io", type("NoCopy", (), {"copy_in": lambda self, block_id, data: None})())
+    assert kv.restore_pins() == 1
+    [pin] = kv.pins.pins.values()
+    assert [b.block_hash for b in pin.blocks] == [hashes["a"], hashes["c"]]
+    assert len({b.block_id for b in pin.blocks}) == 2
