@@ -63,6 +63,7 @@ class ChatRequest(GenerationRequest):
     template_variables: dict[str, Any] = field(default_factory=dict)  # vLLM's chat_template_kwargs, documents
     add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS before the rendered chat too
     echo: str = ""  # vLLM's echo: the last message's text (an assistant's) before the answer's
+    max_tokens_param: str = "max_tokens"  # the field the request sent its max_tokens in (its 400s name it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +82,11 @@ def parse_chat(body: Any, limits: GatewaySettings, defaults: Mapping[str, Any] =
     if top is not None and not want_logprobs:
         raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
     max_tokens = fields.integer("max_completion_tokens", None, 1)
+    # the field its 400s name: the one the client sent (max_completion_tokens, OpenAI's newer name, wins)
+    max_tokens_param = "max_tokens" if max_tokens is None else "max_completion_tokens"
     if max_tokens is None:
         max_tokens = fields.integer("max_tokens", None, 1)
-    common = _common(fields, limits, max_tokens, (top or 0) if want_logprobs else None, defaults)
+    common = _common(fields, limits, max_tokens, (top or 0) if want_logprobs else None, defaults, max_tokens_param)
     messages = normalize_messages(fields.body.get("messages"), limits.max_messages)
     # vLLM's echo: an answer that continues the last message, an assistant's, starts with that message's text
     echo = messages[-1]["content"] if fields.boolean("echo", False) and messages[-1]["role"] == "assistant" else ""
@@ -97,7 +100,8 @@ def parse_chat(body: Any, limits: GatewaySettings, defaults: Mapping[str, Any] =
     return ChatRequest(**common, messages=messages, tools=tools,
                        breakpoints=breakpoints, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, template_variables=template_variables(fields.body),
-                       add_special_tokens=fields.boolean("add_special_tokens", False), echo=echo)
+                       add_special_tokens=fields.boolean("add_special_tokens", False), echo=echo,
+                       max_tokens_param=max_tokens_param)
 
 
 def prompt_ending(fields: "_Fields") -> tuple[bool, bool]:
@@ -142,11 +146,11 @@ def check_truncation(keep: int | None, breakpoints: tuple[Any, ...]) -> None:
 
 
 def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None, logprobs: int | None,
-            defaults: Mapping[str, Any]) -> dict[str, Any]:
+            defaults: Mapping[str, Any], max_tokens_param: str = "max_tokens") -> dict[str, Any]:
     """The fields chat and completions share; `defaults`: the sampling defaults in force (the model's)."""
     model = fields.string("model", None) or None
     if max_tokens is not None and limits.max_tokens_limit is not None and max_tokens > limits.max_tokens_limit:
-        raise invalid(f"max_tokens must be <= {limits.max_tokens_limit}", "max_tokens")
+        raise invalid(f"{max_tokens_param} must be <= {limits.max_tokens_limit}", max_tokens_param)
     stream_options = fields.body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise invalid("stream_options must be an object", "stream_options")

@@ -72,7 +72,7 @@ class GatewayState:
                           f"(context length {context}{left})", prompt_param, "context_length_exceeded")
 
     def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str,
-                      default_max_tokens: int | None = None) -> int:
+                      default_max_tokens: int | None = None, max_tokens_param: str = "max_tokens") -> int:
         """The request's max_tokens; a request without one gets the smallest of the route's default, the
         server's (sampling_defaults' max_tokens), max_tokens_limit and the rest of the context. 400 when the
         prompt, or the prompt and the request's own max_tokens, cannot fit."""
@@ -84,7 +84,7 @@ class GatewayState:
             max_tokens = min([context - num_prompt_tokens, *(cap for cap in caps if cap is not None)])
         if num_prompt_tokens + max_tokens > context:
             raise invalid(f"this model's maximum context length is {context} tokens; the prompt has "
-                          f"{num_prompt_tokens} tokens and max_tokens is {max_tokens}", "max_tokens",
+                          f"{num_prompt_tokens} tokens and {max_tokens_param} is {max_tokens}", max_tokens_param,
                           "context_length_exceeded")
         return max_tokens
 

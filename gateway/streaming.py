@@ -17,7 +17,9 @@ from gateway.generate import Choice, check_output, usage
 
 log = logging.getLogger("gateway")
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# (charset: a client reading text by HTTP's default for text types would decode the events as ISO-8859-1)
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
 
 
 def encode_event(payload: dict[str, Any]) -> bytes:
