@@ -34,7 +34,7 @@ def build_grammar(so: StructuredOutput) -> str:
                 '{"type": "object"}', defaults={"whitespace_flexible": False})
         elif so.kind == "json_schema":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                _closed_objects(load_json_object(so.spec, "the schema")), defaults={"whitespace_flexible": False})
+                closed_objects(load_json_object(so.spec, "the schema")), defaults={"whitespace_flexible": False})
         else:
             grammar = llguidance.grammar_from("grammar" if so.kind == "grammar" else so.kind, so.spec)
     except ValueError as exc:
@@ -56,14 +56,14 @@ def load_json_object(text: str, name: str) -> dict:
     return value
 
 
-def _closed_objects(node):
+def closed_objects(node):
     """Objects admit no property the schema does not name, unless it says otherwise (OpenAI's strict
     mode, and xgrammar's default): an open object lets a model invent keys instead of closing it."""
     if isinstance(node, list):
-        return [_closed_objects(n) for n in node]
+        return [closed_objects(n) for n in node]
     if not isinstance(node, dict):
         return node
-    closed = {k: _closed_objects(v) for k, v in node.items()}
+    closed = {k: closed_objects(v) for k, v in node.items()}
     if "properties" in node and "additionalProperties" not in node:
         closed["additionalProperties"] = False
     return closed

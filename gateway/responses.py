@@ -30,7 +30,7 @@ from gateway.render import content_text, render_chat
 from gateway.response_store import Stored
 from gateway.response_store_pending import PendingPuts
 from gateway.responses_fields import VLLM_EXTRAS, check_fields, items_page, logprobs_fields
-from gateway.runner import RequestRun, sampling_params
+from gateway.runner import RequestRun, sampling_params, with_calls_beside_format
 from gateway.state import STATE
 from gateway.streaming import SSE_HEADERS, TimedStream, encode_event, end, end_on_error
 from gateway.tool_prompt import TOOL_TEMPLATE
@@ -375,9 +375,9 @@ async def create(request: web.Request) -> web.StreamResponse:
     tenant = state.auth.authenticate(request)
     store = request.app[RESPONSE_STORE]
     req = await parse_responses(parse_body(await request.read()), state, tenant.name, store)
-    chat = req.chat
-    state.check_model(chat.model)
+    state.check_model(req.chat.model)
     tool_template = request.app[TOOL_TEMPLATE]
+    chat = with_calls_beside_format(req.chat, tool_template.parser)
     with state.admission.admit(tenant, 1):
         tools = tool_template.shown(chat.tools)
         prompt = await render_chat(state.engine.tokenizer, chat.messages, tools, tool_template)

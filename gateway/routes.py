@@ -24,7 +24,7 @@ from gateway.openapi import build_openapi
 from gateway.protocol import GenerationRequest, parse_chat, parse_completion
 from gateway.reasoning import answer_starts_thinking
 from gateway.render import encode_prompts, render_chat, with_bos
-from gateway.runner import RequestRun, sampling_params
+from gateway.runner import RequestRun, sampling_params, with_calls_beside_format
 from gateway.state import STATE, GatewayState
 from gateway.streaming import stream_response
 from gateway.tool_prompt import TOOL_TEMPLATE
@@ -41,6 +41,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat(await read_json(request), state.settings.gateway, state.sampling_defaults)
     state.check_model(req.model)
     tool_template = request.app[TOOL_TEMPLATE]
+    req = with_calls_beside_format(req, tool_template.parser)
     with state.admission.admit(tenant, req.n):
         tools = tool_template.shown(req.tools)
         tokenizer = state.engine.tokenizer

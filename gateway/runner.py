@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from engine.client import EngineClient, EngineDeadError
@@ -16,7 +16,7 @@ from engine.sampling_params import SamplingParams
 from gateway.auth import Tenant
 from gateway.errors import APIError, engine_down, invalid
 from gateway.generate import Choice, check_output, run_choices
-from gateway.protocol import GenerationRequest
+from gateway.protocol import ChatRequest, GenerationRequest
 from gateway.state import GatewayState
 
 R = TypeVar("R")
@@ -74,6 +74,15 @@ async def run_command(engine: EngineClient, command: Coroutine[Any, Any, R]) -> 
         return await command
     except (EngineDeadError, RuntimeError) as exc:
         raise engine_down(f"the engine stopped: {exc}", "engine_dead") from None
+
+
+def with_calls_beside_format(req: ChatRequest, parser: str) -> ChatRequest:
+    """A chat request whose tools may be called (tool_choice auto) beside a JSON response_format: its output
+    constraint lets the answer be calls or text in the format (ToolRequest.calls_or_format)."""
+    if req.tools is None or req.tools.forced or not req.tools.parses_calls or req.structured is None:
+        return req
+    union = req.tools.calls_or_format(req.structured, parser)
+    return req if union is None else replace(req, structured=union)
 
 
 def sampling_params(req: GenerationRequest, max_tokens: int, choice: int,

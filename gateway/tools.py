@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.structured import StructuredOutput, build_grammar
+from engine.structured import StructuredOutput, build_grammar, closed_objects, load_json_object
 from gateway.errors import invalid
 
 MAX_TOOLS = 128  # OpenAI's limit
@@ -61,6 +61,37 @@ class ToolRequest:
     def structured_output(self) -> StructuredOutput | None:
         schema = self.forced_schema()
         return None if schema is None else StructuredOutput("json_schema", json.dumps(schema))
+
+    def calls_or_format(self, text_format: StructuredOutput, parser: str) -> StructuredOutput | None:
+        """With tool_choice auto beside a JSON response_format: the answer is either calls, in the tool parser's
+        syntax, or text in that format, as OpenAI lets the model choose (the format's grammar alone, from the first
+        token, left no call possible: an agent with tools and an output type never called one). None where the
+        format is no JSON one (vLLM's regex, choice and grammar keep their grammar alone) or the two do not compile
+        together (the format's alone then, as before)."""
+        if text_format.kind not in ("json_object", "json_schema"):
+            return None
+        compact = {"x-guidance": {"whitespace_flexible": False}}  # (as build_grammar's: a weak model pads forever)
+        answer = {"type": "object"} if text_format.kind == "json_object" else closed_objects(
+            load_json_object(text_format.spec, "the schema"))
+        key = "arguments" if parser == "hermes" else "parameters"  # (what each parser's model writes)
+        defs: dict[str, Any] = {}
+        one_of = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                    key: _hoist_defs(self._parameters(t["function"]), defs)},
+                   "required": ["name", key], "additionalProperties": False} for t in self.tools]
+        call = {"anyOf": one_of, **({"$defs": defs} if defs else {}), **compact}
+        if parser == "hermes":
+            one, between = f'"<tool_call>\\n" %json {json.dumps(call)} "\\n</tool_call>"', '"\\n"'
+        else:  # llama3_json: JSON objects separated by ";"
+            one, between = f"%json {json.dumps(call)}", '";"'
+        calls = f"call ({between} call)*" if self.parallel else "call"
+        grammar = f"start: answer | calls\nanswer: %json {json.dumps({**answer, **compact})}\ncalls: {calls}\n" \
+                  f"call: {one}\n"
+        union = StructuredOutput("grammar", grammar)
+        try:
+            build_grammar(union)
+        except ValueError:
+            return None
+        return union
 
     def _function(self, name: str | None) -> dict[str, Any]:
         return next(t["function"] for t in self.tools if t["function"]["name"] == name)

@@ -71,6 +71,14 @@ def sdk(server):
         yield client
 
 
+@pytest.fixture(scope="module")
+def text_first(server) -> dict:
+    """extra_body that starts an answer with "{": where tools sit beside a JSON format the model may call a tool
+    or answer in the format (as OpenAI lets it), and a random model could call on and on; this one answers."""
+    [brace] = server.state.engine.tokenizer.encode("{")
+    return {"logit_bias": {str(brace): 100}}
+
+
 @pytest.fixture
 def base_url(server) -> str:
     return server.url + "/v1"
@@ -123,7 +131,7 @@ def test_openai_responses_previous_response_id(sdk, model):
     assert [i.content[0].text for i in sdk.responses.input_items.list(second.id).data][-1] == "And of Italy?"
 
 
-def test_openai_responses_function_tool_round_trip(sdk, model):
+def test_openai_responses_function_tool_round_trip(sdk, model, text_first):
     call_resp = sdk.responses.create(model=model, input="What is the weather in Paris?", tools=[WEATHER],
                                      tool_choice={"type": "function", "name": "get_weather"},
                                      max_output_tokens=200, temperature=0)
@@ -134,7 +142,7 @@ def test_openai_responses_function_tool_round_trip(sdk, model):
     final = sdk.responses.parse(model=model, previous_response_id=call_resp.id, tools=[WEATHER],
                                 input=[{"type": "function_call_output", "call_id": call.call_id,
                                         "output": '{"sky": "sunny"}'}],
-                                text_format=Report, max_output_tokens=200, temperature=0)
+                                text_format=Report, max_output_tokens=200, temperature=0, extra_body=text_first)
     assert final.status == "completed" and [o.type for o in final.output] == ["message"]
     assert isinstance(final.output_parsed, Report) and final.usage.input_tokens_details.cached_tokens > 0
 
@@ -177,8 +185,9 @@ def test_openai_embeddings_float_and_base64(sdk, model):
 
 # --- openai-agents (the Responses API by default) -----------------------------------------------------------
 
-def weather_agent(base_url: str, model: str, calls: list[str], **agent_kwargs):
-    """An Agent with one function tool on the SDK's Responses model, its client pointed at the server."""
+def weather_agent(base_url: str, model: str, calls: list[str], extra_body: dict | None = None, **agent_kwargs):
+    """An Agent with one function tool on the SDK's Responses model, its client pointed at the server
+    (`extra_body`: sent on every turn, the text_first fixture's where an output type follows the tool)."""
     agents = framework("agents")
     agents.set_tracing_disabled(True)
 
@@ -190,7 +199,7 @@ def weather_agent(base_url: str, model: str, calls: list[str], **agent_kwargs):
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=30)
     # tool_choice "required" forces the first call; the SDK resets it once the tool has run
-    settings = agents.ModelSettings(tool_choice="required", max_tokens=200, temperature=0)
+    settings = agents.ModelSettings(tool_choice="required", max_tokens=200, temperature=0, extra_body=extra_body)
     agent = agents.Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather],
                          model=agents.OpenAIResponsesModel(model=model, openai_client=client),
                          model_settings=settings, **agent_kwargs)
@@ -207,10 +216,11 @@ async def test_agents_runner_runs_the_tool(base_url, model):
     assert call.type == "function_call" and json.loads(call.arguments) == {"city": calls[0]}
 
 
-async def test_agents_runner_tool_then_structured_output(base_url, model):
-    """The whole loop: the forced call, the tool's output sent back, the final answer as the output_type."""
+async def test_agents_runner_tool_then_structured_output(base_url, model, text_first):
+    """The whole loop: the forced call, the tool's output sent back, the final answer as the output_type (the tool
+    still offered beside it: text_first makes the random model answer rather than call again)."""
     calls: list[str] = []
-    agents, agent, client = weather_agent(base_url, model, calls, output_type=Report)
+    agents, agent, client = weather_agent(base_url, model, calls, text_first, output_type=Report)
     async with client:
         result = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3)
     assert len(calls) == 1 and len(result.raw_responses) == 2

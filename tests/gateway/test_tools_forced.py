@@ -217,6 +217,43 @@ def test_a_grammar_may_hold_the_text_of_an_added_token(client, model, tiny_tools
         assert text in ("<tool_call>", "<tool_response>")
 
 
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_auto_tools_beside_a_json_format_answer_with_a_call_or_the_format(client, model, tiny_tools_dir, api):
+    """tool_choice auto beside response_format (chat) or text.format (Responses): OpenAI lets the model choose a call
+    or text in the format, and agent frameworks send both on every turn (openai-agents' tools with an output type);
+    the format's grammar alone allowed no call. Its first token pushed either way with logit_bias (a bias cannot
+    lift the grammar's mask): toward <tool_call>, a valid call; toward "{", JSON of the format, no call."""
+    class Answer(BaseModel):
+        city: Literal["Paris", "Rome"]
+
+    tokenizer = load_tokenizer(tiny_tools_dir, set())
+    [tag] = tokenizer.encode("<tool_call>")
+    [brace] = tokenizer.encode("{")
+    schema = {"name": "Answer", "schema": Answer.model_json_schema(), "strict": True}
+    for first, called in ((tag, True), (brace, False)):
+        extra = {"logit_bias": {str(first): 100}}
+        if api == "chat":
+            message = client.chat.completions.create(
+                model=model, messages=ask("Weather?"), tools=[WEATHER, TIME], temperature=0, max_tokens=300,
+                response_format={"type": "json_schema", "json_schema": schema}, extra_body=extra).choices[0].message
+            calls, text = message.tool_calls or [], message.content
+        else:
+            resp = client.responses.create(
+                model=model, input="Weather?", tools=[{"type": "function", **t["function"]} for t in (WEATHER, TIME)],
+                temperature=0, max_output_tokens=300, extra_body=extra,
+                text={"format": {"type": "json_schema", "name": "Answer", "schema": Answer.model_json_schema(),
+                                 "strict": True}})
+            calls = [type("Call", (), {"type": "function", "id": "call_" + i.call_id, "function": i})
+                     for i in resp.output if i.type == "function_call"]
+            text = resp.output_text
+        if called:
+            assert calls and not text
+            for call in calls:
+                check_call(call, call.function.name)
+        else:
+            assert not calls and Answer.model_validate_json(text)
+
+
 def test_legacy_functions_get_the_legacy_shape(client, model):
     kwargs = dict(model=model, messages=ask("Weather?"), functions=[WEATHER["function"], TIME["function"]],
                   function_call={"name": "get_weather"}, temperature=0, max_tokens=200)
