@@ -16,6 +16,7 @@ free, else at this store's next put (the drop it orders happens there), so a rea
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
 import os
@@ -272,20 +273,32 @@ def open_store(max_responses: int, path: str | None, ttl_days: float):
     try:
         try:
             return ResponseStore(max_responses, path, ttl_days)
+        except CorruptFile:
+            return _replace_corrupt(max_responses, path, ttl_days)
+    except (sqlite3.Error, OSError) as exc:
+        log.warning("stored responses: cannot open %s (%s); keeping them in memory, lost at exit", path, exc)
+        return ResponseStore(max_responses, IN_MEMORY, ttl_days)
+
+
+def _replace_corrupt(max_responses: int, path: str, ttl_days: float) -> ResponseStore:
+    """A store on `path`, found corrupt: under a lock beside it, so that of the gateways starting together on the
+    file one moves it aside and the others open the new one (each moving it on its own, the later ones failed and
+    kept their responses in memory, or moved the first one's new file away from under it)."""
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return ResponseStore(max_responses, path, ttl_days)  # (another gateway may have replaced it)
         except CorruptFile as exc:
             log.warning("stored responses: %s is corrupt (%s); moved it to %s and started a new, empty store at %s",
                         path, exc, _move_aside(path), path)
             return ResponseStore(max_responses, path, ttl_days)
-    except (sqlite3.Error, OSError) as exc:
-        log.warning("stored responses: cannot open %s (%s); keeping them in memory, lost at exit", path, exc)
-        return ResponseStore(max_responses, IN_MEMORY, ttl_days)
 
 
 def _move_aside(path: str) -> Path:
     """Renames the file, with its WAL and shared-memory files (a WAL left behind would be replayed into the new
     file), to `<name>.corrupt-<UTC time>` (`-wal`, `-shm`): a set the sqlite3 shell opens as it was."""
     aside = Path(f"{path}.corrupt-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}")
-    if aside.exists():  # another gateway moved one aside this second: keep its copy, open this one in memory
+    if aside.exists():  # a file moved aside this second already (corrupt again at once): keep it, open in memory
         raise FileExistsError(f"{aside} exists")
     Path(path).rename(aside)
     for suffix in ("-wal", "-shm"):

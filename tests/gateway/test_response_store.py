@@ -9,6 +9,7 @@ import random
 import re
 import signal
 import sqlite3
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -186,6 +187,27 @@ def test_a_corrupt_file_at_start_is_moved_aside_and_a_new_store_begins(tmp_path,
         assert db.execute("PRAGMA quick_check").fetchall() == [("ok",)]
         assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
     db.close()
+
+
+def test_gateways_starting_together_on_a_corrupt_file_share_the_new_one(tmp_path):
+    """Four gateways open one corrupt file at once: one moves it aside, the others open the new file (each moved it
+    on its own before: the later ones' renames failed and they kept their responses in memory, 9 starts in 10)."""
+    path = tmp_path / "responses.sqlite3"
+    path.write_bytes(damaged("random bytes", path))
+    start = threading.Barrier(4)
+
+    def opened(_) -> ResponseStore:
+        start.wait()
+        return open_store(10, str(path), ttl_days=30)
+
+    with ThreadPoolExecutor(4) as pool:
+        stores = list(pool.map(opened, range(4)))
+    assert [store.path for store in stores] == [str(path)] * 4
+    assert len(list(tmp_path.glob("responses.sqlite3.corrupt-*[0-9]Z"))) == 1
+    stores[0].put(stored("resp_shared"))
+    assert all(store.get("alice", "resp_shared") == stored("resp_shared") for store in stores)
+    for store in stores:
+        store.close()
 
 
 def test_a_corrupt_files_wal_goes_aside_with_it(tmp_path):
