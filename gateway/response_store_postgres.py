@@ -29,6 +29,10 @@ SCHEMES = ("postgresql://", "postgres://")
 CONNECT_TIMEOUT_S = 5
 CALL_TIMEOUT_S = 5  # a call's whole time, a first connection included
 REST_S = 1.0  # after a call that could not connect or timed out, calls fail at once this long (no connection storm)
+# expired rows a put deletes at most: a backlog (a TTL lowered over millions of rows) goes over many puts, where one
+# delete of all of it could outlast CALL_TIMEOUT_S, roll back, and do so again at every retry, no put ever written
+EXPIRED_PER_PUT = 1000
+SCHEMA_LOCK = 0x7072_6667  # the advisory lock gateways creating the table at once take turns on ("prfg")
 T = TypeVar("T")
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS prefixgate_responses (
@@ -92,10 +96,16 @@ class PostgresResponseStore:
                 await db.execute("INSERT INTO prefixgate_responses VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT "
                                  "(id) DO UPDATE SET tenant = $2, response = $3, input_items = $4, messages = $5, "
                                  "created_at = $6, used_at = $7", *row)
-                await db.execute("DELETE FROM prefixgate_responses WHERE created_at < $1", now - self.ttl_s)
+                # (rows another put is deleting are skipped: two puts deleting the same ones deadlocked)
+                await db.execute("DELETE FROM prefixgate_responses WHERE id IN (SELECT id FROM prefixgate_responses "
+                                 "WHERE created_at < $1 LIMIT $2 FOR UPDATE SKIP LOCKED)", now - self.ttl_s,
+                                 EXPIRED_PER_PUT)
+                # the row just put is kept, whatever the order says: gateways' clocks differ, and one seconds
+                # behind the others saw the response it had just been told was stored dropped as the oldest
                 dropped = await db.execute(
                     "DELETE FROM prefixgate_responses WHERE id IN (SELECT id FROM prefixgate_responses "
-                    "WHERE tenant = $1 ORDER BY used_at DESC, id DESC OFFSET $2)", stored.tenant, self.max_responses)
+                    "WHERE tenant = $1 AND id <> $3 ORDER BY used_at DESC, id DESC OFFSET $2)", stored.tenant,
+                    self.max_responses - 1, row[0])
                 self.num_stored = await db.fetchval("SELECT COUNT(*) FROM prefixgate_responses")
             return dropped
         try:
@@ -111,7 +121,8 @@ class PostgresResponseStore:
         now = self._clock()
         try:
             row = await self._call(lambda db: db.fetchrow(
-                "UPDATE prefixgate_responses SET used_at = $1 WHERE id = $2 AND tenant = $3 AND created_at >= $4 "
+                "UPDATE prefixgate_responses SET used_at = GREATEST(used_at, $1) WHERE id = $2 AND tenant = $3 "
+                "AND created_at >= $4 "  # (a gateway whose clock is behind never moves a use back)
                 "RETURNING response, input_items, messages", now, response_id, tenant, now - self.ttl_s))
         except self._failures as exc:
             log.warning("stored responses: cannot read %s (%s) for %r", self.path, _named(exc), response_id)
@@ -206,7 +217,10 @@ class PostgresResponseStore:
                         "statement_timeout": limit, "lock_timeout": limit,
                         "idle_in_transaction_session_timeout": limit})
                 try:
-                    async with pool.acquire() as db:
+                    async with pool.acquire() as db, db.transaction():
+                        # gateways starting together on a fresh database: CREATE ... IF NOT EXISTS at once failed
+                        # on each other's catalog rows (a first put refused, a first read a 503)
+                        await db.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_LOCK)
                         await db.execute(SCHEMA)
                         self.num_stored = await db.fetchval("SELECT COUNT(*) FROM prefixgate_responses")
                 except BaseException:

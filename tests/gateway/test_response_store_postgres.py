@@ -224,3 +224,62 @@ async def test_gateways_putting_at_once_keep_a_tenant_within_its_max(pg_url):
         assert await db.fetchval("SELECT COUNT(*) FROM prefixgate_responses WHERE tenant = 'carol'") == 3
     await first.aclose()
     await second.aclose()
+
+
+@pytest.mark.server
+async def test_gateways_creating_the_table_at_once_all_store(pg_url):
+    """Six gateways' first calls on a database without the table: CREATE ... IF NOT EXISTS run at once failed on
+    each other's catalog rows (16 first puts of 40 refused in a review's runs); they now take turns."""
+    first = PostgresResponseStore(pg_url, 10)
+    async with (await first._connect()).acquire() as db:
+        await db.execute("DROP TABLE prefixgate_responses")
+    await first.aclose()
+    stores = [PostgresResponseStore(pg_url, 10) for _ in range(6)]
+    assert all(await asyncio.gather(*(s.aput(stored(f"resp_first_{i}", "dave")) for i, s in enumerate(stores))))
+    assert all([await s.aget("dave", f"resp_first_{i}") for i, s in enumerate(stores)])
+    for s in stores:
+        await s.aclose()
+
+
+@pytest.mark.server
+async def test_a_gateway_whose_clock_is_behind_keeps_what_it_was_told_is_stored(pg_url):
+    """Two gateways 30 s apart, a tenant at its limit of 3: the put of the one behind was dropped at once as the
+    oldest (a 200 for a response then a 404); the row just put is now kept, and a read on that gateway never moves
+    a row's use back in time."""
+    ahead, behind = Clock(), Clock()
+    behind.now -= 30
+    fast, slow = PostgresResponseStore(pg_url, 3, clock=ahead), PostgresResponseStore(pg_url, 3, clock=behind)
+    await fast.aerase("erin")
+    for n in range(3):
+        ahead.now += 1
+        assert await fast.aput(stored(f"resp_erin_{n}", "erin"))
+    assert await slow.aput(stored("resp_erin_late", "erin"))
+    assert (await fast.aget("erin", "resp_erin_late")).tenant == "erin"
+    await slow.aget("erin", "resp_erin_2")  # read where the clock is behind
+    async with (await fast._connect()).acquire() as db:
+        used = await db.fetchval("SELECT used_at FROM prefixgate_responses WHERE id = 'resp_erin_2'")
+    assert used == ahead.now  # (not pulled back to the slow gateway's time)
+    await fast.aclose()
+    await slow.aclose()
+
+
+@pytest.mark.server
+async def test_a_put_deletes_a_bounded_share_of_the_expired_rows(pg_url, monkeypatch):
+    """A backlog of expired rows (a TTL lowered over millions) went in one delete inside each put's time bound:
+    past it the put rolled back, and so did every retry. Each put now deletes at most EXPIRED_PER_PUT of them."""
+    monkeypatch.setattr(response_store_postgres, "EXPIRED_PER_PUT", 2)
+    clock = Clock()
+    store = PostgresResponseStore(pg_url, 100, ttl_days=1, clock=clock)
+    await store.aerase("fred")
+    for n in range(5):
+        assert await store.aput(stored(f"resp_fred_old_{n}", "fred"))
+    clock.now += DAY_S + 1  # all five expired
+    async with (await store._connect()).acquire() as db:
+        async def expired() -> int:  # (every tenant's: earlier tests' rows are expired at this clock too)
+            return await db.fetchval("SELECT COUNT(*) FROM prefixgate_responses WHERE created_at < $1",
+                                     clock.now - DAY_S)
+        before = await expired()
+        for n in range(3):
+            assert await store.aput(stored(f"resp_fred_new_{n}", "fred"))
+            assert await expired() == max(0, before - 2 * (n + 1))
+    await store.aclose()
