@@ -43,6 +43,7 @@ class ChatFormat:
         self.tool_parser = parser_for(tools, tool_call_parser)  # None: the text is never parsed for tool calls
         self.max_tool_calls = tools.max_calls if tools else None
         self.legacy_functions = tools is not None and tools.legacy  # answer with the deprecated `function_call`
+        self.named_call = tools is not None and tools.choice == "function"  # a tool_choice naming the function
         self._tool_streams: dict[int, ToolCallStream] = {}  # per choice index, when streaming
         self._call_ids: dict[tuple[int, int], str] = {}  # (choice index, call index) -> the call's id
 
@@ -175,9 +176,10 @@ class ChatFormat:
                             "finish_reason": finish_reason, "stop_reason": choice.stop_reason}])
 
     def _tool_finish(self, finish_reason: str | None) -> str | None:
-        """A call that ended normally finishes with "tool_calls" ("function_call" for legacy requests);
+        """A call that ended normally finishes with "tool_calls" ("function_call" for legacy requests), but for a
+        tool_choice that named the function, "stop", as OpenAI answers it (and vLLM since it aligned with it);
         "length" (cut short) stays."""
-        if finish_reason != FinishReason.STOP:
+        if finish_reason != FinishReason.STOP or self.named_call:
             return finish_reason
         return "function_call" if self.legacy_functions else "tool_calls"
 
