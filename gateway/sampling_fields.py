@@ -27,6 +27,7 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "suffix": ("suffix is not supported: the model has no fill-in-the-middle tokens", (None, "")),
     "prediction": ("prediction (predicted outputs) is not supported", (None, "")),
     "audio": ("audio output is not supported", (None, "")),
+    "modalities": ('only text output is offered: modalities ["text"]', (None, ["text"])),
     "web_search_options": ("web search is not supported", (None, "")),
     "bad_words": ("bad_words is not supported; logit_bias bans single tokens", (None, [])),
     "use_beam_search": ("beam search is not supported", (None, False)),

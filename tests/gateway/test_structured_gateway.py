@@ -237,6 +237,7 @@ def test_echo_prepends_the_prompt(client, model):
     ({"extra_body": {"min_p": 1.5}}, "min_p"),
     ({"extra_body": {"min_tokens": 20}}, "min_tokens"),
     ({"extra_body": {"prediction": {"type": "content", "content": "x"}}}, "prediction"),
+    ({"extra_body": {"modalities": ["text", "audio"]}}, "modalities"),  # (a 200 of text alone until 2026-12-01)
 ])
 def test_unsupported_or_out_of_range_fields_are_400(client, model, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
