@@ -41,8 +41,10 @@ def _normalize_message(message: Any, param: str) -> dict[str, Any]:
     if content is None and role == "assistant":
         content = ""
     out: dict[str, Any] = {"role": _ROLES[role], "content": content_text(content, f"{param}.content")}
-    if role != "function" and message.get("name") is not None and not isinstance(message["name"], str):
-        raise invalid("a message's name must be a string", f"{param}.name")
+    if role != "function" and message.get("name") is not None:
+        if not isinstance(message["name"], str):
+            raise invalid("a message's name must be a string", f"{param}.name")
+        out["name"] = message["name"]  # (to the template, as vLLM passes it: one may show who speaks)
     if role == "function":
         if not isinstance(message.get("name"), str):
             raise invalid("a function message needs the string name of the function it answers", f"{param}.name")

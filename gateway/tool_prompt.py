@@ -82,10 +82,10 @@ def hermes_call_text(name: str, arguments: Any) -> str:
 def _hermes_message(message: dict[str, Any]) -> dict[str, Any]:
     if message["role"] == "tool":
         return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
-    thinking = {"reasoning_content": message["reasoning_content"]} if "reasoning_content" in message else {}
+    kept = {key: message[key] for key in ("reasoning_content", "name") if key in message}  # (a template may show them)
     calls = message.get("tool_calls")
     if not calls:
-        return {"role": message["role"], "content": message["content"], **thinking}
+        return {"role": message["role"], "content": message["content"], **kept}
     texts = [message["content"]] if message["content"] else []
     texts += [hermes_call_text(c["function"]["name"], c["function"]["arguments"]) for c in calls]
-    return {"role": "assistant", "content": "\n".join(texts), **thinking}
+    return {"role": "assistant", "content": "\n".join(texts), **kept}
