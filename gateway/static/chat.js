@@ -151,9 +151,12 @@ function drawList() {
   }
 }
 
+let apiKey = null;  // the key given in this tab, where a full storage could not keep it
+let keyGiven = false;  // the key dialog closed by its form, not by a second Escape
+
 function headers() {
   const h = { "Content-Type": "application/json" };
-  const key = localStorage.getItem(KEY);
+  const key = localStorage.getItem(KEY) ?? apiKey;  // (the stored one first: another tab may have set a new one)
   if (key) h.Authorization = `Bearer ${key}`;
   return h;
 }
@@ -373,7 +376,7 @@ function editBox(el, index) {
   const saveButton = button("save", "Save & send", "Replace this message and answer it again", () => {
     const content = text.value.trim();
     const chat = chats.find((c) => c.id === id);  // (another tab's save may have replaced this tab's copy)
-    if (!content || !chat || !free(chat)) return;
+    if (!content || !chat || !free(chat) || !sampling()) return;  // (a bad settings field: nothing replaced)
     if (chat.messages[index]?.role !== "user") {  // (that save moved the messages: the edit has no place)
       showError("This chat changed in another tab: edit the message again.");
       render();
@@ -504,7 +507,8 @@ function send(text) {
 
 function regenerate() {
   const chat = currentChat();
-  if (chat.messages.at(-1)?.role !== "assistant" || !free(chat)) return;
+  // (a settings field that cannot be sent says so, and the answer stays: none replaces it)
+  if (chat.messages.at(-1)?.role !== "assistant" || !free(chat) || !sampling()) return;
   chat.messages.pop();
   answer(chat);
 }
@@ -543,8 +547,9 @@ async function answer(chat) {
     const sent = chat.messages.slice(sentFrom(chat), chat.messages.indexOf(reply));
     const history = answered(sent).map(({ role, content }) => ({ role, content }));
     const messages = chat.system ? [{ role: "system", content: chat.system }, ...history] : history;
-    // logprobs: one entry per generated token, so a stopped answer still knows how many it got
-    return JSON.stringify({ model, messages, stream: true, stream_options: { include_usage: true }, logprobs: true,
+    // logprobs: one entry per generated token, so a stopped answer still knows how many it got; no model: the
+    // server's own, whatever it was restarted with (a model read at load went stale: a 404 until a reload)
+    return JSON.stringify({ messages, stream: true, stream_options: { include_usage: true }, logprobs: true,
                             ...fields });
   };
   const controller = new AbortController();
@@ -795,6 +800,11 @@ async function showThinkingSwitch() {
   }
 }
 
+function showChats() {  // the chats kept in this browser, the current one open
+  if (!currentChat() && chats.length) current = chats[0].id;
+  render();
+}
+
 async function start() {
   let response;
   try {
@@ -803,10 +813,12 @@ async function start() {
     response = { ok: false, status: error.message };
   }
   if (response.status === 401) {
-    askKey(localStorage.getItem(KEY) ? "The server refused this key: enter another." : "");
+    showChats();
+    askKey(localStorage.getItem(KEY) ?? apiKey ? "The server refused this key: enter another." : "");
     return;
   }
   if (!response.ok) {  // a server starting, restarting or draining: try again, later each time
+    showChats();  // (the chats are the browser's: readable while the server is away)
     showError(`The server is not ready (${response.status}): trying again.`);
     notReady = true;
     setTimeout(start, startDelay);
@@ -822,10 +834,8 @@ async function start() {
   $("model-name").textContent = model;
   const cap = card.sampling_defaults?.max_tokens;  // what a request without max_tokens gets
   $("max_tokens").placeholder = cap ? `server default ${cap}` : "rest of the context";
-  if (!currentChat()) {
-    if (chats.length) current = chats[0].id; else newChat();
-  }
-  render();
+  if (!currentChat() && !chats.length) newChat();
+  showChats();
   refreshCache();
   const chat = currentChat();
   if (resendAfterKey && chat?.messages.at(-1)?.role === "user" && free(chat)) answer(chat);
@@ -877,8 +887,20 @@ for (const [toggle, open] of [["toggle-sidebar", "sidebar-open"], ["toggle-cache
   $(toggle).addEventListener("click", () => showPanel(document.body.classList.contains(open) ? null : open));
 }
 $("key-dialog").addEventListener("cancel", (event) => event.preventDefault());  // Escape: no page without a key
-$("key-form").addEventListener("submit", () => {
-  setItem(KEY, $("key-input").value.trim());
+$("key-dialog").addEventListener("close", () => {  // (a second Escape closes it all the same: it opens again)
+  if (!keyGiven) askKey($("key-error").textContent);
+  keyGiven = false;
+});
+$("key-form").addEventListener("submit", (event) => {
+  const key = $("key-input").value.trim();
+  if (!/^[\x21-\x7e]+$/.test(key)) {  // (a header holds no other character: fetch refused it, a retry loop)
+    event.preventDefault();
+    askKey("An API key is printable ASCII without spaces: check for a character pasted with it (a long dash?).");
+    return;
+  }
+  keyGiven = true;
+  apiKey = key;
+  if (!setItem(KEY, key)) localStorage.removeItem(KEY);  // (a full storage says so; the key is used all the same)
   start();
 });
 document.addEventListener("visibilitychange", () => {  // a tab shown again reads the figures at once

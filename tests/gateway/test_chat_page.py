@@ -226,6 +226,12 @@ def test_a_server_with_keys_asks_for_one_until_one_works(browser, tiny_llama_dir
         expect(page.locator("#key-dialog")).to_be_visible()
         page.keyboard.press("Escape")
         expect(page.locator("#key-dialog")).to_be_visible()
+        page.keyboard.press("Escape")  # (a second one closed it: Chromium lets it, the page opens it again)
+        expect(page.locator("#key-dialog")).to_be_visible()
+        page.fill("#key-input", "sk-page\u2014")  # a key pasted with a long dash: no header can hold it
+        page.press("#key-input", "Enter")
+        expect(page.locator("#key-error")).to_contain_text("printable ASCII")
+        expect(page.locator("#key-dialog")).to_be_visible()
         page.fill("#key-input", "sk-wrong")
         page.press("#key-input", "Enter")
         expect(page.locator("#key-error")).to_contain_text("refused")
@@ -354,6 +360,53 @@ def test_editing_a_message_replaces_it_and_what_followed(opened, server):
     answer_stats(page, 0)
     page.reload()  # the edit is kept
     expect(page.locator(".message.user .body")).to_have_text("a better first question")
+
+
+def test_a_setting_that_cannot_be_sent_leaves_the_chat_as_it_was(opened, server):
+    """Regenerate and Save & send with a settings field the page cannot send (1e309): the error is said and the
+    answer, or the messages after the edited one, stay; both took them out first, before (lost at the next save)."""
+    page = opened().page
+    settings(page, max_tokens="3")
+    send(page, "first question")
+    answer_stats(page, 0)
+    settings(page, temperature="1e309")
+    page.locator(".message.assistant .actions .regenerate").click()
+    expect(page.locator("#error")).to_contain_text("temperature must be a number")
+    page.locator(".message.user .actions .edit").first.click()
+    page.fill(".edit-box textarea", "an edit that cannot be sent")
+    page.press(".edit-box textarea", "Control+Enter")
+    page.press(".edit-box textarea", "Escape")
+    settings(page, temperature="")
+    send(page, "second question")  # (saves the chat as it is now)
+    answer_stats(page, 1)
+    page.reload()  # what was stored
+    expect(page.locator(".message")).to_have_count(4)
+    expect(page.locator(".message.user .body")).to_have_text(["first question", "second question"])
+
+
+def test_the_chats_show_while_the_server_is_away_and_a_renamed_model_is_answered(opened, server):
+    """A page opened while the server is away shows the chats this browser keeps (it showed none until the server
+    answered); a server restarted under another model name answers the page's next message (it sent the name it
+    read at load: a 404 until a reload)."""
+    tab = opened()
+    page = tab.page
+    settings(page, max_tokens="2")
+    send(page, "kept in this browser")
+    answer_stats(page, 0)
+    page.route("**/v1/models", lambda route: route.abort())  # the server away
+    page.reload()
+    expect(page.locator("#error")).to_contain_text("not ready")
+    expect(page.locator(".message.user .body")).to_have_text("kept in this browser")
+    page.unroute("**/v1/models")
+    card = {"object": "list", "data": [{"id": "renamed-model", "object": "model", "owned_by": "prefixgate"}]}
+    page.route("**/v1/models", lambda route: route.fulfill(status=200, content_type="application/json",
+                                                           body=json.dumps(card)))
+    page.reload()
+    expect(page.locator("#model-name")).to_have_text("renamed-model")
+    send(page, "still answered")
+    answer_stats(page, 1)
+    expect(page.locator("#error")).to_be_hidden()
+    tab.errors.clear()  # the browser logs the aborted fetches
 
 
 def test_a_chat_is_renamed_exported_and_imported(opened, server, tmp_path):
