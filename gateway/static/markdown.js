@@ -5,6 +5,7 @@ import { highlight } from "./highlight.js";
 
 const TABLE_ROW = /^\s*\|.*\|\s*$/;
 const TABLE_RULE = /^\s*\|(\s*:?-+:?\s*\|)+\s*$/;
+const FENCE = /^([ \t]*)```(\S*)/;  // (indented under a list item, as models write code in a numbered step)
 
 export function renderMarkdown(text) {
   const root = document.createDocumentFragment();
@@ -12,15 +13,16 @@ export function renderMarkdown(text) {
   let i = 0;
   while (i < lines.length) {
     const line = lines[i];
-    const fence = line.match(/^```(\S*)/);
+    const fence = line.match(FENCE);
     if (fence) {
       const code = [];
-      for (i += 1; i < lines.length && !lines[i].startsWith("```"); i += 1) code.push(lines[i]);
+      const indent = new RegExp(`^[ \\t]{0,${fence[1].length}}`);  // the fence's own indent, off each line
+      for (i += 1; i < lines.length && !/^[ \t]*```/.test(lines[i]); i += 1) code.push(lines[i].replace(indent, ""));
       i += 1;  // the closing fence (or the end of a text still streaming)
       const pre = document.createElement("pre");
       const el = document.createElement("code");
-      if (fence[1]) el.dataset.language = fence[1];
-      el.append(highlight(code.join("\n"), fence[1]));
+      if (fence[2]) el.dataset.language = fence[2];
+      el.append(highlight(code.join("\n"), fence[2]));
       pre.append(el);
       root.append(pre);
       continue;
@@ -44,6 +46,7 @@ export function renderMarkdown(text) {
     if (/^\s*([-*]|\d+\.)\s+/.test(line)) {
       const ordered = /^\s*\d+\./.test(line);
       const list = document.createElement(ordered ? "ol" : "ul");
+      if (ordered) list.start = parseInt(line, 10);  // (a list a code block split goes on at its own number)
       for (; i < lines.length && /^\s*([-*]|\d+\.)\s+/.test(lines[i]); i += 1) {
         const item = document.createElement("li");
         appendInline(item, lines[i].replace(/^\s*([-*]|\d+\.)\s+/, ""));
@@ -54,7 +57,7 @@ export function renderMarkdown(text) {
     }
     if (!line.trim()) { i += 1; continue; }
     const para = [];
-    for (; i < lines.length && lines[i].trim() && !/^(```|#{1,6}\s|\s*([-*]|\d+\.)\s)/.test(lines[i])
+    for (; i < lines.length && lines[i].trim() && !/^([ \t]*```|#{1,6}\s|\s*([-*]|\d+\.)\s)/.test(lines[i])
                               && !startsTable(lines, i); i += 1) {
       para.push(lines[i]);
     }

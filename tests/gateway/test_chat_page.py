@@ -325,6 +325,20 @@ def test_tables_and_highlighted_code_render_and_copy_buttons_copy_them(opened, m
     assert clipboard(page) == "capitals?"
 
 
+def test_code_indented_under_a_list_item_is_code_and_a_list_goes_on_at_its_number(opened):
+    """Models put a step's code under its list item, fence indented: it was read as paragraph text (`*args` lost
+    to emphasis, indentation gone), and the list after it started at 1 again."""
+    page = opened().page
+    rendered = page.evaluate("""async (text) => {
+        const { renderMarkdown } = await import("/static/markdown.js");
+        const div = document.createElement("div");
+        div.append(renderMarkdown(text));
+        return { code: div.querySelector("pre code")?.textContent ?? null,
+                 lists: [...div.querySelectorAll("ol")].map((ol) => [ol.start, ol.textContent]) };
+    }""", "1. Write it:\n   ```python\n   def f(*args, **kwargs):\n       return 2*3*4\n   ```\n2. Run it")
+    assert rendered == {"code": "def f(*args, **kwargs):\n    return 2*3*4", "lists": [[1, "Write it:"], [2, "Run it"]]}
+
+
 def test_regenerate_answers_the_last_message_again_in_place(opened, server):
     page = opened().page
     system = f"[{uuid.uuid4().hex}] " + "You are a helpful assistant who answers about capitals. " * 3
