@@ -112,7 +112,7 @@ LIMITS = dict(max_body_bytes=2048, max_prompt_tokens=32, max_tokens_limit=8, max
     ("chat", {"messages": [{"role": "user", "content": "the cat " * 30}]}, 400, "messages"),
     ("completions", {"prompt": list(range(33))}, 400, "prompt"),
     ("chat", {"max_tokens": 9}, 400, "max_tokens"),
-    ("chat", {"max_completion_tokens": 9}, 400, "max_tokens"),
+    ("chat", {"max_completion_tokens": 9}, 400, "max_completion_tokens"),  # (the field sent)
     ("completions", {"max_tokens": 9}, 400, "max_tokens"),
     ("chat", {"n": 3}, 400, "n"),
     ("chat", {"stop": ["a", "b", "c"]}, 400, "stop"),
