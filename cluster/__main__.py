@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from gateway.__main__ import build_parser, settings_from_args, setup_logging
+from gateway.__main__ import StartupError, build_parser, settings_from_args, setup_logging
 from cluster.prefix_index import DEFAULT_MEAN_LOAD_FACTOR
 
 log = logging.getLogger("prefixgate.cluster")
@@ -90,12 +90,14 @@ def wait_for_app(serve, app_name: str, poll_s: float = 2.0, log_every_s: float =
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in ([], ["-h"], ["--help"]):
+    if argv[:1] in ([], ["-h"], ["--help"]) or "-h" in argv or "--help" in argv:  # (`serve --help` too)
         cluster_parser().print_help()
         return 0
     args, rest = cluster_parser().parse_known_args(argv)
     gateway_args = build_parser().parse_args(["serve", *rest])
     try:
+        if args.replicas < 1:
+            raise ValueError("--replicas must be >= 1")
         settings = settings_from_args(gateway_args)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -117,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             handle, engine = deploy(settings, args.replicas, args.router, args.mean_load_factor, args.app_name,
                                     shared=args.address is not None)
         uvloop.run(run(settings, handle, engine, args.replicas, args.app_name))
+    except StartupError as exc:  # (a port in use, ...: one line, as the gateway's own)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     finally:
         if args.address is None:  # our own local Ray: everything goes
             serve.shutdown()

@@ -189,8 +189,8 @@ async def serve(settings: Settings, app: web.Application) -> int:
         for sock in sockets:
             sites.append(web.SockSite(runner, sock))
             await sites[-1].start()
-    except (ValueError, OSError) as exc:  # the engine's own checks, a missing model
-        log.debug("start-up failed", exc_info=True)
+    except Exception as exc:  # the engine's own checks, a missing model, a device torch lacks, a conversion failed
+        log.debug("start-up failed", exc_info=True)  # (one line, as in the engine process, which catches all)
         await runner.cleanup()
         for sock in sockets:
             sock.close()
@@ -237,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         return uvloop.run(serve(settings, app))
     except StartupError as exc:
         return _config_error(exc)
+    except KeyboardInterrupt:  # Ctrl-C while the model loads (the signal handlers come once it serves)
+        print("interrupted while starting", file=sys.stderr)
+        return 130
 
 
 def _config_error(exc: BaseException) -> int:

@@ -20,6 +20,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -269,6 +270,9 @@ def open_store(max_responses: int, path: str | None, ttl_days: float):
     path = path or os.environ.get(RESPONSES_DB_ENV) or None
     if is_postgres_url(path):
         return PostgresResponseStore(path, max_responses, ttl_days)
+    if path is not None and (scheme := re.match(r"([A-Za-z][A-Za-z0-9+.-]+):/", path)):
+        # (a URL of another database, or SQLAlchemy's sqlite:///: it made a file named after the URL, in silence)
+        raise ValueError(f"--responses-db takes a file path or a postgresql:// URL, not a {scheme[1]}: URL")
     path = str(default_db_path()) if path is None else path
     try:
         try:

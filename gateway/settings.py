@@ -61,7 +61,8 @@ class GatewaySettings:
         30.0, "a streaming client that reads nothing for this long is dropped (its request aborted)")
     public_salt_tenants: tuple[str, ...] = _knob((), "tenants that share one cache salt on purpose")
     salt_secret: str | None = field(default=None, repr=False, metadata={
-        "help": "secret that derives tenant salts (None: one generated once and kept in the cache folder)"})
+        "help": "secret that derives tenant salts (None: $PREFIXGATE_SALT_SECRET, else one generated once and "
+                "kept in the cache folder)"})
     api_keys_file: str | None = _knob(
         None, "YAML file: key -> {tenant, salt?, max_concurrent?, share_public_salt?, max_pinned_blocks?}")
     metrics_api_key: str | None = field(default=None, repr=False, metadata={
@@ -162,6 +163,9 @@ def parse_value(hint: Any, value: Any) -> Any:
         hint = _strip_optional(hint)
     if typing.get_origin(hint) is tuple:
         items = [value] if isinstance(value, str) else value
+        if value is None or (isinstance(items, (list, tuple)) and len(items) == 1 and isinstance(items[0], str)
+                             and items[0].lower() in ("none", "null")):
+            return ()  # (none: the empty list, as the help and the YAML header say; not an entry named "none")
         if not isinstance(items, (list, tuple)):
             raise ValueError(f"expected a list, got {value!r}")
         return tuple(parse_value(typing.get_args(hint)[0], item) for item in items)

@@ -137,6 +137,8 @@ def test_the_readme_keys_file_starts(tmp_path):
     ({"k.yaml": "sk-secret-1: {tenant: a}\nsk-secret-2: {tenant: a, share_public_salt: true}\n"},
      ["--api-keys-file", "k.yaml"], "tenant 'a' disagree on salt"),
     ({}, ["--block-size", "0"], "block_size must be >= 1"),
+    ({}, ["--responses-db", "mysql://db/x"], "not a mysql: URL"),  # (it made a file named mysql:/db/x, in silence)
+    ({}, ["--responses-db", "sqlite:///x.db"], "not a sqlite: URL"),
     # the model loads on a thread of this process, or in the engine process (its error crosses the seam)
     ({}, ["--model", "no-such-model-dir", "--port", "0", "--no-engine-process"], "not a model directory"),
     pytest.param({}, ["--model", "no-such-model-dir", "--port", "0"], "not a model directory",
@@ -167,6 +169,41 @@ def test_a_port_in_use_is_refused_before_the_engine_starts(monkeypatch, capsys):
         assert main(["serve", "--port", str(port), "--no-engine-process"]) == 2
     last = capsys.readouterr().err.splitlines()[-1]
     assert last.startswith("error: ") and f"cannot listen on 127.0.0.1:{port}" in last
+
+
+@pytest.mark.parametrize("raised, code, said", [
+    (RuntimeError("Torch not compiled with CUDA enabled"), 2, "error: Torch not compiled with CUDA enabled"),
+    (KeyboardInterrupt(), 130, "interrupted while starting"),  # Ctrl-C while the model loads
+])
+def test_a_start_that_fails_in_this_process_is_one_line(monkeypatch, capsys, raised, code, said):
+    """Without the engine process (which turns any error into one line), a device torch lacks or a failed
+    conversion was a traceback, exit 1; Ctrl-C while the model loads a 62-line traceback."""
+    def setup(self):
+        raise raised
+    monkeypatch.setattr(gateway.__main__.web.AppRunner, "setup", setup)
+    assert main(["serve", "--port", "0", "--no-engine-process"]) == code
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == said and "Traceback" not in err
+
+
+def test_none_empties_a_list_setting(tmp_path):
+    """As the help ("none: its own name", "none: off") and the YAML header ("null means none") say: it named a
+    model "none" and allowed the CORS origin "none"; null in YAML was refused."""
+    args = build_parser().parse_args(["serve", "--served-model-name", "none", "--allowed-origins", "none"])
+    gw = settings_from_args(args).gateway
+    assert (gw.served_model_name, gw.allowed_origins) == ((), ())
+    config = tmp_path / "c.yaml"
+    config.write_text("gateway:\n  served_model_name: null\n  public_salt_tenants: [a]\n")
+    gw = settings_from_args(build_parser().parse_args(["serve", "--config", str(config)])).gateway
+    assert (gw.served_model_name, gw.public_salt_tenants) == ((), ("a",))
+
+
+def test_the_cluster_command_helps_with_its_own_flags_and_checks_them(capsys):
+    import cluster.__main__ as cluster_main  # (Ray is imported only to serve)
+    assert cluster_main.main(["serve", "--help"]) == 0
+    assert "--replicas" in capsys.readouterr().out  # (`serve --help` printed the gateway's help alone)
+    assert cluster_main.main(["serve", "--replicas", "0"]) == 2  # (a ZeroDivisionError once Ray had started)
+    assert capsys.readouterr().err == "error: --replicas must be >= 1\n"
 
 
 def test_bare_keys_whose_fingerprints_collide_are_refused(monkeypatch, capsys):
