@@ -153,8 +153,11 @@ def _bound_sockets(host: str, port: int) -> list[socket.socket]:
     meanwhile. Not listening yet: a client that comes early is refused, not left waiting."""
     sockets = []
     try:
-        for family, kind, proto, _, address in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                                  flags=socket.AI_PASSIVE):
+        try:
+            addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except OSError as exc:  # (the resolver's own words name neither the host nor the flag)
+            raise OSError(exc.errno, f"--host {host!r} does not resolve: {exc.strerror}") from None
+        for family, kind, proto, _, address in addresses:
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

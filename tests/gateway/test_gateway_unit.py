@@ -137,6 +137,7 @@ def test_the_readme_keys_file_starts(tmp_path):
     ({"k.yaml": "sk-secret-1: {tenant: a}\nsk-secret-2: {tenant: a, share_public_salt: true}\n"},
      ["--api-keys-file", "k.yaml"], "tenant 'a' disagree on salt"),
     ({}, ["--block-size", "0"], "block_size must be >= 1"),
+    ({}, ["--host", "nosuchhost.invalid", "--port", "0"], "--host 'nosuchhost.invalid' does not resolve"),
     ({}, ["--responses-db", "mysql://db/x"], "not a mysql: URL"),  # (it made a file named mysql:/db/x, in silence)
     ({}, ["--responses-db", "sqlite:///x.db"], "not a sqlite: URL"),
     # the model loads on a thread of this process, or in the engine process (its error crosses the seam)
