@@ -230,10 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = settings_from_args(args)
+        setup_logging(settings.gateway.log_level)  # (before create_app: its warnings, a store kept in memory, too)
         app = create_app(settings)  # key and tenant settings are checked here, before the model loads
     except (ValueError, OSError) as exc:
         return _config_error(exc)
-    setup_logging(settings.gateway.log_level)
     import uvloop
 
     try:

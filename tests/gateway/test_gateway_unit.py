@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import logging
 import socket
 
 import pytest
@@ -185,6 +186,18 @@ def test_a_start_that_fails_in_this_process_is_one_line(monkeypatch, capsys, rai
     assert main(["serve", "--port", "0", "--no-engine-process"]) == code
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == said and "Traceback" not in err
+
+
+def test_what_create_app_logs_is_formatted_as_the_rest(monkeypatch, capsys):
+    """Logging is set up before the app is made: a warning there (a response store kept in memory) came out bare,
+    with no time or level, and an info line not at all."""
+    def create_app(settings):
+        logging.getLogger("gateway.response_store").warning("stored responses: cannot open the file")
+        raise ValueError("stop here")
+    monkeypatch.setattr(gateway.__main__, "create_app", create_app)
+    assert main(["serve"]) == 2
+    warning, error = capsys.readouterr().err.splitlines()[-2:]
+    assert " WARNING gateway.response_store " in warning and error == "error: stop here"
 
 
 def test_none_empties_a_list_setting(tmp_path):
