@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.structured import StructuredOutput, build_grammar, closed_objects, load_json_object
-from gateway.errors import invalid
+from gateway.errors import APIError, invalid
 
 MAX_TOOLS = 128  # OpenAI's limit
 _FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -71,14 +71,19 @@ class ToolRequest:
         if text_format.kind not in ("json_object", "json_schema"):
             return None
         compact = {"x-guidance": {"whitespace_flexible": False}}  # (as build_grammar's: a weak model pads forever)
-        answer = {"type": "object"} if text_format.kind == "json_object" else closed_objects(
-            load_json_object(text_format.spec, "the schema"))
         key = "arguments" if parser == "hermes" else "parameters"  # (what each parser's model writes)
         defs: dict[str, Any] = {}
-        one_of = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                    key: _hoist_defs(self._parameters(t["function"]), defs)},
-                   "required": ["name", key], "additionalProperties": False} for t in self.tools]
-        call = {"anyOf": one_of, **({"$defs": defs} if defs else {}), **compact}
+        try:
+            answer = {"type": "object"} if text_format.kind == "json_object" else closed_objects(
+                load_json_object(text_format.spec, "the schema"))
+            # (arguments closed as a forced call's are: no key its schema does not name)
+            one_of = [{"type": "object", "properties": {
+                "name": {"const": t["function"]["name"]},
+                key: closed_objects(_hoist_defs(self._parameters(t["function"]), defs))},
+                "required": ["name", key], "additionalProperties": False} for t in self.tools]
+        except (ValueError, APIError):  # (two tools' $defs of one name: fine for auto calls, not in one grammar)
+            return None
+        call = {"anyOf": one_of, **({"$defs": closed_objects(defs)} if defs else {}), **compact}
         if parser == "hermes":
             one, between = f'"<tool_call>\\n" %json {json.dumps(call)} "\\n</tool_call>"', '"\\n"'
         else:  # llama3_json: JSON objects separated by ";"

@@ -168,3 +168,46 @@ def test_legacy_history_pairs_a_function_call_with_its_answer():
     call = messages[1]["tool_calls"][0]
     assert call["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
     assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": call["id"]}
+
+
+def _accepts(so, tokenizer, text: str) -> bool:
+    """Whether the grammar of `so` takes `text` whole (the tiny tools model's tokenizer)."""
+    from engine.grammar import GrammarCache, GrammarError
+    matcher = GrammarCache(tokenizer, 516).matcher(so)
+    try:
+        for token in tokenizer.encode(text):
+            matcher.accept(token)
+    except GrammarError:
+        return False
+    return matcher._matcher.is_accepting()
+
+
+@pytest.mark.parametrize("parser, call", [
+    ("hermes", '<tool_call>\n{"name":"f","arguments":{"city":"P"%s}}\n</tool_call>'),
+    ("llama3_json", '{"name":"f","parameters":{"city":"P"%s}}'),
+])
+def test_a_call_beside_a_format_holds_to_its_schema_and_the_format_to_its_own(tiny_tools_dir, parser, call):
+    """The calls-or-format grammar (tool_choice auto beside a JSON format): a call with the arguments its schema
+    names, or the format's JSON; not an argument key the schema does not name (closed, as a forced call's)."""
+    from engine.structured import StructuredOutput
+    tools = parse_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]})
+    fmt = StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                                                      "required": ["a"]}))
+    so = tools.calls_or_format(fmt, parser)
+    tokenizer = load_tokenizer(tiny_tools_dir, set())
+    assert _accepts(so, tokenizer, call % "") and _accepts(so, tokenizer, '{"a":1}')
+    assert not _accepts(so, tokenizer, call % ',"extra":1') and not _accepts(so, tokenizer, "hello")
+
+
+def test_tools_whose_defs_clash_keep_the_format_alone_beside_auto():
+    """Two tools defining one $defs name differently cannot share a grammar: an auto choice beside a format keeps
+    the format's grammar alone (a 400 "two tools define $defs/Item differently" otherwise, where the same tools
+    without a format are a 200)."""
+    from engine.structured import StructuredOutput
+
+    def tool(name: str, item: dict) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"x": {"$ref": "#/$defs/Item"}}, "$defs": {"Item": item}}}}
+    tools = parse_tools({"tools": [tool("a", {"type": "string"}), tool("b", {"type": "integer"})]})
+    assert tools.calls_or_format(StructuredOutput("json_object"), "hermes") is None
