@@ -341,6 +341,24 @@ class DiskTier:
                 erased += 1
         return erased
 
+    def retag(self, owners: dict[BlockHash, str | None]) -> None:
+        """Block files passed to another tenant (blocks its pin holds, whose tenant erased its cache): each file's
+        tag rewritten (and its checksum), so that the new owner's erase takes them. A file that cannot be read or
+        written keeps its tag (it goes with the old owner's next erase)."""
+        self.flush()
+        for block_hash, tenant in owners.items():
+            path = self._path(block_hash)
+            try:
+                body = path.read_bytes()[:-_CHECKSUM_BYTES]
+                fields = list(_HEADER.unpack_from(body))
+                fields[2] = tenant_tag(tenant)
+                body = _HEADER.pack(*fields) + body[_HEADER.size:]
+                fresh = path.with_suffix(".retag")
+                fresh.write_bytes(body + xxhash.xxh3_128_digest(body))
+                os.replace(fresh, path)
+            except (OSError, struct.error) as exc:
+                logger.warning("disk tier: could not pass %s to another tenant (%s)", path.name, exc)
+
     @property
     def pins_path(self) -> Path:
         return self.dir / "pins.json"

@@ -298,9 +298,11 @@ class KVCacheManager:
         # pinned block keeps its hash (the pin's next hit renews it, the pins saved beside the disk tier name its
         # blocks by it and read them back from there at a restart)
         pinned = [(block, pin.tenant) for pin in self.pins.pins.values() for block in pin.blocks]
+        handed = {block.block_hash: owner for block, owner in pinned if block.tenant == tenant}
         erased.blocks = self.pool.erase(tenant, {block.block_id: owner for block, owner in pinned})
         if self.disk is not None and not self.disk.closed:
             erased.disk_blocks = self.disk.erase(tenant, keep={block.block_hash for block, _ in pinned})
+            self.disk.retag(handed)  # (their files the new owner's too: its erase takes them)
         return erased
 
     def save_pins(self) -> None:

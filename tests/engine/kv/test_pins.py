@@ -367,6 +367,10 @@ def test_a_shared_salts_pin_survives_the_other_tenants_erase_and_a_restart(tiny_
     llm.close()
     again = LLM(str(tiny_llama_dir), num_kv_blocks=24, kv_disk_dir=str(tmp_path))
     assert [p.num_tokens for p in again.core.kv.pins.list("bob")] == [len(HOT)]
+    erased = again.core.cache_command(CacheCommand(2, "erase", "bob"))  # bob's now: his erase takes the files too
+    assert (erased.pins, erased.disk_blocks) == (1, 4)
+    [carol] = again.generate(HOT + [8], greedy(), tenant="carol", cache_salt="shared")
+    assert carol.num_cached_tokens == 0  # nothing of either left to hit
     again.close()
 
 
