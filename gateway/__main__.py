@@ -197,7 +197,7 @@ async def serve(settings: Settings, app: web.Application) -> int:
         await runner.cleanup()
         for sock in sockets:
             sock.close()
-        raise StartupError(str(exc)) from None
+        raise StartupError(str(exc) or type(exc).__name__) from None  # (an empty message: "error: " said nothing)
     if settings.gateway.api_keys and not settings.gateway.metrics_api_key:
         log.warning("/metrics is open and lists tenant names; set --metrics-api-key to require a key")
     stop = asyncio.Event()

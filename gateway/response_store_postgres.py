@@ -2,7 +2,7 @@
 deployments of more than one host: any gateway continues any `previous_response_id` of the tenant. Postgres and
 not Redis because a multi-gateway deployment of an OpenAI-compatible proxy already runs one (LiteLLM keeps its
 keys, spend and logs there), and a stored conversation is a row to keep for 30 days, not a cache entry: durable
-commits, one transaction for a put with its expiry and LRU drop, an index on the order of use.
+commits, one transaction for a put with its LRU drop (its expiry right after), an index on the order of use.
 
 The same semantics as the SQLite store (gateway/response_store.py): a row per response with its conversation,
 none older than `ttl_days`, a tenant's least recently used dropped beyond `max_responses`, another tenant's id a
@@ -96,10 +96,6 @@ class PostgresResponseStore:
                 await db.execute("INSERT INTO prefixgate_responses VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT "
                                  "(id) DO UPDATE SET tenant = $2, response = $3, input_items = $4, messages = $5, "
                                  "created_at = $6, used_at = $7", *row)
-                # (rows another put is deleting are skipped: two puts deleting the same ones deadlocked)
-                await db.execute("DELETE FROM prefixgate_responses WHERE id IN (SELECT id FROM prefixgate_responses "
-                                 "WHERE created_at < $1 LIMIT $2 FOR UPDATE SKIP LOCKED)", now - self.ttl_s,
-                                 EXPIRED_PER_PUT)
                 # the row just put is kept, whatever the order says: gateways' clocks differ, and one seconds
                 # behind the others saw the response it had just been told was stored dropped as the oldest
                 dropped = await db.execute(
@@ -107,6 +103,12 @@ class PostgresResponseStore:
                     "WHERE tenant = $1 AND id <> $3 ORDER BY used_at DESC, id DESC OFFSET $2)", stored.tenant,
                     self.max_responses - 1, row[0])
                 self.num_stored = await db.fetchval("SELECT COUNT(*) FROM prefixgate_responses")
+            # every tenant's expired rows, after the put's own transaction (which touches its tenant's rows alone)
+            # and skipping rows anyone holds, so it never waits: inside it, a put deleting another tenant's
+            # expired rows and that tenant's put dropping its own deadlocked
+            await db.execute("DELETE FROM prefixgate_responses WHERE id IN (SELECT id FROM prefixgate_responses "
+                             "WHERE created_at < $1 LIMIT $2 FOR UPDATE SKIP LOCKED)", now - self.ttl_s,
+                             EXPIRED_PER_PUT)
             return dropped
         try:
             dropped = await self._call(put)

@@ -449,9 +449,10 @@ async def _stream(request: web.Request, req: ResponsesRequest, fmt: ChatFormat, 
         fmt.response_id, req, fmt.model, created, output, reason, use), take_logprobs)
     resp: TimedStream | None = None
 
+    timeout_s = request.app[STATE].settings.gateway.stream_write_timeout_s
+
     async def opened() -> TimedStream:
-        stream = TimedStream(web.StreamResponse(headers=SSE_HEADERS),
-                             request.app[STATE].settings.gateway.stream_write_timeout_s)
+        stream = TimedStream(web.StreamResponse(headers=SSE_HEADERS), timeout_s)
         await stream.response.prepare(request)
         for event in events.start():
             await stream.write(event)
@@ -478,7 +479,7 @@ async def _stream(request: web.Request, req: ResponsesRequest, fmt: ChatFormat, 
         for event in finish:
             await resp.write(event)
     except Exception as exc:  # (a client that stopped reading is dropped, as a chat stream's)
-        return await end_on_error(request, resp, exc, events.failed)
+        return await end_on_error(request, resp, exc, events.failed, timeout_s)
     return await end(resp)
 
 

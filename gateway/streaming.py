@@ -56,7 +56,8 @@ async def stream_response(request: web.Request, fmt: ChatFormat, choices: list[C
             await resp.write(encode_event(fmt.chunk([], usage(choices))))
         await resp.write(b"data: [DONE]\n\n")
     except Exception as exc:
-        return await end_on_error(request, resp, exc, lambda err: [encode_event(err.body()), b"data: [DONE]\n\n"])
+        return await end_on_error(request, resp, exc, lambda err: [encode_event(err.body()), b"data: [DONE]\n\n"],
+                                  write_timeout_s)
     return await end(resp)
 
 
@@ -79,7 +80,7 @@ async def end(resp: TimedStream) -> web.StreamResponse:
 
 
 async def end_on_error(request: web.Request, resp: TimedStream | None, exc: Exception,
-                       error_events: Callable[[APIError], list[bytes]]) -> web.StreamResponse:
+                       error_events: Callable[[APIError], list[bytes]], timeout_s: float) -> web.StreamResponse:
     """How a stream ends on `exc`: a client gone, or one that read nothing for the write timeout (dropped, its
     connection closed: it holds no admission slot and no output), is left; any other failure before the headers
     is raised (a plain error response), after them written as the stream's error_events (an unexpected one as a
@@ -88,7 +89,7 @@ async def end_on_error(request: web.Request, resp: TimedStream | None, exc: Exce
         log.info("client disconnected mid-stream")
         return resp.response if resp else web.StreamResponse()
     if isinstance(exc, TimeoutError):
-        log.info("client read nothing for %.0fs; dropping its stream", resp.timeout_s if resp else 0)
+        log.info("client read nothing for %.0fs; dropping its stream", timeout_s)
         if request.transport is not None:
             request.transport.close()
         return resp.response if resp else web.StreamResponse()
