@@ -18,6 +18,7 @@ from gateway.errors import APIError, engine_down, invalid
 from gateway.generate import Choice, check_output, run_choices
 from gateway.protocol import ChatRequest, GenerationRequest
 from gateway.state import GatewayState
+from gateway.tool_parsers import make_parser
 
 R = TypeVar("R")
 Outputs = AsyncIterator[tuple[Choice, RequestOutput]]
@@ -81,7 +82,7 @@ def with_calls_beside_format(req: ChatRequest, parser: str) -> ChatRequest:
     constraint lets the answer be calls or text in the format (ToolRequest.calls_or_format)."""
     if req.tools is None or req.tools.forced or not req.tools.parses_calls or req.structured is None:
         return req
-    union = req.tools.calls_or_format(req.structured, parser)
+    union = req.tools.calls_or_format(req.structured, make_parser(parser))
     return req if union is None else replace(req, structured=union)
 
 

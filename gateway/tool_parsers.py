@@ -43,6 +43,20 @@ class ToolParser(Protocol):
         were streamed already: they stay calls even if their JSON breaks later."""
 
 
+class CallSyntax(Protocol):
+    """A parser of calls the model writes of its own accord (hermes, llama3_json), as a grammar can hold them."""
+
+    args_keys: tuple[str, ...]  # the arguments' key the model writes first
+
+    def call_rules(self, call: str, parallel: bool) -> str:
+        """The Lark rules `calls` (one call, or several where `parallel`) and `call`, in this syntax, each call's
+        JSON the rule text `call` (ToolRequest.calls_or_format)."""
+
+
+def _call_rules(one: str, between: str, parallel: bool) -> str:
+    return f"calls: {f'call ({between} call)*' if parallel else 'call'}\ncall: {one}\n"
+
+
 def extract(parser: ToolParser, text: str, max_calls: int | None = None, cut_short: bool = False) -> Parsed:
     parsed = _settle(parser, text, 0, cut_short)
     return Parsed(parsed.content, parsed.calls[:max_calls])
@@ -210,6 +224,11 @@ class HermesParser:
             items.append(text[pos:])
         return _compose(items, final, pending, self.start)
 
+    def call_rules(self, call: str, parallel: bool) -> str:
+        # (the lines the Hermes format writes around and between calls)
+        opening, closing, between = json.dumps(self.start + "\n"), json.dumps("\n" + self.end), json.dumps("\n")
+        return _call_rules(f"{opening} {call} {closing}", between, parallel)
+
     def _block(self, body: str, complete: bool, committed: bool) -> ToolCall | None:
         if not complete:
             return _call(body, self.args_keys, strict=False)
@@ -248,6 +267,9 @@ class JsonCallsParser:
         if broken and not committed:  # not all calls: all content, as soon as that is known
             return self._not_calls(text, final)
         return Parsed("", calls)
+
+    def call_rules(self, call: str, parallel: bool) -> str:  # (the opener, optional, is left out)
+        return _call_rules(call, json.dumps(self.separator), parallel)
 
     def _calls(self, text: str, pos: int, final: bool, committed: int) -> tuple[list[ToolCall], bool]:
         calls: list[ToolCall] = []

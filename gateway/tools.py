@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.structured import StructuredOutput, build_grammar, closed_objects, load_json_object
 from gateway.errors import APIError, invalid
+
+if TYPE_CHECKING:
+    from gateway.tool_parsers import CallSyntax
 
 MAX_TOOLS = 128  # OpenAI's limit
 _FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -62,7 +65,7 @@ class ToolRequest:
         schema = self.forced_schema()
         return None if schema is None else StructuredOutput("json_schema", json.dumps(schema))
 
-    def calls_or_format(self, text_format: StructuredOutput, parser: str) -> StructuredOutput | None:
+    def calls_or_format(self, text_format: StructuredOutput, parser: CallSyntax) -> StructuredOutput | None:
         """With tool_choice auto beside a JSON response_format: the answer is either calls, in the tool parser's
         syntax, or text in that format, as OpenAI lets the model choose (the format's grammar alone, from the first
         token, left no call possible: an agent with tools and an output type never called one). None where the
@@ -71,7 +74,7 @@ class ToolRequest:
         if text_format.kind not in ("json_object", "json_schema"):
             return None
         compact = {"x-guidance": {"whitespace_flexible": False}}  # (as build_grammar's: a weak model pads forever)
-        key = "arguments" if parser == "hermes" else "parameters"  # (what each parser's model writes)
+        key = parser.args_keys[0]
         defs: dict[str, Any] = {}
         try:
             answer = {"type": "object"} if text_format.kind == "json_object" else closed_objects(
@@ -84,13 +87,8 @@ class ToolRequest:
         except (ValueError, APIError):  # (two tools' $defs of one name: fine for auto calls, not in one grammar)
             return None
         call = {"anyOf": one_of, **({"$defs": closed_objects(defs)} if defs else {}), **compact}
-        if parser == "hermes":
-            one, between = f'"<tool_call>\\n" %json {json.dumps(call)} "\\n</tool_call>"', '"\\n"'
-        else:  # llama3_json: JSON objects separated by ";"
-            one, between = f"%json {json.dumps(call)}", '";"'
-        calls = f"call ({between} call)*" if self.parallel else "call"
-        grammar = f"start: answer | calls\nanswer: %json {json.dumps({**answer, **compact})}\ncalls: {calls}\n" \
-                  f"call: {one}\n"
+        grammar = f"start: answer | calls\nanswer: %json {json.dumps({**answer, **compact})}\n" \
+                  + parser.call_rules(f"%json {json.dumps(call)}", self.parallel)
         union = StructuredOutput("grammar", grammar)
         try:
             build_grammar(union)

@@ -12,6 +12,7 @@ from gateway.protocol import parse_chat
 from gateway.render import _render_chat, normalize_messages, render_chat
 from gateway.settings import GatewaySettings
 from gateway.tool_prompt import HERMES_TOOLS_PROMPT, ToolTemplate, detect_tool_template, hermes_messages
+from gateway.tool_parsers import make_parser
 from gateway.tools import parse_tools
 
 WEATHER = {"type": "function", "function": {
@@ -194,7 +195,7 @@ def test_a_call_beside_a_format_holds_to_its_schema_and_the_format_to_its_own(ti
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]})
     fmt = StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
                                                       "required": ["a"]}))
-    so = tools.calls_or_format(fmt, parser)
+    so = tools.calls_or_format(fmt, make_parser(parser))
     tokenizer = load_tokenizer(tiny_tools_dir, set())
     assert _accepts(so, tokenizer, call % "") and _accepts(so, tokenizer, '{"a":1}')
     assert not _accepts(so, tokenizer, call % ',"extra":1') and not _accepts(so, tokenizer, "hello")
@@ -210,4 +211,4 @@ def test_tools_whose_defs_clash_keep_the_format_alone_beside_auto():
         return {"type": "function", "function": {"name": name, "parameters": {
             "type": "object", "properties": {"x": {"$ref": "#/$defs/Item"}}, "$defs": {"Item": item}}}}
     tools = parse_tools({"tools": [tool("a", {"type": "string"}), tool("b", {"type": "integer"})]})
-    assert tools.calls_or_format(StructuredOutput("json_object"), "hermes") is None
+    assert tools.calls_or_format(StructuredOutput("json_object"), make_parser("hermes")) is None
