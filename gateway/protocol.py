@@ -51,6 +51,7 @@ class GenerationRequest:
     return_token_ids: bool  # vLLM's: the prompt's and the answer's token ids beside the text
     return_tokens_as_token_ids: bool  # vLLM's: logprobs name each token `token_id:ID`
     prompt_logprobs: int | None  # vLLM's: each prompt token's logprob (k: and the top k), beside the answer
+    max_tokens_param: str  # the field the request sent its max_tokens in (its 400s name it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +64,6 @@ class ChatRequest(GenerationRequest):
     template_variables: dict[str, Any] = field(default_factory=dict)  # vLLM's chat_template_kwargs, documents
     add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS before the rendered chat too
     echo: str = ""  # vLLM's echo: the last message's text (an assistant's) before the answer's
-    max_tokens_param: str = "max_tokens"  # the field the request sent its max_tokens in (its 400s name it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +100,7 @@ def parse_chat(body: Any, limits: GatewaySettings, defaults: Mapping[str, Any] =
     return ChatRequest(**common, messages=messages, tools=tools,
                        breakpoints=breakpoints, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, template_variables=template_variables(fields.body),
-                       add_special_tokens=fields.boolean("add_special_tokens", False), echo=echo,
-                       max_tokens_param=max_tokens_param)
+                       add_special_tokens=fields.boolean("add_special_tokens", False), echo=echo)
 
 
 def prompt_ending(fields: "_Fields") -> tuple[bool, bool]:
@@ -181,6 +180,7 @@ def _common(fields: "_Fields", limits: GatewaySettings, max_tokens: int | None, 
         return_token_ids=fields.boolean("return_token_ids", False),
         return_tokens_as_token_ids=fields.boolean("return_tokens_as_token_ids", False),
         prompt_logprobs=_prompt_logprobs(fields, limits),
+        max_tokens_param=max_tokens_param,
         **sampling_fields(fields, defaults),
     )
 

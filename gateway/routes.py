@@ -162,10 +162,11 @@ async def _generate(request: web.Request, state: GatewayState, tenant: Tenant, r
     choices = []
     samples = getattr(req, "best_of", req.n)
     for prompt_index, prompt in enumerate(prompts):
-        named = getattr(req, "max_tokens_param", "max_tokens")  # (chat's may be max_completion_tokens)
-        max_tokens = state.check_lengths(len(prompt), req.max_tokens, prompt_param, default_max_tokens, named)
+        max_tokens = state.check_lengths(len(prompt), req.max_tokens, prompt_param, default_max_tokens,
+                                         req.max_tokens_param)
         if req.min_tokens > max_tokens:
-            raise invalid(f"min_tokens ({req.min_tokens}) must be <= {named} ({max_tokens})", "min_tokens")
+            raise invalid(f"min_tokens ({req.min_tokens}) must be <= {req.max_tokens_param} ({max_tokens})",
+                          "min_tokens")
         for i in range(samples):
             params = sampling_params(req, max_tokens, i, rank_by_logprob=samples > req.n)
             choices.append(Choice(len(choices), prompt_index, f"{fmt.response_id}-{len(choices)}", prompt, params,
