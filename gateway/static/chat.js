@@ -154,9 +154,13 @@ function drawList() {
 let apiKey = null;  // the key given in this tab, where a full storage could not keep it
 let keyGiven = false;  // the key dialog closed by its form, not by a second Escape
 
+function currentKey() {  // the stored one first: another tab may have set a new one
+  return localStorage.getItem(KEY) ?? apiKey;
+}
+
 function headers() {
   const h = { "Content-Type": "application/json" };
-  const key = localStorage.getItem(KEY) ?? apiKey;  // (the stored one first: another tab may have set a new one)
+  const key = currentKey();
   if (key) h.Authorization = `Bearer ${key}`;
   return h;
 }
@@ -814,7 +818,7 @@ async function start() {
   }
   if (response.status === 401) {
     showChats();
-    askKey(localStorage.getItem(KEY) ?? apiKey ? "The server refused this key: enter another." : "");
+    askKey(currentKey() ? "The server refused this key: enter another." : "");
     return;
   }
   if (!response.ok) {  // a server starting, restarting or draining: try again, later each time
