@@ -322,17 +322,20 @@ def _compose(items: list[str | ToolCall], final: bool, pending: bool, start_tag:
         else:
             merged.append(item)
     content = []
-    for i, item in enumerate(merged):
-        if isinstance(item, ToolCall):
+    before = ""  # the whitespace the model wrote before the last call
+    for i, raw in enumerate(merged):
+        if isinstance(raw, ToolCall):
             continue
         last = i == len(merged) - 1
-        if i > 0:
-            item = item.lstrip(_WHITESPACE)
+        item = raw.lstrip(_WHITESPACE) if i > 0 else raw
         if not last or pending:
             item = item.rstrip(_WHITESPACE)
         elif not final:
             item = item[:len(item) - partial_tag_length(item, start_tag)].rstrip(_WHITESPACE)
+        if item and any(content):  # text on both sides of a call keeps a space the model wrote around it
+            content.append(raw[:len(raw) - len(raw.lstrip(_WHITESPACE))] or before)
         content.append(item)
+        before = raw[len(raw.rstrip(_WHITESPACE)):]
     return Parsed("".join(content), [item for item in merged if isinstance(item, ToolCall)])
 
 

@@ -57,6 +57,12 @@ HERMES_CASES = {
     "no arguments": ('<tool_call>{"name": "now"}</tool_call>', "", [("now", "{}")]),
     "closing tag missing at the end": (f"<tool_call>\n{WEATHER}\n", "", [("get_weather", WEATHER_ARGS)]),
     "text after the call": (f"<tool_call>{WEATHER}</tool_call>\nDone.\n", "Done.\n", [("get_weather", WEATHER_ARGS)]),
+    # the whitespace the model wrote around a call, text on both sides: its own after the call, else before
+    "text on both sides of a call": (f"Let me check. <tool_call>{WEATHER}</tool_call>\n\nDone.",
+                                     "Let me check.\n\nDone.", [("get_weather", WEATHER_ARGS)]),
+    "a space before the call only": (f"Let me check <tool_call>{WEATHER}</tool_call>again", "Let me check again",
+                                     [("get_weather", WEATHER_ARGS)]),
+    "no space around the call": (f"A<tool_call>{WEATHER}</tool_call>B", "AB", [("get_weather", WEATHER_ARGS)]),
 }
 
 
