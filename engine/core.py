@@ -451,8 +451,14 @@ class EngineCore:
 
 
 def _context_length(config: EngineConfig, hf_config, num_blocks: int) -> int:
-    """The model's context, capped by what the KV pool holds: a longer request could never finish."""
-    wanted = config.max_model_len or hf_config.max_position_embeddings
+    """The model's context, capped by what the KV pool holds: a longer request could never finish. A longer
+    one than the model's own is served as asked, with a warning (llama.cpp's way; positions past its training
+    length may degrade answers)."""
+    trained = hf_config.max_position_embeddings
+    wanted = config.max_model_len or trained
+    if wanted > trained:
+        logger.warning("context length %d exceeds the model's own (%d, max_position_embeddings): answers past "
+                       "%d tokens may degrade", wanted, trained, trained)
     # a request that generates nothing (an embedding, a scored prompt) holds K/V for every token of its prompt
     capacity = num_blocks * config.block_size
     if wanted > capacity:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -152,6 +154,16 @@ def test_context_length_is_capped_by_the_kv_pool(tiny_llama_dir):
         core.validate(list(range(3, 100)), SamplingParams(max_tokens=32))
     core.validate(list(range(3, 100)), SamplingParams(max_tokens=31))
     core.validate(list(range(3, 131)), SamplingParams(pooling="last"))
+
+
+def test_a_context_longer_than_the_models_own_is_served_with_a_warning(caplog):
+    from engine.core import _context_length
+    model = SimpleNamespace(max_position_embeddings=2048)
+    with caplog.at_level(logging.WARNING, logger="prefixgate.engine"):
+        assert _context_length(EngineConfig(model="m", max_model_len=1024), model, 1000) == 1024
+        assert not caplog.records
+        assert _context_length(EngineConfig(model="m", max_model_len=4096), model, 1000) == 4096
+    assert "exceeds the model's own (2048" in caplog.text
 
 
 async def test_shutdown_aborts_what_is_left_and_ends_every_stream(tiny_llama_dir):
