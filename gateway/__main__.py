@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from engine.config import EngineConfig
-from gateway.app import ENGINE_GAVE_UP, IN_FLIGHT, RequestIdFilter, create_app
+from gateway.app import ENGINE_GAVE_UP, IN_FLIGHT, InFlight, RequestIdFilter, create_app
 from gateway.settings import DEFAULT_CONFIG_PATH, GatewaySettings, Settings, field_types, load_settings, parse_value
 
 log = logging.getLogger("gateway")
@@ -210,7 +210,10 @@ async def serve(settings: Settings, app: web.Application) -> int:
     gave_up = app[ENGINE_GAVE_UP].event
     await asyncio.wait([asyncio.ensure_future(stop.wait()), asyncio.ensure_future(gave_up.wait())],
                        return_when=asyncio.FIRST_COMPLETED)
-    log.info("shutting down: waiting up to %.1fs for in-flight requests", gw.shutdown_timeout_s)
+    log.info("shutting down: waiting up to %.1fs for in-flight requests (a second Ctrl-C ends them now)",
+             gw.shutdown_timeout_s)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _end_now, app[IN_FLIGHT])
     for site in sites:
         await site.stop()  # stop accepting; kept-alive connections get 503 while draining
     cancelled = await app[IN_FLIGHT].drain(gw.shutdown_timeout_s)
@@ -222,6 +225,14 @@ async def serve(settings: Settings, app: web.Application) -> int:
         return 1
     log.info("stopped")
     return 0
+
+
+def _end_now(in_flight: InFlight) -> None:
+    """A second signal during the drain: the requests still waiting on the engine end at once with their
+    terminal event (as at the drain's deadline), so the server stops without waiting out shutdown_timeout_s."""
+    if not in_flight.shutdown.cut:
+        log.info("second signal: ending the requests still running now")
+        in_flight.shutdown.cut_off()
 
 
 def main(argv: list[str] | None = None) -> int:

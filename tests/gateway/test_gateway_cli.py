@@ -51,3 +51,22 @@ async def test_sigterm_lets_in_flight_requests_finish_then_aborts_the_rest(serve
     log = server_process.log_text()
     assert "shutting down" in log and "aborted 1 requests" in log and "stopped" in log
     assert "sk-test" not in log and "hello" not in log  # no keys or prompts at INFO
+
+
+async def test_a_second_sigint_during_the_drain_ends_the_requests_at_once(tiny_llama_dir):
+    """Ctrl-C twice: the drain (600 s here) does not wait for the long request, which gets its terminal event."""
+    with served("--model", str(tiny_llama_dir), "--num-kv-blocks", "512", "--shutdown-timeout-s", "600") as proc:
+        async with aiohttp.ClientSession() as session:
+            body = {"messages": [{"role": "user", "content": "hello"}], "stream": True, "max_tokens": 4000,
+                    "ignore_eos": True, "n": 8}  # (32,000 tokens: seconds more than the two signals take)
+            long = await session.post(f"{proc.base_url}/chat/completions", json=body)
+            assert long.status == 200
+            await long.content.readline()
+            proc.send_signal(signal.SIGINT)
+            while not any("shutting down" in line for line in proc.log_lines):
+                await asyncio.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            text = (await long.read()).decode()
+            assert text.rstrip().endswith('"code":"server_shutting_down"}}\n\ndata: [DONE]'), text[-300:]
+        assert await asyncio.to_thread(proc.wait, 60) == 0
+    assert "second signal: ending the requests still running now" in proc.log_text()
