@@ -164,6 +164,9 @@ async def _engine_ctx(settings: Settings, engine: EngineClient | None, auth: Aut
     gw = settings.gateway
     defaults = sampling_defaults(engine.model_path, gw.generation_config, parse_override(gw.override_generation_config),
                                  gw.default_max_tokens)
+    # the cap a request without max_tokens really gets (check_lengths), so a client may send it as it is
+    caps = [cap for cap in (defaults["max_tokens"], gw.max_tokens_limit) if cap is not None]
+    defaults["max_tokens"] = min(caps, default=None)
     app[STATE] = GatewayState(settings, engine, auth, admission, metrics, names, app[IN_FLIGHT].shutdown, defaults)
     app[TOOL_TEMPLATE] = detect_tool_template(engine.tokenizer, settings.gateway.tool_call_parser,
                                               settings.gateway.exclude_tools_when_tool_choice_none)

@@ -24,7 +24,7 @@ def normalize_messages(raw: Any, max_messages: int) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise invalid("messages must be a non-empty array", "messages")
     if len(raw) > max_messages:
-        raise invalid(f"at most {max_messages} messages are allowed", "messages")
+        raise invalid(f"at most {max_messages} messages are allowed", "messages", "array_above_max_length")  # OpenAI's
     return [_normalize_message(message, f"messages[{i}]") for i, message in enumerate(raw)]
 
 

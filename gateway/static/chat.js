@@ -21,6 +21,7 @@ const LIVE_MS = 5 * PARTIAL_SAVE_MS;  // an answer another tab saved this recent
 let chats = loadChats();
 let current = localStorage.getItem(CURRENT);
 let model = null;
+let serverCap = null;  // the card's max_tokens for a request that sets none, sent as it is (null: none sent)
 const streams = new Map();  // chat id -> the AbortController of the answer streaming into it (Stop aborts it)
 let resendAfterKey = false;  // a message refused for want of a key: answered once a key is given
 let notReady = false;  // the server answered /v1/models with an error: start() tries again
@@ -109,7 +110,7 @@ window.addEventListener("storage", (event) => {
   } else if (current === id && !editing()) {
     drawList();
     if (document.activeElement !== $("system")) $("system").value = currentChat().system ?? "";
-    drawMessages(false);
+    if (shownMessages() !== messagesDrawn) drawMessages(false);  // (a rename, a system prompt: none of them)
   } else drawList();
 });
 
@@ -222,7 +223,17 @@ function atBottom(list) {  // a reader there follows new text; one who scrolled 
   return list.scrollHeight - list.scrollTop - list.clientHeight < 40;
 }
 
+let messagesDrawn = "";  // what the messages on screen show, as drawMessages drew them
+
+// the chat on screen's messages as drawn (a stored copy's time of saving aside, but whether it still streams there)
+function shownMessages() {
+  const chat = currentChat();
+  return JSON.stringify([current, sentFrom(chat), (chat?.messages ?? []).map((m) => [
+    m.role, m.content, m.reasoning, m.thinkingOpen, streamingElsewhere({ messages: [m] }) || m.stats])]);
+}
+
 function drawMessages(toBottom) {  // toBottom false: the reader's place is kept unless they were at the bottom
+  messagesDrawn = shownMessages();
   const list = $("messages");
   const follow = toBottom || atBottom(list);
   const top = list.scrollTop;
@@ -308,19 +319,7 @@ function messageElement(message, index, count) {
   const role = document.createElement("div");
   role.className = "role";
   role.textContent = message.role;
-  const body = document.createElement("div");
-  body.className = "body";
-  if (message.role === "assistant") {
-    if (message.reasoning) body.append(thinkingElement(message));
-    body.append(renderMarkdown(message.content));
-    for (const pre of body.querySelectorAll("pre")) {
-      const code = pre.querySelector("code").textContent;
-      pre.prepend(button("copy-code", "Copy", "Copy this code", (event) => copyText(code, event.target)));
-    }
-  } else {
-    body.textContent = message.content;
-  }
-  el.append(role, body, actions(message, index, count, el));
+  el.append(role, messageBody(message), actions(message, index, count, el));
   if (message.stats) {
     const stats = document.createElement("div");
     stats.className = "stats";
@@ -333,6 +332,22 @@ function messageElement(message, index, count) {
     el.append(stats);
   }
   return el;
+}
+
+function messageBody(message) {
+  const body = document.createElement("div");
+  body.className = "body";
+  if (message.role === "assistant") {
+    if (message.reasoning) body.append(thinkingElement(message));
+    body.append(renderMarkdown(message.content));
+    for (const pre of body.querySelectorAll("pre")) {
+      const code = pre.querySelector("code").textContent;
+      pre.prepend(button("copy-code", "Copy", "Copy this code", (event) => copyText(code, event.target)));
+    }
+  } else {
+    body.textContent = message.content;
+  }
+  return body;
 }
 
 // A reasoning model's thinking (the stream's delta.reasoning): open while it is all there is, folded once the
@@ -426,7 +441,9 @@ async function copyText(text, target) {
 const painting = new Set();  // the chats whose streaming answer is drawn at the next frame
 
 // the streaming answer, at most once a frame, where its chat is the one shown; the view follows the stream only
-// while it is at the bottom (a reader who scrolled up stays where they are)
+// while it is at the bottom (a reader who scrolled up stays where they are). Drawn in place: the message keeps its
+// element and buttons, its body the parts that did not change (a finished code block, a paragraph with a link),
+// so that a click on one is not lost to a repaint between press and release.
 function paintLast(chat, message) {
   if (painting.has(chat.id)) return;
   painting.add(chat.id);
@@ -435,10 +452,22 @@ function paintLast(chat, message) {
     if (chat.id !== current) return;
     const list = $("messages");
     const follow = atBottom(list);
-    const last = list.lastElementChild;
-    if (last) last.replaceWith(messageElement(message, list.children.length - 1, list.children.length));
+    const body = list.lastElementChild?.querySelector(".body");
+    if (body) keepSame(body, messageBody(message));
     if (follow) list.scrollTop = list.scrollHeight;
   });
+}
+
+const drawnAs = new WeakMap();  // a part of a streaming answer -> its HTML as drawn (a "Copied" label since aside)
+
+function keepSame(body, fresh) {  // body made like fresh: its leading parts drawn as fresh's stay
+  const old = [...body.children];
+  const wanted = [...fresh.children];
+  let same = 0;
+  while (same < old.length && same < wanted.length && drawnAs.get(old[same]) === wanted[same].outerHTML) same += 1;
+  for (const part of old.slice(same)) part.remove();
+  for (const part of wanted.slice(same)) drawnAs.set(part, part.outerHTML);
+  body.append(...wanted.slice(same));
 }
 
 // usage: the server's (null when stopped: it comes with the last chunk); tokens: counted from the stream;
@@ -541,6 +570,9 @@ function storeStreaming(chat, reply, live = true) {
 async function answer(chat) {
   const fields = sampling();
   if (!fields) return;
+  // the server's cap sent as max_tokens: a chat that leaves the answer less room is refused (400) and sent with
+  // fewer old messages, where the server would clamp the answer to the rest of the context and cut it short
+  let cap = fields.max_tokens === undefined ? serverCap : null;
   const reply = { role: "assistant", content: "", stats: "" };
   chat.messages.push(reply);
   chat.updated = Date.now();
@@ -554,7 +586,7 @@ async function answer(chat) {
     // logprobs: one entry per generated token, so a stopped answer still knows how many it got; no model: the
     // server's own, whatever it was restarted with (a model read at load went stale: a 404 until a reload)
     return JSON.stringify({ messages, stream: true, stream_options: { include_usage: true }, logprobs: true,
-                            ...fields });
+                            ...fields, ...(cap && { max_tokens: cap }) });
   };
   const controller = new AbortController();
   streams.set(chat.id, controller);
@@ -585,7 +617,12 @@ async function answer(chat) {
       }
       const error = (await response.json().catch(() => ({}))).error ?? {};
       const tooLong = error.code === "context_length_exceeded";
-      const later = tooLong ? laterStart(chat, reply) : null;
+      const tooMany = error.code === "array_above_max_length";  // more messages than the server takes
+      const later = tooLong || tooMany ? laterStart(chat, reply) : null;
+      if (later === null && tooLong && cap) {  // only the message being answered left: the rest of the context
+        cap = null;
+        continue;
+      }
       if (later === null) {
         chat.contextFrom = startedFrom;
         const message = error.message ?? `HTTP ${response.status}`;
@@ -838,6 +875,8 @@ async function start() {
   $("model-name").textContent = model;
   const cap = card.sampling_defaults?.max_tokens;  // what a request without max_tokens gets
   $("max_tokens").placeholder = cap ? `server default ${cap}` : "rest of the context";
+  // (not one that leaves no room for a prompt: every request would be refused, then sent without it)
+  serverCap = cap && cap < (card.max_model_len ?? Infinity) ? cap : null;
   if (!currentChat() && !chats.length) newChat();
   showChats();
   refreshCache();

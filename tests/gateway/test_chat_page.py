@@ -2,8 +2,8 @@
 both; Playwright's own browser download needs the internet). A message streams in, the second turn of a chat
 reports cached tokens, the stop button ends the request on the server and keeps the answer's token count, the
 cache panel moves, a hostile reply stays text, the keys work, copy / regenerate / edit, Markdown tables and
-highlighted code, rename / export / import, settings kept across a reload, a phone layout whose panels fold
-behind buttons, the system's dark theme, and no page logs an error."""
+highlighted code, a click inside an answer that streams, rename / export / import, settings kept across a reload,
+a phone layout whose panels fold behind buttons, the system's dark theme, and no page logs an error."""
 from __future__ import annotations
 
 import contextlib
@@ -325,6 +325,46 @@ def test_tables_and_highlighted_code_render_and_copy_buttons_copy_them(opened, m
     assert clipboard(page) == "capitals?"
 
 
+@pytest.fixture(scope="module")
+def scripted_server(tiny_llama_dir):
+    """The tiny model, whose answers are `scripted.script`'s pieces (one a token) while it is set."""
+    from engine.async_engine import AsyncEngine
+    from tests.gateway.test_tools_api import ScriptedEngine
+
+    settings_ = tiny_settings(tiny_llama_dir)
+    engine = ScriptedEngine(AsyncEngine.from_config(settings_.engine))
+    with LiveServer(settings_, engine) as live:
+        live.scripted = engine
+        yield live
+
+
+def test_a_click_inside_an_answer_that_streams_is_not_lost_to_its_repaints(opened, scripted_server):
+    """The streaming answer is drawn in place: a code block it has finished keeps its element, so a press and a
+    release on its Copy button a repaint apart still copy (the whole message was drawn anew at each frame)."""
+    scripted_server.scripted.script = [f"```python\n{CODE}\n```\n\n", *["Paris "] * 400]
+    try:
+        with slowed(scripted_server, 0.05):
+            page = opened(scripted_server.url + "/", permissions=["clipboard-read", "clipboard-write"]).page
+            send(page, "capitals?")
+            answer = page.locator(".message.assistant .body")
+            expect(answer.locator("p")).not_to_be_empty(timeout=30_000)  # past the code block
+            copy = answer.locator("pre .copy-code")
+            pressed = copy.element_handle()
+            copy.hover()
+            page.mouse.down()
+            for _ in range(2):  # the answer grows between the press and the release
+                before = answer.inner_text()
+                expect(answer).not_to_have_text(before)
+            page.mouse.up()
+            expect(copy).to_have_text("Copied")
+            assert clipboard(page) == CODE and pressed.evaluate("el => el.isConnected")
+            expect(page.locator("#stop")).to_be_visible()  # (all of it while the answer streamed)
+            page.click("#stop")
+            scripted_server.wait_idle(timeout=10)
+    finally:
+        scripted_server.scripted.script = None
+
+
 def test_code_indented_under_a_list_item_is_code_and_a_list_goes_on_at_its_number(opened):
     """Models put a step's code under its list item, fence indented: it was read as paragraph text (`*args` lost
     to emphasis, indentation gone), and the list after it started at 1 again."""
@@ -549,6 +589,29 @@ def test_an_edit_open_while_another_tab_renames_the_chat_is_still_saved(browser,
     expect(page.locator(".message.user .body")).to_have_text("the question, edited")
     expect(page.locator(".message")).to_have_count(2)
     expect(page.locator("#chats li.current button.open")).to_have_text("Renamed there")
+    opened.close()
+
+
+def test_another_tabs_save_that_changes_no_message_draws_none_here(browser, server):
+    """A rename or a system prompt set in another tab leaves the messages here as they are drawn (a long chat was
+    drawn anew at each of that tab's saves); a message added there is drawn."""
+    opened, page, other = two_tabs(browser, server)
+    settings(page, max_tokens="2")
+    send(page, "a chat open in two tabs")
+    answer_stats(page, 0)
+    other.goto(server.url + "/")
+    drawn = other.locator(".message.assistant").element_handle()
+    page.locator("#chats li.current button.rename").click()
+    page.fill("#chats li .title-input", "Renamed")
+    page.press("#chats li .title-input", "Enter")
+    settings(page, system="You are terse.")
+    page.click("#input")  # (the field is saved as it loses focus)
+    expect(other.locator("#topbar-title")).to_have_text("Renamed")  # both saves reached the other tab
+    expect(other.locator("#system")).to_have_value("You are terse.")
+    assert drawn.evaluate("el => el.isConnected")
+    send(page, "a second question")
+    answer_stats(page, 1)
+    expect(other.locator(".message")).to_have_count(4)
     opened.close()
 
 

@@ -1,11 +1,16 @@
 """The chat page kept open all day, in a real browser (as tests/gateway/test_chat_page.py drives it): a chat that
 outgrows the model's context leaves its oldest messages out (and says so) instead of being refused from then on, a
-message too long by itself says so, the keyboard keeps its place, an error from a server that was away goes once it
+message too long by itself says so, an answer near the context's end gets the server's whole cap (the model card's,
+which is what a request without max_tokens gets), a chat of more messages than the server takes leaves its oldest
+out too, the keyboard keeps its place, an error from a server that was away goes once it
 answers again, a server away (or hanging) is asked less and less often, one request at a time, a rename keeps the
 list's order, and a tap beside the phone layout's chat list closes it."""
 from __future__ import annotations
 
+import json
 import re
+import urllib.error
+import urllib.request
 
 import pytest
 from playwright.sync_api import expect
@@ -17,16 +22,30 @@ from tests.support.gateway_helpers import LiveServer, tiny_settings
 pytestmark = pytest.mark.browser
 
 CONTEXT = 320  # tokens: about ten turns of the questions below fill it
+CAP = 64  # the max_tokens of a request that sets none
 
 
 @pytest.fixture(scope="module")
 def short_server(tiny_llama_dir):
-    with LiveServer(tiny_settings(tiny_llama_dir, engine={"max_model_len": CONTEXT})) as live:
+    with LiveServer(tiny_settings(tiny_llama_dir, engine={"max_model_len": CONTEXT}, default_max_tokens=CAP)) as live:
         yield live
 
 
 def prompt_tokens(stats: str) -> int:
     return int(re.search(r"prompt (\d+) tokens", stats).group(1))
+
+
+def answer_tokens(stats: str) -> int:
+    return int(re.search(r"answer (\d+) tokens?", stats).group(1))
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
 
 
 def question(i: int) -> str:
@@ -90,6 +109,64 @@ def test_a_message_too_long_by_itself_says_so_and_the_next_one_is_answered(opene
     expect(page.locator(".message.user")).to_have_count(4)  # the refused paste stays, above the mark
     expect(page.locator(".message.user").nth(3).locator(".context-start")).to_have_count(1)
     tab.errors.clear()  # the browser logs the 400s
+
+
+def test_an_answer_near_the_contexts_end_gets_the_servers_cap_not_what_is_left(opened, short_server):
+    """With max_tokens left blank the page sends the server's cap: a chat that leaves the answer less room leaves its
+    older messages out (the answer was cut after what the context had left); a message that leaves less room by
+    itself is answered as far as the context goes, as before, not refused."""
+    tab = opened(short_server.url + "/")
+    page = tab.page
+    settings(page, max_tokens="4", temperature="0")
+    send(page, "an older question about the capital of France " * 12)
+    answer_stats(page, 0)
+    settings(page, max_tokens="")  # the server's cap from here on
+    send(page, "and now a longer one about Paris " * 14)  # with the first turn: 291 tokens, room for 29
+    stats = answer_stats(page, 1)  # (the tiny model never ends by itself: each answer runs to its cap)
+    assert answer_tokens(stats) == CAP and prompt_tokens(stats) + CAP <= CONTEXT
+    expect(page.locator(".message.user").nth(1).locator(".context-start")).to_have_count(1)
+    page.click("#new-chat")
+    send(page, "and now a longer one about Paris " * 28)  # alone: 293 tokens
+    stats = answer_stats(page, 0)
+    assert answer_tokens(stats) == CONTEXT - prompt_tokens(stats) < CAP
+    expect(page.locator("#error")).to_be_hidden()
+    tab.errors.clear()  # the browser logs the 400s the page answered by leaving messages out, then the cap
+
+
+@pytest.mark.parametrize("default_cap, limit, cap", [(1024, 16, 16), (None, 16, 16), (8, 16, 8)])
+def test_the_model_card_gives_the_cap_a_request_without_max_tokens_gets(tiny_llama_dir, default_cap, limit, cap):
+    """--max-tokens-limit caps the default too (a default of None: the rest of the context), and the card says so:
+    the page sends the card's cap, which a larger one would have made a 400 (max_tokens must be <= limit)."""
+    with LiveServer(tiny_settings(tiny_llama_dir, default_max_tokens=default_cap, max_tokens_limit=limit)) as live:
+        with urllib.request.urlopen(live.url + "/v1/models") as response:
+            assert json.loads(response.read())["data"][0]["sampling_defaults"]["max_tokens"] == cap
+        chat = {"messages": [{"role": "user", "content": "hello"}], "ignore_eos": True}
+        status, body = post(live.url + "/v1/chat/completions", chat)
+        assert (status, body["usage"]["completion_tokens"]) == (200, cap)
+        assert post(live.url + "/v1/chat/completions", {**chat, "max_tokens": cap})[0] == 200
+
+
+@pytest.fixture(scope="module")
+def few_messages_server(tiny_llama_dir):
+    with LiveServer(tiny_settings(tiny_llama_dir, max_messages=4)) as live:
+        yield live
+
+
+def test_a_chat_of_more_messages_than_the_server_takes_leaves_its_oldest_out(opened, few_messages_server):
+    """More than --max-messages is a 400 with OpenAI's code for an over-long array, which the page takes as it takes
+    a conversation too long for the context (every message was refused from then on)."""
+    too_many = {"messages": [{"role": "user", "content": "hi"}] * 5, "max_tokens": 1}
+    status, body = post(few_messages_server.url + "/v1/chat/completions", too_many)
+    assert (status, body["error"]["param"], body["error"]["code"]) == (400, "messages", "array_above_max_length")
+    tab = opened(few_messages_server.url + "/")
+    page = tab.page
+    settings(page, max_tokens="2")
+    for turn in range(3):  # the third sends five messages
+        send(page, question(turn))
+        answer_stats(page, turn)
+    expect(page.locator(".message.user").nth(1).locator(".context-start")).to_have_count(1)
+    expect(page.locator("#error")).to_be_hidden()
+    tab.errors.clear()  # the browser logs the 400
 
 
 def test_the_keyboard_keeps_its_place(opened, server):
