@@ -1,12 +1,14 @@
 """Stored responses of the Responses API in SQLite: a file that outlives the API process (a restart, a kill -9)
 and that several gateways on one host share. Two connections per store, each on a thread of its own, so the
 event loop never waits on SQLite: the writer's (puts, deletes, erasures; `busy_timeout` so two gateways writing
-at once queue instead of failing) and the reader's (gets and counts: in WAL mode they never wait for a writer,
+at once queue instead of failing, counted from the request, so a call queued behind others on the thread waits no
+longer) and the reader's (gets and counts: in WAL mode they never wait for a writer,
 nor queue behind this store's puts). A locked or broken file never turns into a 500: a put that fails says so
 (gateway/response_store_pending.py keeps it and tries again), a read, a delete or an erasure is a 503
 `responses_store_busy` with Retry-After, each with a warning naming the file. A file found corrupt at start (not a
 database, or failing `PRAGMA quick_check`) is moved aside and a new store begins in its place, as browsers do with
-a corrupt profile database; one deleted or replaced while serving is opened again at the next put.
+a corrupt profile database; one deleted or replaced while serving is opened again at the next call (a stat of the
+path at each call), a read included.
 
 NOTE: a row is one response with its whole conversation (JSON text); "used" is the last put or get, the order
 in which a tenant's rows beyond `max_responses` are dropped; rows older than `ttl_days` (from their put) are
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -37,6 +40,7 @@ from gateway.errors import APIError
 log = logging.getLogger(__name__)
 
 IN_MEMORY = ":memory:"
+FileId = tuple[int, int]  # (st_dev, st_ino): a file on a path replaced by another has another
 RESPONSES_DB_ENV = "PREFIXGATE_RESPONSES_DB"  # e.g. a postgresql:// URL from a Kubernetes Secret, off the command line
 BUSY_TIMEOUT_MS = 2000  # a write waits at most this long for another gateway's (on the store's thread)
 RETRY_AFTER_S = 1  # a read, delete or erasure the database could not serve: try again after this long
@@ -87,27 +91,28 @@ class ResponseStore:
         self._lock = threading.Lock()  # the writer's connection: one call at a time, whichever thread makes it
         # the reader's: the same connection and lock in memory (a second connection would be a database of its own)
         self._read_lock = self._lock if self.path == IN_MEMORY else threading.Lock()
-        self._db, self._reader, self._file_id = self._connect()
+        self._db, self._reader, self._files = self._connect()
         self._used: dict[str, float] = {}  # gets whose used_at the file was too busy to take: written at the next put
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="prefixgate-responses")
         self._read_thread = ThreadPoolExecutor(1, thread_name_prefix="prefixgate-responses-read")
         self.num_stored = 0  # as of the last call that counted (a /metrics scrape reads it, never the file)
         len(self)
 
-    def _connect(self) -> tuple[sqlite3.Connection, sqlite3.Connection, tuple[int, int] | None]:
-        """The writer's connection, the reader's, and the file's identity (device, inode)."""
+    def _connect(self) -> tuple[sqlite3.Connection, sqlite3.Connection, tuple[FileId | None, ...] | None]:
+        """The writer's connection, the reader's, and the identities of the file, its WAL and its shared memory."""
         db = _open(self.path, self._busy_timeout_ms)
         if self.path == IN_MEMORY:
             return db, db, None
         try:
-            stat = os.stat(self.path)
+            files = tuple(_file_id(self.path + suffix) for suffix in ("", "-wal", "-shm"))
             reader = sqlite3.connect(self.path, timeout=self._busy_timeout_ms / 1000, check_same_thread=False)
         except (sqlite3.Error, OSError):
             db.close()
             raise
-        return db, reader, (stat.st_dev, stat.st_ino)
+        return db, reader, files
 
-    # ---- for the event loop: the same calls, on the store's threads
+    # ---- for the event loop: the same calls, on the store's threads, each answered within the busy timeout of
+    # its request (not of its turn on the thread: on a locked file, calls queued behind others waited it in turn)
 
     async def aput(self, stored: Stored, warn: bool = True) -> bool:
         return await self._off_loop(self._thread, self.put, stored, warn)
@@ -121,22 +126,23 @@ class ResponseStore:
     async def aerase(self, tenant: str) -> int:
         return await self._off_loop(self._thread, self.erase, tenant)
 
-    @staticmethod
-    async def _off_loop(thread: ThreadPoolExecutor, call: Callable, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(thread, call, *args)
+    async def _off_loop(self, thread: ThreadPoolExecutor, call: Callable, *args: Any) -> Any:
+        call = functools.partial(call, *args, deadline=time.monotonic() + self._busy_timeout_ms / 1000)
+        return await asyncio.get_running_loop().run_in_executor(thread, call)
 
     # ---- the calls themselves (blocking)
 
-    def put(self, stored: Stored, warn: bool = True) -> bool:
+    def put(self, stored: Stored, warn: bool = True, deadline: float | None = None) -> bool:
         """True once the file holds it; False (with a warning, if `warn`) when it cannot be written: locked past
-        the timeout, or broken."""
+        `deadline` (time.monotonic(); None: the busy timeout from now), or broken."""
         now = self._clock()
         row = (stored.response["id"], stored.tenant, json.dumps(stored.response), json.dumps(stored.input_items),
                json.dumps(stored.messages), now, now)
         used, self._used = self._used, {}  # (swapped whole: a get's mark made meanwhile goes to the new dict)
         try:
             self._reopen_if_replaced()
-            with self._lock, self._db:  # one transaction: the row, the marks of use, the expired rows, the overflow
+            # one transaction: the row, the marks of use, the expired rows, the overflow
+            with self._lock, self._waiting(self._db, deadline):
                 self._db.executemany("UPDATE responses SET used_at = MAX(used_at, ?) WHERE id = ?",
                                      [(at, response_id) for response_id, at in used.items()])
                 self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)", row)
@@ -151,46 +157,53 @@ class ResponseStore:
             if warn:
                 log.warning("stored responses: %s not stored in %s (%s)", row[0], self.path, exc)
             return False
-        len(self)
+        self._count(deadline)
         return True
 
-    def _reopen_if_replaced(self) -> None:
-        """The file deleted or replaced under the store (SQLite would go on writing to the unlinked one, which
-        nothing reads again): a new one is opened on the path, with a warning."""
-        if self._file_id is None:
-            return
-        try:
-            stat = os.stat(self.path)
-            same = (stat.st_dev, stat.st_ino) == self._file_id
-        except FileNotFoundError:
-            same = False
-        if same:
-            return
-        try:
-            fresh = self._connect()
-        except CorruptFile as exc:  # as at start: moved aside, a new store begins on the path
-            log.warning("stored responses: %s was replaced by a corrupt file (%s); moved it to %s", self.path, exc,
-                        _move_aside(self.path))
-            fresh = self._connect()
-        log.warning("stored responses: %s was deleted or replaced while serving; opened it again (what this "
-                    "gateway stored since is lost with the old file)", self.path)
-        with self._lock, self._read_lock:  # the new pair opened first: a failed open leaves the old one serving
-            self._db.close()
-            self._reader.close()
-            self._db, self._reader, self._file_id = fresh
+    def _waiting(self, db: sqlite3.Connection, deadline: float | None) -> sqlite3.Connection:
+        """`db`, waiting for another connection's lock until `deadline` at most (None: the busy timeout)."""
+        left_ms = self._busy_timeout_ms if deadline is None else (deadline - time.monotonic()) * 1000
+        db.execute(f"PRAGMA busy_timeout = {max(0, int(left_ms))}")
+        return db
 
-    def get(self, tenant: str, response_id: str) -> Stored:
+    def _reopen_if_replaced(self) -> None:
+        """The file deleted or replaced under the store (SQLite would go on with the unlinked one, which nothing
+        reads again): opened again on the path, with a warning. Each call checks (a stat)."""
+        if self._files is None or _file_id(self.path) == self._files[0]:
+            return
+        with self._lock, self._read_lock:
+            if _file_id(self.path) == self._files[0]:  # the other thread opened it meanwhile
+                return
+            self._reader.close()
+            self._db.close()
+            # the old file's WAL and shared memory stay on the path (SQLite keeps a moved file's): a new connection
+            # would read the new file through them, the old rows in place of its own (a new file's own are kept)
+            for suffix, old in zip(("-wal", "-shm"), self._files[1:]):
+                if old is not None and _file_id(self.path + suffix) == old:
+                    os.unlink(self.path + suffix)
+            try:
+                fresh = self._connect()
+            except CorruptFile as exc:  # as at start: moved aside, a new store begins on the path
+                log.warning("stored responses: %s was replaced by a corrupt file (%s); moved it to %s", self.path,
+                            exc, _move_aside(self.path))
+                fresh = self._connect()
+            log.warning("stored responses: %s was deleted or replaced while serving; opened it again (what this "
+                        "gateway stored since is lost with the old file)", self.path)
+            self._db, self._reader, self._files = fresh
+
+    def get(self, tenant: str, response_id: str, deadline: float | None = None) -> Stored:
         """The tenant's stored response; 404 for an unknown id, an expired one and another tenant's alike; 503
-        when the file cannot be read."""
+        when the file cannot be read (by `deadline`, where a file not in WAL mode is locked)."""
         now = self._clock()
         try:
+            self._reopen_if_replaced()
             with self._read_lock:
-                row = self._reader.execute(
+                row = self._waiting(self._reader, deadline).execute(
                     "SELECT response, input_items, messages FROM responses WHERE id = ? AND tenant = ? "
                     "AND created_at >= ?", (response_id, tenant, now - self.ttl_s)).fetchone()
                 if row is not None:
                     self._mark_used(response_id, now)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             log.warning("stored responses: cannot read %s (%s) for %r", self.path, exc, response_id)
             raise unavailable("response_id") from None
         if row is None:
@@ -198,51 +211,51 @@ class ResponseStore:
         return Stored(tenant, *map(json.loads, row))
 
     def _mark_used(self, response_id: str, now: float) -> None:
-        """At once where no other writer holds the file (no wait: busy_timeout 0), else at the next put."""
-        if self._reader is not self._db:
-            self._reader.execute("PRAGMA busy_timeout = 0")
+        """At once where no other writer holds the file (no wait), else at the next put."""
         try:
-            with self._reader:
+            with self._waiting(self._reader, deadline=0):  # (long past: no wait)
                 self._reader.execute("UPDATE responses SET used_at = ? WHERE id = ?", (now, response_id))
         except sqlite3.Error:
             self._used[response_id] = now
-        finally:
-            if self._reader is not self._db:
-                self._reader.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
 
-    def delete(self, tenant: str, response_id: str) -> None:
-        """404 for an id it does not hold; 503 when the file cannot be written (another writer holds it past the
-        busy timeout, or it is broken, full or read-only): the response may still be there, the client may try
+    def delete(self, tenant: str, response_id: str, deadline: float | None = None) -> None:
+        """404 for an id it does not hold; 503 when the file cannot be written (another writer holds it past
+        `deadline`, or it is broken, full or read-only): the response may still be there, the client may try
         again."""
         try:
-            with self._lock, self._db:
+            self._reopen_if_replaced()
+            with self._lock, self._waiting(self._db, deadline):
                 deleted = self._db.execute("DELETE FROM responses WHERE id = ? AND tenant = ? AND created_at >= ?",
                                            (response_id, tenant, self._clock() - self.ttl_s)).rowcount
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             log.warning("stored responses: cannot delete %r in %s (%s)", response_id, self.path, exc)
             raise unavailable("response_id") from None
         if not deleted:
             raise not_found(response_id)
-        len(self)
+        self._count(deadline)
 
-    def erase(self, tenant: str) -> int:
+    def erase(self, tenant: str, deadline: float | None = None) -> int:
         """Deletes every stored response of `tenant` (DELETE /v1/cache); returns how many. 503 when the file cannot
         be written (the client asked for an erasure: it must learn that none happened)."""
         try:
-            with self._lock, self._db:
+            self._reopen_if_replaced()
+            with self._lock, self._waiting(self._db, deadline):
                 erased = self._db.execute("DELETE FROM responses WHERE tenant = ?", (tenant,)).rowcount
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             log.warning("stored responses: cannot erase tenant %s's in %s (%s)", tenant, self.path, exc)
             raise unavailable() from None
-        len(self)
+        self._count(deadline)
         return erased
 
     def __len__(self) -> int:
+        return self._count()
+
+    def _count(self, deadline: float | None = None) -> int:
         """Stored responses not expired (the last count, with a warning, when the file cannot be read)."""
         try:
             with self._read_lock:
-                (self.num_stored,) = self._reader.execute("SELECT COUNT(*) FROM responses WHERE created_at >= ?",
-                                                          (self._clock() - self.ttl_s,)).fetchone()
+                (self.num_stored,) = self._waiting(self._reader, deadline).execute(
+                    "SELECT COUNT(*) FROM responses WHERE created_at >= ?", (self._clock() - self.ttl_s,)).fetchone()
         except sqlite3.Error as exc:
             log.warning("stored responses: cannot count %s (%s); %d as last counted", self.path, exc,
                         self.num_stored)
@@ -310,6 +323,15 @@ def _move_aside(path: str) -> Path:
         if part.exists():
             part.rename(f"{aside}{suffix}")
     return aside
+
+
+def _file_id(path: str) -> FileId | None:
+    """(device, inode) of the file on `path`; None where there is none."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 def _is_corrupt(exc: sqlite3.Error) -> bool:

@@ -55,7 +55,7 @@ async def test_an_erase_the_database_refuses_is_a_503_to_retry_and_erases_nothin
     await respond(client, ALICE)
     await cached_tokens(client, ALICE)
     store: ResponseStore = client.app[RESPONSE_STORE].backend
-    store._db.execute("PRAGMA busy_timeout = 10")  # the test holds the lock 10 ms, not 2 s
+    store._busy_timeout_ms = 10  # the test holds the lock 10 ms, not 2 s
     other = sqlite3.connect(client.db, isolation_level=None)
     other.execute("BEGIN EXCLUSIVE")
     refused = await client.delete("/v1/cache", headers=ALICE)
@@ -71,7 +71,7 @@ async def test_an_erase_the_database_refuses_is_a_503_to_retry_and_erases_nothin
 
 async def test_a_refused_erase_keeps_the_responses_waiting_for_the_database_too(client):
     store: ResponseStore = client.app[RESPONSE_STORE].backend
-    store._db.execute("PRAGMA busy_timeout = 10")
+    store._busy_timeout_ms = 10
     other = sqlite3.connect(client.db, isolation_level=None)
     other.execute("BEGIN EXCLUSIVE")
     try:

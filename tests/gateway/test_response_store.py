@@ -144,6 +144,40 @@ def test_two_stores_on_one_file_share_their_rows_in_wal_mode(tmp_path):
     two.close()
 
 
+@pytest.mark.parametrize("first_call", ["get", "put"])
+def test_a_file_replaced_under_the_store_is_what_the_next_call_reads(tmp_path, caplog, first_call):
+    """A backup restored over the file (os.replace: another inode): a read went on reading the old one, and the
+    first call to open the path again read the new file through the old one's WAL (the old rows, not its own)."""
+    path = tmp_path / "responses.sqlite3"
+    store = ResponseStore(10, path)
+    store.put(stored("resp_old"))
+    restored = ResponseStore(10, tmp_path / "backup.sqlite3")
+    restored.put(stored("resp_restored"))
+    restored.close()
+    os.replace(tmp_path / "backup.sqlite3", path)
+    with caplog.at_level(logging.WARNING, logger="gateway.response_store"):
+        if first_call == "put":
+            assert store.put(stored("resp_new"))
+        assert store.get("alice", "resp_restored") == stored("resp_restored")
+    assert f"{path} was deleted or replaced while serving; opened it again" in caplog.text
+    assert_not_found(store, "alice", "resp_old")
+    store.close()
+    with sqlite3.connect(path) as db:  # (the old file's WAL was not moved into the new one)
+        ids = sorted(db.execute("SELECT id FROM responses"))
+    db.close()
+    assert ids == ([("resp_new",)] if first_call == "put" else []) + [("resp_restored",)]
+
+
+def test_a_file_deleted_under_the_store_is_a_new_one_at_the_next_read(tmp_path):
+    path = tmp_path / "responses.sqlite3"
+    store = ResponseStore(10, path)
+    store.put(stored("resp_old"))
+    path.unlink()
+    assert_not_found(store, "alice", "resp_old")  # (was read from the deleted file)
+    assert path.exists() and len(store) == 0
+    store.close()
+
+
 def a_real_store_file(path) -> bytes:
     """The bytes of a closed store holding 40 responses (its WAL checkpointed into it): 61 pages."""
     store = ResponseStore(100, path)

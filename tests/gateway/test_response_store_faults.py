@@ -10,6 +10,7 @@ import logging
 import re
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,33 @@ def test_a_delete_and_a_count_on_a_locked_file(locked, caplog):
     assert len(store) == store.num_stored == 0
 
 
+async def test_calls_queued_on_a_locked_file_each_answer_within_the_busy_timeout(tmp_path):
+    """Six deletes and a put at once on a file another writer holds: each waited out the busy timeout in turn on
+    the store's thread (the last answered after 7 of them); each is now answered within one, from its request."""
+    path = tmp_path / "responses.sqlite3"
+    store = ResponseStore(10, path, busy_timeout_ms=500)
+    for n in range(6):
+        store.put(stored(f"resp_{n}"))
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    started = time.monotonic()
+
+    async def answered(call) -> tuple[object, float]:
+        try:
+            outcome = await call
+        except APIError as err:
+            outcome = (err.status, err.code)
+        return outcome, time.monotonic() - started
+    answers = await asyncio.gather(*(answered(store.adelete("alice", f"resp_{n}")) for n in range(6)),
+                                   answered(store.aput(stored("resp_6"))))
+    other.execute("ROLLBACK")
+    other.close()
+    assert [outcome for outcome, _ in answers] == [(503, "responses_store_busy")] * 6 + [False]
+    assert max(elapsed for _, elapsed in answers) < 1.5  # (in turn: 3.5 s)
+    assert len(store) == 6  # none deleted: the 503s were true
+    store.close()
+
+
 def test_every_call_on_a_file_broken_while_serving(tmp_path, caplog):
     path = tmp_path / "responses.sqlite3"
     store = ResponseStore(10, path)
@@ -103,9 +131,9 @@ async def test_a_write_waiting_on_another_gateways_lock_holds_up_no_other_reques
     waiting = threading.Event()
     put = store.put
 
-    def put_after_signal(item: Stored, warn: bool = True) -> bool:
+    def put_after_signal(item: Stored, warn: bool = True, deadline: float | None = None) -> bool:
         waiting.set()
-        return put(item, warn)
+        return put(item, warn, deadline)
 
     store.put = put_after_signal
     other = sqlite3.connect(client.db, isolation_level=None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -46,9 +47,11 @@ async def clock():
 
 @pytest.fixture
 async def store(pg_url, clock):
-    store = PostgresResponseStore(pg_url, 2, ttl_days=1, clock=clock)
-    async with (await store._connect()).acquire() as db:
+    maker = PostgresResponseStore(pg_url, 2)  # the table made and emptied before the store under test counts it
+    async with (await maker._connect()).acquire() as db:
         await db.execute("TRUNCATE prefixgate_responses")
+    await maker.aclose()
+    store = PostgresResponseStore(pg_url, 2, ttl_days=1, clock=clock)
     yield store
     await store.aclose()
 
@@ -283,3 +286,121 @@ async def test_a_put_deletes_a_bounded_share_of_the_expired_rows(pg_url, monkeyp
             assert await store.aput(stored(f"resp_fred_new_{n}", "fred"))
             assert await expired() == max(0, before - 2 * (n + 1))
     await store.aclose()
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("role, grants", [
+    ("reader", "GRANT SELECT ON prefixgate_responses TO reader"),
+    ("standby_like", "GRANT ALL ON prefixgate_responses TO standby_like; "
+                     "ALTER ROLE standby_like SET default_transaction_read_only = on")])
+async def test_a_read_only_role_or_session_still_reads(pg_url, caplog, role, grants):
+    """A SELECT-only role, or sessions that are read-only (as on a hot standby): every read was a 503, the table's
+    creation and each read's mark of use refused. Reads now answer; the mark is skipped, said once."""
+    writer = PostgresResponseStore(pg_url, 10)
+    assert await writer.aput(stored("resp_ro", "ivan"))
+    async with (await writer._connect()).acquire() as db:
+        await db.execute(f"CREATE ROLE {role} LOGIN; {grants}")
+    reader = PostgresResponseStore(pg_url.replace("postgres@", f"{role}@"), 10)
+    with caplog.at_level(logging.WARNING, logger="gateway.response_store_postgres"):
+        for _ in range(3):
+            assert await reader.aget("ivan", "resp_ro") == stored("resp_ro", "ivan")
+        assert await status_of(reader.aget("ivan", "resp_unknown")) == (404, "response_not_found")
+        assert await reader.aput(stored("resp_ro_2", "ivan"), warn=False) is False  # (kept in memory, as any)
+    assert caplog.text.count("takes no reads' marks of use (read-only)") == 1
+    assert "may not create or change the table" in caplog.text
+    await reader.aclose()
+    await writer.aclose()
+
+
+@pytest.mark.server
+async def test_a_mark_of_use_that_fails_leaves_the_read_answered(pg_url, caplog):
+    """The update of used_at failing where the role may write (a trigger refuses it here) made the read a 503; it
+    is now a statement of its own, its failure said once, and the connection serves the next read."""
+    store = PostgresResponseStore(pg_url, 10)
+    assert await store.aput(stored("resp_marked", "judy"))
+    async with (await store._connect()).acquire() as db:
+        await db.execute("CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                         "RAISE EXCEPTION 'no update'; END $$; CREATE TRIGGER refuse BEFORE UPDATE ON "
+                         "prefixgate_responses FOR EACH ROW EXECUTE FUNCTION refuse()")
+    try:
+        with caplog.at_level(logging.WARNING, logger="gateway.response_store_postgres"):
+            for _ in range(3):
+                assert (await store.aget("judy", "resp_marked")).tenant == "judy"
+        assert caplog.text.count("takes no reads' marks of use (RaiseError: no update)") == 1
+    finally:
+        async with (await store._connect()).acquire() as db:
+            await db.execute("DROP TRIGGER refuse ON prefixgate_responses; DROP FUNCTION refuse()")
+        await store.aclose()
+
+
+def rows_read(plan: dict) -> int:
+    """Rows of the table a plan's scans read (EXPLAIN ANALYZE): those they returned and those filtered out."""
+    own = 0
+    if plan.get("Relation Name") == "prefixgate_responses" and "Scan" in plan["Node Type"]:
+        own = (plan["Actual Rows"] + plan.get("Rows Removed by Filter", 0)) * plan["Actual Loops"]
+    return own + sum(rows_read(child) for child in plan.get("Plans", []))
+
+
+@pytest.mark.server
+async def test_a_put_reads_its_tenants_rows_not_the_whole_table(pg_url, monkeypatch):
+    """Each put counted the whole table (for the stored gauge): a cost that grew with the table, inside the put's
+    time bound. A put's statements now read a few rows of 5,000, and the cap still holds with the put kept."""
+    clock = Clock()
+    store = PostgresResponseStore(pg_url, 3, ttl_days=1, clock=clock)
+    async with (await store._connect()).acquire() as db:
+        await db.execute("TRUNCATE prefixgate_responses")
+        await db.execute("INSERT INTO prefixgate_responses SELECT 'resp_other_' || n, 'tenant_' || n % 100, '{}', "
+                         "'[]', '[]', $1, $1 FROM generate_series(1, 5000) AS n", clock.now)
+        await db.execute("ANALYZE prefixgate_responses")
+    for n in range(4):
+        clock.now += 1
+        assert await store.aput(stored(f"resp_kate_{n}", "kate"))
+    queries = []
+    real_call = store._call
+
+    async def traced(work):
+        async def logged(db):
+            with db.query_logger(queries.append):
+                return await work(db)
+        return await real_call(logged)
+    monkeypatch.setattr(store, "_call", traced)
+    clock.now -= 30  # a gateway whose clock is behind: its put is kept all the same
+    assert await store.aput(stored("resp_kate_late", "kate"))
+    await asyncio.sleep(0)  # (query loggers are called soon after, not at once)
+    async with (await store._connect()).acquire() as db:
+        kept = {row["id"] for row in await db.fetch("SELECT id FROM prefixgate_responses WHERE tenant = 'kate'")}
+        read = 0
+        for query in queries:
+            if query.query.startswith(("SELECT", "INSERT", "DELETE", "UPDATE")):
+                explained = db.transaction()
+                await explained.start()
+                (plan,) = json.loads(await db.fetchval(f"EXPLAIN (ANALYZE, FORMAT JSON) {query.query}",
+                                                       *query.args))
+                await explained.rollback()
+                read += rows_read(plan["Plan"])
+    assert kept == {"resp_kate_late", "resp_kate_3", "resp_kate_2"}
+    assert 0 < read < 50
+    await store.aclose()
+
+
+@pytest.mark.server
+async def test_the_stored_gauge_counts_other_gateways_rows_again_now_and_then(pg_url, monkeypatch):
+    """A put keeps the gauge from its own changes; at most every RECOUNT_S one counts the table again in the
+    background, so rows another gateway put show up."""
+    maker = PostgresResponseStore(pg_url, 10)
+    async with (await maker._connect()).acquire() as db:
+        await db.execute("TRUNCATE prefixgate_responses")
+    await maker.aclose()
+    mine, theirs = PostgresResponseStore(pg_url, 10), PostgresResponseStore(pg_url, 10)
+    assert await mine.aput(stored("resp_mine_0", "liam"))
+    for n in range(2):
+        assert await theirs.aput(stored(f"resp_theirs_{n}", "mia"))
+    assert await mine.aput(stored("resp_mine_1", "liam"))
+    assert mine.num_stored == 2  # (counted at its first connection, its own puts since)
+    monkeypatch.setattr(response_store_postgres, "RECOUNT_S", 0.0)
+    mine._recount_at = 0.0
+    assert await mine.aput(stored("resp_mine_2", "liam"))
+    await asyncio.gather(*mine._cleaning)
+    assert (mine.num_stored, theirs.num_stored) == (5, 3)  # (theirs counted resp_mine_0 at its first connection)
+    await mine.aclose()
+    await theirs.aclose()
