@@ -250,13 +250,17 @@ def test_vnni_gives_the_same_bits_as_avx2s_pairs(tmp_path):
                 "off": (_without(HOST_FEATURES, "avxvnni", "avx512vnni"), "False False")}
     if wide and kernel_cache.has_vnni(_without(HOST_FEATURES, "avx512vnni")):
         variants["narrow"] = (_without(HOST_FEATURES, "avx512vnni"), "True False")
-    for name, (features, expected) in variants.items():
-        env = {**os.environ, "NUMBA_CPU_FEATURES": features, "NUMBA_CACHE_DIR": str(tmp_path / name)}
-        # (numba shows no machine code of a kernel loaded from its cache: each run compiles into an empty one)
-        check = subprocess.run([sys.executable, "-c", VNNI_CHECK, name, str(tmp_path / f"{name}.npy")], cwd=REPO,
-                               env=env, capture_output=True, text=True, timeout=600)
-        assert check.returncode == 0, check.stderr[-3000:]
-        assert check.stdout.strip() == expected, name  # which instructions the code has
+    # (numba shows no machine code of a kernel loaded from its cache: each run compiles into an empty one; the
+    # runs go at once, each compiling on one core)
+    checks = {name: subprocess.Popen([sys.executable, "-c", VNNI_CHECK, name, str(tmp_path / f"{name}.npy")],
+                                     cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "NUMBA_CPU_FEATURES": features,
+                                          "NUMBA_CACHE_DIR": str(tmp_path / name)})
+              for name, (features, _) in variants.items()}
+    for name, check in checks.items():
+        stdout, stderr = check.communicate(timeout=600)
+        assert check.returncode == 0, stderr[-3000:]
+        assert stdout.strip() == variants[name][1], name  # which instructions the code has
     for name in variants:
         assert np.array_equal(np.load(tmp_path / "on.npy"), np.load(tmp_path / f"{name}.npy")), name
 
