@@ -12,6 +12,7 @@ from engine.client import RelayedEngineClient
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.messages import CommandReply, Inbound, StepOutputs
+from engine.model.gguf_loader import WEIGHTS_NAME
 from engine.sampling_params import SamplingParams
 from engine.step_loop import StepLoop
 
@@ -120,4 +121,7 @@ def served_name(core: EngineCore) -> str:
     if core.config.model in ("", "default"):
         from engine.model.default_model import DEFAULT_MODEL_NAME
         return DEFAULT_MODEL_NAME
+    weights = core.model_path / WEIGHTS_NAME
+    if weights.is_symlink():  # a GGUF file's directory in the cache: the file's own name, not the cache's key
+        return weights.resolve().stem
     return core.model_path.name

@@ -18,7 +18,11 @@ from gguf import GGUFReader
 logger = logging.getLogger("prefixgate.engine")
 
 INDEX_NAME = "gguf_tensors.json"
-_VERSION = 1  # bumped when the entries change, so an older index is parsed again rather than misread
+_VERSION = 2  # bumped when the entries change, so an older index is parsed again rather than misread
+# metadata the model directory is built from beyond what transformers reads: rope scaling (under the architecture's
+# name) and the tokens a turn may end with besides the EOS (llama.cpp stops on each)
+_ROPE_KEYS = ("rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length")
+END_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +60,14 @@ def write_index(gguf_file: Path, out_dir: Path) -> dict:
     cannot be written keeps no index, so the next load parses again."""
     logger.info("indexing the tensors of %s (once per file)", gguf_file.name)
     reader = ArrayReader(gguf_file)
-    index = {"version": _VERSION, **_stamp(gguf_file),
-             "architecture": bytes(reader.fields["general.architecture"].parts[-1]).decode(),
+    parts = reader.fields.get("split.count")
+    if parts is not None and parts.contents() > 1:
+        raise ValueError(f"{gguf_file.name} is one of {parts.contents()} parts of a split GGUF file; merge them into "
+                         f"one first: llama-gguf-split --merge {gguf_file.name} merged.gguf")
+    architecture = reader.fields["general.architecture"].contents()
+    keys = [*(f"{architecture}.{key}" for key in _ROPE_KEYS), *END_TOKEN_KEYS]
+    index = {"version": _VERSION, **_stamp(gguf_file), "architecture": architecture,
+             "metadata": {key: reader.fields[key].contents() for key in keys if key in reader.fields},
              "tensors": [{"name": t.name, "type": QType(t.tensor_type).name, "dims": [int(d) for d in t.shape],
                           "offset": int(t.data_offset), "bytes": int(t.n_bytes), "dtype": t.data.dtype.str,
                           "shape": list(t.data.shape)} for t in reader.tensors]}
@@ -69,6 +79,12 @@ def write_index(gguf_file: Path, out_dir: Path) -> dict:
     except OSError as error:
         logger.warning("%s: tensor index not kept (%s); the next load parses the file again", gguf_file, error)
     return index
+
+
+def float_tensor(gguf_file: Path, index: dict, name: str) -> np.ndarray | None:
+    """An F32 tensor of the file (a small table such as rope_freqs), or None where it has none."""
+    entry = next((e for e in index["tensors"] if e["name"] == name and e["type"] == "F32"), None)
+    return None if entry is None else np.array(_view(np.memmap(gguf_file, mode="r"), entry).data, np.float32).ravel()
 
 
 def has_index(model_dir: Path) -> bool:

@@ -9,8 +9,10 @@ dequantized exactly into `dtype`; a format with no kernel here is dequantized on
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,7 +22,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize
 
 from engine.model import quant_formats
-from engine.model.gguf_index import read_indexed, write_index
+from engine.model.gguf_index import END_TOKEN_KEYS, float_tensor, read_indexed, write_index
 from engine.model.quant_formats import QuantRows
 
 if TYPE_CHECKING:
@@ -44,12 +46,17 @@ LAYER_NAMES = {
 }
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
-_ROPE_TABLES = ("rope_freqs.weight",)  # llama 3's rope scaling factors: the config already carries them
+ROPE_FACTORS = "rope_freqs.weight"  # llama 3's rope scaling, as llama.cpp's converter writes it: config.json takes it
+# the texts llama.cpp's vocabulary also ends a generation on, where a file's tokenizer has them (a chat template's
+# end of turn, which many files do not name as their EOS)
+END_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",
+             "<|end_of_text|>")
+_DIR_VERSION = 2  # in the model directory's key: a directory an older build laid out is built again
 
 def hf_name(name: str) -> str | None:
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
-    if name in _ROPE_TABLES:
+    if name == ROPE_FACTORS:
         return None
     parts = name.split(".", 2)
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in LAYER_NAMES:
@@ -62,13 +69,17 @@ def gguf_model_dir(gguf_file: Path, cache_dir: Path) -> Path:
     metadata, and the file linked as model.gguf. Built once per file (keyed by its path, size and mtime)."""
     gguf_file = gguf_file.resolve()
     stat = gguf_file.stat()
-    key = hashlib.sha256(f"{gguf_file} {stat.st_size} {stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{gguf_file} {stat.st_size} {stat.st_mtime_ns} {_DIR_VERSION}".encode()).hexdigest()[:12]
     model_dir = cache_dir / "gguf" / f"{gguf_file.stem}-{key}"
     if (model_dir / "config.json").is_file():
         return model_dir
     staged = model_dir.with_name(f".{model_dir.name}.{os.getpid()}.partial")
     staged.mkdir(parents=True, exist_ok=True)
-    write_metadata(gguf_file, staged)
+    try:
+        write_metadata(gguf_file, staged)
+    except BaseException:  # (a file we cannot read: no half-built directory left behind at each try)
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
     (staged / WEIGHTS_NAME).symlink_to(gguf_file)
     try:
         staged.rename(model_dir)
@@ -79,15 +90,44 @@ def gguf_model_dir(gguf_file: Path, cache_dir: Path) -> Path:
 
 
 def write_metadata(gguf_file: Path, out_dir: Path) -> None:
-    """config.json and the tokenizer (chat template inside tokenizer_config.json) from the file's metadata, and
-    the file's tensor index."""
+    """The file's tensor index, config.json and the tokenizer (chat template inside tokenizer_config.json) from
+    its metadata, with what transformers leaves out of them: the file's rope scaling, and generation_config.json's
+    EOS ids, every token a turn may end with."""
+    index = write_index(gguf_file, out_dir)  # (first: a split file is refused before anything else is read)
     logger.info("reading the config and tokenizer of %s", gguf_file.name)
     from transformers import AutoConfig, AutoTokenizer  # (a file's first use only: the directory keeps them)
-    config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    try:
+        config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    except Exception as exc:  # transformers' GGUF support raises KeyErrors and the like for what it cannot read
+        raise ValueError(f"{gguf_file.name}: transformers cannot read its {index['architecture']} config or its "
+                         f"tokenizer ({type(exc).__name__}: {exc})") from exc
+    _set_rope_scaling(config, gguf_file, index)
     config.save_pretrained(out_dir)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
-    write_index(gguf_file, out_dir)
+    vocab = tokenizer.get_vocab()
+    ends = {index["metadata"][key] for key in END_TOKEN_KEYS if key in index["metadata"]}
+    ends.update(vocab[text] for text in END_TEXTS if text in vocab)
+    if ends:
+        (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(ends)}))
+
+
+def _set_rope_scaling(config, gguf_file: Path, index: dict) -> None:
+    """transformers reads no rope scaling from a llama or qwen2 GGUF: llama 3's per-frequency factors (a
+    tensor), or a linear or YaRN scaling named in the metadata."""
+    factors = float_tensor(gguf_file, index, ROPE_FACTORS)
+    if factors is not None:
+        config.rope_freq_factors = factors.tolist()  # (engine.model.llama divides the frequencies by them)
+    metadata, arch = index["metadata"], index["architecture"]
+    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if kind in ("linear", "yarn"):
+        scaling = {"rope_type": kind, "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
+        if kind == "yarn":
+            scaling["original_max_position_embeddings"] = int(
+                metadata.get(f"{arch}.rope.scaling.original_context_length", config.max_position_embeddings))
+        config.rope_parameters = {**(config.rope_parameters or {}), **scaling}
+    elif kind != "none":
+        raise ValueError(f"{gguf_file.name}: rope scaling {kind!r} is not supported (linear and yarn are)")
 
 
 def is_gguf_dir(path: Path) -> bool:

@@ -58,6 +58,9 @@ class RotaryEmbedding(nn.Module):
             theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
             inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
             self.attention_scaling = 1.0
+            factors = getattr(config, "rope_freq_factors", None)  # (a GGUF's llama 3 scaling, as llama.cpp applies it)
+            if factors:
+                inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float)
         else:
             # "dynamic" gets its static frequencies: exact up to the original context length
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # (their configs come from transformers)

@@ -53,6 +53,7 @@ class ModelConfig:
     eos_token_id: int | list[int] | None
     bos_token_id: int | None
     rope_parameters: dict[str, Any] = field(default_factory=dict)
+    rope_freq_factors: tuple[float, ...] | None = None  # a GGUF's per-frequency divisors (llama 3's rope scaling)
 
 
 def plain_config(raw: dict[str, Any]) -> ModelConfig | None:
@@ -78,6 +79,7 @@ def plain_config(raw: dict[str, Any]) -> ModelConfig | None:
         eos_token_id=values["eos_token_id"],
         bos_token_id=values["bos_token_id"],
         rope_parameters={"rope_theta": rope.get("rope_theta", values["rope_theta"]), "rope_type": "default"},
+        rope_freq_factors=tuple(values["rope_freq_factors"]) if values.get("rope_freq_factors") else None,
     )
 
 
