@@ -72,7 +72,7 @@ class GatewaySettings:
                                      "(vllm:num_requests_waiting, ...): dashboards and autoscalers built for vLLM")
     served_model_name: tuple[str, ...] = _knob(
         (), "the model's names in the API, as vLLM's --served-model-name: answers carry the first, each selects the "
-            "model; none: its own name (a .gguf file's is its stem and a hash of its path, size and mtime)")
+            "model; none: its own name (a .gguf file's is its file name without .gguf)")
     tool_call_parser: str = _knob("auto", "auto (from the chat template) | hermes | llama3_json")
     reasoning_parser: str = _knob("auto", "the answer's <think>...</think> in the message's reasoning: auto (when the "
                                           "chat template writes either tag) | none | deepseek_r1 | qwen3 (vLLM's names)")
