@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 
 from engine.model.gguf_index import has_index, write_index
-from engine.model.gguf_loader import WEIGHTS_NAME, write_metadata
+from engine.model.gguf_loader import WEIGHTS_NAME, has_end_tokens, write_end_tokens, write_metadata
 from engine.paths import default_cache_dir
 
 if TYPE_CHECKING:
@@ -48,7 +48,8 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     """Return the default model's directory, fetching it on first use."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     model_dir = cache_dir / DEFAULT_MODEL_DIR
-    if is_complete(model_dir) and has_sampling_defaults(model_dir) and has_index(model_dir):
+    if is_complete(model_dir) and has_sampling_defaults(model_dir) and has_index(model_dir) and \
+            has_end_tokens(model_dir):
         return model_dir
     cache_dir.mkdir(parents=True, exist_ok=True)
     with _file_lock(cache_dir / f"{DEFAULT_MODEL_NAME}.lock"):
@@ -59,8 +60,11 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
         # converted by an earlier version: what it lacks is added
         if not has_sampling_defaults(model_dir):
             write_sampling_defaults(model_dir)
-        if not has_index(model_dir):
-            write_index(model_dir / WEIGHTS_NAME, model_dir)
+        if not has_index(model_dir) or not has_end_tokens(model_dir):
+            index = write_index(model_dir / WEIGHTS_NAME, model_dir)
+            if not has_end_tokens(model_dir):
+                from transformers import AutoTokenizer  # (once, for a directory converted before end tokens)
+                write_end_tokens(model_dir, index, AutoTokenizer.from_pretrained(model_dir).get_vocab())
     return model_dir
 
 

@@ -105,11 +105,23 @@ def write_metadata(gguf_file: Path, out_dir: Path) -> None:
     _set_rope_scaling(config, gguf_file, index)
     config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
-    vocab = tokenizer.get_vocab()
+    write_end_tokens(out_dir, index, tokenizer.get_vocab())
+
+
+def write_end_tokens(model_dir: Path, index: dict, vocab: dict[str, int]) -> None:
+    """generation_config.json's eos_token_id: the file's EOS, end-of-turn and end-of-message tokens and the end
+    texts its vocabulary has (llama.cpp stops on each)."""
     ends = {index["metadata"][key] for key in END_TOKEN_KEYS if key in index["metadata"]}
     ends.update(vocab[text] for text in END_TEXTS if text in vocab)
+    path = model_dir / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
     if ends:
-        (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(ends)}))
+        path.write_text(json.dumps({**config, "eos_token_id": sorted(ends)}, indent=2) + "\n")
+
+
+def has_end_tokens(model_dir: Path) -> bool:
+    path = model_dir / "generation_config.json"
+    return path.is_file() and "eos_token_id" in json.loads(path.read_text())
 
 
 def _set_rope_scaling(config, gguf_file: Path, index: dict) -> None:

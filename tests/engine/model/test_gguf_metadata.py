@@ -143,3 +143,26 @@ def test_a_file_with_an_end_of_turn_token_stops_on_it_and_is_served_by_its_own_n
     assert json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"] == [0, 2]
     core = SimpleNamespace(config=SimpleNamespace(model=str(tmp_path / "chat.gguf")), model_path=model_dir)
     assert model_dir.name.startswith("chat-") and served_name(core) == "chat"
+
+
+@pytest.mark.default_model
+def test_a_default_model_converted_before_end_tokens_gets_them(tmp_path):
+    """The default model's directory converted by an earlier version (no eos_token_id in its generation_config.json)
+    gets the file's end tokens at the next start, as a fresh conversion writes them."""
+    from engine.model.default_model import DEFAULT_MODEL_DIR, ensure_default_model
+    from engine.model.gguf_loader import WEIGHTS_NAME
+
+    source = ensure_default_model()
+    old = tmp_path / DEFAULT_MODEL_DIR
+    old.mkdir()
+    for path in source.iterdir():
+        if path.name == WEIGHTS_NAME:
+            (old / WEIGHTS_NAME).symlink_to(path)
+        elif path.is_file():
+            (old / path.name).write_bytes(path.read_bytes())
+    generation = json.loads((old / "generation_config.json").read_text())
+    generation.pop("eos_token_id", None)
+    (old / "generation_config.json").write_text(json.dumps(generation))
+    assert ensure_default_model(tmp_path) == old
+    upgraded = json.loads((old / "generation_config.json").read_text())
+    assert upgraded == {**generation, "eos_token_id": [0, 2]}  # <|endoftext|> and <|im_end|>; the rest kept
