@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("prefixgate.engine")
 
 WEIGHTS_NAME = "model.gguf"  # the weights inside a GGUF model directory (the file itself or a link to it)
-_FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
+FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 # llama.cpp's tensor names -> ours ({i}: the layer); a name not here is an error, not a silent skip
 LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -153,18 +154,18 @@ def _head_order(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
 
 
-def read_tensors(gguf_file: Path, config: AnyConfig) -> dict[str, torch.Tensor | QuantRows]:
-    """Every weight by our name: float tensors, QuantRows where a kernel runs the format (the rest
-    dequantized to float32, with a warning). The tensors come through the index beside the file."""
+def iter_tensors(gguf_file: Path, config: AnyConfig) -> Iterator[tuple[str, torch.Tensor | QuantRows]]:
+    """Every weight by our name, one at a time (a load holds one decoded weight, not all): float tensors, QuantRows
+    where a kernel runs the format (the rest dequantized to float32, with a warning once all have come). The
+    tensors come through the index beside the file."""
     arch, tensors = read_indexed(gguf_file)
-    state: dict[str, torch.Tensor | QuantRows] = {}
     fallback: dict[str, list[str]] = {}
     for tensor in tensors:
         name = hf_name(tensor.name)
         if name is None:
             continue
         qtype, k = tensor.qtype, tensor.dims[0]
-        if qtype in _FLOAT_TYPES:  # (bf16 comes as its bytes: the gguf library's dequantize reads them)
+        if qtype in FLOAT_TYPES:  # (bf16 comes as its bytes: the gguf library's dequantize reads them)
             value: torch.Tensor | QuantRows = torch.from_numpy(np.array(dequantize(tensor.data, qtype),
                                                                         dtype=np.float32))
         elif quant_formats.supported(qtype):
@@ -174,14 +175,17 @@ def read_tensors(gguf_file: Path, config: AnyConfig) -> dict[str, torch.Tensor |
             value = torch.from_numpy(dequantize(tensor.data, qtype).reshape(-1, k).astype(np.float32))
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
-            rows = value.shape[0]
-            order = _head_order(rows, heads)
+            order = _head_order(value.shape[0], heads)
             value = quant_formats.take_rows(value, order) if isinstance(value, QuantRows) else value[order]
-        state[name] = value
+        yield name, value
     for qtype_name, names in fallback.items():
         logger.warning("%s: %d tensors in %s, which no kernel here runs, dequantized to float32 at load (%s...)",
                        gguf_file.name, len(names), qtype_name, ", ".join(names[:3]))
-    return state
+
+
+def read_tensors(gguf_file: Path, config: AnyConfig) -> dict[str, torch.Tensor | QuantRows]:
+    """iter_tensors' weights all at once (a reference model's, a test's)."""
+    return dict(iter_tensors(gguf_file, config))
 
 
 def as_float(value: torch.Tensor | QuantRows) -> torch.Tensor:

@@ -89,17 +89,6 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
 
 
-def pack_linears(model: nn.Module) -> None:
-    """Packs every Linear; an Embedding tied to one of them reads its rows from the packed tiles."""
-    tied = {id(m.weight): m for m in model.modules() if isinstance(m, Embedding)}
-    for module in list(model.modules()):
-        if isinstance(module, Linear) and module.quant is None:
-            embedding = tied.get(id(module.weight))
-            module.pack()
-            if embedding is not None:
-                embedding.tiles, embedding.weight = module.packed, None
-
-
 def uniform_linears(model: nn.Module) -> bool:
     """Whether the compiled decode step can run the model: every Linear packed or quantized, and each
     projection the same kind in every layer (the step keeps one typed list of them per projection; quantized

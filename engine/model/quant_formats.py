@@ -25,6 +25,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 QK_K = 256  # weights of a K-quant super-block
+DEQUANTIZE_WEIGHTS = 1 << 20  # weights dequantized at a time: 16 MB of float64 temporaries
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,17 @@ class QuantRows:
                    for v in (self.scales, self.mins))
 
     def dequantize(self) -> np.ndarray:
-        """The weight [N, K] in float32 (float64 products rounded once: exact where the format is)."""
-        expand = np.repeat(self.scales.astype(np.float64), self.group, axis=1)
-        w = self.q.astype(np.float64) * expand
-        if self.mins is not None:
-            w += np.repeat(self.mins.astype(np.float64), self.group, axis=1)
-        return w.astype(np.float32)
+        """The weight [N, K] in float32 (float64 products rounded once: exact where the format is), a run of rows
+        at a time: whole, the float64 temporaries took 4x the result's bytes (a large vocabulary's embedding)."""
+        out = np.empty(self.shape, np.float32)
+        step = max(1, DEQUANTIZE_WEIGHTS // self.shape[1])
+        for start in range(0, self.shape[0], step):
+            rows = slice(start, start + step)
+            w = self.q[rows].astype(np.float64) * np.repeat(self.scales[rows].astype(np.float64), self.group, axis=1)
+            if self.mins is not None:
+                w += np.repeat(self.mins[rows].astype(np.float64), self.group, axis=1)
+            out[rows] = w
+        return out
 
 
 def _fp16(raw: np.ndarray) -> np.ndarray:
@@ -222,6 +228,11 @@ def take_rows(rows: QuantRows, order: np.ndarray) -> QuantRows:
 
 def quantize(weight: np.ndarray, qtype: QType) -> QuantRows:
     """A float weight [N, K] quantized to a ggml format by the gguf library's reference quantizer (as
-    llama.cpp's), then decoded: `--quantization` for checkpoints that are not GGUF."""
+    llama.cpp's), then decoded: `--quantization` for float checkpoints (HF, or a GGUF file of float tensors)."""
     from gguf.quants import quantize as ggml_quantize
     return decode(ggml_quantize(np.ascontiguousarray(weight, dtype=np.float32), qtype), qtype, weight.shape[1])
+
+
+def block_size(qtype: QType) -> int:
+    """Weights per block of a format: a row's length is a whole number of them."""
+    return FORMATS[qtype][0]

@@ -40,6 +40,7 @@ def _fake_build(calls: list[Path], seconds: float = 0.0):
         out_dir.mkdir()
         (out_dir / "config.json").write_text("{}")
         (out_dir / INDEX_NAME).write_text("{}")
+        (out_dir / "generation_config.json").write_text('{"eos_token_id": [2]}')  # (the file's end tokens)
         gguf.rename(out_dir / WEIGHTS_NAME)
     return build_model_dir
 
@@ -92,7 +93,8 @@ def test_conversion_renames_a_marked_directory_into_place(tmp_path, fake_pipelin
     assert model_dir == tmp_path / DEFAULT_MODEL_DIR
     assert sorted(p.name for p in model_dir.iterdir()) == [COMPLETE_MARKER, "config.json", "generation_config.json",
                                                            INDEX_NAME, WEIGHTS_NAME]
-    assert json.loads((model_dir / "generation_config.json").read_text()) == RECOMMENDED_SAMPLING
+    assert json.loads((model_dir / "generation_config.json").read_text()) == {"eos_token_id": [2],
+                                                                              **RECOMMENDED_SAMPLING}
     assert [g.name for g in fake_pipeline] == ["M.Q4_1.gguf"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [DEFAULT_MODEL_DIR, f"{DEFAULT_MODEL_NAME}.lock"]
 
@@ -124,7 +126,8 @@ def test_a_directory_converted_before_gets_the_model_cards_sampling(tmp_path, fa
 def test_a_directory_with_the_earlier_sampling_gets_the_answer_cap(tmp_path, fake_pipeline):
     """Converted before max_new_tokens was recommended: the next start adds it (bounded answers by default)."""
     model_dir = ensure_default_model(tmp_path)
-    (model_dir / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.2, "top_p": 0.9}')
+    (model_dir / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.2, "top_p": 0.9, '
+                                                        '"eos_token_id": [2]}')
     ensure_default_model(tmp_path)
     assert json.loads((model_dir / "generation_config.json").read_text())["max_new_tokens"] == 1024
     assert len(fake_pipeline) == 1
