@@ -89,7 +89,7 @@ def survive(model: str, vocab: int, s: Scale) -> dict:
 def _without_pin_hooks(core) -> None:
     """The engine as it was before pins: no expiry check per step, no renewal on a hit, no pinning."""
     core.kv.pins.expire = lambda: 0
-    core.kv.pins.renew_hits = lambda block_hashes: None
+    core.kv.pins.renew_hits = lambda tenant, block_hashes: None
     core.kv.pin_prompt = lambda request: None
 
 

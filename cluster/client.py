@@ -204,6 +204,7 @@ class ClusterEngine(StatsPublisher):
         for erased in await self._broadcast("erase", tenant):
             total.blocks += erased.blocks
             total.disk_blocks += erased.disk_blocks
+            total.disk_blocks_kept += erased.disk_blocks_kept
             total.pins += erased.pins
         return total
 

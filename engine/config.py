@@ -21,6 +21,14 @@ class EvictionPolicy(str, enum.Enum):
     SLRU = "slru"  # segmented LRU: blocks hit again are protected from one-off prompts (adaptive share)
 
 
+GATEWAY_SET = {"gateway_set": True}  # a field's metadata: the gateway fills it in, never a setting
+
+
+def settable(field: dataclasses.Field) -> bool:
+    """Whether a setting (a flag, a YAML key) sets the field."""
+    return not field.metadata.get("gateway_set")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = "default"
@@ -41,6 +49,10 @@ class EngineConfig:
     kv_disk_dir: str | None = None  # disk tier for evicted blocks (kept across restarts); None: no disk tier
     kv_disk_gb: float = 10.0  # disk tier size bound in GiB (its own LRU drops the oldest files)
     max_pinned_fraction: float = 0.5  # share of the KV pool that pinned prefixes (cache_control) may hold
+    # saved pins a start restores: those made under this fingerprint of the salt secret, of these tenants (None:
+    # any). The gateway sets both from its keys (no flag, no YAML key: GATEWAY_SET)
+    salt_fingerprint: str | None = dataclasses.field(default=None, metadata=GATEWAY_SET)
+    tenants: tuple[str, ...] | None = dataclasses.field(default=None, metadata=GATEWAY_SET)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA; a GGUF's weights in their formats) | float32 | bfloat16 | float16
     # auto (a GGUF file's own formats, CPU) | none (weights as dtype) | q8_0 | q4_0 (quantized at load, CPU)

@@ -116,7 +116,7 @@ class EngineCore:
         self._inter_token_latencies: list[float] = []
         # the last run's pins come back only now: the probes above write scratch K/V from slot 0, where the blocks
         # read back for them would lie (they overwrote a pinned system prompt's K/V, and its answers changed)
-        if restored := self.kv.restore_pins():
+        if restored := self.kv.restore_pins(config.salt_fingerprint, config.tenants):
             logger.info("disk tier: %d pinned prefixes restored (%d blocks)", restored, self.kv.pins.num_blocks)
         self._release_idle_memory()  # with loading's freed temporaries
 

@@ -138,6 +138,7 @@ class CacheErased:
 
     blocks: int = 0  # cached blocks dropped from RAM
     disk_blocks: int = 0  # block files deleted from the disk tier
+    disk_blocks_kept: int = 0  # block files of the tenant's the disk tier's folder would not let it delete
     pins: int = 0  # pins released
 
 

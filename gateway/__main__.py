@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, settable
 from gateway.app import ENGINE_GAVE_UP, IN_FLIGHT, InFlight, RequestIdFilter, create_app
 from gateway.settings import DEFAULT_CONFIG_PATH, GatewaySettings, Settings, field_types, load_settings, parse_value
 
@@ -66,7 +66,7 @@ def _add_flags(group: argparse._ArgumentGroup, cls: type, skip: set[str]) -> Non
     types_ = field_types(cls)
     comments = _field_comments(cls)
     for f in dataclasses.fields(cls):
-        if f.name in skip:
+        if f.name in skip or not settable(f):
             continue
         hint, flag = types_[f.name], "--" + f.name.replace("_", "-")
         base = _base_type(hint)

@@ -109,6 +109,9 @@ def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Ap
     secret = resolve_salt_secret(settings.gateway.salt_secret)
     settings = dataclasses.replace(settings, gateway=settings.gateway.replace(salt_secret=secret.value))
     auth = Authenticator(settings.gateway)  # bad key settings fail here, before the model loads
+    # the engine restores only the saved pins someone can still hit, list and erase
+    settings = dataclasses.replace(settings, engine=settings.engine.replace(salt_fingerprint=auth.salt_fingerprint,
+                                                                            tenants=tuple(auth.tenant_names)))
     app = web.Application(client_max_size=settings.gateway.max_body_bytes,
                           middlewares=[observe_middleware, error_middleware, bodiless_middleware])
     app[IN_FLIGHT] = InFlight(settings.gateway.retry_after_s)

@@ -52,6 +52,7 @@ class Authenticator:
         anonymous_salt = derive.public() if ANONYMOUS_TENANT in public else derive.tenant(ANONYMOUS_TENANT)
         self._anonymous = Tenant(ANONYMOUS_TENANT, anonymous_salt, settings.max_concurrent_per_tenant)
         self.tenant_names = sorted(salts) if salts else [ANONYMOUS_TENANT]
+        self.salt_fingerprint = derive.fingerprint()  # saved with pins: a start under another secret skips them
         # /metrics lists tenant names: with metrics_api_key it needs that key (and only that key)
         self._metrics_digest = _digest(settings.metrics_api_key) if settings.metrics_api_key else None
 
@@ -93,6 +94,9 @@ class _SaltDeriver:
 
     def public(self) -> str:
         return hmac.new(self._secret, b"public\0", hashlib.sha256).hexdigest()
+
+    def fingerprint(self) -> str:
+        return hmac.new(self._secret, b"pins\0", hashlib.sha256).hexdigest()[:16]
 
 
 def _bearer(request: web.Request) -> str | None:

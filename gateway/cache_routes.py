@@ -13,7 +13,7 @@ from engine.messages import CacheBreakpoint, CacheErased, PinInfo
 from engine.sampling_params import SamplingParams
 from gateway.cache_control import (DEFAULT_TTL, TTLS, WHOLE_PROMPT, chat_breakpoints, chat_directives, directives,
                                    parse_ttl)
-from gateway.errors import invalid
+from gateway.errors import APIError, invalid
 from gateway.generate import Choice, prompt_tokens_details
 from gateway.jsonbody import parse_body
 from gateway.protocol import _Fields, parse_prompts
@@ -22,6 +22,8 @@ from gateway.responses import RESPONSE_STORE
 from gateway.runner import RequestRun, run_command
 from gateway.state import STATE, GatewayState
 from gateway.tool_prompt import TOOL_TEMPLATE
+
+ERASE_RETRY_AFTER_S = 1
 
 
 async def list_pins(request: web.Request) -> web.Response:
@@ -39,6 +41,10 @@ async def erase(request: web.Request) -> web.Response:
     # its conversations are its cache too; first, so that a database that cannot be written (a 503) leaves all as it was
     responses = await request.app[RESPONSE_STORE].aerase(tenant.name)
     erased: CacheErased = await run_command(state.engine, state.engine.erase_cache(tenant.name))
+    if erased.disk_blocks_kept:  # asked for an erasure, the client must learn it is not complete
+        raise APIError(503, f"{erased.disk_blocks_kept} block files of the cache could not be deleted from the disk "
+                            "tier now (they are not served meanwhile); try again", code="cache_erase_incomplete",
+                       headers={"Retry-After": str(ERASE_RETRY_AFTER_S)})
     return web.json_response({"object": "cache.deleted", "deleted": True, "blocks": erased.blocks,
                               "disk_blocks": erased.disk_blocks, "pins": erased.pins, "responses": responses})
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, settable
 from gateway.generation_defaults import parse_override
 from gateway.reasoning import PARSER_NAMES as REASONING_PARSERS
 
@@ -183,11 +183,15 @@ def parse_value(hint: Any, value: Any) -> Any:
     raise ValueError(f"expected {getattr(hint, '__name__', hint)}, got {value!r}")
 
 
+def _settable_names(cls: type) -> set[str]:
+    """The fields a YAML key or a flag sets: not api_keys (--api-key, --api-keys-file), not what the gateway fills in."""
+    return {f.name for f in dataclasses.fields(cls) if settable(f) and f.name != "api_keys"}
+
+
 def _typed_section(name: str, cls: type, raw: Any) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ValueError(f"config section {name!r} must be a mapping")
-    types_ = field_types(cls)
-    types_.pop("api_keys", None)
+    types_ = {name: hint for name, hint in field_types(cls).items() if name in _settable_names(cls)}
     unknown = sorted(set(raw) - set(types_))
     _check(not unknown, f"unknown key(s) in config section {name!r}: {', '.join(map(str, unknown))}")
     values = {}

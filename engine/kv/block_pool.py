@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from engine.config import EvictionPolicy
 from engine.kv.eviction import FreeBlockQueue, make_eviction
-from engine.kv.hashing import BlockHash
+from engine.kv.hashing import BlockHash, tenant_tag
 
 __all__ = ["BlockPool", "FreeBlockQueue", "Ghost", "KVCacheBlock", "EVICTION_REASONS"]
 
@@ -16,7 +16,7 @@ EVICTION_REASONS = ("capacity", "spill", "erase")
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "tenant", "reused", "protected",
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "tenant", "owner", "reused", "protected",
                  "prev", "next")
 
     def __init__(self, block_id: int) -> None:
@@ -25,6 +25,8 @@ class KVCacheBlock:
         self.block_hash: BlockHash | None = None
         self.token_ids: tuple[int, ...] | None = None  # kept to reject hash collisions
         self.tenant: str | None = None  # whose request cached it (per-tenant eviction counts)
+        # tenant_tag() of the tenant whose cache it is (DELETE /v1/cache): who computed it, or its block file's
+        self.owner: bytes | None = None
         self.reused = False  # hit since it was cached, or cached again while a ghost (SLRU protects it)
         self.protected = False  # sits in SLRU's protected segment
         self.prev: KVCacheBlock | None = None
@@ -124,10 +126,12 @@ class BlockPool:
         return not self._is_holder(block)
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: tuple[int, ...],
-                    tenant: str | None = None, *, reused: bool = False) -> None:
+                    tenant: str | None = None, *, reused: bool = False, owner: bytes | None = None) -> None:
+        """`owner`: the tag of the tenant whose cache the block is, where that is not `tenant` (read from disk)."""
         if not self.enable_caching or block.block_hash is not None:
             return
         block.block_hash, block.token_ids, block.tenant, block.reused = block_hash, token_ids, tenant, reused
+        block.owner = tenant_tag(tenant) if owner is None else owner
         if block_hash in self.cached:  # the same tokens computed twice: a live copy, hittable once the holder goes
             self.duplicates.setdefault(block_hash, {})[block.block_id] = block
             return
@@ -150,7 +154,7 @@ class BlockPool:
             self._promote_duplicate(block_hash)
         else:
             self._drop_hash(block, reason)
-        block.block_hash = block.token_ids = block.tenant = None
+        block.block_hash = block.token_ids = block.tenant = block.owner = None
         block.reused = False
 
     def _drop_duplicate(self, block_hash: BlockHash, block: KVCacheBlock) -> None:
@@ -216,16 +220,18 @@ class BlockPool:
         return taken
 
     def erase(self, tenant: str | None, pinned_by: Mapping[int, str | None] | None = None) -> int:
-        """Forgets every hash a block of `tenant` holds (DELETE /v1/cache), free or in use; returns how many
-        cached hashes went. A block in use keeps its K/V for its request, but nothing hits it any more.
-        `pinned_by`: block id -> the tenant of a pin holding it (tenants sharing a salt share blocks): such a
-        block stays cached, that tenant's now, as its pin needs its hash."""
-        before = self.evictions["erase"]
+        """Forgets every hash a block of `tenant`'s cache holds (DELETE /v1/cache), free or in use, whoever's
+        request hit it or read it back from disk; returns how many cached hashes went. A block in use keeps its
+        K/V for its request, but nothing hits it any more. `pinned_by`: block id -> the tenant of a pin holding it
+        (tenants sharing a salt share blocks): such a block stays cached, that tenant's now, as its pin needs
+        its hash."""
+        before, tag = self.evictions["erase"], tenant_tag(tenant)
         for block in self.blocks:
-            if block.block_hash is None or block.tenant != tenant:
+            if block.block_hash is None or block.owner != tag:
                 continue
             if pinned_by and block.block_id in pinned_by:
                 block.tenant = pinned_by[block.block_id]
+                block.owner = tenant_tag(block.tenant)
                 continue
             free = block.ref_cnt == 0
             if free:

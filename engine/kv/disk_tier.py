@@ -1,16 +1,16 @@
 """Disk tier of the prefix cache: evicted blocks as checksummed files, written off the step path.
 
 Layout: DIR/<model fingerprint, 16 hex>/<block hash hex>.kv. A file holds its block hash, token ids,
-the full model fingerprint, a tag of the tenant that cached it (so DELETE /v1/cache finds its files), the
-block's K and V, and a checksum of all of it; a file that fails any
+the full model fingerprint, a tag of the tenant whose cache it is (so DELETE /v1/cache finds its files, in every
+fingerprint's folder), the block's K and V, and a checksum of all of it; a file that fails any
 check is deleted and never served. A model (by a hash of its weights' full content), dtype, block-size
 or hash change gives another fingerprint, hence another folder: old files are never read, and are the
 first reclaimed by the one size cap of DIR. DIR/.lock keeps a second server out of the folder.
 
 A disk error of any kind costs at most a cache miss: the tier that cannot open its folder is not used,
 a failed write drops that block (and makes the writer back off while the disk stays full), a failed
-delete only leaves a file behind. Files are not fsync'ed: a power cut can lose the last writes or leave
-torn files, which their checksums reject.
+delete only leaves a file behind (an erase's is never served, is reported, and goes once the folder lets it).
+Files are not fsync'ed: a power cut can lose the last writes or leave torn files, which their checksums reject.
 """
 from __future__ import annotations
 
@@ -27,14 +27,14 @@ import struct
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Collection
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import xxhash
 
-from engine.kv.hashing import BlockHash
+from engine.kv.hashing import BlockHash, tenant_tag
 from engine.stats import DiskTierStats
 
 logger = logging.getLogger("prefixgate.engine")
@@ -82,15 +82,11 @@ def _content_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def tenant_tag(tenant: str | None) -> bytes:
-    """8 bytes naming the tenant in a block file (a hash: the file does not spell out who it belongs to)."""
-    return bytes(8) if tenant is None else hashlib.blake2b(tenant.encode(), digest_size=8).digest()
-
-
 def encode_block(fingerprint: bytes, block_hash: BlockHash, token_ids: tuple[int, ...], kv: torch.Tensor,
-                 tenant: str | None = None) -> bytes:
+                 owner: bytes = tenant_tag(None)) -> bytes:
+    """`owner`: the tenant_tag() of the tenant whose cache the block is."""
     payload = kv.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    body = (_HEADER.pack(MAGIC, fingerprint, tenant_tag(tenant), len(block_hash), len(token_ids), len(payload))
+    body = (_HEADER.pack(MAGIC, fingerprint, owner, len(block_hash), len(token_ids), len(payload))
             + block_hash
             + struct.pack(f"<{len(token_ids)}q", *token_ids) + payload)
     return body + xxhash.xxh3_128_digest(body)
@@ -125,6 +121,31 @@ def decode_block(data: bytes | bytearray, fingerprint: bytes, block_hash: BlockH
     return torch.frombuffer(payload, dtype=dtype).view(shape)
 
 
+def _owner(path: Path) -> bytes | None:
+    """The tenant tag in a block file's header (None: unreadable, or not a block file of this format)."""
+    try:
+        with path.open("rb", buffering=0) as f:
+            header = f.read(_HEADER.size)
+    except OSError:
+        return None
+    if len(header) < _HEADER.size or header[:len(MAGIC)] != MAGIC:
+        return None
+    return _HEADER.unpack(header)[2]
+
+
+def _retagged(path: Path, tenant: str | None) -> bytes:
+    """The file's bytes with `tenant`'s tag and a new checksum; CorruptBlock if its checksum fails first: a
+    checksum over damaged bytes would make them read as sound."""
+    data = path.read_bytes()
+    body = data[:-_CHECKSUM_BYTES]
+    if len(data) < _HEADER.size + _CHECKSUM_BYTES or xxhash.xxh3_128_digest(body) != data[-_CHECKSUM_BYTES:]:
+        raise CorruptBlock("checksum mismatch")
+    fields = list(_HEADER.unpack_from(body))
+    fields[2] = tenant_tag(tenant)
+    body = _HEADER.pack(*fields) + body[_HEADER.size:]
+    return body + xxhash.xxh3_128_digest(body)
+
+
 def _read(path: Path) -> bytearray:
     """The whole file in one writable buffer (the KV tensor is a view of it)."""
     with path.open("rb", buffering=0) as f:
@@ -140,11 +161,32 @@ def _probe_writable(folder: Path) -> None:
     os.unlink(probe)
 
 
+def _save_pins(path: Path, records: list) -> None:
+    tmp = path.with_suffix(".tmp")  # (a leftover is removed at the next start, as block temporaries are)
+    try:
+        tmp.write_text(json.dumps({"pins": records}))
+        os.replace(tmp, path)
+    except OSError as exc:
+        _unlink(tmp)
+        logger.warning("disk tier: could not save the pinned prefixes to %s (%s); a restart forgets them", path, exc)
+
+
+def _load_pins(path: Path) -> list:
+    try:
+        records = json.loads(path.read_text())["pins"]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.warning("disk tier: ignoring unreadable %s (%s)", path, exc)
+        return []
+    return records if isinstance(records, list) else []
+
+
 @dataclass(slots=True)
 class _Pending:
     token_ids: tuple[int, ...]
     kv: torch.Tensor
-    tenant: str | None
+    owner: bytes
 
 
 class DiskTierUnavailable(OSError):
@@ -220,6 +262,8 @@ class DiskTier:
         self._pending_bytes = 0
         self._others: deque[tuple[Path, int]] = deque()  # files of other fingerprints, oldest first: reclaimed first
         self._others_bytes = 0
+        # files an erase could not delete (the folder refused): out of the index, tried again -> their tenant tag
+        self._undeleted: dict[Path, bytes] = {}
         self._backoff_until = 0.0  # time.monotonic(): no spill is taken before it
         self._backoff_s = 0.0
         self._last_touch_ns = 0
@@ -235,10 +279,10 @@ class DiskTier:
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._pending or block_hash in self._index
 
-    def put(self, block_hash: BlockHash, token_ids: tuple[int, ...], kv: torch.Tensor, tenant: str | None = None,
-            wait: bool = False) -> bool:
-        """Queues a block for writing; False if the writer is too far behind (the block is lost),
-        unless `wait`: then it waits for the writer (shutdown flush)."""
+    def put(self, block_hash: BlockHash, token_ids: tuple[int, ...], kv: torch.Tensor,
+            owner: bytes = tenant_tag(None), wait: bool = False) -> bool:
+        """Queues a block of `owner`'s cache (a tenant_tag()) for writing; False if the writer is too far behind
+        (the block is lost), unless `wait`: then it waits for the writer (shutdown flush)."""
         size = kv.numel() * kv.element_size()
         if wait and self._pending_bytes + size > MAX_PENDING_BYTES:
             self.flush()
@@ -251,7 +295,7 @@ class DiskTier:
             if self._pending_bytes + size > MAX_PENDING_BYTES or time.monotonic() < self._backoff_until:
                 self.stats.dropped_spills += 1
                 return False
-            self._pending[block_hash] = _Pending(token_ids, kv, tenant)
+            self._pending[block_hash] = _Pending(token_ids, kv, owner)
             self._pending_bytes += size
         self._queue.put(block_hash)
         return True
@@ -260,14 +304,15 @@ class DiskTier:
         """Whether a block of `size` bytes can be queued now without waiting or being dropped."""
         return self._pending_bytes + size <= MAX_PENDING_BYTES
 
-    def load(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> torch.Tensor | None:
-        """The block's KV, verified; None if absent or bad (a bad file is deleted, with a warning)."""
+    def load(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> tuple[torch.Tensor, bytes] | None:
+        """The block's KV, verified, and the tag of the tenant whose cache it is; None if absent or bad (a bad file
+        is deleted, with a warning)."""
         with self._lock:
             pending = self._pending.get(block_hash)
             if pending is None and block_hash in self._index:
                 self._index.move_to_end(block_hash)
         if pending is not None:
-            return pending.kv if pending.token_ids == tuple(token_ids) else None
+            return (pending.kv, pending.owner) if pending.token_ids == tuple(token_ids) else None
         try:
             data = _read(self._path(block_hash))
         except FileNotFoundError:  # its LRU dropped it a moment ago
@@ -281,7 +326,7 @@ class DiskTier:
         except (CorruptBlock, struct.error) as exc:
             return self._drop_bad(block_hash, exc)
         self.touch(block_hash)
-        return kv
+        return kv, _HEADER.unpack_from(data)[2]
 
     def touch(self, block_hash: BlockHash) -> None:
         """Marks a file used now, so the order after a restart (by file times) keeps this use."""
@@ -312,6 +357,7 @@ class DiskTier:
         self.flush()
         self._queue.put(None)
         self._writer.join()
+        self.retry_deletes()
         os.close(self._lock_fd)
 
     def snapshot(self) -> DiskTierStats:
@@ -321,43 +367,117 @@ class DiskTier:
             copy.write_errors = dict(self.stats.write_errors)
             return copy
 
-    def erase(self, tenant: str | None, keep: Collection[BlockHash] = ()) -> int:
-        """Deletes every block file `tenant` cached (DELETE /v1/cache) but those of `keep` (blocks another
-        tenant's pin holds); returns how many. Reads each file's header only. Called on the engine thread, the
-        only one that queues writes: after the flush nothing of the tenant's is pending."""
+    def erase(self, tenant: str | None, handed: Mapping[BlockHash, str | None]) -> tuple[int, int]:
+        """Deletes every block file of `tenant`'s cache (DELETE /v1/cache), here and in the folders of other
+        fingerprints (a later start under their configuration would serve them), with the tenant's pins saved there;
+        but a file of `handed` (a block another tenant's pin holds, shared through a salt) passes to that tenant.
+        Reads each file's header only (a file passed on whole). Returns how many files went, and how many of the
+        tenant's the folder would not let go: those are never served and are deleted again at each erase, idle
+        moment and close. Called on the engine thread, the only one that queues writes: after the flush nothing of
+        the tenant's is pending."""
         self.flush()
-        tag, erased = tenant_tag(tenant), 0
+        tag, doomed = tenant_tag(tenant), []
         with self._lock:
-            hashes = [h for h in self._index if h not in keep]
+            hashes = list(self._index)
         for block_hash in hashes:
-            try:
-                with self._path(block_hash).open("rb", buffering=0) as f:
-                    header = f.read(_HEADER.size)
-            except OSError:
-                continue
-            if len(header) == _HEADER.size and _HEADER.unpack(header)[2] == tag:
-                with self._lock:
-                    self._forget(block_hash)
-                erased += 1
-        return erased
-
-    def retag(self, owners: dict[BlockHash, str | None]) -> None:
-        """Block files passed to another tenant (blocks its pin holds, whose tenant erased its cache): each file's
-        tag rewritten (and its checksum), so that the new owner's erase takes them. A file that cannot be read or
-        written keeps its tag (it goes with the old owner's next erase)."""
-        self.flush()
-        for block_hash, tenant in owners.items():
             path = self._path(block_hash)
-            try:
-                body = path.read_bytes()[:-_CHECKSUM_BYTES]
-                fields = list(_HEADER.unpack_from(body))
-                fields[2] = tenant_tag(tenant)
-                body = _HEADER.pack(*fields) + body[_HEADER.size:]
-                fresh = path.with_suffix(".retag")
-                fresh.write_bytes(body + xxhash.xxh3_128_digest(body))
-                os.replace(fresh, path)
-            except (OSError, struct.error) as exc:
-                logger.warning("disk tier: could not pass %s to another tenant (%s)", path.name, exc)
+            if _owner(path) != tag:
+                continue
+            if block_hash in handed:
+                self._pass_on(path, handed[block_hash], block_hash)
+                continue
+            with self._lock:
+                self._index_bytes -= self._index.pop(block_hash, 0)
+            doomed.append(path)
+        doomed += self._erase_others(tenant, tag)
+        return self._delete(doomed, tag)
+
+    def _erase_others(self, tenant: str | None, tag: bytes) -> list[Path]:
+        """The tenant's files in the other fingerprints' folders (out of the cap's list), its saved pins there
+        dropped, and the files other tenants' saved pins there hold passed to them."""
+        handed: dict[Path, str | None] = {}
+        for folder in self._other_folders():
+            for record in self._drop_saved_pins(folder / "pins.json", tenant):
+                for hash_hex, _ in record["blocks"]:
+                    handed[folder / f"{hash_hex}.kv"] = record.get("tenant")
+        with self._lock:
+            others = list(self._others)
+        doomed = set()
+        for path, _ in others:
+            if path.suffix != ".kv" or _owner(path) != tag:
+                continue
+            if path in handed:
+                self._pass_on(path, handed[path])
+            else:
+                doomed.add(path)
+        with self._lock:
+            self._others_bytes -= sum(size for path, size in self._others if path in doomed)
+            self._others = deque((path, size) for path, size in self._others if path not in doomed)
+        return list(doomed)
+
+    def _other_folders(self) -> list[Path]:
+        try:
+            return [Path(entry.path) for entry in os.scandir(self.dir.parent)
+                    if entry.is_dir() and entry.path != str(self.dir) and _FINGERPRINT_FOLDER.fullmatch(entry.name)]
+        except OSError:  # (their files' tags are still read: those are listed since the start)
+            return []
+
+    def _drop_saved_pins(self, path: Path, tenant: str | None) -> list[dict]:
+        """Drops `tenant`'s pins from another configuration's pins.json; returns the others' (well-formed ones)."""
+        records = _load_pins(path)
+        others = [r for r in records if not (isinstance(r, dict) and r.get("tenant") == tenant)]
+        if len(others) < len(records):
+            _save_pins(path, others)
+        return [r for r in others if isinstance(r, dict) and isinstance(r.get("blocks"), list)
+                and all(isinstance(b, list) and len(b) == 2 and isinstance(b[0], str) for b in r["blocks"])]
+
+    def _pass_on(self, path: Path, tenant: str | None, block_hash: BlockHash | None = None) -> None:
+        """The block file becomes `tenant`'s (its tag rewritten, and its checksum, once the old one is verified): its
+        erase takes it then. A damaged file is dropped, a cache miss; one that cannot be rewritten keeps its tag (it
+        goes with the old owner's next erase)."""
+        fresh = path.with_suffix(".retag")
+        try:
+            fresh.write_bytes(_retagged(path, tenant))
+            os.replace(fresh, path)
+        except CorruptBlock as exc:
+            if block_hash is None:
+                logger.warning("disk tier: deleting %s (%s)", path, exc)
+                _unlink(path)
+            else:
+                self._drop_bad(block_hash, exc)
+        except (OSError, struct.error) as exc:
+            _unlink(fresh)
+            logger.warning("disk tier: could not pass %s to another tenant (%s)", path.name, exc)
+
+    def _delete(self, paths: list[Path], tag: bytes) -> tuple[int, int]:
+        """Deletes `paths` and the files of tenant `tag` that erases left behind; returns how many went and how
+        many stay."""
+        with self._lock:
+            paths += [path for path, owner in self._undeleted.items() if owner == tag]
+        errors = []
+        for path in paths:
+            error = _unlink(path)
+            with self._lock:
+                if error is None:
+                    self._undeleted.pop(path, None)
+                else:
+                    self._undeleted[path] = tag
+                    errors.append(error)
+        if errors:
+            logger.warning("disk tier: %d block files of an erased cache could not be deleted (%s); they are not "
+                           "served, and deleted when the folder lets them go", len(errors), errors[0])
+        return len(paths) - len(errors), len(errors)
+
+    def retry_deletes(self) -> None:
+        """Deletes the files erases could not (their folder may let them go now); cheap while there are none."""
+        if not self._undeleted:
+            return
+        with self._lock:
+            paths = list(self._undeleted)
+        for path in paths:
+            if _unlink(path) is None:
+                with self._lock:
+                    self._undeleted.pop(path, None)
 
     @property
     def pins_path(self) -> Path:
@@ -365,24 +485,11 @@ class DiskTier:
 
     def save_pins(self, records: list[dict]) -> None:
         """Writes the pinned prefixes for the next start (atomically); a failure only loses them, with a warning."""
-        tmp = self.dir / "pins.tmp"  # (a leftover is removed at the next start, as block temporaries are)
-        try:
-            tmp.write_text(json.dumps({"pins": records}))
-            os.replace(tmp, self.pins_path)
-        except OSError as exc:
-            _unlink(tmp)
-            logger.warning("disk tier: could not save the pinned prefixes (%s); a restart forgets them", exc)
+        _save_pins(self.pins_path, records)
 
     def load_pins(self) -> list[dict]:
         """The pinned prefixes saved by the last run ([] if none, or if the file is unreadable)."""
-        try:
-            records = json.loads(self.pins_path.read_text())["pins"]
-        except FileNotFoundError:
-            return []
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("disk tier: ignoring unreadable %s (%s)", self.pins_path, exc)
-            return []
-        return records if isinstance(records, list) else []
+        return _load_pins(self.pins_path)
 
     # ---- index and writer
 
@@ -447,7 +554,7 @@ class DiskTier:
 
     def _write(self, block_hash: BlockHash) -> None:
         pending = self._pending[block_hash]
-        data = encode_block(self.fingerprint, block_hash, pending.token_ids, pending.kv, pending.tenant)
+        data = encode_block(self.fingerprint, block_hash, pending.token_ids, pending.kv, pending.owner)
         path = self._path(block_hash)
         tmp = path.with_suffix(".tmp")
         try:
@@ -462,6 +569,7 @@ class DiskTier:
         with self._lock:
             self._drop_pending(block_hash)
             self._add(block_hash, len(data))
+            self._undeleted.pop(path, None)  # written anew since an erase failed to delete it: a file to keep
             self.stats.writes += 1
             self._backoff_s = 0.0
             self._trim()

@@ -62,3 +62,10 @@ def hash_full_blocks(token_ids: list[int], block_size: int, *, start_block: int 
 
 def _sha256_digest(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
+
+
+@lru_cache(maxsize=4096)
+def tenant_tag(tenant: str | None) -> bytes:
+    """8 bytes naming the tenant whose cache a block is (in RAM and in its file): a hash, so a block file does not
+    spell out who it belongs to."""
+    return bytes(8) if tenant is None else hashlib.blake2b(tenant.encode(), digest_size=8).digest()

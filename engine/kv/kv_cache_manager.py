@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +48,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching, eviction_policy)
         self.pins = PinTable(self.pool, block_size, num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks)
         self.disk: DiskTier | None = None
+        self.salt_fingerprint: str | None = None  # saved with each pin: see restore_pins
         self.kv_io: KVBlockIO | None = None
         self.num_disk_hit_tokens = 0
         # NOTE: block tables are append-only while a request runs
@@ -145,7 +148,7 @@ class KVCacheManager:
                 request.block_hashes[prefix.num_tokens // self.block_size:self.num_hittable_blocks(request)])
         self.pool.touch(hit_blocks)
         if hit_blocks and self.pins.pins:  # every hit renews the pins it covers
-            self._note_pin(request, self.pins.renew_hits(request.block_hashes[:len(hit_blocks)]))
+            self._note_pin(request, self.pins.renew_hits(request.tenant, request.block_hashes[:len(hit_blocks)]))
         first_new = len(table)
         table += hit_blocks
         self._num_registered.setdefault(request.request_id, 0)
@@ -167,7 +170,7 @@ class KVCacheManager:
         """Called as a cached block is handed out, before its KV is overwritten."""
         if block.block_hash in self.disk:
             return True
-        return self.disk.put(block.block_hash, block.token_ids, self.kv_io.copy_out(block.block_id), block.tenant)
+        return self.disk.put(block.block_hash, block.token_ids, self.kv_io.copy_out(block.block_id), block.owner)
 
     def _load_from_disk(self, request: Request, prefix: CachedPrefix, table: list[KVCacheBlock]) -> None:
         """Fills the blocks after the RAM hits from disk; a block that fails its checks ends the hit there."""
@@ -183,12 +186,14 @@ class KVCacheManager:
 
     def _read_back(self, block: KVCacheBlock, block_hash: BlockHash, tokens: tuple[int, ...],
                    tenant: str | None) -> bool:
-        """Fills `block` with that block's K/V from the disk tier and caches it; False if the file is gone or bad."""
-        kv = self.disk.load(block_hash, tokens)
-        if kv is None:
+        """Fills `block` with that block's K/V from the disk tier and caches it, of the cache its file belongs to (as a
+        block another tenant computed stays that tenant's when it is hit); False if the file is gone or bad."""
+        loaded = self.disk.load(block_hash, tokens)
+        if loaded is None:
             return False
+        kv, owner = loaded
         self.kv_io.copy_in(block.block_id, kv)
-        self.pool.cache_block(block, block_hash, tokens, tenant, reused=True)
+        self.pool.cache_block(block, block_hash, tokens, tenant, reused=True, owner=owner)
         return True
 
     def _missing_on_disk(self) -> list[KVCacheBlock]:
@@ -200,7 +205,7 @@ class KVCacheManager:
         restart. Returns how many blocks it queued."""
         blocks = self._missing_on_disk()
         for block in blocks:
-            self.disk.put(block.block_hash, block.token_ids, self.kv_io.copy_out(block.block_id), block.tenant,
+            self.disk.put(block.block_hash, block.token_ids, self.kv_io.copy_out(block.block_id), block.owner,
                           wait=True)
         self.disk.flush()
         in_use = [b for b in self.pool.blocks if b.ref_cnt and b.block_hash is not None]
@@ -217,7 +222,7 @@ class KVCacheManager:
             kv = self.kv_io.copy_out(block.block_id)
             if not self.disk.has_room(kv.numel() * kv.element_size()):
                 break
-            self.disk.put(block.block_hash, block.token_ids, kv, block.tenant)
+            self.disk.put(block.block_hash, block.token_ids, kv, block.owner)
             queued += 1
         return queued
 
@@ -294,40 +299,56 @@ class KVCacheManager:
     def erase(self, tenant: str | None) -> CacheErased:
         """Forgets every cached block of `tenant`, pinned or not, in RAM and on disk (DELETE /v1/cache)."""
         erased = CacheErased(pins=self.pins.erase(tenant))
-        # another tenant's pin on blocks this one cached (a salt they share) keeps them, in RAM and on disk: a
-        # pinned block keeps its hash (the pin's next hit renews it, the pins saved beside the disk tier name its
-        # blocks by it and read them back from there at a restart)
+        # another tenant's pin on blocks of this one's cache (a salt they share) keeps them, in RAM and on disk,
+        # that tenant's from then on: a pinned block keeps its hash (the pin's next hit renews it, the pins saved
+        # beside the disk tier name its blocks by it and read them back from there at a restart)
         pinned = [(block, pin.tenant) for pin in self.pins.pins.values() for block in pin.blocks]
-        handed = {block.block_hash: owner for block, owner in pinned if block.tenant == tenant}
         erased.blocks = self.pool.erase(tenant, {block.block_id: owner for block, owner in pinned})
         if self.disk is not None and not self.disk.closed:
-            erased.disk_blocks = self.disk.erase(tenant, keep={block.block_hash for block, _ in pinned})
-            self.disk.retag(handed)  # (their files the new owner's too: its erase takes them)
+            erased.disk_blocks, erased.disk_blocks_kept = self.disk.erase(
+                tenant, {block.block_hash: owner for block, owner in pinned})
         return erased
 
     def save_pins(self) -> None:
-        """Writes the pins (their blocks' hashes and tokens) beside the disk tier's files, if they changed."""
-        if self.disk is None or self.disk.closed or not self.pins.dirty:
+        """Writes the pins (their blocks' hashes and tokens) beside the disk tier's files, if they changed; and
+        deletes the block files an erase could not, if their folder lets them go now (at each idle moment)."""
+        if self.disk is None or self.disk.closed:
+            return
+        self.disk.retry_deletes()
+        if not self.pins.dirty:
             return
         self.pins.dirty = False
         if not self.pins.pins and not self.disk.pins_path.exists():
             return
-        self.disk.save_pins([{"tenant": pin.tenant, "ttl_s": pin.ttl_s, "created_at": pin.created_at,
-                              "expires_at": pin.expires_at, "hits": pin.hits,
+        self.disk.save_pins([{"tenant": pin.tenant, "salt": self.salt_fingerprint, "ttl_s": pin.ttl_s,
+                              "created_at": pin.created_at, "expires_at": pin.expires_at, "hits": pin.hits,
                               "blocks": [[b.block_hash.hex(), list(b.token_ids)] for b in pin.blocks]}
                              for pin in self.pins.pins.values()])
 
-    def restore_pins(self) -> int:
+    def restore_pins(self, salt_fingerprint: str | None = None, tenants: Collection[str | None] | None = None) -> int:
         """At start-up: the pins of the last run that have not expired, their blocks read back from the disk
-        tier into RAM (a block that is gone ends its pin there). Returns how many pins came back."""
+        tier into RAM (a block that is gone ends its pin there). Returns how many pins came back. Only pins saved
+        under `salt_fingerprint` (a fingerprint of the salt secret, saved with each pin; one saved before there was
+        one comes back as it did then) come back, of `tenants` (None: any): under another secret nothing can hit
+        them, and a tenant the server no longer has could neither list nor erase its pins, which would hold the
+        pool's pin quota."""
         if self.disk is None:
             return 0
-        restored = 0
+        self.salt_fingerprint = salt_fingerprint
+        restored, foreign = 0, Counter()
         for record in sorted(self.disk.load_pins(), key=_created_at):
             try:
-                restored += self._restore_pin(_checked_pin(record))
+                record = _checked_pin(record)
+                if "salt" in record and record["salt"] != salt_fingerprint:  # (one saved before: as before)
+                    foreign["made under another salt secret"] += 1
+                elif tenants is not None and record["tenant"] not in tenants:
+                    foreign["of tenants the server no longer has"] += 1
+                else:
+                    restored += self._restore_pin(record)
             except (KeyError, TypeError, ValueError) as exc:  # a hand-edited or foreign file: that pin is lost
                 logger.warning("disk tier: skipping a saved pin (%r)", exc)
+        for why, num in foreign.items():
+            logger.warning("disk tier: %d saved pins not restored: %s", num, why)
         self.pins.dirty = False
         return restored
 

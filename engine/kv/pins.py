@@ -1,14 +1,15 @@
 """Pinned prefixes: the full blocks of a prompt prefix held in RAM past their requests, for a TTL that every
-hit renews (prompt caching's `cache_control` breakpoints).
+hit of its tenant renews (prompt caching's `cache_control` breakpoints).
 
-A pin holds one reference on each of its blocks (the table takes one per distinct block, however many pins
-cover it), so a pinned block never sits in the free queue and is never evicted; the pool's invariants hold
-as they are. An expired or released pin drops those references: blocks nobody else holds go back to the
-free queue like blocks a request frees, in the normal eviction order. The table holds at most `max_blocks`
-distinct blocks, a tenant at most its key's quota; a pin beyond either is refused (never an error). Pins
-never cost a running request its blocks, nor keep a waiting one out when nothing running would free blocks:
-there the scheduler releases pins, the soonest to expire first (`release_one`); while requests run, a waiting
-one waits for their blocks, as it would without pins.
+A pin is its tenant's: tenants that share a salt share blocks, and each one's pin of a prefix is its own (its
+quota, its listing, its erase, its hits). A pin holds one reference on each of its blocks (the table takes one per
+distinct block, however many pins cover it), so a pinned block never sits in the free queue and is never evicted;
+the pool's invariants hold as they are. An expired or released pin drops those references: blocks nobody else
+holds go back to the free queue like blocks a request frees, in the normal eviction order. The table holds at
+most `max_blocks` distinct blocks, a tenant at most its key's quota; a pin beyond either is refused (never an
+error). Pins never cost a running request its blocks, nor keep a waiting one out when nothing running would free
+blocks: there the scheduler releases pins, the soonest to expire first (`release_one`); while requests run, a
+waiting one waits for their blocks, as it would without pins.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class PinTable:
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.clock = clock or time.time  # wall time: an expiry means the same after a restart
-        self.pins: dict[BlockHash, Pin] = {}
+        self.pins: dict[tuple[str | None, BlockHash], Pin] = {}  # (tenant, key) -> its pin
         self._holders: Counter[int] = Counter()  # block id -> pins holding it (the table holds one ref)
         self._tenant_holders: dict[str | None, Counter[int]] = {}  # tenant -> block id -> its pins holding it
         self._next_expiry = float("inf")  # no pin expires before this (a lower bound: renewals only push out)
@@ -69,11 +70,11 @@ class PinTable:
 
     def pin(self, tenant: str | None, blocks: list[KVCacheBlock], ttl_s: float,
             max_tenant_blocks: int | None = None) -> Pin | str:
-        """Pins `blocks` (a prefix's cached blocks, in order) or renews the pin they already have; returns
-        the pin, or why it was refused."""
+        """Pins `blocks` (a prefix's cached blocks, in order) for `tenant`, or renews the tenant's pin of them;
+        returns the pin, or why it was refused."""
         key = blocks[-1].block_hash
         now = self.clock()
-        pin = self.pins.get(key)
+        pin = self.pins.get((tenant, key))
         if pin is not None:
             pin.ttl_s = max(pin.ttl_s, ttl_s)
             pin.expires_at = max(pin.expires_at, now + pin.ttl_s)
@@ -89,7 +90,7 @@ class PinTable:
     def restore(self, tenant: str | None, blocks: list[KVCacheBlock], ttl_s: float, created_at: float,
                 expires_at: float, hits: int) -> Pin | None:
         """A pin saved before a restart (its tenant's quota was checked when it was made); None past the cap."""
-        if blocks[-1].block_hash in self.pins or expires_at <= self.clock():
+        if (tenant, blocks[-1].block_hash) in self.pins or expires_at <= self.clock():
             return None
         if self._over_cap(blocks):
             return None
@@ -105,7 +106,7 @@ class PinTable:
                 self.pool.touch([block])
             self._holders[block.block_id] += 1
             tenant_holders[block.block_id] += 1
-        self.pins[pin.key] = pin
+        self.pins[pin.tenant, pin.key] = pin
         self._next_expiry = min(self._next_expiry, pin.expires_at)
         self.dirty = True
         return pin
@@ -114,13 +115,14 @@ class PinTable:
         self._tenant_refusals[tenant, reason] += 1
         return reason
 
-    def renew_hits(self, block_hashes: Iterable[BlockHash]) -> Pin | None:
-        """A request hit these leading blocks: every pin among them is renewed; returns the longest."""
+    def renew_hits(self, tenant: str | None, block_hashes: Iterable[BlockHash]) -> Pin | None:
+        """A request of `tenant` hit these leading blocks: every pin of the tenant's among them is renewed; returns
+        the longest."""
         if not self.pins:
             return None
         now, longest = self.clock(), None
         for block_hash in block_hashes:
-            pin = self.pins.get(block_hash)
+            pin = self.pins.get((tenant, block_hash))
             if pin is not None:
                 pin.hits += 1
                 pin.expires_at = max(pin.expires_at, now + pin.ttl_s)
@@ -149,7 +151,7 @@ class PinTable:
         return True
 
     def release(self, pin: Pin, reason: str) -> None:
-        del self.pins[pin.key]
+        del self.pins[pin.tenant, pin.key]
         tenant_holders = self._tenant_holders[pin.tenant]
         for block in reversed(pin.blocks):  # tail first: the prefix outlives the suffix in the free queue
             tenant_holders[block.block_id] -= 1

@@ -13,7 +13,7 @@ import yaml
 import gateway.__main__
 import gateway.settings
 
-from engine.config import EngineConfig, HashAlgo
+from engine.config import EngineConfig, HashAlgo, settable
 from gateway.__main__ import build_parser, main, settings_from_args
 from gateway.admission import Admission
 from gateway.auth import Authenticator, Tenant
@@ -26,8 +26,9 @@ from gateway.settings import DEFAULT_CONFIG_PATH, ApiKey, GatewaySettings, load_
 # ---- settings and CLI
 
 def field_names(cls) -> list[str]:
-    """The settings a flag or the YAML sets (api_keys comes from --api-key / --api-keys-file)."""
-    return [f.name for f in dataclasses.fields(cls) if f.name != "api_keys"]
+    """The settings a flag or the YAML sets (api_keys comes from --api-key / --api-keys-file; the gateway fills
+    in the engine's pin scope)."""
+    return [f.name for f in dataclasses.fields(cls) if f.name != "api_keys" and settable(f)]
 
 
 def test_default_yaml_lists_every_field_with_its_default():
@@ -472,3 +473,26 @@ def test_body_accepts_ordinary_json_up_to_the_limits():
     assert parse_body(b'{"a": [1.5, -2, 9223372036854775807, -9223372036854775808, "\\ud83d\\ude00", null]}') == {
         "a": [1.5, -2, 2**63 - 1, -2**63, "\U0001f600", None]}
     assert parse_body(b"[" * 64 + b"]" * 64) is not None
+
+
+def test_the_pin_scope_the_gateway_fills_in_is_no_setting(tmp_path):
+    """The engine's salt_fingerprint and tenants come from the gateway's keys: no flag and no YAML key sets them."""
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    flags = {opt for action in serve._actions for opt in action.option_strings}
+    assert not {"--salt-fingerprint", "--tenants"} & flags
+    config = tmp_path / "config.yaml"
+    config.write_text("engine:\n  tenants: [mallory]\n")
+    with pytest.raises(ValueError, match="unknown key.*tenants"):
+        load_settings(config)
+
+
+async def test_the_gateway_hands_the_engine_its_salt_fingerprint_and_tenants(aiohttp_client, tiny_llama_dir):
+    """The engine restores only the saved pins made under this salt secret, of tenants the keys still name."""
+    from gateway.app import create_app
+    from gateway.state import STATE
+    from tests.support.gateway_helpers import tiny_settings
+
+    keys = (ApiKey("sk-a", "alice"), ApiKey("sk-b", "bob"))
+    client = await aiohttp_client(create_app(tiny_settings(tiny_llama_dir, keys=keys)))
+    engine = client.app[STATE].settings.engine
+    assert engine.tenants == ("alice", "bob") and len(engine.salt_fingerprint) == 16
