@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -41,14 +42,21 @@ def bandwidth_probe(device: torch.device) -> torch.Tensor:
 
 
 def bandwidth_gb_s(probe: torch.Tensor, repeats: int = 3) -> float:
-    """Streaming read: the best of a few sums over a tensor far larger than the caches."""
+    """Streaming read: the best of a few sums over a tensor far larger than the caches, on every core this
+    process may use (the machine's rate: the engine's thread budget, which sets torch's thread count, may have
+    chosen one decode thread, and one core reads about half of it)."""
+    budget = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
     best = float("inf")
-    for _ in range(repeats):
-        _synchronize(probe.device)
-        start = time.perf_counter()
-        probe.sum()
-        _synchronize(probe.device)
-        best = min(best, time.perf_counter() - start)
+    try:
+        for _ in range(repeats):
+            _synchronize(probe.device)
+            start = time.perf_counter()
+            probe.sum()
+            _synchronize(probe.device)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(budget)
     return probe.numel() * probe.element_size() / best / 1e9
 
 

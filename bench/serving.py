@@ -47,15 +47,24 @@ MB = 2**20
 
 
 def pss_mb(pid: int) -> dict[str, float]:
-    """PSS of the process and each of its children, MB (shared pages counted once across them)."""
+    """The proportional set size of the process and each of its children, MB, as if they ran alone: a page
+    shared among them counted once across them, a page they share with another process (this bench's own,
+    which maps torch and numba too) counted whole. The kernel's PSS splits a page among every process that maps
+    it, so with this process alive it read 57 MB low for `serve` on the default model."""
     root = psutil.Process(pid)
-    out = {}
+    maps: dict[str, list] = {}
     for proc in [root, *root.children(recursive=True)]:
         try:
-            out[f"{proc.pid} {' '.join(proc.cmdline()[1:4])}"] = proc.memory_full_info().pss / MB
+            maps[f"{proc.pid} {' '.join(proc.cmdline()[1:4])}"] = proc.memory_maps(grouped=True)
         except psutil.Error:
             continue
-    return out
+    sharers: dict[str, int] = {}  # a mapped file -> how many of the tree's processes map it
+    for mappings in maps.values():
+        for path in {m.path for m in mappings if m.path.startswith("/")}:
+            sharers[path] = sharers.get(path, 0) + 1
+    return {name: sum(m.private_clean + m.private_dirty + (m.shared_clean + m.shared_dirty) / sharers[m.path]
+                      if m.path.startswith("/") else m.pss for m in mappings) / MB
+            for name, mappings in maps.items()}
 
 
 # ---- in process
@@ -202,6 +211,14 @@ async def chats(url: str, model: str, work: Workload) -> dict:
 
     timings, duration = await drive_lean(url, model, work, {"ignore_eos": True})
     return multiturn.summarize(RunResult(work.name, "http", timings, duration, 0, 0))
+
+
+def served_model(url: str) -> str:
+    """The model's name as the server lists it (ours: a GGUF file's own name; llama-server takes any)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/models", timeout=10) as response:
+        return json.loads(response.read())["data"][0]["id"]
 
 
 def served_threads(url: str) -> tuple[int, int] | None:
@@ -427,8 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name} ...", flush=True)
         server = start()
         try:
-            served_model = "bench" if name == "llama.cpp" else Path(model_path).name
-            result[name] = measure(server, served_model, args.tokens, work)
+            result[name] = measure(server, served_model(server.url), args.tokens, work)
         finally:
             server.stop()
     if args.transformers:

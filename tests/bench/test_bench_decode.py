@@ -235,3 +235,27 @@ def test_saved_decode_runs_plot_together(tiny_llama_dir, tmp_path):
     plot = tmp_path / "runs.png"
     assert decode.main(["--replot", *map(str, runs), "--plot", str(plot)]) == 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_bandwidth_probe_reads_on_every_core_whatever_the_thread_budget_set():
+    """The engine's thread budget sets torch's thread count to its decode threads; a probe taken after a one-thread
+    step read one core's rate (half the machine's here), and the ratio doubled. It reads on every core, and leaves
+    the budget's count as it found it."""
+    import os
+
+    import torch
+
+    from bench.decode import bandwidth_gb_s
+
+    seen = []
+    probe = torch.ones(1 << 20)
+    real_sum = torch.Tensor.sum
+    budget = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        torch.Tensor.sum = lambda self, *a, **k: (seen.append(torch.get_num_threads()), real_sum(self, *a, **k))[1]
+        bandwidth_gb_s(probe, repeats=2)
+        assert seen == [len(os.sched_getaffinity(0))] * 2 and torch.get_num_threads() == 1
+    finally:
+        torch.Tensor.sum = real_sum
+        torch.set_num_threads(budget)

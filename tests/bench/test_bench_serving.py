@@ -150,3 +150,31 @@ def test_a_bench_process_spins_its_openmp_threads_as_the_engine_process_does():
                           "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"],
                          env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["10000", "False"]
+
+
+def test_pss_counts_pages_shared_with_another_process_whole(tmp_path):
+    """The kernel's PSS halves a page this process maps too (the bench maps torch and numba, as `serve` does):
+    pss_mb counts the server's own pages whole, as they would be without the bench beside it."""
+    import mmap
+
+    import psutil
+
+    from bench.serving import MB, pss_mb
+
+    data = tmp_path / "shared.bin"
+    data.write_bytes(b"\1" * (32 * MB))
+    code = ("import mmap, sys; f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ); "
+            "sum(m[i] for i in range(0, len(m), 4096)); print('mapped', flush=True); sys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", code, str(data)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "mapped"
+        with open(data, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mine:
+            sum(mine[i] for i in range(0, len(mine), 4096))  # the same pages, now shared by two processes
+            kernel = psutil.Process(child.pid).memory_full_info().pss / MB
+            (alone,) = pss_mb(child.pid).values()
+        assert alone - kernel > 12  # the file's 32 MB: half of it went to this process in the kernel's count
+    finally:
+        child.stdin.close()
+        child.wait(10)
+        child.stdout.close()
