@@ -1,7 +1,9 @@
 """llama.cpp's decode on the same GGUF file against the same roofline as ours: `python -m bench.decode --model
 FILE.gguf --llama-bench BINARY` runs `llama-bench` (built by ../shared/peers/) at batch 1 from the same context, each
-run right after a bandwidth probe, and divides the bytes a llama.cpp token reads by that probe's rate: one yardstick
+run right after a bandwidth probe, and divides the bytes a llama.cpp token reads by that probe's rate: one probe
 for both engines, so a share of the roofline that neither reaches on a machine shows as the machine's, not ours.
+Each engine's bytes are its own: on K-quant files our tiles hold about 4% more than the file (docs/speed.md,
+"Tiles against the file's bytes"), so our ratio there reads that much higher than on the file's bytes.
 
 llama.cpp's bytes a token: every tensor of the file once (a separate output matrix leaves the embedding to its
 row lookups), and its K/V in 16 bits (llama-bench's default f16 cache) over the context and half the new tokens.
