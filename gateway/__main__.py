@@ -228,11 +228,12 @@ async def serve(settings: Settings, app: web.Application) -> int:
 
 
 def _end_now(in_flight: InFlight) -> None:
-    """A second signal during the drain: the requests still waiting on the engine end at once with their
-    terminal event (as at the drain's deadline), so the server stops without waiting out shutdown_timeout_s."""
-    if not in_flight.shutdown.cut:
+    """A second signal during the drain: the drain's deadline comes at once, so the requests still running end
+    with their terminal event (a handler not waiting on the engine is cancelled GOODBYE_S later), and the
+    server stops without waiting out shutdown_timeout_s."""
+    if not in_flight.ending.is_set():
         log.info("second signal: ending the requests still running now")
-        in_flight.shutdown.cut_off()
+        in_flight.ending.set()
 
 
 def main(argv: list[str] | None = None) -> int:

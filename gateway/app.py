@@ -46,16 +46,22 @@ class InFlight:
         self.tasks: set[asyncio.Task] = set()
         self.draining = False
         self.shutdown = Shutdown(retry_after_s)
+        self.ending = asyncio.Event()  # set by a second signal: the drain stops waiting at once
 
     async def drain(self, timeout: float) -> int:
-        """Refuse new requests (/health: 503 `draining`), wait up to `timeout` for running ones, then end
+        """Refuse new requests (/health: 503 `draining`), wait up to `timeout` for running ones (less once
+        `ending` is set: a second signal), then end
         the rest with their terminal event (a 503 with Retry-After; a stream's error event and its end) and
         abort their engine requests; a handler still not done GOODBYE_S later is cancelled. Returns how
         many were still running at the deadline."""
         self.draining = True
-        pending: set[asyncio.Task] = set()
-        if self.tasks:
-            _, pending = await asyncio.wait(set(self.tasks), timeout=timeout)
+        pending = {task for task in self.tasks if not task.done()}
+        loop = asyncio.get_running_loop()
+        deadline, ending = loop.time() + timeout, asyncio.ensure_future(self.ending.wait())
+        while pending and not ending.done() and (left := deadline - loop.time()) > 0:
+            done, _ = await asyncio.wait({*pending, ending}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            pending -= done
+        ending.cancel()
         if pending:
             self.shutdown.cut_off()
             _, stuck = await asyncio.wait(pending, timeout=GOODBYE_S)

@@ -472,11 +472,11 @@ class DiskTier:
         """Deletes the files erases could not (their folder may let them go now); cheap while there are none."""
         if not self._undeleted:
             return
-        with self._lock:
-            paths = list(self._undeleted)
-        for path in paths:
-            if _unlink(path) is None:
-                with self._lock:
+        with self._lock:  # (held throughout: a queued write of the same block replaces its file, then keeps it)
+            for path in list(self._undeleted):
+                if path.parent == self.dir and BlockHash(bytes.fromhex(path.stem)) in self._pending:
+                    continue
+                if _unlink(path) is None:
                     self._undeleted.pop(path, None)
 
     @property

@@ -320,7 +320,9 @@ class KVCacheManager:
         self.pins.dirty = False
         if not self.pins.pins and not self.disk.pins_path.exists():
             return
-        self.disk.save_pins([{"tenant": pin.tenant, "salt": self.salt_fingerprint, "ttl_s": pin.ttl_s,
+        # (an engine told no fingerprint, a cluster replica's, saves none: its pins restore anywhere, as before)
+        salt = {"salt": self.salt_fingerprint} if self.salt_fingerprint is not None else {}
+        self.disk.save_pins([{"tenant": pin.tenant, **salt, "ttl_s": pin.ttl_s,
                               "created_at": pin.created_at, "expires_at": pin.expires_at, "hits": pin.hits,
                               "blocks": [[b.block_hash.hex(), list(b.token_ids)] for b in pin.blocks]}
                              for pin in self.pins.pins.values()])

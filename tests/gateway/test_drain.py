@@ -93,3 +93,18 @@ async def test_a_request_that_ends_within_the_drain_is_untouched(client):
     assert resp.status == 200 and (await resp.json())["choices"][0]["finish_reason"] == "length"
     refused = await client.post("/v1/chat/completions", json=long_chat(client))
     assert refused.status == 503 and (await refused.json())["error"]["code"] == "shutting_down"
+
+
+async def test_a_second_signal_ends_a_long_drain_at_once(client):
+    """`ending` (a second Ctrl-C) brings the drain's deadline to now: a stream still running gets its terminal
+    event, and the drain returns without waiting out its 600 s."""
+    stream = await client.post("/v1/chat/completions", json=long_chat(client, stream=True))
+    assert len(await data_events(stream, limit=2)) == 2
+    in_flight = client.app[IN_FLIGHT]
+    drain = asyncio.ensure_future(in_flight.drain(timeout=600))
+    await asyncio.sleep(0.2)
+    assert not drain.done()
+    in_flight.ending.set()
+    assert await asyncio.wait_for(drain, 30) == 1
+    events = await data_events(stream)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutting_down"

@@ -240,3 +240,21 @@ def test_an_erase_reaches_the_files_and_pins_saved_under_another_configuration(t
     assert bob.num_cached_tokens == len(shared)
     assert erase(back, "bob").disk_blocks == 4  # the files passed to bob: his erase takes them
     back.close()
+
+
+def test_pins_of_an_engine_told_no_fingerprint_restore_under_any(tmp_path):
+    """A cluster replica is handed no salt fingerprint: its pins are saved without one and come back under a
+    gateway's own engine later, as pins saved before fingerprints did (they were all dropped as another secret's)."""
+    replica = MiniEngine(num_blocks=16, max_pinned_blocks=8)
+    attach_disk(replica, tmp_path)
+    replica.kv.restore_pins()
+    replica.add([1, 2, 3, 4, 5], "a", pin_all(ttl_s=3600))
+    replica.drain()
+    replica.kv.save_pins()
+    replica.kv.flush_to_disk()
+    replica.kv.disk.close()
+    assert ["salt" in r for r in json.loads(next(tmp_path.glob("*/pins.json")).read_text())["pins"]] == [False]
+    gateway_engine = MiniEngine(num_blocks=16, max_pinned_blocks=8)
+    attach_disk(gateway_engine, tmp_path)
+    assert gateway_engine.kv.restore_pins("salt-1", ["a"]) == 1
+    gateway_engine.kv.disk.close()
