@@ -1,7 +1,6 @@
 """The step loop: schedule, run one forward pass, sample, register full blocks, emit deltas."""
 from __future__ import annotations
 
-import json
 import logging
 import time
 from functools import partial
@@ -16,6 +15,7 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_io import KVBlockIO
 from engine.messages import CacheCommand, CacheErased, PinList
 from engine.model import cpu_kernels, huge_pages
+from engine.model.gguf_loader import generation_config
 from engine.model.llama import LlamaForCausalLM, head_dim
 from engine.model.loader import load_model, resolve_model_path, weights_format
 from engine.model.model_config import load_config
@@ -495,8 +495,7 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def _eos_token_ids(path, hf_config) -> set[int]:
     ids: set[int] = set()
-    generation = path / "generation_config.json"
-    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+    eos = generation_config(path).get("eos_token_id")
     eos = eos if eos is not None else hf_config.eos_token_id
     if eos is not None:
         ids.update(eos if isinstance(eos, list) else [eos])

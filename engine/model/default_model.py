@@ -10,7 +10,6 @@ Q8_0 blocks; `--dtype float32` dequantizes them at load (exact).
 from __future__ import annotations
 
 import fcntl
-import json
 import shutil
 import subprocess
 import sys
@@ -22,7 +21,8 @@ from typing import TYPE_CHECKING
 
 
 from engine.model.gguf_index import has_index, write_index
-from engine.model.gguf_loader import WEIGHTS_NAME, has_end_tokens, write_end_tokens, write_metadata
+from engine.model.gguf_loader import (WEIGHTS_NAME, generation_config, has_end_tokens, update_generation_config,
+                                      write_end_tokens, write_metadata)
 from engine.paths import default_cache_dir
 
 if TYPE_CHECKING:
@@ -70,16 +70,11 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
 
 def has_sampling_defaults(model_dir: Path) -> bool:
     """Every recommended field is there (a field added since the directory was converted is written then)."""
-    path = model_dir / "generation_config.json"
-    return path.is_file() and set(RECOMMENDED_SAMPLING) <= set(json.loads(path.read_text()))
+    return set(RECOMMENDED_SAMPLING) <= set(generation_config(model_dir))
 
 
 def write_sampling_defaults(model_dir: Path) -> None:
-    path = model_dir / "generation_config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**config, **RECOMMENDED_SAMPLING}, indent=2) + "\n")
-    tmp.replace(path)
+    update_generation_config(model_dir, RECOMMENDED_SAMPLING)
 
 
 def is_complete(model_dir: Path) -> bool:

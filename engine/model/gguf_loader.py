@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("prefixgate.engine")
 
+GENERATION_CONFIG = "generation_config.json"
 WEIGHTS_NAME = "model.gguf"  # the weights inside a GGUF model directory (the file itself or a link to it)
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 # llama.cpp's tensor names -> ours ({i}: the layer); a name not here is an error, not a silent skip
@@ -114,15 +115,26 @@ def write_end_tokens(model_dir: Path, index: dict, vocab: dict[str, int]) -> Non
     texts its vocabulary has (llama.cpp stops on each)."""
     ends = {index["metadata"][key] for key in END_TOKEN_KEYS if key in index["metadata"]}
     ends.update(vocab[text] for text in END_TEXTS if text in vocab)
-    path = model_dir / "generation_config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
     if ends:
-        path.write_text(json.dumps({**config, "eos_token_id": sorted(ends)}, indent=2) + "\n")
+        update_generation_config(model_dir, {"eos_token_id": sorted(ends)})
 
 
 def has_end_tokens(model_dir: Path) -> bool:
-    path = model_dir / "generation_config.json"
-    return path.is_file() and "eos_token_id" in json.loads(path.read_text())
+    return "eos_token_id" in generation_config(model_dir)
+
+
+def generation_config(model_dir: Path) -> dict:
+    """The directory's generation_config.json ({} where it has none)."""
+    path = model_dir / GENERATION_CONFIG
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def update_generation_config(model_dir: Path, fields: dict) -> None:
+    """`fields` written into generation_config.json over what it holds (atomically)."""
+    path = model_dir / GENERATION_CONFIG
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**generation_config(model_dir), **fields}, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def _set_rope_scaling(config, gguf_file: Path, index: dict) -> None:
