@@ -197,7 +197,7 @@ class PostgresResponseStore:
         except self._failures as exc:
             log.warning("stored responses: cannot erase tenant %s's in %s (%s)", tenant, self.path, _named(exc))
             raise unavailable() from None
-        erased = int(status.split()[-1])
+        erased = _rows(status)
         self.num_stored = max(0, self.num_stored - erased)
         return erased
 

@@ -387,7 +387,7 @@ class DiskTier:
                 self._pass_on(path, handed[block_hash], block_hash)
                 continue
             with self._lock:
-                self._index_bytes -= self._index.pop(block_hash, 0)
+                self._unindex(block_hash)
             doomed.append(path)
         doomed += self._erase_others(tenant, tag)
         return self._delete(doomed, tag)
@@ -603,5 +603,8 @@ class DiskTier:
 
     def _forget(self, block_hash: BlockHash) -> None:
         """Out of the index; the file is deleted if the folder allows (else it only stays behind)."""
-        self._index_bytes -= self._index.pop(block_hash, 0)
+        self._unindex(block_hash)
         _unlink(self._path(block_hash))
+
+    def _unindex(self, block_hash: BlockHash) -> None:
+        self._index_bytes -= self._index.pop(block_hash, 0)
