@@ -10,10 +10,9 @@ import textwrap
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
-from gguf import GGUFWriter
 
 from bench import decode, llama_bench
-from tests.support.tiny_gguf import write_gguf_model
+from tests.support.tiny_gguf import write_gguf_file, write_gguf_model
 
 AVG_NS = 48_000_000  # the stand-in's time for all of its tokens
 
@@ -41,14 +40,7 @@ def _calls(tmp_path) -> list[list[str]]:
 
 
 def _gguf(path, names_shapes):
-    writer = GGUFWriter(path, "llama")
-    for name, shape in names_shapes:
-        writer.add_tensor(name, np.zeros(shape, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_gguf_file(path, {name: np.zeros(shape, np.float32) for name, shape in names_shapes})
 
 
 def test_a_tied_embedding_is_read_whole_and_an_untied_one_only_by_its_rows(tmp_path):

@@ -59,3 +59,19 @@ def write_gguf_model(model_dir: Path, out_dir: Path, format_of: Callable[[str], 
     writer.write_tensors_to_file()
     writer.close()
     return out_dir
+
+
+def write_gguf_file(path: Path, tensors: dict[str, np.ndarray], metadata: dict | None = None,
+                    architecture: str = "llama") -> Path:
+    """A bare GGUF file: `tensors` as they are (float32 arrays) and `metadata` (str, float: float32, int: uint32)."""
+    writer = GGUFWriter(path, architecture)
+    for key, value in (metadata or {}).items():
+        (writer.add_string if isinstance(value, str) else
+         writer.add_float32 if isinstance(value, float) else writer.add_uint32)(key, value)
+    for name, value in tensors.items():
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

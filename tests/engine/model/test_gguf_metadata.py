@@ -16,6 +16,7 @@ from engine.model.gguf_index import write_index
 from engine.model.gguf_loader import ROPE_FACTORS, _set_rope_scaling, gguf_model_dir
 from engine.model.llama import RotaryEmbedding
 from engine.model.model_config import load_config
+from tests.support.tiny_gguf import write_gguf_file
 
 THETA, HEAD_DIM = 500000.0, 64
 LLAMA3 = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -40,18 +41,10 @@ def llama3_factors() -> list[float]:
 
 def write_gguf(path: Path, metadata: dict | None = None, factors: list[float] | None = None) -> Path:
     """A GGUF file with a llama architecture, the given metadata and (where given) a rope_freqs tensor."""
-    writer = GGUFWriter(path, "llama")
-    for key, value in (metadata or {}).items():
-        (writer.add_string if isinstance(value, str) else
-         writer.add_float32 if isinstance(value, float) else writer.add_uint32)(key, value)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    tensors = {"token_embd.weight": np.zeros((4, 8), np.float32)}
     if factors is not None:
-        writer.add_tensor(ROPE_FACTORS, np.asarray(factors, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        tensors[ROPE_FACTORS] = np.asarray(factors, np.float32)
+    return write_gguf_file(path, tensors, metadata)
 
 
 def test_llama3_rope_factors_give_transformers_llama3_frequencies(tiny_llama_dir, tmp_path):

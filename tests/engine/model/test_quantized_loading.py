@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from bench.hf_baseline import hf_model
@@ -19,7 +18,7 @@ from bench.tiny_models import build_tiny_model
 from engine import LLM, SamplingParams
 from engine.model import quant_formats
 from engine.model.loader import load_model, weights_format
-from tests.support.tiny_gguf import write_gguf_model
+from tests.support.tiny_gguf import write_gguf_file, write_gguf_model
 
 SMALL = dict(block_size=16, num_kv_blocks=64)
 GREEDY = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)
@@ -74,12 +73,8 @@ def test_quantize_at_load_leaves_rows_that_are_not_whole_blocks_in_float(tmp_pat
 def test_an_unsupported_architecture_is_refused_before_its_weights_are_read(tmp_path):
     """phi3's fused attn_qkv has no place in our decoder: the model type is named, not the tensor."""
     (tmp_path / "config.json").write_text("{}")
-    writer = GGUFWriter(tmp_path / "model.gguf", "phi3")
-    writer.add_tensor("blk.0.attn_qkv.weight", np.zeros((96, 32), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf_file(tmp_path / "model.gguf", {"blk.0.attn_qkv.weight": np.zeros((96, 32), np.float32)},
+                    architecture="phi3")
     with pytest.raises(ValueError, match="unsupported model type 'phi3'; supported: "):
         load_model(tmp_path, types.SimpleNamespace(model_type="phi3"), torch.float32, torch.device("cpu"))
 
