@@ -24,3 +24,14 @@ def test_the_engine_trims_its_heap_once_loaded(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(heap, "trim", lambda: calls.append(1) or True)
     LLM(str(tiny_llama_dir), cpu_kernels="eager", num_kv_blocks=8)
     assert calls == [1]
+
+
+def test_the_api_process_trims_its_heap_once_its_tokenizer_is_loaded(tiny_llama_dir, monkeypatch):
+    from engine import process_client
+    from engine.messages import EngineInfo
+    calls = []
+    monkeypatch.setattr(heap, "trim", lambda: calls.append(1) or True)
+    info = EngineInfo("tiny", str(tiny_llama_dir), 64, 512, 8, [2], None, None, 1)
+    tokenizer = process_client._load_tokenizer(info)
+    assert calls == [1]
+    assert tokenizer.decode(tokenizer.encode("hello world")) == "hello world"
