@@ -147,8 +147,8 @@ class KVCacheManager:
             self.pool.count_regrets(
                 request.block_hashes[prefix.num_tokens // self.block_size:self.num_hittable_blocks(request)])
         self.pool.touch(hit_blocks)
-        if hit_blocks and self.pins.pins:  # every hit renews the pins it covers
-            self._note_pin(request, self.pins.renew_hits(request.tenant, request.block_hashes[:len(hit_blocks)]))
+        if prefix is not None and self.pins.pins:  # every hit renews the pins it covers
+            self._note_pin(request, self.pins.renew_hits(request.tenant, self._hit_hashes(request, len(hit_blocks))))
         first_new = len(table)
         table += hit_blocks
         self._num_registered.setdefault(request.request_id, 0)
@@ -263,6 +263,16 @@ class KVCacheManager:
         and unchanged by later allocations)."""
         table = self._slot_tables.get(request_id)
         return table.slots if table is not None else np.empty(0, np.int64)
+
+    def _hit_hashes(self, request: Request, num_hit: int) -> list[BlockHash]:
+        """The hashes of a hit's blocks, and of the prompt's next block where only the last-token rule kept a
+        cached one out of the hit: a prompt of whole blocks sent again reads its pinned prefix whole but for its
+        last token, which is computed again."""
+        hashes = request.block_hashes
+        if (num_hit == self.num_hittable_blocks(request) and num_hit < len(hashes)
+                and hashes[num_hit] in self.pool.cached):
+            num_hit += 1
+        return hashes[:num_hit]
 
     # ---- pins (engine/kv/pins.py)
 

@@ -153,6 +153,30 @@ def test_every_hit_renews_the_ttl():
     assert pin.hits == 1 and pin.num_tokens == 4
 
 
+def test_sending_a_pinned_prompt_of_whole_blocks_again_renews_its_pin():
+    """Its last block is not hit (its last token is computed again, for the logits) but is read all the same."""
+    engine = MiniEngine()
+    engine.add([1, 2, 3, 4], "a", pin_all(ttl_s=300))
+    engine.drain()
+    engine.clock.now += 200
+    again = engine.add([1, 2, 3, 4], "a", None)
+    engine.drain()
+    assert again.num_cached_tokens == 2  # the hit: the first block alone
+    assert again.num_pinned_tokens == 4 and again.pinned_until == engine.clock.now + 300
+    [pin] = engine.kv.pins.list("a")
+    assert pin.hits == 1 and pin.expires_at == engine.clock.now + 300
+    single = engine.add([1, 2], "a", pin_all(ttl_s=300))  # one whole block: no hit at all, renewed the same
+    engine.drain()
+    engine.clock.now += 100
+    engine.add([1, 2], "a", None)
+    engine.drain()
+    assert {p.num_tokens: p.expires_at for p in engine.kv.pins.list("a")}[2] == engine.clock.now + 300
+    assert engine.add([1, 2, 3, 4], "b", None) and single.num_pinned_tokens == 2
+    engine.drain()
+    assert [p.hits for p in engine.kv.pins.list("a") if p.num_tokens == 4] == [1]  # another tenant renews nothing
+    check_invariants(engine)
+
+
 def test_pinning_a_pinned_prefix_again_keeps_the_longer_ttl_and_the_later_expiry():
     engine = MiniEngine(num_blocks=16)
     engine.add([1, 2, 3, 4, 5], "a", pin_all(ttl_s=300))
