@@ -23,6 +23,7 @@ import math
 import os
 import queue
 import re
+import stat
 import struct
 import threading
 import time
@@ -124,7 +125,7 @@ def decode_block(data: bytes | bytearray, fingerprint: bytes, block_hash: BlockH
 def _owner(path: Path) -> bytes | None:
     """The tenant tag in a block file's header (None: unreadable, or not a block file of this format)."""
     try:
-        with path.open("rb", buffering=0) as f:
+        with _open_block(path) as f:
             header = f.read(_HEADER.size)
     except OSError:
         return None
@@ -136,7 +137,7 @@ def _owner(path: Path) -> bytes | None:
 def _retagged(path: Path, tenant: str | None) -> bytes:
     """The file's bytes with `tenant`'s tag and a new checksum; CorruptBlock if its checksum fails first: a
     checksum over damaged bytes would make them read as sound."""
-    data = path.read_bytes()
+    data = bytes(_read(path))
     body = data[:-_CHECKSUM_BYTES]
     if len(data) < _HEADER.size + _CHECKSUM_BYTES or xxhash.xxh3_128_digest(body) != data[-_CHECKSUM_BYTES:]:
         raise CorruptBlock("checksum mismatch")
@@ -146,9 +147,22 @@ def _retagged(path: Path, tenant: str | None) -> bytes:
     return body + xxhash.xxh3_128_digest(body)
 
 
+def _open_block(path: Path):
+    """The block file, opened to read; OSError where it is not a regular file: a FIFO put in a block's place would
+    hold its reader (the engine's step) until some writer came."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (no effect on a regular file: its reads still wait)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _read(path: Path) -> bytearray:
     """The whole file in one writable buffer (the KV tensor is a view of it)."""
-    with path.open("rb", buffering=0) as f:
+    with _open_block(path) as f:
         data = bytearray(os.fstat(f.fileno()).st_size)
         size = f.readinto(data)
     return data[:size] if size < len(data) else data
@@ -173,7 +187,7 @@ def _save_pins(path: Path, records: list) -> None:
 
 def _load_pins(path: Path) -> list:
     try:
-        records = json.loads(path.read_text())["pins"]
+        records = json.loads(bytes(_read(path)))["pins"]
     except FileNotFoundError:
         return []
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -507,10 +521,10 @@ class DiskTier:
                 if not entry.name.endswith((".kv", ".tmp")):  # only what a tier wrote is ever deleted
                     continue
                 try:
-                    stat = entry.stat()
+                    info = entry.stat()
                 except OSError:
                     continue
-                entries.append((stat.st_mtime_ns, Path(entry.path), stat.st_size))
+                entries.append((info.st_mtime_ns, Path(entry.path), info.st_size))
         for _, path, size in sorted(entries):
             self._others.append((path, size))
             self._others_bytes += size
@@ -525,10 +539,12 @@ class DiskTier:
                 continue
             try:
                 block_hash = BlockHash(bytes.fromhex(name.removesuffix(".kv")))
-                stat = entry.stat()
+                if not entry.is_file():  # (what the tier writes: another kind of file is never read)
+                    continue
+                info = entry.stat()
             except (ValueError, OSError):
                 continue
-            entries.append((stat.st_mtime_ns, block_hash, stat.st_size))
+            entries.append((info.st_mtime_ns, block_hash, info.st_size))
         with self._lock:
             for _, block_hash, size in sorted(entries):
                 self._add(block_hash, size)

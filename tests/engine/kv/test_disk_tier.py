@@ -3,7 +3,9 @@ same KV and tokens, corrupt files never served, a warm restart, and no block lea
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
 import random
 
 import pytest
@@ -13,6 +15,7 @@ from bench.engine_faults import assert_blocks_released
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.kv import disk_tier
 from engine.kv.disk_tier import CorruptBlock, DiskTier, decode_block, encode_block
 from engine.kv.hashing import BlockHash, hash_full_blocks
 
@@ -289,3 +292,38 @@ async def test_usage_says_what_came_from_disk_and_what_was_written(tiny_llama_di
                        {"cached_tokens": full, "disk_cached_tokens": 0, "cache_write_tokens": 0, **unpinned},  # RAM
                        {"cached_tokens": full, "disk_cached_tokens": full, "cache_write_tokens": 0, **unpinned},
                        {"cached_tokens": full, "disk_cached_tokens": 0, "cache_write_tokens": 0, **unpinned}]
+
+
+def test_a_fifo_in_a_block_files_place_is_a_miss_not_a_hang(tmp_path, caplog):
+    """A reader of a FIFO waits for a writer: the step that read it would never end."""
+    import threading
+    tier = make_tier(tmp_path)
+    tier.put(h(1), (1, 2), kv(1))
+    tier.put(h(2), (1, 2), kv(2))
+    tier.flush()
+    paths = sorted(tier.dir.glob("*.kv"))
+    for path in paths:
+        path.unlink()
+        os.mkfifo(path)
+    (tier.dir / "pins.json").unlink(missing_ok=True)
+    results = []
+
+    def run():
+        results.append(tier.load(h(1), (1, 2)))
+        results.append(disk_tier._owner(paths[1]))
+        try:
+            disk_tier._retagged(paths[1], "t")
+        except OSError as exc:
+            results.append(exc.errno)
+        tier.close()
+        again = make_tier(tmp_path)  # a new start indexes regular files alone
+        results.append(h(2) in again)
+        again.close()
+
+    worker = threading.Thread(target=run, daemon=True)
+    with caplog.at_level(logging.WARNING, "prefixgate.engine"):
+        worker.start()
+        worker.join(timeout=30)
+    assert not worker.is_alive(), "a read of the FIFO is waiting for a writer"
+    assert results == [None, None, errno.EINVAL, False]
+    assert "not a regular file" in caplog.text and h(1) not in tier
