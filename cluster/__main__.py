@@ -12,6 +12,7 @@ import sys
 import time
 
 from gateway.__main__ import StartupError, build_parser, settings_from_args, setup_logging
+from gateway.app import scoped_settings
 from cluster.prefix_index import DEFAULT_MEAN_LOAD_FACTOR
 
 log = logging.getLogger("prefixgate.cluster")
@@ -98,11 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.replicas < 1:
             raise ValueError("--replicas must be >= 1")
-        settings = settings_from_args(gateway_args)
+        # the replicas' engines restore only the saved pins this gateway's tenants can hit (the secret resolved
+        # once here, so the gateway derives the same salts): unscoped, they restored every tenant's
+        settings, _, salt_secret = scoped_settings(settings_from_args(gateway_args))
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.gateway.log_level)
+    salt_secret.log()  # (the gateway finds it configured: where it came from is said here)
     import ray
     import uvloop
     from ray import serve

@@ -108,16 +108,24 @@ _ROUTES = (
 )
 
 
+def scoped_settings(settings: Settings) -> tuple[Settings, Authenticator, SaltSecret]:
+    """The salt secret resolved (kept in the settings), the keys' authenticator, and the engine's pin scope: the
+    secret's fingerprint and the tenants, so an engine restores only the saved pins someone can still hit, list
+    and erase. Bad key settings fail here, before any model loads. The cluster scopes its replicas' settings
+    with it before it deploys them."""
+    secret = resolve_salt_secret(settings.gateway.salt_secret)
+    settings = dataclasses.replace(settings, gateway=settings.gateway.replace(salt_secret=secret.value))
+    auth = Authenticator(settings.gateway)
+    settings = dataclasses.replace(settings, engine=settings.engine.replace(salt_fingerprint=auth.salt_fingerprint,
+                                                                            tenants=tuple(auth.tenant_names)))
+    return settings, auth, secret
+
+
 def create_app(settings: Settings, engine: EngineClient | None = None) -> web.Application:
     """`engine`: an engine client not yet started (tests); None launches one from settings: the engine
     process (default), or an in-process engine with `engine_process` off. Either way the app starts it on
     startup and shuts it down on cleanup."""
-    secret = resolve_salt_secret(settings.gateway.salt_secret)
-    settings = dataclasses.replace(settings, gateway=settings.gateway.replace(salt_secret=secret.value))
-    auth = Authenticator(settings.gateway)  # bad key settings fail here, before the model loads
-    # the engine restores only the saved pins someone can still hit, list and erase
-    settings = dataclasses.replace(settings, engine=settings.engine.replace(salt_fingerprint=auth.salt_fingerprint,
-                                                                            tenants=tuple(auth.tenant_names)))
+    settings, auth, secret = scoped_settings(settings)
     app = web.Application(client_max_size=settings.gateway.max_body_bytes,
                           middlewares=[observe_middleware, error_middleware, bodiless_middleware])
     app[IN_FLIGHT] = InFlight(settings.gateway.retry_after_s)

@@ -496,3 +496,29 @@ async def test_the_gateway_hands_the_engine_its_salt_fingerprint_and_tenants(aio
     client = await aiohttp_client(create_app(tiny_settings(tiny_llama_dir, keys=keys)))
     engine = client.app[STATE].settings.engine
     assert engine.tenants == ("alice", "bob") and len(engine.salt_fingerprint) == 16
+
+
+def test_the_cluster_hands_its_replicas_the_pin_scope_of_its_gateway(monkeypatch, tmp_path):
+    """The replicas' engines restore only the saved pins made under this salt secret, of its tenants: unscoped,
+    they restored every saved pin and saved theirs with no fingerprint, which a later gateway's engine dropped."""
+    import ray
+    from ray import serve
+
+    import cluster.__main__ as cluster_main
+    from gateway.app import scoped_settings
+    deployed = []
+
+    def deploy(settings, *args, **kwargs):
+        deployed.append(settings.engine)
+        raise cluster_main.StartupError("stop here")
+
+    for target, name in ((ray, "init"), (ray, "shutdown"), (serve, "start"), (serve, "shutdown")):
+        monkeypatch.setattr(target, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(cluster_main, "deploy", deploy)
+    argv = ["serve", "--replicas", "2", "--salt-secret", "s3cret", "--model", "default"]
+    assert cluster_main.main(argv) == 2
+    [engine] = deployed
+    gateway_args = cluster_main.build_parser().parse_args(argv[:1] + argv[3:])
+    expected = scoped_settings(cluster_main.settings_from_args(gateway_args))[0].engine
+    assert engine.salt_fingerprint is not None and engine.tenants
+    assert (engine.salt_fingerprint, engine.tenants) == (expected.salt_fingerprint, expected.tenants)
