@@ -69,8 +69,12 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads from the linear layers (the embedding reads only a few rows): quantized
     tiles as they are packed (integers, scales and mins), float weights at their dtype's size."""
     itemsize = next(p for p in model.parameters()).element_size()
-    return sum(m.quant.nbytes() if getattr(m, "quant", None) is not None else m.in_features * m.out_features * itemsize
-               for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+    def read(m: torch.nn.Linear) -> int:
+        if getattr(m, "quant", None) is None:
+            return m.in_features * m.out_features * itemsize
+        return m.quant.nbytes() + (m.quant_tail.nbytes() if getattr(m, "quant_tail", None) is not None else 0)
+    return sum(read(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def kv_bytes_per_token(core: EngineCore) -> int:

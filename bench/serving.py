@@ -132,8 +132,9 @@ def weight_bytes(model) -> int:
     for m in model.modules():
         if getattr(m, "packed", None) is not None:
             tensors[m.packed.data_ptr()] = m.packed
-        if getattr(m, "quant", None) is not None:
-            tensors.update({t.data_ptr(): t for t in (m.quant.data, m.quant.scales, m.quant.mins)})
+        for quant in (getattr(m, "quant", None), getattr(m, "quant_tail", None)):
+            if quant is not None:
+                tensors.update({t.data_ptr(): t for t in (quant.data, quant.scales, quant.mins)})
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

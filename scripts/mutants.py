@@ -28,6 +28,9 @@ ATTENTION_TESTS = ("tests/engine/model/test_attention.py", "tests/engine/model/t
 STEP_TESTS = ("tests/engine/model/test_decode_step_cpu.py",)
 QUANT_TESTS = ("tests/engine/model/test_quant_matmul.py",)
 DOT_TESTS = ("tests/engine/model/test_quant_dot.py",)
+# a Q4_K_M-like model through the compiled step: its layer 0's qkv holds v in tiles of their own
+K_QUANT_TESTS = ("tests/engine/model/test_quantized_models.py::"
+                 "test_k_quants_give_the_dequantized_models_tokens_from_super_block_records",)
 PREFILL_TESTS = ("tests/engine/model/test_paged_prefill_cuda.py",)
 FUSED_TESTS = ("tests/engine/model/test_fused_cuda.py",)
 TIMEOUT_S = 1800
@@ -100,6 +103,10 @@ MUTANTS = [
     Mutant("greedy-first-row-only", "decode_step_cpu.py",
            "        for r in range(logits.shape[0]):\n            best[c, r]",
            "        for r in range(1):\n            best[c, r]", STEP_TESTS),
+    # a fused weight's tail rows (v in Q6_K beside Q4_K q and k) copied one tile late: v's columns shifted
+    Mutant("stacked-tail-copied-a-tile-late", "decode_step_cpu.py",
+           "tail_from = tile_count(qkv_w[layer]) * TILE if", "tail_from = tile_count(qkv_w[layer]) * TILE + TILE if",
+           K_QUANT_TESTS),
     # the matmuls' row groups one row short: every 8th row of a step's batch is never computed
     Mutant("matmul-row-group-one-short", "packed_matmul_cpu.py",
            "group = x[first:first + ROW_GROUP]", "group = x[first:first + ROW_GROUP - 1]", STEP_TESTS),

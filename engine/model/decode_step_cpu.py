@@ -29,7 +29,7 @@ from engine.model import paged_decode_cpu, simd, work_phases
 from engine.model.attention import SharedPrefix
 from engine.model.bfloat16_bits import as_float32, numpy_view, to_element
 from engine.model.cpu_threads import launch_lock, use_threads
-from engine.model.linear import MAX_PACKED_ROWS, matmul_weight
+from engine.model.linear import MAX_PACKED_ROWS, matmul_tail, matmul_weight
 from engine.model.llama import LlamaForCausalLM
 from engine.model.quant_matmul_cpu import embed_row, linear_tiles, tile_count
 from engine.model.paged_decode_cpu import cascade_groups
@@ -77,12 +77,16 @@ class CompiledDecode:
         def matmuls(get) -> List:
             return typed_list([matmul_weight(get(layer)) for layer in layers])
 
-        self.out_features = (attn.qkv_proj.out_features, layers[0].mlp.gate_up_proj.out_features)
+        qkv = [layer.self_attn.qkv_proj for layer in layers]
+        tail_size = max(p.quant_tail.out_features if p.quant_tail is not None else 0 for p in qkv)
+        self.out_features = (attn.qkv_proj.out_features, layers[0].mlp.gate_up_proj.out_features, tail_size)
         self.weights = (
             weights(lambda l: l.input_layernorm.weight),
             weights(lambda l: l.post_attention_layernorm.weight),
             matmuls(lambda l: l.self_attn.qkv_proj),
-            biases(lambda l: l.self_attn.qkv_proj.bias),
+            typed_list([_split_bias(p)[0] for p in qkv]),
+            typed_list([matmul_tail(p) for p in qkv]),
+            typed_list([_split_bias(p)[1] for p in qkv]),
             weights(lambda l: l.self_attn.q_norm.weight) if self.qk_norm else typed_list([np.ones(1, np.float32)]),
             weights(lambda l: l.self_attn.k_norm.weight) if self.qk_norm else typed_list([np.ones(1, np.float32)]),
             matmuls(lambda l: l.self_attn.o_proj),
@@ -137,6 +141,15 @@ class CompiledDecode:
         if len(positions) == 1:  # a view, not fancy indexing's copy
             return self._cos[needed - 1:needed], self._sin[needed - 1:needed]
         return self._cos[positions], self._sin[positions]
+
+
+def _split_bias(linear) -> tuple[np.ndarray, np.ndarray]:
+    """A Linear's bias as the step reads it: for its rows in `quant` and in `quant_tail` (empty: none)."""
+    if linear.bias is None:
+        return np.zeros(0, np.float32), np.zeros(0, np.float32)
+    bias = numpy_view(linear.bias)
+    head = linear.quant.out_features if linear.quant_tail is not None else len(bias)
+    return bias[:head], bias[head:]
 
 
 def typed_list(items: Sequence) -> List:
@@ -235,9 +248,9 @@ LAYER_PHASES = 6
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, parallel=True)
 def _step(input_ids, embed, cos, sin, kv, slot_mapping, slots, lengths, group, shared_slots, shared_lengths,
-          logits_indices, input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
-          down_w, down_b, final_norm, lm_head, lm_head_b, qkv_size, gate_up_size, heads, kv_heads, eps, scale,
-          qk_norm, threads, logits, greedy):
+          logits_indices, input_norm, post_norm, qkv_w, qkv_b, qkv_tail_w, qkv_tail_b, q_norm, k_norm, o_w, o_b,
+          gate_up_w, gate_up_b, down_w, down_b, final_norm, lm_head, lm_head_b, qkv_size, gate_up_size, tail_size,
+          heads, kv_heads, eps, scale, qk_norm, threads, logits, greedy):
     """The step in one parallel region: each of `threads` threads walks every layer's phases (_thread), the
     work of each phase shared by claims (work_phases); the buffers all threads read and write are made here.
     greedy[r]: the column of logits row r's largest value (the first of equals)."""
@@ -247,6 +260,7 @@ def _step(input_ids, embed, cos, sin, kv, slot_mapping, slots, lengths, group, s
         embed_row(embed, input_ids[m], x[m])
     dim = cos.shape[1]
     qkv = np.empty((rows, qkv_size), np.float32)
+    tail = np.empty((rows, tail_size), np.float32)  # the products of qkv's tail rows (Linear.quant_tail)
     scaled = np.empty((rows, heads, dim), np.float32)
     gate_up = np.empty((rows, gate_up_size), np.float32)
     plan = paged_decode_cpu.plan(lengths, group, shared_lengths, threads, heads // kv_heads, dim)
@@ -254,18 +268,18 @@ def _step(input_ids, embed, cos, sin, kv, slot_mapping, slots, lengths, group, s
     counters = work_phases.new_counters(len(qkv_w) * LAYER_PHASES + 1)
     best = np.empty((threads, len(logits_indices)), np.int64)  # each lm_head run's largest logit, per row
     for _ in prange(threads):
-        _thread(x, qkv, scaled, gate_up, plan, partials, counters, cos, sin, kv, slot_mapping, slots, shared_slots,
-                logits_indices, input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
-                down_w, down_b, final_norm, lm_head, lm_head_b, heads, kv_heads, eps, scale, qk_norm, threads,
-                logits, best)
+        _thread(x, qkv, tail, scaled, gate_up, plan, partials, counters, cos, sin, kv, slot_mapping, slots,
+                shared_slots, logits_indices, input_norm, post_norm, qkv_w, qkv_b, qkv_tail_w, qkv_tail_b, q_norm,
+                k_norm, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b, final_norm, lm_head, lm_head_b, heads,
+                kv_heads, eps, scale, qk_norm, threads, logits, best)
     _greedy_of_runs(logits, best, min(tile_count(lm_head), threads), greedy)
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE)
-def _thread(x, qkv, scaled, gate_up, plan, partials, counters, cos, sin, kv, slot_mapping, slots, shared_slots,
-            logits_indices, input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
-            down_w, down_b, final_norm, lm_head, lm_head_b, heads, kv_heads, eps, scale, qk_norm, threads, logits,
-            best):
+def _thread(x, qkv, tail, scaled, gate_up, plan, partials, counters, cos, sin, kv, slot_mapping, slots,
+            shared_slots, logits_indices, input_norm, post_norm, qkv_w, qkv_b, qkv_tail_w, qkv_tail_b, q_norm,
+            k_norm, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b, final_norm, lm_head, lm_head_b, heads, kv_heads,
+            eps, scale, qk_norm, threads, logits, best):
     """One thread's walk through the step. The small ops whose output every thread reads in full (the norms,
     the merge of the attention's partials, silu-and-mul) each thread does for itself into its own buffers, which
     costs no wait; the matmuls, the rows' rotary and cache writes and the attention's bins are claimed."""
@@ -282,9 +296,12 @@ def _thread(x, qkv, scaled, gate_up, plan, partials, counters, cos, sin, kv, slo
     for layer in range(len(qkv_w)):
         k_cache, v_cache = kv[0, layer], kv[1, layer]
         _rms_norm(x, input_norm[layer], eps, normed)
-        _matmul_phase(normed, qkv_w[layer], qkv_b[layer], qkv, False, counters, phase, threads)
+        _stacked_phase(normed, qkv_w[layer], qkv_b[layer], qkv, qkv_tail_w[layer], qkv_tail_b[layer], tail,
+                       counters, phase, threads)
         phase += 1
+        tail_from = tile_count(qkv_w[layer]) * TILE if tile_count(qkv_tail_w[layer]) else qkv.shape[1]
         for m in work_phases.claimed(counters, phase, rows):
+            qkv[m, tail_from:] = tail[m, :qkv.shape[1] - tail_from]
             _rope_and_store(m, by_head, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads,
                             q_norm[layer if qk_norm else 0], k_norm[layer if qk_norm else 0], qk_norm, eps, scale,
                             scaled)
@@ -350,6 +367,25 @@ def _first_largest(row, start, end):
         if row[j] == top:
             return j
     return start
+
+
+@njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")  # (as _lm_head_phase)
+def _stacked_phase(x, weight, bias, out, tail, tail_bias, tail_out, counters, phase, threads):
+    """_matmul_phase of a weight whose last rows have tiles of their own (Linear.quant_tail; none: an empty
+    `tail`): the tiles of both shared out as one run, the tail's products into tail_out. One call of the kernel
+    for either (each call site compiles the kernel again)."""
+    head_tiles = tile_count(weight)
+    tiles = head_tiles + tile_count(tail)
+    chunks = min(tiles, threads)
+    for c in work_phases.claimed(counters, phase, chunks):
+        first, end = c * tiles // chunks, (c + 1) * tiles // chunks
+        while first < end:
+            if first < head_tiles:
+                w, b, into, offset, stop = weight, bias, out, 0, min(end, head_tiles)
+            else:
+                w, b, into, offset, stop = tail, tail_bias, tail_out, head_tiles, end
+            linear_tiles(x, w, b, into, False, first - offset, stop - offset)
+            first = stop
 
 
 @njit(fastmath=True, nogil=True, cache=kernel_cache.CACHE, inline="always")  # (as _lm_head_phase)

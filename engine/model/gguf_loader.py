@@ -24,7 +24,7 @@ from gguf.quants import dequantize
 
 from engine.model import quant_formats
 from engine.model.gguf_index import END_TOKEN_KEYS, float_tensor, read_indexed, write_index
-from engine.model.quant_formats import QuantRows
+from engine.model.quant_formats import QuantRows, StackedRows
 
 if TYPE_CHECKING:
     from engine.model.model_config import AnyConfig
@@ -200,5 +200,5 @@ def read_tensors(gguf_file: Path, config: AnyConfig) -> dict[str, torch.Tensor |
     return dict(iter_tensors(gguf_file, config))
 
 
-def as_float(value: torch.Tensor | QuantRows) -> torch.Tensor:
-    return torch.from_numpy(value.dequantize()) if isinstance(value, QuantRows) else value
+def as_float(value: torch.Tensor | QuantRows | StackedRows) -> torch.Tensor:
+    return torch.from_numpy(value.dequantize()) if isinstance(value, (QuantRows, StackedRows)) else value

@@ -35,15 +35,17 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     quant: QuantTiles | None = None
+    # a fused weight's last rows in a layout of their own (quant_formats.StackedRows: v in Q6_K beside Q4_K q and
+    # k); `quant` then holds the rows before them, a whole number of tiles
+    quant_tail: QuantTiles | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
-            from engine.model import quant_matmul_cpu
-            # integer dot products run every batch (large ones 1.6-2x as fast on AVX2 as a float GEMM over dequantized
-            # rows, each output the same floats as in a batch of one); float arithmetic up to its KERNEL_ROWS
-            if x.shape[0] <= quant_matmul_cpu.KERNEL_ROWS[self.quant.bits] or self.quant.integer:
-                return quant_matmul_cpu.linear(x, self.quant, self.bias)
-            return quant_matmul_cpu.prefill_linear(x.float(), self.quant, self.bias).to(x.dtype)
+            if self.quant_tail is None:
+                return _quantized(x, self.quant, self.bias)
+            head = self.quant.out_features
+            bias = (None, None) if self.bias is None else (self.bias[:head], self.bias[head:])
+            return torch.cat([_quantized(x, self.quant, bias[0]), _quantized(x, self.quant_tail, bias[1])], dim=-1)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         from engine.model import packed_matmul_cpu  # (numba: only once weights were packed)
@@ -56,6 +58,15 @@ class Linear(nn.Linear):
         from engine.model import packed_matmul_cpu
         self.packed = packed_matmul_cpu.pack(self.weight.detach())
         self.weight = None
+
+
+def _quantized(x: torch.Tensor, weight: QuantTiles, bias: torch.Tensor | None) -> torch.Tensor:
+    from engine.model import quant_matmul_cpu
+    # integer dot products run every batch (large ones 1.6-2x as fast on AVX2 as a float GEMM over dequantized
+    # rows, each output the same floats as in a batch of one); float arithmetic up to its KERNEL_ROWS
+    if x.shape[0] <= quant_matmul_cpu.KERNEL_ROWS[weight.bits] or weight.integer:
+        return quant_matmul_cpu.linear(x, weight, bias)
+    return quant_matmul_cpu.prefill_linear(x.float(), weight, bias).to(x.dtype)
 
 
 class Embedding(nn.Embedding):
@@ -85,6 +96,14 @@ def matmul_weight(linear: Linear):
     return linear.quant.arrays() if linear.quant is not None else numpy_view(linear.packed)
 
 
+def matmul_tail(linear: Linear):
+    """matmul_weight of the Linear's tail rows (quant_tail), or of none: no tiles, of the type the step expects."""
+    if linear.quant_tail is not None:
+        return linear.quant_tail.arrays()
+    weight = matmul_weight(linear)
+    return weight[:0] if not isinstance(weight, tuple) else (*(a[:0] for a in weight[:3]), weight[3])
+
+
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
 
@@ -99,6 +118,7 @@ def uniform_linears(model: nn.Module) -> bool:
     kinds: dict[str, set[tuple[bool, bool]]] = {}
     for name, module in model.named_modules():
         if isinstance(module, Linear):
-            kind = (module.quant is not None, module.quant is not None and module.quant.integer)
-            kinds.setdefault(name.rsplit(".", 1)[-1], set()).add(kind)
+            for quant in (module.quant, module.quant_tail) if module.quant_tail is not None else (module.quant,):
+                kinds.setdefault(name.rsplit(".", 1)[-1], set()).add((quant is not None, quant is not None and
+                                                                       quant.integer))
     return all(len(kind) == 1 for kind in kinds.values())

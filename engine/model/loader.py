@@ -24,7 +24,7 @@ from engine.model.gguf_index import read_indexed
 from engine.model.gguf_loader import FLOAT_TYPES, WEIGHTS_NAME, as_float, gguf_model_dir, is_gguf_dir, iter_tensors
 from engine.model.linear import Embedding, Linear, can_pack
 from engine.model.llama import LlamaForCausalLM
-from engine.model.quant_formats import QuantRows
+from engine.model.quant_formats import QuantRows, StackedRows
 from engine.paths import default_cache_dir
 
 if TYPE_CHECKING:
@@ -33,12 +33,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("prefixgate.engine")
 
-Weight = torch.Tensor | QuantRows
+Weight = torch.Tensor | QuantRows | StackedRows
 # what `quantization` may be besides none: the file's own formats (GGUF), or a ggml format to quantize to at load
 AT_LOAD = {"q8_0": quant_formats.QType.Q8_0, "q4_0": quant_formats.QType.Q4_0}
-# what a Linear or an Embedding may stream its weight from: quantized tiles, packed float tiles (Linear), the tied
-# lm_head's packed tiles (Embedding)
-TILE_ATTRIBUTES = ("quant", "packed", "tiles")
+# what a Linear or an Embedding may stream its weight from: quantized tiles (and a fused Linear's last rows in a
+# layout of their own), packed float tiles (Linear), the tied lm_head's packed tiles (Embedding)
+TILE_ATTRIBUTES = ("quant", "quant_tail", "packed", "tiles")
 # checkpoint projections that our decoder runs as one matmul: fused name -> the parts, in order
 FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                      "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
@@ -99,7 +99,7 @@ def load_model(path: Path, config: AnyConfig, dtype: torch.dtype, device: torch.
         if name not in expected:  # (a checkpoint's extra: a tied lm_head's copy, an old rotary table)
             continue
         del expected[name]
-        if isinstance(value, QuantRows):
+        if isinstance(value, (QuantRows, StackedRows)):
             quantized.append(name)
             tiles = _place_quantized(model, name, value, kind, integer_activations)
             if integer_activations and not tiles.integer:
@@ -142,16 +142,25 @@ def _place_float(model: LlamaForCausalLM, name: str, value: torch.Tensor, dtype:
             module.tiles, module.weight = linear.packed, None
 
 
-def _place_quantized(model: LlamaForCausalLM, name: str, rows: QuantRows, kind: str, integer: bool) -> QuantTiles:
+def _place_quantized(model: LlamaForCausalLM, name: str, rows: QuantRows | StackedRows, kind: str,
+                     integer: bool) -> QuantTiles:
     """The weight as its module's tiles, scales and mins of `kind` (its float parameter gone); a tied embedding
-    and lm_head share them."""
+    and lm_head share them. Stacked rows keep their two layouts (quant, quant_tail) where the head fills whole
+    tiles and both run the same kernel, else they are packed as one."""
     from engine.model import quant_matmul_cpu  # (numba: only a quantized model needs it)
     module = model.get_submodule(name.removesuffix(".weight"))
     if not isinstance(module, (Embedding, Linear)):
         raise ValueError(f"{name}: a quantized weight where a float one belongs")
-    if _KINDS.index(quant_matmul_cpu.scale_kind([rows])) > _KINDS.index(kind):
+    runs = [rows.head, rows.tail] if isinstance(rows, StackedRows) else [rows]
+    if _KINDS.index(quant_matmul_cpu.scale_kind(runs)) > _KINDS.index(kind):
         raise ValueError(f"{name}: scales that {kind} does not hold exactly")
-    module.quant, module.weight = quant_matmul_cpu.pack(rows, integer, kind), None
+    tiles = [quant_matmul_cpu.pack(run, integer, kind) for run in runs]
+    if len(tiles) == 2 and (not isinstance(module, Linear) or runs[0].shape[0] % quant_matmul_cpu.TILE
+                            or tiles[0].integer != tiles[1].integer):
+        tiles = [quant_matmul_cpu.pack(quant_formats.concat(runs), integer, kind)]
+    module.quant, module.weight = tiles[0], None
+    if len(tiles) == 2:
+        module.quant_tail = tiles[1]
     if isinstance(module, Embedding) and model.config.tie_word_embeddings:
         model.lm_head.quant, model.lm_head.weight = module.quant, None
     return module.quant
@@ -212,7 +221,7 @@ def _fused(weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]
 
 def _concat(values: list[Weight]) -> Weight:
     if all(isinstance(value, QuantRows) for value in values):
-        return quant_formats.concat(values)
+        return quant_formats.stack(values)
     return torch.cat([as_float(value) for value in values])
 
 

@@ -190,6 +190,40 @@ def concat(parts: list[QuantRows]) -> QuantRows:
     return QuantRows(np.concatenate(qs), scales, mins, group, bits, _concat_levels(parts, group, with_mins))
 
 
+@dataclass(frozen=True)
+class StackedRows:
+    """A fused weight kept as two runs of rows, each in a layout of its own: where q and k are Q4_K and v is Q6_K
+    (llama-quantize's Q4_K_M, in about half the layers), one layout would widen q and k to v's 6 bits and
+    16-weight groups, 2.5 bits a weight more than their file holds, read at every decode step."""
+    head: QuantRows
+    tail: QuantRows
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.head.shape[0] + self.tail.shape[0], self.head.shape[1]
+
+    def dequantize(self) -> np.ndarray:
+        return np.concatenate([self.head.dequantize(), self.tail.dequantize()])
+
+
+def stack(parts: list[QuantRows]) -> QuantRows | StackedRows:
+    """The parts' rows as one weight: concat() where they share bits and group, else the two runs (split between
+    parts) that hold them in the fewest bytes, where those are fewer than one layout's."""
+    if len({(p.bits, p.group) for p in parts}) == 1:
+        return concat(parts)
+    cost, at = min((_layout_bits(parts[:i]) + _layout_bits(parts[i:]), i) for i in range(1, len(parts)))
+    if cost >= _layout_bits(parts):
+        return concat(parts)
+    return StackedRows(concat(parts[:at]), concat(parts[at:]))
+
+
+def _layout_bits(parts: list[QuantRows]) -> int:
+    """About the bits concat(parts) takes: its integers and an 8-bit sub-scale (and sub-min) a group."""
+    bits, group = max(p.bits for p in parts), min(p.group for p in parts)
+    per_group = 8 * (1 + any(p.mins is not None for p in parts))
+    return sum(p.shape[0] for p in parts) * parts[0].shape[1] * (bits * group + per_group) // group
+
+
 def _stacked(parts: list[QuantRows], values: list[np.ndarray | None], widths: list[int], width: int,
              dtype) -> np.ndarray:
     """The parts' values stacked by rows, each part's one per `widths[i]` weights repeated to one per `width`

@@ -95,6 +95,28 @@ def test_stacking_a_simple_block_with_a_k_quant_takes_the_smaller_super_block():
     assert float_scales.super_blocks() is None and quant_formats.concat([float_scales, parts[1]]).levels is None
 
 
+@pytest.mark.parametrize("formats, runs", [
+    ((QType.Q4_K, QType.Q4_K, QType.Q6_K), (2, 1)),  # Q4_K_M's q, k and v: v's 6 bits in tiles of their own
+    ((QType.Q6_K, QType.Q4_K, QType.Q4_K), (1, 2)),
+    ((QType.Q4_0, QType.Q4_1, QType.Q8_0), (2, 1)),  # 4-bit q and k (one layout: Q4_0's min is -8 d), 8-bit v
+    ((QType.Q4_K, QType.Q4_K, QType.Q4_K), None),  # one format: one layout
+    ((QType.Q4_0, QType.Q4_1), None),
+])
+def test_stack_keeps_the_parts_of_other_bits_apart_where_that_holds_them_in_fewer_bytes(formats, runs):
+    parts = [quant_formats.decode(_file_blocks(q), q, K) for q in formats]
+    stacked = quant_formats.stack(parts)
+    whole = np.concatenate([p.dequantize() for p in parts])
+    assert np.array_equal(stacked.dequantize(), whole) and stacked.shape == whole.shape
+    if runs is None:
+        assert isinstance(stacked, QuantRows)
+        return
+    assert isinstance(stacked, quant_formats.StackedRows)
+    assert (stacked.head.shape[0], stacked.tail.shape[0]) == (runs[0] * ROWS, runs[1] * ROWS)
+    assert {stacked.head.bits, stacked.tail.bits} == {p.bits for p in parts}
+    one_layout = quant_formats.concat(parts)  # every part at the widest bits
+    assert sum(r.bits * r.shape[0] for r in (stacked.head, stacked.tail)) < one_layout.bits * whole.shape[0]
+
+
 def test_take_rows_reorders_every_part():
     rows = quant_formats.decode(_file_blocks(QType.Q4_1), QType.Q4_1, K)
     order = np.arange(ROWS)[::-1].copy()

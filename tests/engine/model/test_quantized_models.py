@@ -88,7 +88,8 @@ def test_native_formats_give_the_dequantized_models_tokens(files, tiny_llama_dir
     assert native.core.model.lm_head.quant is native.core.model.model.embed_tokens.quant  # tied, one copy
     assert layer.self_attn.qkv_proj.quant.scales.dtype == torch.int16  # the file's fp16 scales, as they are
     if files == "mixed":
-        assert layer.self_attn.qkv_proj.quant.bits == 8  # 4-bit q and k promoted beside 8-bit v
+        qkv = layer.self_attn.qkv_proj  # 4-bit q and k, then 8-bit v in tiles of its own
+        assert (qkv.quant.bits, qkv.quant_tail.bits, qkv.quant_tail.out_features) == (4, 8, qkv.out_features // 4)
         assert layer.mlp.down_proj.quant is None and "Q5_0" in caplog.text
         assert native.core.model.model.layers[1].mlp.down_proj.quant is not None
         assert native.core.runner.compiled_decode is None  # float and quantized down_proj: the eager path
@@ -111,25 +112,37 @@ def _q4_k_m(name: str) -> QType:
 
 def test_k_quants_give_the_dequantized_models_tokens_from_super_block_records(k_quant_llama_dir, tmp_path):
     """A Q4_K_M-like file: its K-quants run natively with their two-level scales as super-block records and Q6_K
-    in 6 bits (layer 0's qkv stacks Q4_K q and k over a Q6_K v: 6 bits), the tiles no larger than the file's
-    blocks; greedy tokens equal the dequantized model's, with or without the cache."""
+    in 6 bits (layer 0's qkv: Q4_K q and k in 4-bit tiles, its Q6_K v in 6-bit ones after them), the tiles the
+    file's bits a weight but for 1/8 bit a Q4_K one; greedy tokens equal the dequantized model's, with or without
+    the cache."""
     gguf_dir = write_gguf_model(k_quant_llama_dir, tmp_path / "gguf", _q4_k_m)
     native = LLM(str(gguf_dir), **SMALL)
     model = native.core.model
     first, second = model.model.layers
-    assert [first.self_attn.qkv_proj.quant.bits, second.self_attn.qkv_proj.quant.bits] == [6, 4]
+    config = model.config
+    kv_size = config.num_key_value_heads * config.head_dim
+    assert [first.self_attn.qkv_proj.quant.bits, second.self_attn.qkv_proj.quant.bits] == [4, 4]
+    assert first.self_attn.qkv_proj.quant_tail.bits == 6 and second.self_attn.qkv_proj.quant_tail is None
+    assert first.self_attn.qkv_proj.quant_tail.out_features == kv_size
     assert [first.mlp.down_proj.quant.bits, second.mlp.down_proj.quant.bits] == [6, 4]
-    quants = {id(m.quant): m.quant for m in model.modules() if getattr(m, "quant", None) is not None}.values()
+    quants = _all_tiles(model)
     assert all(q.scales.dtype == torch.int8 for q in quants)
+    # 4.625 bits a Q4_K weight (its 6-bit sub-scales and mins in bytes) and 6.5625 a Q6_K one, as the file
+    six_bit = (config.vocab_size + kv_size + config.intermediate_size) * config.hidden_size  # embedding, v, down
     weights = sum(q.out_features * q.in_features for q in quants)
-    # 4.625 bits a Q4_K weight and 6.5625 a Q6_K one, as the file; a little more where q and k stack at 6 bits
-    assert sum(q.nbytes() for q in quants) * 8 / weights < 5.5
+    assert sum(q.nbytes() for q in quants) * 8 == 6.5625 * six_bit + 4.625 * (weights - six_bit)
     assert native.core.runner.compiled_decode is not None
     prompts = _prompts(native.core.vocab_size)
     tokens, cached = _greedy_twice(native, prompts)
     assert cached == _whole_blocks(prompts)
     assert _greedy_twice(LLM(str(gguf_dir), quantization="none", **SMALL), prompts)[0] == tokens
     assert _greedy_twice(LLM(str(gguf_dir), cpu_kernels="eager", **SMALL), prompts)[0] == tokens
+
+
+def _all_tiles(model) -> list:
+    """Every quantized weight's tiles, once (a tied embedding shares the lm_head's), fused ones' tails too."""
+    tiles = [t for m in model.modules() for t in (getattr(m, "quant", None), getattr(m, "quant_tail", None))]
+    return list({id(t): t for t in tiles if t is not None}.values())
 
 
 def _dequantized_twin(model_dir, out_dir, quantization: str):
@@ -240,15 +253,16 @@ def _assert_near_the_exact_kernels(llm: LLM, exact: LLM, prompts, relative: floa
 @pytest.mark.skipif(not quant_dot_cpu.X86, reason="integer dot products are x86 (AVX2) code")
 def test_int8_activations_on_k_quants_read_their_super_block_records(k_quant_llama_dir, tmp_path):
     """--quantized-activations int8 on a Q4_K_M-like file: the Q4_K and Q6_K weights (and layer 0's qkv, Q4_K q
-    and k stacked over a Q6_K v: 6 bits with mins) on integer dot products with their two-level scales as
+    and k before a Q6_K v in tiles of its own) on integer dot products with their two-level scales as
     super-block records (the file's bytes, not float32 products); greedy tokens with cache hits equal those
     without, the first token's logprobs near the exact kernels'."""
     gguf_dir = write_gguf_model(k_quant_llama_dir, tmp_path / "gguf", _q4_k_m)
     llm = LLM(str(gguf_dir), quantized_activations="int8", **SMALL)
     first, second = llm.core.model.model.layers
-    assert [first.self_attn.qkv_proj.quant.bits, first.mlp.down_proj.quant.bits, llm.core.model.lm_head.quant.bits,
-            second.mlp.down_proj.quant.bits] == [6, 6, 6, 4]
-    quants = {id(m.quant): m.quant for m in llm.core.model.modules() if getattr(m, "quant", None) is not None}.values()
+    assert [first.self_attn.qkv_proj.quant.bits, first.self_attn.qkv_proj.quant_tail.bits,
+            first.mlp.down_proj.quant.bits, llm.core.model.lm_head.quant.bits,
+            second.mlp.down_proj.quant.bits] == [4, 6, 6, 6, 4]
+    quants = _all_tiles(llm.core.model)
     assert all(q.integer and q.scales.dtype == torch.int8 for q in quants)
     assert llm.core.runner.compiled_decode is not None
     prompts = _prompts(llm.core.vocab_size)
