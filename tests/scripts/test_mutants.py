@@ -14,7 +14,10 @@ def test_each_mutant_edits_one_place_of_its_kernel(mutant):
     source = (MUTANTS.KERNELS / mutant.file).read_text()
     assert source.count(mutant.old) == 1, f"{mutant.old!r} occurs {source.count(mutant.old)} times in {mutant.file}"
     assert mutant.new != mutant.old and mutant.isa in ("", "avx2", "avx512", "vnni", "narrow-vnni", "wide")
-    assert all((MUTANTS.REPO / test).is_file() for test in mutant.tests)
+    for test in mutant.tests:  # a file, or one test of it (file::name)
+        path, _, name = test.partition("::")
+        assert (MUTANTS.REPO / path).is_file()
+        assert not name or f"def {name}(" in (MUTANTS.REPO / path).read_text()
 
 
 def test_mutant_names_are_unique():
