@@ -241,6 +241,19 @@ def _error_reason(exc: OSError) -> str:
     return "io"
 
 
+def _write_atomically(path: Path, data: bytes) -> OSError | None:
+    """`data` as the file `path`, whole or not at all to a reader (a temporary renamed over it); the error, with no
+    temporary left to fill the disk further, where it failed."""
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        _unlink(tmp)
+        return exc
+    return None
+
+
 def _unlink(path: Path) -> OSError | None:
     try:
         os.unlink(path)
@@ -281,6 +294,7 @@ class DiskTier:
         self._backoff_until = 0.0  # time.monotonic(): no spill is taken before it
         self._backoff_s = 0.0
         self._last_touch_ns = 0
+        self._full_disk_said = False  # (warned once that the disk filled up below the cap)
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._index_others(root)
@@ -572,15 +586,13 @@ class DiskTier:
         pending = self._pending[block_hash]
         data = encode_block(self.fingerprint, block_hash, pending.token_ids, pending.kv, pending.owner)
         path = self._path(block_hash)
-        tmp = path.with_suffix(".tmp")
-        try:
-            tmp.write_bytes(data)
-            os.replace(tmp, path)  # atomic: a reader sees the whole file or none
-        except OSError as exc:
-            _unlink(tmp)  # a partial temporary must not fill the disk further
+        error = _write_atomically(path, data)
+        if error is not None and _error_reason(error) == "no_space" and self._make_room(len(data)):
+            error = _write_atomically(path, data)
+        if error is not None:
             with self._lock:
                 self._drop_pending(block_hash)
-                self._write_failed(exc)
+                self._write_failed(error)
             return
         with self._lock:
             self._drop_pending(block_hash)
@@ -589,6 +601,28 @@ class DiskTier:
             self.stats.writes += 1
             self._backoff_s = 0.0
             self._trim()
+
+    def _make_room(self, size: int) -> bool:
+        """The disk is full below the cap: the folder's least recently used files (other configurations' first)
+        deleted until `size` bytes went, so the newest blocks keep being written; False where none is left."""
+        freed = 0
+        with self._lock:
+            while freed < size and (self._others or self._index):
+                if self._others:
+                    path, bytes_ = self._others.popleft()
+                    self._others_bytes -= bytes_
+                    _unlink(path)
+                else:
+                    block_hash = next(iter(self._index))
+                    bytes_ = self._index[block_hash]
+                    self._forget(block_hash)
+                    self.stats.evictions += 1
+                freed += bytes_
+            if freed and not self._full_disk_said:
+                self._full_disk_said = True
+                logger.warning("disk tier: the disk under %s is full below the tier's cap (%d MB); its oldest blocks "
+                               "make room for new ones", self.dir, self.max_bytes // 10**6)
+        return freed > 0
 
     def _write_failed(self, exc: OSError) -> None:
         """Counts the error by reason and stops taking spills for a while (doubling while it lasts)."""

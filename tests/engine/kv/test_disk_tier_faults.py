@@ -211,6 +211,30 @@ def test_writes_resume_after_the_backoff(tmp_path, monkeypatch):
     tier.close()
 
 
+def test_a_disk_full_below_the_cap_makes_room_by_deleting_the_oldest_blocks(tmp_path, monkeypatch, caplog):
+    """A disk that holds two block files: the third write deletes the oldest and is written; no backoff, so the
+    cache keeps its newest blocks where it kept its oldest (and refused every new one for a while)."""
+    real = Path.write_bytes
+
+    def two_fit(path: Path, data: bytes) -> int:
+        if len(list(path.parent.glob("*.kv"))) >= 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, data)
+
+    tier = make_tier(tmp_path)  # a cap of 1 GiB: the disk is what fills
+    monkeypatch.setattr(Path, "write_bytes", two_fit)
+    with caplog.at_level(logging.WARNING, "prefixgate.engine"):
+        for n in range(1, 5):
+            assert tier.put(h(n), (1, 2), kv(n))  # never backing off
+            tier.flush()
+    assert [h(n) in tier for n in range(1, 5)] == [False, False, True, True]
+    assert torch.equal(tier.load(h(4), (1, 2))[0], kv(4))
+    stats = tier.snapshot()
+    assert (stats.writes, stats.write_errors, stats.evictions, stats.files) == (4, {}, 2, 2)
+    assert caplog.text.count("full below the tier's cap") == 1
+    tier.close()
+
+
 # ---- one cap for the folder
 
 def test_other_configurations_files_count_against_the_cap_and_go_first(tmp_path):
