@@ -155,7 +155,8 @@ def _place_quantized(model: LlamaForCausalLM, name: str, rows: QuantRows | Stack
     if _KINDS.index(quant_matmul_cpu.scale_kind(runs)) > _KINDS.index(kind):
         raise ValueError(f"{name}: scales that {kind} does not hold exactly")
     tiles = [quant_matmul_cpu.pack(run, integer, kind) for run in runs]
-    if len(tiles) == 2 and (not isinstance(module, Linear) or runs[0].shape[0] % quant_matmul_cpu.TILE
+    # (the compiled step runs tails of q/k/v alone: gate and up of two formats, rare, stay one layout)
+    if len(tiles) == 2 and (not name.endswith("self_attn.qkv_proj.weight") or runs[0].shape[0] % quant_matmul_cpu.TILE
                             or tiles[0].integer != tiles[1].integer):
         tiles = [quant_matmul_cpu.pack(quant_formats.concat(runs), integer, kind)]
     module.quant, module.weight = tiles[0], None

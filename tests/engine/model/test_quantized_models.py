@@ -145,6 +145,20 @@ def _all_tiles(model) -> list:
     return list({id(t): t for t in tiles if t is not None}.values())
 
 
+def test_gate_and_up_of_two_formats_stay_one_layout_and_give_the_dequantized_models_tokens(k_quant_llama_dir,
+                                                                                             tmp_path):
+    """Only q/k/v keep a tail (the compiled step runs no other): a Q6_K up beside a Q4_K gate widens the gate."""
+    gguf_dir = write_gguf_model(k_quant_llama_dir, tmp_path / "gguf",
+                                lambda name: QType.Q6_K if name == "blk.0.ffn_up.weight" else QType.Q4_K)
+    native = LLM(str(gguf_dir), **SMALL)
+    gate_up = native.core.model.model.layers[0].mlp.gate_up_proj
+    assert gate_up.quant_tail is None and gate_up.quant.bits == 6
+    assert native.core.runner.compiled_decode is not None
+    prompts = _prompts(native.core.vocab_size)
+    assert _greedy_twice(native, prompts)[0] == _greedy_twice(LLM(str(gguf_dir), quantization="none", **SMALL),
+                                                              prompts)[0]
+
+
 def _dequantized_twin(model_dir, out_dir, quantization: str):
     """model_dir with every weight quantize-at-load touches replaced by its quantized-then-dequantized value."""
     shutil.copytree(model_dir, out_dir)
