@@ -79,14 +79,15 @@ class CompiledDecode:
 
         qkv = [layer.self_attn.qkv_proj for layer in layers]
         tail_size = max(p.quant_tail.out_features if p.quant_tail is not None else 0 for p in qkv)
+        qkv_biases = [_split_bias(p) for p in qkv]
         self.out_features = (attn.qkv_proj.out_features, layers[0].mlp.gate_up_proj.out_features, tail_size)
         self.weights = (
             weights(lambda l: l.input_layernorm.weight),
             weights(lambda l: l.post_attention_layernorm.weight),
             matmuls(lambda l: l.self_attn.qkv_proj),
-            typed_list([_split_bias(p)[0] for p in qkv]),
+            typed_list([head for head, _ in qkv_biases]),
             typed_list([matmul_tail(p) for p in qkv]),
-            typed_list([_split_bias(p)[1] for p in qkv]),
+            typed_list([tail for _, tail in qkv_biases]),
             weights(lambda l: l.self_attn.q_norm.weight) if self.qk_norm else typed_list([np.ones(1, np.float32)]),
             weights(lambda l: l.self_attn.k_norm.weight) if self.qk_norm else typed_list([np.ones(1, np.float32)]),
             matmuls(lambda l: l.self_attn.o_proj),

@@ -155,8 +155,7 @@ def _place_quantized(model: LlamaForCausalLM, name: str, rows: QuantRows | Stack
     if _KINDS.index(quant_matmul_cpu.scale_kind(runs)) > _KINDS.index(kind):
         raise ValueError(f"{name}: scales that {kind} does not hold exactly")
     tiles = [quant_matmul_cpu.pack(run, integer, kind) for run in runs]
-    # (the compiled step runs tails of q/k/v alone: gate and up of two formats, rare, stay one layout)
-    if len(tiles) == 2 and (not name.endswith("self_attn.qkv_proj.weight") or runs[0].shape[0] % quant_matmul_cpu.TILE
+    if len(tiles) == 2 and (not isinstance(module, Linear) or runs[0].shape[0] % quant_matmul_cpu.TILE
                             or tiles[0].integer != tiles[1].integer):
         tiles = [quant_matmul_cpu.pack(quant_formats.concat(runs), integer, kind)]
     module.quant, module.weight = tiles[0], None
@@ -217,12 +216,14 @@ def _fused(weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]
         waiting[name] = value
         names = [f"{match[1]}.{part}.{match[3]}" for part in FUSED_PROJECTIONS[fused]]
         if all(part in waiting for part in names):  # (the parts go with the call: none is left behind here)
-            yield f"{match[1]}.{fused}.{match[3]}", _concat([waiting.pop(part) for part in names])
+            yield f"{match[1]}.{fused}.{match[3]}", _concat(fused, [waiting.pop(part) for part in names])
 
 
-def _concat(values: list[Weight]) -> Weight:
+def _concat(fused: str, values: list[Weight]) -> Weight:
     if all(isinstance(value, QuantRows) for value in values):
-        return quant_formats.stack(values)
+        # q/k/v of two formats keep two layouts; the compiled step runs no other tail (gate and up of two formats,
+        # rare, are widened to one)
+        return quant_formats.stack(values) if fused == "self_attn.qkv_proj" else quant_formats.concat(values)
     return torch.cat([as_float(value) for value in values])
 
 
